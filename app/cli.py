@@ -1,0 +1,50 @@
+"""Command-line flags generated from TrainConfig, so flags, YAML keys and --help never drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from typing import Any, Callable
+
+from app.config import TrainConfig
+from app.errors import UserError
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag-name per TrainConfig field; every default is None (= keep the file's or the field's default)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file of config fields; flags override it.")
+    for name, field in TrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = field.default_factory() if field.default_factory else field.default
+        help_text = f"{field.description} (default: {default})"
+        annotation = field.annotation
+        origin = typing.get_origin(annotation)
+        args = typing.get_args(annotation)
+        if annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif origin is typing.Literal:
+            parser.add_argument(flag, dest=name, choices=list(args), default=None, help=help_text)
+        elif origin is list:
+            parser.add_argument(flag, dest=name, type=args[0], nargs="+", default=None, help=help_text)
+        else:
+            scalar = next((a for a in args if a is not type(None)), annotation) if args else annotation
+            parser.add_argument(flag, dest=name, type=scalar, default=None, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from app.config import build_config
+
+    overrides = {name: getattr(args, name) for name in TrainConfig.model_fields}
+    return build_config(args.config, overrides)
+
+
+def main(body: Callable[[], Any]) -> None:
+    """Run an entry script: user errors become one line on stderr and exit status 2."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        body()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,161 @@
+"""One typed, validated run configuration.
+
+`TrainConfig` is the single source of truth for a run: the YAML file, the
+command-line flags of `jobs/train.py` (generated from the fields below, with
+their descriptions as `--help`), Tune search spaces and the config dict sent to
+every Ray worker all use these field names.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.errors import UserError
+
+LrScaling = Literal["linear", "sqrt", "none"]
+
+
+class TrainConfig(BaseModel):
+    """Everything that defines a training run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- cluster -----------------------------------------------------------
+    num_workers: int = Field(2, ge=1, description="Number of Ray Train workers (one replica each).")
+    use_gpu: bool = Field(False, description="Give each worker one GPU.")
+    cpus_per_worker: float = Field(
+        1.0, gt=0, description="CPUs each worker reserves; also its TensorFlow thread count (rounded up)."
+    )
+
+    # --- data and model ----------------------------------------------------
+    dataset: str = Field("digits", description="Dataset name: digits (embedded, no download).")
+    val_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Seeded fraction of the data held out for validation."
+    )
+    model: str = Field("mlp", description="Model name: mlp.")
+    hidden_units: list[int] = Field(
+        default_factory=lambda: [128, 64], description="Hidden layer widths of the mlp."
+    )
+
+    # --- optimisation ------------------------------------------------------
+    epochs: int = Field(15, ge=1, description="Training epochs.")
+    per_replica_batch: int = Field(32, description="Batch size on each replica; global batch = this x replicas.")
+    base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch.")
+    reference_batch: int = Field(
+        32, ge=1, description="Global batch size at which --base-lr is the right learning rate."
+    )
+    lr_scaling: LrScaling = Field(
+        "linear",
+        description="How the LR follows global batch / reference batch: linear (Goyal et al. 2017), sqrt, none.",
+    )
+    warmup_epochs: float = Field(1.0, ge=0, description="Linear LR warmup length in epochs (0 = none).")
+    lr_decay: Literal["cosine", "constant"] = Field(
+        "cosine", description="LR after warmup: cosine decay to 0 over the run, or constant."
+    )
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")
+    seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
+    shuffle: bool = Field(True, description="Reshuffle the training set every epoch (seeded).")
+
+    # --- outputs -----------------------------------------------------------
+    output: Optional[str] = Field(
+        None, description="Output directory (default: runs/train-<timestamp>). Must not exist unless --overwrite."
+    )
+    overwrite: bool = Field(False, description="Allow replacing an existing --output directory.")
+    storage_path: Optional[str] = Field(
+        None,
+        description="Ray Train storage for checkpoints (default: <output>/ray). On a multi-node cluster use "
+        "shared storage (NFS path or s3://, gs://).",
+    )
+
+    # --- diagnostics -------------------------------------------------------
+    audit_sample_ids: bool = Field(
+        False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
+    )
+    worker_start_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        # Names are checked against the registries here so that a typo fails
+        # before Ray starts; imported lazily to keep config import light.
+        from app import data, models
+
+        problems = []
+        if self.per_replica_batch <= 0:
+            problems.append(f"per_replica_batch must be > 0 (got {self.per_replica_batch})")
+        if self.dataset not in data.DATASETS:
+            problems.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(sorted(data.DATASETS))})")
+        if self.model not in models.MODELS:
+            problems.append(f"unknown model {self.model!r} (choose from {', '.join(sorted(models.MODELS))})")
+        if any(u <= 0 for u in self.hidden_units):
+            problems.append(f"hidden_units must all be > 0 (got {self.hidden_units})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # --- derived values ------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.per_replica_batch * self.num_replicas
+
+    def output_dir(self) -> Path:
+        return Path(self.output).expanduser().resolve()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _one_line(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unknown key {loc!r} (see python jobs/train.py --help for the valid keys)")
+        elif loc:
+            parts.append(f"{loc}: {msg} (got {e.get('input')!r})")
+        else:
+            parts.append(msg)
+    return "invalid config: " + "; ".join(parts)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config YAML file into a dict, with one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"config file {str(path)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {str(path)!r} must hold a mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """YAML file (optional) < explicit overrides, validated once."""
+    values: dict[str, Any] = read_yaml(file) if file else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if not values.get("output"):
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        values["output"] = f"runs/train-{stamp}"
+    try:
+        return TrainConfig(**values)
+    except ValidationError as e:
+        raise UserError(_one_line(e)) from None

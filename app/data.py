@@ -1,0 +1,241 @@
+"""Data: sources -> arrays -> Ray Datasets; a worker's shard -> tf.data.
+
+Every row carries an integer ``id`` (its index in the source) so that the
+"every sample exactly once per epoch" rule can be audited, and validation rows
+carry a weight ``w`` so that padding rows (added to give every worker the same
+number of evaluation batches) count for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+
+from app.errors import UserError
+
+if TYPE_CHECKING:  # heavy imports stay out of config validation and --help
+    import ray.data
+    import tensorflow as tf
+
+    from app.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+X, Y, ID, W = "x", "y", "id", "w"
+
+
+@dataclass(frozen=True)
+class Split:
+    x: np.ndarray  # float32, (n, *feature_shape)
+    y: np.ndarray  # int64, (n,)
+    ids: np.ndarray  # int64, (n,)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class Source:
+    train: Split
+    val: Split
+    num_classes: int
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.x.shape[1:])
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    # scikit-learn ships these 1,797 8x8 images inside the wheel: no download.
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+
+
+DATASETS: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {"digits": _digits}
+
+
+def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:
+    """A seeded train/val split; ids are row indices in the source."""
+    ids = np.arange(len(y), dtype=np.int64)
+    perm = np.random.default_rng(seed).permutation(len(y))
+    n_val = int(round(len(y) * val_fraction))
+    if n_val == 0 or n_val == len(y):
+        raise UserError(f"val_fraction={val_fraction} leaves an empty train or val set for {len(y)} rows")
+    val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    return (
+        Split(x[train_idx], y[train_idx], ids[train_idx]),
+        Split(x[val_idx], y[val_idx], ids[val_idx]),
+    )
+
+
+def load_source(config: "TrainConfig") -> Source:
+    x, y = DATASETS[config.dataset]()
+    train, val = split_holdout(x, y, config.val_fraction, config.seed)
+    return Source(train=train, val=val, num_classes=int(y.max()) + 1)
+
+
+# --- epoch arithmetic --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How one epoch divides over the replicas.
+
+    Ray's ``streaming_split(equal=True)`` gives every worker floor(n / workers)
+    rows; each then takes ``steps`` full batches. MultiWorkerMirroredStrategy
+    needs the same step count on every worker or its all-reduce waits forever,
+    so the remainder is dropped, and a different remainder every epoch because
+    the order is reshuffled.
+    """
+
+    num_rows: int
+    num_workers: int
+    per_replica_batch: int
+
+    @property
+    def steps(self) -> int:
+        return (self.num_rows // self.num_workers) // self.per_replica_batch
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.num_workers * self.per_replica_batch
+
+    @property
+    def dropped(self) -> int:
+        return self.num_rows - self.samples
+
+    def as_dict(self) -> dict[str, int]:
+        return {"rows": self.num_rows, "workers": self.num_workers, "per_replica_batch": self.per_replica_batch,
+                "steps": self.steps, "samples": self.samples, "dropped": self.dropped}
+
+    def check(self) -> None:
+        if self.steps == 0:
+            raise UserError(
+                f"global batch {self.num_workers * self.per_replica_batch} (= {self.per_replica_batch} per replica x "
+                f"{self.num_workers} workers) is larger than the {self.num_rows} training rows: "
+                "lower --per-replica-batch or --num-workers"
+            )
+
+
+# --- Ray Data ----------------------------------------------------------------
+
+
+def to_ray_dataset(split: Split, *, pad_to_multiple_of: int = 1, weights: bool = False) -> "ray.data.Dataset":
+    """Arrays -> a Ray Dataset with columns x, y, id (and w).
+
+    With ``pad_to_multiple_of=k`` rows of weight 0 are appended so that the row
+    count divides by k: validation then splits into equal shards, every worker
+    runs the same number of eval batches, and no real row is dropped.
+    """
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    x, y, ids = split.x, split.y, split.ids
+    w = np.ones(len(y), dtype=np.float32)
+    pad = (-len(y)) % pad_to_multiple_of
+    if pad:
+        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
+        y = np.concatenate([y, np.repeat(y[:1], pad)])
+        ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
+        w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
+    columns = {X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids)}
+    if weights:
+        columns[W] = pa.array(w)
+    return ray.data.from_arrow(pa.table(columns))
+
+
+def shuffled_each_epoch(ds: "ray.data.Dataset", seed: int) -> "ray.data.Dataset":
+    """A global shuffle that Ray Data re-runs, with a new derived seed, every epoch.
+
+    ``reseed_after_execution=True`` combines the seed with Ray Data's execution
+    index, so epoch k's order is reproducible from ``seed`` and differs from
+    epoch k-1's.
+    """
+    from ray.data import RandomSeedConfig
+
+    return ds.random_shuffle(seed=RandomSeedConfig(seed=seed, reseed_after_execution=True))
+
+
+# --- worker side: a shard -> tf.data ------------------------------------------
+
+
+def _batch_signature(feature_shape: tuple[int, ...], third: "tf.DType") -> tuple:
+    import tensorflow as tf
+
+    return (
+        tf.TensorSpec((None, *feature_shape), tf.float32),
+        tf.TensorSpec((None,), tf.int64),
+        tf.TensorSpec((None,), third),
+    )
+
+
+def train_batches_from_shard(
+    shard, plan: EpochPlan, feature_shape: tuple[int, ...], epochs: int
+) -> "tf.data.Dataset":
+    """Per-replica (x, y, id) batches for ``epochs`` epochs of ``plan.steps`` each.
+
+    Each call of the generator is one pass of the Ray shard (one epoch, newly
+    shuffled); ``repeat()`` starts the next pass, so the prefetch overlaps the
+    epoch boundary. The cardinality stays "infinite" to TensorFlow, which spares
+    a per-step all-reduce in multi-worker mode; after the last planned epoch
+    the generator comes back empty, which ends ``repeat()``. A shard with fewer
+    full batches than planned raises instead of letting the other workers wait
+    in the all-reduce forever.
+    """
+    import tensorflow as tf
+
+    passes_left = [epochs]
+
+    def epoch() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if passes_left[0] <= 0:
+            return
+        passes_left[0] -= 1
+        taken = extra = 0
+        for batch in shard.iter_batches(
+            batch_size=plan.per_replica_batch, batch_format="numpy", drop_last=True, prefetch_batches=2
+        ):
+            if taken < plan.steps:
+                taken += 1
+                yield batch[X], batch[Y], batch[ID]
+            else:
+                extra += 1
+        if taken < plan.steps:
+            raise RuntimeError(
+                f"uneven shard: this worker got {taken} full batches of {plan.per_replica_batch}, "
+                f"the plan needs {plan.steps} on every worker"
+            )
+        if extra:
+            log.warning("shard had %d batches beyond the planned %d; they were skipped", extra, plan.steps)
+
+    ds = tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(feature_shape, tf.int64))
+    return ds.repeat().prefetch(2)
+
+
+def eval_batches_from_shard(shard, batch_size: int, feature_shape: tuple[int, ...]) -> "tf.data.Dataset":
+    """Per-replica (x, y, weight) batches of a padded validation shard, last batch partial."""
+    import tensorflow as tf
+
+    def epoch():
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
+            yield batch[X], batch[Y], batch[W]
+
+    return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(feature_shape, tf.float32))
+
+
+def eval_batches_from_arrays(split: Split, batch_size: int) -> "tf.data.Dataset":
+    """The same (x, y, weight) batches from arrays in memory, for a plain process."""
+    import tensorflow as tf
+
+    w = np.ones(len(split), dtype=np.float32)
+    return tf.data.Dataset.from_tensor_slices((split.x, split.y, w)).batch(batch_size)
+
+
+def replicas_round_up(n: int, k: int) -> int:
+    return int(math.ceil(n / k) * k)

@@ -1,0 +1,9 @@
+"""Errors that mean "the user asked for something we cannot do".
+
+Entry scripts print these as one line and exit with status 2, without a
+traceback: the message itself must name the problem and the fix.
+"""
+
+
+class UserError(Exception):
+    """A problem with the user's input (flags, config file, data, cluster size)."""

@@ -1,0 +1,167 @@
+"""The strategy-agnostic training loop.
+
+Nothing here knows whether it runs under MultiWorkerMirroredStrategy in a Ray
+worker, MirroredStrategy over local devices, TPUStrategy or one device: it
+takes a strategy, a model and optimizer built under ``strategy.scope()``, and
+distributed datasets of per-replica batches.
+
+Metrics are exact sums (loss, correct predictions, sample count) reduced
+across all replicas of all workers once per epoch, so a val accuracy is the
+accuracy over the whole validation set, not an average of per-worker averages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import keras
+    import tensorflow as tf
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    accuracy: float
+    samples: int
+    seconds: float
+    first_step_time: Optional[float] = None  # wall clock when the first step finished
+    sample_ids: Optional[np.ndarray] = field(default=None, repr=False)  # all replicas' ids, if audited
+
+
+class Loop:
+    """Compiled train/eval steps for one (strategy, model, optimizer)."""
+
+    def __init__(
+        self,
+        strategy: "tf.distribute.Strategy",
+        model: "keras.Model",
+        optimizer: "keras.optimizers.Optimizer",
+        global_batch_size: int,
+        audit_sample_ids: bool = False,
+    ):
+        import keras
+        import tensorflow as tf
+
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.global_batch_size = global_batch_size
+        self.audit_sample_ids = audit_sample_ids
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        def sums(y, logits, per_example_loss, weight):
+            correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int64), y), tf.float32)
+            # float64 so that sums over a large epoch stay exact (counts) or close (loss).
+            return tf.cast(
+                tf.stack(
+                    [tf.reduce_sum(per_example_loss * weight), tf.reduce_sum(correct * weight), tf.reduce_sum(weight)]
+                ),
+                tf.float64,
+            )
+
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                per_example_loss = loss_fn(y, logits)
+                # Divide by the *global* batch: the all-reduce then sums replica
+                # gradients into the gradient of the mean over the global batch.
+                loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+                if model.losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return sums(y, logits, per_example_loss, tf.ones_like(per_example_loss))
+
+        def eval_step(x, y, w):
+            logits = model(x, training=False)
+            return sums(y, logits, loss_fn(y, logits), w)
+
+        @tf.function
+        def distributed_train_step(batch):
+            x, y, ids = batch
+            per_replica = strategy.run(train_step, args=(x, y))
+            gathered = strategy.gather(ids, axis=0) if audit_sample_ids else tf.zeros((0,), tf.int64)
+            return per_replica, gathered
+
+        @tf.function
+        def distributed_eval_step(batch):
+            return strategy.run(eval_step, args=batch)
+
+        self._train_step = distributed_train_step
+        self._eval_step = distributed_eval_step
+
+    # --- helpers ---------------------------------------------------------------
+    def _local_sum(self, per_replica) -> "tf.Tensor":
+        import tensorflow as tf
+
+        return tf.add_n(list(self.strategy.experimental_local_results(per_replica)))
+
+    def cross_worker_sum(self, local: np.ndarray) -> np.ndarray:
+        """Sum a host-side vector over every worker (a no-op with one process)."""
+        import tensorflow as tf
+
+        local = np.asarray(local, dtype=np.float64)
+        calls = iter(range(1 << 30))
+
+        def value_fn(ctx):
+            # Only this process's first replica contributes, so that a worker
+            # with several local replicas is not counted several times.
+            return tf.constant(local if next(calls) == 0 else np.zeros_like(local))
+
+        values = self.strategy.experimental_distribute_values_from_function(value_fn)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+
+    # --- epochs ----------------------------------------------------------------
+    def train_epoch(self, iterator, steps: int) -> EpochStats:
+        """``steps`` steps from an endless distributed iterator.
+
+        The caller passes the same ``steps`` on every worker (an all-reduce with
+        a missing peer waits forever). Using an endless dataset and counting
+        steps also avoids TF's per-step "does any worker still have data"
+        all-reduce that a finite multi-worker dataset costs.
+        """
+        import tensorflow as tf
+
+        start = time.perf_counter()
+        acc = tf.zeros((3,), tf.float64)
+        first_step_time = None
+        id_chunks = []
+        for _ in range(steps):
+            per_replica, ids = self._train_step(next(iterator))
+            acc += self._local_sum(per_replica)
+            if first_step_time is None:
+                acc.numpy()  # wait for the step to really finish
+                first_step_time = time.time()
+            if self.audit_sample_ids:
+                id_chunks.append(ids.numpy())
+        loss_sum, correct, count = self.cross_worker_sum(acc.numpy())
+        seconds = time.perf_counter() - start
+        return EpochStats(
+            loss=loss_sum / max(count, 1),
+            accuracy=correct / max(count, 1),
+            samples=int(count),
+            seconds=seconds,
+            first_step_time=first_step_time,
+            sample_ids=np.concatenate(id_chunks) if id_chunks else None,
+        )
+
+    def evaluate(self, dist_dataset) -> EpochStats:
+        """Weighted loss/accuracy over every replica's batches; padding rows weigh 0."""
+        import tensorflow as tf
+
+        start = time.perf_counter()
+        acc = tf.zeros((3,), tf.float64)
+        for batch in dist_dataset:
+            acc += self._local_sum(self._eval_step(batch))
+        loss_sum, correct, count = self.cross_worker_sum(acc.numpy())
+        return EpochStats(
+            loss=loss_sum / max(count, 1),
+            accuracy=correct / max(count, 1),
+            samples=int(count),
+            seconds=time.perf_counter() - start,
+        )

@@ -1,0 +1,242 @@
+"""Ray Train wiring: the per-worker function and the driver that launches it.
+
+Driver:  config -> Ray cluster (join or start) -> Ray Datasets -> TensorflowTrainer.fit()
+Worker:  MWMS -> model + optimizer under scope -> dataset shards -> loop -> report
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+from app import checkpoint, data
+from app.config import TrainConfig
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    """The run started but did not finish; the message says why."""
+
+
+# --------------------------------------------------------------------------- #
+# Worker                                                                      #
+# --------------------------------------------------------------------------- #
+
+
+def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker. Reads top to bottom: strategy, model, data, loop, report."""
+    # MWMS must exist before any other TensorFlow op in this process.
+    from app import strategy as strategy_lib
+
+    config = TrainConfig(**payload["config"])
+    strategy = strategy_lib.multi_worker_strategy(config.cpus_per_worker)
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    from app import models, scaling
+    from app.loop import Loop
+
+    _log_to_stderr("app")
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    feature_shape, num_classes = tuple(payload["feature_shape"]), payload["num_classes"]
+
+    plan = data.EpochPlan(payload["num_train_rows"], world, config.per_replica_batch)
+    global_batch = config.per_replica_batch * strategy.num_replicas_in_sync
+    lr_plan = scaling.plan_lr(config, global_batch, plan.steps)
+
+    with strategy.scope():
+        model = models.build_model(config, feature_shape, num_classes)
+        optimizer = scaling.make_optimizer(config, lr_plan)
+
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("val")
+    train_iter = iter(
+        strategy.distribute_datasets_from_function(
+            lambda _: data.train_batches_from_shard(train_shard, plan, feature_shape, config.epochs)
+        )
+    )
+    val_dataset = strategy.distribute_datasets_from_function(
+        lambda _: data.eval_batches_from_shard(val_shard, config.per_replica_batch, feature_shape)
+    )
+    loop = Loop(strategy, model, optimizer, global_batch, audit_sample_ids=config.audit_sample_ids)
+
+    history: list[dict[str, Any]] = []
+    for epoch in range(config.epochs):
+        train = loop.train_epoch(train_iter, plan.steps)
+        val = loop.evaluate(val_dataset)
+        metrics = {
+            "epoch": epoch + 1,
+            "train_loss": float(train.loss),
+            "train_accuracy": float(train.accuracy),
+            "val_loss": float(val.loss),
+            "val_accuracy": float(val.accuracy),
+            "learning_rate": float(optimizer.learning_rate.numpy()),
+            "samples_per_second": train.samples / train.seconds,
+            "train_seconds": train.seconds,
+            "epoch_seconds": train.seconds + val.seconds,
+            "train_samples": train.samples,
+            "dropped_samples": plan.dropped,
+            "val_samples": val.samples,
+        }
+        if train.first_step_time is not None and epoch == 0:
+            metrics["first_step_time"] = train.first_step_time
+        if train.sample_ids is not None:
+            ids = train.sample_ids
+            metrics["audit_ids_seen"] = int(ids.size)
+            metrics["audit_ids_unique"] = int(len(set(ids.tolist())))
+        history.append(metrics)
+        if rank == 0:
+            log.info(_progress_line(metrics, config.epochs, history))
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = None
+            # Only rank 0 writes: replicas hold identical weights after every step.
+            if rank == 0:
+                state = {"epoch": epoch + 1, "history": history, "lr_plan": lr_plan.as_dict(), "plan": plan.as_dict()}
+                checkpoint.save(tmp, model, state)
+                ckpt = Checkpoint.from_directory(tmp)
+            # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
+            ray.train.report(metrics, checkpoint=ckpt)
+
+
+def _log_to_stderr(name: str) -> None:
+    """Show this package's INFO lines (Ray forwards worker stderr to the driver) without Ray's own."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _progress_line(m: dict[str, Any], epochs: int, history: list[dict[str, Any]]) -> str:
+    mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
+    eta = mean_epoch * (epochs - m["epoch"])
+    return (
+        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
+        f"val_acc {m['val_accuracy']:.4f}  lr {m['learning_rate']:.4g}  "
+        f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Driver                                                                      #
+# --------------------------------------------------------------------------- #
+
+
+def connect(config: TrainConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), or start a local one.
+
+    A local Ray is sized to this machine, so a run that cannot fit is refused
+    here, before anything starts; a real cluster may autoscale, so there we
+    only say that we are waiting (the worker start timeout bounds the wait).
+    """
+    import ray
+
+    need_cpus = config.num_workers * config.cpus_per_worker
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        free = ray.available_resources().get("CPU", 0.0)
+        if need_cpus > free or (config.use_gpu and ray.available_resources().get("GPU", 0) < config.num_workers):
+            log.warning(
+                "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs%s. Waiting up to %.0f s "
+                "for the autoscaler (--worker-start-timeout-s).",
+                free,
+                ray.available_resources().get("GPU", 0),
+                need_cpus,
+                f" and {config.num_workers} GPUs" if config.use_gpu else "",
+                config.worker_start_timeout_s,
+            )
+        return
+
+    cpus = os.cpu_count() or 1
+    if need_cpus > cpus:
+        raise UserError(
+            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {need_cpus:g} CPUs, but this "
+            f"machine has {cpus}: lower --num-workers or --cpus-per-worker, or set RAY_ADDRESS to use a cluster"
+        )
+    if config.use_gpu:
+        raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
+    # One logical CPU beyond the workers' for Ray Data's shuffle/read tasks: without
+    # it, workers holding every CPU leave Ray Data waiting forever (DESIGN.md).
+    # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
+    ray.init(num_cpus=cpus + 1, logging_level=logging.WARNING)
+
+
+def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
+    train = data.to_ray_dataset(source.train)
+    if config.shuffle:
+        train = data.shuffled_each_epoch(train, config.seed)
+    # Padding to a multiple of the worker count gives every worker the same
+    # number of eval batches; the pad rows have weight 0.
+    val = data.to_ray_dataset(source.val, pad_to_multiple_of=config.num_workers, weights=True)
+    return {"train": train, "val": val}
+
+
+def fit(config: TrainConfig, source: data.Source) -> Any:
+    """Run TensorflowTrainer and return Ray's Result (raises TrainingFailed)."""
+    import ray.train
+    from ray.train.tensorflow import TensorflowTrainer
+
+    # Both are propagated by Ray Train V2 from the driver to its controller.
+    # Bound the wait for workers to be placed:
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.worker_start_timeout_s)
+    # A worker's report() waits until the controller has taken the previous one,
+    # and the controller looks every 2 s by default: that throttles short epochs
+    # to one per 2 s. Polling every 0.5 s costs one small actor call per worker.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    out = config.output_dir()
+    trainer = TensorflowTrainer(
+        train_loop_per_worker=train_loop_per_worker,
+        train_loop_config={
+            "config": config.model_dump(mode="json"),
+            "feature_shape": list(source.feature_shape),
+            "num_classes": source.num_classes,
+            "num_train_rows": len(source.train),
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker},
+        ),
+        datasets=build_datasets(config, source),
+        run_config=ray.train.RunConfig(
+            name=out.name,
+            storage_path=config.storage_path or str(out / "ray"),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            # Ray Train's per-report INFO lines would drown our one line per epoch.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
+        ),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise TrainingFailed(f"training failed: {result.error}")
+    if result.checkpoint is None:
+        raise TrainingFailed("training ended without reporting a checkpoint")
+    return result
+
+
+def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
+    """Validate, train, and write the outputs. Returns result.json's content."""
+    from app import report
+
+    started_at = started_at or time.time()
+    out = report.prepare_output_dir(config)
+    source = data.load_source(config)
+    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
+
+    connect(config)
+    result = fit(config, source)
+    with result.checkpoint.as_directory() as ckpt_dir:
+        summary = report.write_outputs(config, ckpt_dir, strategy="MultiWorkerMirroredStrategy", started_at=started_at)
+    log.info("outputs in %s", out)
+    return summary

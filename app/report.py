@@ -1,0 +1,83 @@
+"""Run outputs: the output directory, result.json, the history, the exported model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from app import checkpoint
+from app.config import TrainConfig
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+HISTORY_FILE = "history.csv"
+MODEL_FILE = "model.keras"
+CONFIG_FILE = "config.yaml"
+
+
+def prepare_output_dir(config: TrainConfig) -> Path:
+    """Create the output directory; never touch an existing one without --overwrite."""
+    out = config.output_dir()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not config.overwrite:
+            raise UserError(f"output {str(out)!r} already exists: choose another --output, or pass --overwrite")
+        if not out.is_dir():
+            raise UserError(f"output {str(out)!r} is a file, not a directory")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Written first, so that even a failed run leaves the config it was started with.
+    (out / CONFIG_FILE).write_text(config.to_yaml())
+    return out
+
+
+def write_history(path: Path, history: list[dict[str, Any]]) -> None:
+    keys = list(dict.fromkeys(k for row in history for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(history)
+
+
+def write_outputs(config: TrainConfig, ckpt_dir: str | Path, *, strategy: str, started_at: float) -> dict[str, Any]:
+    """From the last checkpoint: model.keras, history.csv and result.json."""
+    out = config.output_dir()
+    state = checkpoint.load_state(ckpt_dir)
+    history = state["history"]
+    last = history[-1]
+    shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
+    write_history(out / HISTORY_FILE, history)
+
+    train_samples = sum(h["train_samples"] for h in history)
+    train_seconds = sum(h["train_seconds"] for h in history)
+    lr_plan = state["lr_plan"]
+    result = {
+        "strategy": strategy,
+        "num_replicas": lr_plan["global_batch"] // config.per_replica_batch,
+        "per_replica_batch": config.per_replica_batch,
+        "global_batch_size": lr_plan["global_batch"],
+        "lr_scaling": lr_plan["rule"],
+        "base_lr": lr_plan["base_lr"],
+        "learning_rate": lr_plan["peak_lr"],
+        "lr_plan": lr_plan,
+        "epochs_completed": last["epoch"],
+        "steps_per_epoch": state["plan"]["steps"] if "plan" in state else None,
+        "dropped_samples_per_epoch": last["dropped_samples"],
+        "metrics": {k: last[k] for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
+        "samples_per_second": train_samples / train_seconds,
+        "wall_seconds": time.time() - started_at,
+        "time_to_first_step_seconds": history[0]["first_step_time"] - started_at
+        if "first_step_time" in history[0]
+        else None,
+        "history_file": HISTORY_FILE,
+        "model_file": MODEL_FILE,
+        "config": config.model_dump(mode="json"),
+    }
+    (out / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,73 @@
+"""Global batch and learning-rate scaling (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
+
+When data-parallel training grows the global batch by k, the LR is scaled by k
+(linear rule) or sqrt(k) (sqrt rule, common for Adam), and a linear warmup
+from the unscaled LR avoids the early instability of a large LR.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import keras
+
+    from app.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class LrPlan:
+    rule: str
+    base_lr: float
+    reference_batch: int
+    global_batch: int
+    peak_lr: float  # the LR after warmup: base_lr x factor(global / reference)
+    warmup_steps: int
+    total_steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def scaled_lr(base_lr: float, rule: str, global_batch: int, reference_batch: int) -> float:
+    k = global_batch / reference_batch
+    factor = {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
+    return base_lr * factor
+
+
+def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int) -> LrPlan:
+    return LrPlan(
+        rule=config.lr_scaling,
+        base_lr=config.base_lr,
+        reference_batch=config.reference_batch,
+        global_batch=global_batch,
+        peak_lr=scaled_lr(config.base_lr, config.lr_scaling, global_batch, config.reference_batch),
+        warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
+        total_steps=config.epochs * steps_per_epoch,
+    )
+
+
+def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedules.LearningRateSchedule":
+    """Keras' CosineDecay does warmup + decay; alpha=1 turns the decay into a constant."""
+    import keras
+
+    alpha = 0.0 if config.lr_decay == "cosine" else 1.0
+    decay_steps = max(plan.total_steps - plan.warmup_steps, 1)
+    if plan.warmup_steps == 0:
+        return keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha)
+    # Goyal et al. ramp up from the unscaled LR (never from above the target).
+    start = min(plan.base_lr, plan.peak_lr)
+    return keras.optimizers.schedules.CosineDecay(
+        start, decay_steps, alpha=alpha, warmup_target=plan.peak_lr, warmup_steps=plan.warmup_steps
+    )
+
+
+def make_optimizer(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.Optimizer":
+    import keras
+
+    schedule = lr_schedule(config, plan)
+    if config.optimizer == "adam":
+        return keras.optimizers.Adam(learning_rate=schedule)
+    return keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)
