@@ -68,6 +68,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     loop = Loop(strategy, model, optimizer, global_batch, audit_sample_ids=config.audit_sample_ids)
 
     history: list[dict[str, Any]] = []
+    audit_ids: list[list[int]] = []  # per epoch, every replica's sample ids (audit mode only)
     for epoch in range(config.epochs):
         train = loop.train_epoch(train_iter, plan.steps)
         val = loop.evaluate(val_dataset)
@@ -91,6 +92,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             ids = train.sample_ids
             metrics["audit_ids_seen"] = int(ids.size)
             metrics["audit_ids_unique"] = int(len(set(ids.tolist())))
+            audit_ids.append(ids.tolist())
         history.append(metrics)
         if rank == 0:
             log.info(_progress_line(metrics, config.epochs, history))
@@ -100,6 +102,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             # Only rank 0 writes: replicas hold identical weights after every step.
             if rank == 0:
                 state = {"epoch": epoch + 1, "history": history, "lr_plan": lr_plan.as_dict(), "plan": plan.as_dict()}
+                if audit_ids:
+                    state["audit_sample_ids"] = audit_ids
                 checkpoint.save(tmp, model, state)
                 ckpt = Checkpoint.from_directory(tmp)
             # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
@@ -132,32 +136,18 @@ def _progress_line(m: dict[str, Any], epochs: int, history: list[dict[str, Any]]
 # --------------------------------------------------------------------------- #
 
 
-def connect(config: TrainConfig) -> None:
-    """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), or start a local one.
-
-    A local Ray is sized to this machine, so a run that cannot fit is refused
-    here, before anything starts; a real cluster may autoscale, so there we
-    only say that we are waiting (the worker start timeout bounds the wait).
-    """
+def _joining_a_cluster() -> bool:
     import ray
 
-    need_cpus = config.num_workers * config.cpus_per_worker
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
-        free = ray.available_resources().get("CPU", 0.0)
-        if need_cpus > free or (config.use_gpu and ray.available_resources().get("GPU", 0) < config.num_workers):
-            log.warning(
-                "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs%s. Waiting up to %.0f s "
-                "for the autoscaler (--worker-start-timeout-s).",
-                free,
-                ray.available_resources().get("GPU", 0),
-                need_cpus,
-                f" and {config.num_workers} GPUs" if config.use_gpu else "",
-                config.worker_start_timeout_s,
-            )
-        return
+    return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
 
+
+def check_fits_locally(config: TrainConfig) -> None:
+    """Refuse, before anything starts, a run that the local Ray we would start cannot hold."""
+    if _joining_a_cluster():
+        return  # a real cluster may autoscale: connect() says we are waiting instead
     cpus = os.cpu_count() or 1
+    need_cpus = config.num_workers * config.cpus_per_worker
     if need_cpus > cpus:
         raise UserError(
             f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {need_cpus:g} CPUs, but this "
@@ -165,10 +155,35 @@ def connect(config: TrainConfig) -> None:
         )
     if config.use_gpu:
         raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
+
+
+def connect(config: TrainConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), or start a local one.
+
+    On a real cluster, more workers than the CPUs free now is legitimate (the
+    autoscaler adds nodes): we say that we are waiting, and the worker start
+    timeout bounds the wait.
+    """
+    import ray
+
+    if ray.is_initialized():  # the caller (a notebook, a test) already chose the cluster
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        free = ray.available_resources()
+        need_cpus = config.num_workers * config.cpus_per_worker
+        need_gpus = config.num_workers if config.use_gpu else 0
+        if need_cpus > free.get("CPU", 0) or need_gpus > free.get("GPU", 0):
+            log.warning(
+                "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs / %d GPUs. "
+                "Waiting up to %.0f s for them (--worker-start-timeout-s).",
+                free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
+            )
+        return
     # One logical CPU beyond the workers' for Ray Data's shuffle/read tasks: without
     # it, workers holding every CPU leave Ray Data waiting forever (DESIGN.md).
     # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
-    ray.init(num_cpus=cpus + 1, logging_level=logging.WARNING)
+    ray.init(num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
 
 
 def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
@@ -230,9 +245,11 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     from app import report
 
     started_at = started_at or time.time()
-    out = report.prepare_output_dir(config)
+    # Everything that can be refused is checked before the output directory or Ray exists.
     source = data.load_source(config)
     data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
+    check_fits_locally(config)
+    out = report.prepare_output_dir(config)
 
     connect(config)
     result = fit(config, source)

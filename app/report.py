@@ -20,6 +20,7 @@ RESULT_FILE = "result.json"
 HISTORY_FILE = "history.csv"
 MODEL_FILE = "model.keras"
 CONFIG_FILE = "config.yaml"
+AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
 
 def prepare_output_dir(config: TrainConfig) -> Path:
@@ -53,6 +54,8 @@ def write_outputs(config: TrainConfig, ckpt_dir: str | Path, *, strategy: str, s
     last = history[-1]
     shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
+    if "audit_sample_ids" in state:
+        (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
 
     train_samples = sum(h["train_samples"] for h in history)
     train_seconds = sum(h["train_seconds"] for h in history)

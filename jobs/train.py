@@ -7,10 +7,15 @@
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 STARTED_AT = time.time()  # for time-to-first-step, before the heavy imports
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ INFO/WARNING chatter
+# The checkout's own code wins over an installed copy: `ray job submit --working-dir`
+# ships the code next to this script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app import cli  # noqa: E402
 

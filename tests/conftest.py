@@ -1,0 +1,59 @@
+"""Shared fixtures: one local Ray for the whole session, and helpers to run the jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Tests that start a Ray cluster of their own run last, after the shared
+    # one is shut down: only one Ray instance at a time on this machine.
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_ray_cluster: the test starts (and stops) its own Ray cluster")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.ray_train.connect)."""
+    import ray
+
+    ray.init(num_cpus=3, include_dashboard=True, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def no_shared_ray():
+    """Stop the session's Ray (if any) before a test that runs a cluster of its own."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(extra)
+    return env
+
+
+def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

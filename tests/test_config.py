@@ -1,0 +1,92 @@
+"""Config, LR scaling and epoch arithmetic: pure functions, no TensorFlow, no Ray."""
+
+import math
+
+import pytest
+
+from app.config import TrainConfig, build_config
+from app.data import EpochPlan
+from app.errors import UserError
+from app.scaling import plan_lr, scaled_lr
+
+
+def test_defaults_are_valid_and_global_batch_is_per_replica_times_replicas():
+    c = build_config(None, {"num_workers": 3, "per_replica_batch": 16})
+    assert c.global_batch_size == 48
+    assert c.output.startswith("runs/train-")
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("epochs: 3\nbase_lr: 0.2\n")
+    c = build_config(f, {"epochs": 5, "base_lr": None})
+    assert (c.epochs, c.base_lr) == (5, 0.2)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"model": "resnet9000"}, "unknown model 'resnet9000'"),
+        ({"dataset": "imagenet"}, "unknown dataset 'imagenet'"),
+        ({"per_replica_batch": 0}, "per_replica_batch must be > 0"),
+        ({"per_replica_batch": -4}, "per_replica_batch must be > 0"),
+        ({"lr_scaling": "cubic"}, "lr_scaling"),
+        ({"epochs": 0}, "epochs"),
+    ],
+)
+def test_bad_values_are_refused_with_the_field_named(overrides, expected):
+    with pytest.raises(UserError) as e:
+        build_config(None, overrides)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("epochs: 3\nlearnin_rate: 0.1\n")
+    with pytest.raises(UserError, match="unknown key 'learnin_rate'"):
+        build_config(f)
+
+
+def test_unparseable_yaml_says_where(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("epochs: [3\n")
+    with pytest.raises(UserError, match="not valid YAML at line"):
+        build_config(f)
+
+
+def test_every_field_round_trips_through_yaml(tmp_path):
+    c = build_config(None, {"output": str(tmp_path / "o"), "hidden_units": [8]})
+    f = tmp_path / "c.yaml"
+    f.write_text(c.to_yaml())
+    assert build_config(f) == c
+
+
+@pytest.mark.parametrize(
+    "rule, factor", [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)]
+)
+def test_lr_scaling_rules(rule, factor):
+    assert scaled_lr(0.1, rule, global_batch=256, reference_batch=64) == pytest.approx(0.1 * factor)
+
+
+def test_warmup_ramps_from_base_to_scaled_lr_then_holds():
+    c = TrainConfig(output="x", base_lr=0.1, reference_batch=32, lr_scaling="linear",
+                    warmup_epochs=2, lr_decay="constant", epochs=5)
+    from app.scaling import lr_schedule
+
+    plan = plan_lr(c, global_batch=128, steps_per_epoch=10)
+    assert plan.peak_lr == pytest.approx(0.4) and plan.warmup_steps == 20
+    sched = lr_schedule(c, plan)
+    lrs = [float(sched(s)) for s in (0, 10, 20, 35, 49)]
+    assert lrs[0] == pytest.approx(0.1)
+    assert lrs[1] == pytest.approx(0.25)
+    assert lrs[2:] == pytest.approx([0.4, 0.4, 0.4])
+
+
+def test_epoch_plan_equalises_shards_and_counts_the_dropped_rows():
+    p = EpochPlan(num_rows=1438, num_workers=2, per_replica_batch=32)
+    assert p.steps == 22  # 719 rows per worker -> 22 full batches
+    assert p.samples == 22 * 64 and p.dropped == 1438 - 1408
+    with pytest.raises(UserError, match="larger than the 1438 training rows"):
+        EpochPlan(1438, 2, 1000).check()
+    assert math.isclose(EpochPlan(1438, 2, 719).steps, 1)
