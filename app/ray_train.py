@@ -43,6 +43,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     from app.loop import Loop
 
     _log_to_stderr("app")
+    # Ray Train logs two long INFO lines per report; our one line per epoch says it better.
+    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     feature_shape, num_classes = tuple(payload["feature_shape"]), payload["num_classes"]
@@ -180,10 +182,12 @@ def connect(config: TrainConfig) -> None:
                 free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
             )
         return
+    # address="local": always a new local Ray, never a stale `ray start` cluster
+    # found through /tmp/ray (joining is what RAY_ADDRESS is for).
     # One logical CPU beyond the workers' for Ray Data's shuffle/read tasks: without
     # it, workers holding every CPU leave Ray Data waiting forever (DESIGN.md).
     # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
-    ray.init(num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
 
 
 def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
@@ -227,8 +231,6 @@ def fit(config: TrainConfig, source: data.Source) -> Any:
             name=out.name,
             storage_path=config.storage_path or str(out / "ray"),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            # Ray Train's per-report INFO lines would drown our one line per epoch.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
         ),
     )

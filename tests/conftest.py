@@ -28,7 +28,7 @@ def ray_cluster():
     """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.ray_train.connect)."""
     import ray
 
-    ray.init(num_cpus=3, include_dashboard=True, logging_level="WARNING")
+    ray.init(address="local", num_cpus=3, include_dashboard=True, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
