@@ -25,6 +25,21 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # --- where it runs --------------------------------------------------------
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="ray: TensorflowTrainer workers (MWMS). local: no Ray, one process (--strategy)."
+    )
+    strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage"] = Field(
+        "auto",
+        description="--backend local only. auto: TPU if found, else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
+    )
+    devices: Optional[int] = Field(
+        None, ge=1, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
+    )
+    steps_per_execution: int = Field(
+        1, ge=1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
+    )
+
     # --- cluster -----------------------------------------------------------
     num_workers: int = Field(2, ge=1, description="Number of Ray Train workers (one replica each).")
     use_gpu: bool = Field(False, description="Give each worker one GPU.")
@@ -94,6 +109,12 @@ class TrainConfig(BaseModel):
             problems.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(sorted(data.DATASETS))})")
         if self.model not in models.MODELS:
             problems.append(f"unknown model {self.model!r} (choose from {', '.join(sorted(models.MODELS))})")
+        if self.backend == "ray" and self.strategy != "auto":
+            problems.append("--strategy picks a local strategy: use it with --backend local (Ray workers use MWMS)")
+        if self.backend == "ray" and self.devices is not None:
+            problems.append("--devices splits a local CPU: use it with --backend local")
+        if self.audit_sample_ids and self.steps_per_execution > 1:
+            problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if any(u <= 0 for u in self.hidden_units):
             problems.append(f"hidden_units must all be > 0 (got {self.hidden_units})")
         if problems:

@@ -88,38 +88,51 @@ class EpochPlan:
     """How one epoch divides over the replicas.
 
     Ray's ``streaming_split(equal=True)`` gives every worker floor(n / workers)
-    rows; each then takes ``steps`` full batches. MultiWorkerMirroredStrategy
-    needs the same step count on every worker or its all-reduce waits forever,
-    so the remainder is dropped, and a different remainder every epoch because
-    the order is reshuffled.
+    rows; each worker then takes ``steps`` global steps, each one full batch per
+    local replica. MultiWorkerMirroredStrategy needs the same step count on
+    every worker or its all-reduce waits forever, so the remainder is dropped,
+    and a different remainder every epoch because the order is reshuffled.
     """
 
     num_rows: int
     num_workers: int
     per_replica_batch: int
+    replicas_per_worker: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.num_workers * self.replicas_per_worker * self.per_replica_batch
 
     @property
     def steps(self) -> int:
-        return (self.num_rows // self.num_workers) // self.per_replica_batch
+        return (self.num_rows // self.num_workers) // (self.per_replica_batch * self.replicas_per_worker)
 
     @property
     def samples(self) -> int:
-        return self.steps * self.num_workers * self.per_replica_batch
+        return self.steps * self.global_batch
 
     @property
     def dropped(self) -> int:
         return self.num_rows - self.samples
 
     def as_dict(self) -> dict[str, int]:
-        return {"rows": self.num_rows, "workers": self.num_workers, "per_replica_batch": self.per_replica_batch,
-                "steps": self.steps, "samples": self.samples, "dropped": self.dropped}
+        return {
+            "rows": self.num_rows,
+            "workers": self.num_workers,
+            "replicas_per_worker": self.replicas_per_worker,
+            "per_replica_batch": self.per_replica_batch,
+            "global_batch": self.global_batch,
+            "steps": self.steps,
+            "samples": self.samples,
+            "dropped": self.dropped,
+        }
 
     def check(self) -> None:
         if self.steps == 0:
             raise UserError(
-                f"global batch {self.num_workers * self.per_replica_batch} (= {self.per_replica_batch} per replica x "
-                f"{self.num_workers} workers) is larger than the {self.num_rows} training rows: "
-                "lower --per-replica-batch or --num-workers"
+                f"global batch {self.global_batch} (= {self.per_replica_batch} per replica x "
+                f"{self.num_workers * self.replicas_per_worker} replicas) is larger than the {self.num_rows} "
+                "training rows: lower --per-replica-batch or the number of workers/devices"
             )
 
 
@@ -229,13 +242,25 @@ def eval_batches_from_shard(shard, batch_size: int, feature_shape: tuple[int, ..
     return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(feature_shape, tf.float32))
 
 
+def train_batches_from_arrays(split: Split, plan: EpochPlan, seed: int, shuffle: bool) -> "tf.data.Dataset":
+    """The local path's input: per-replica (x, y, id) batches, ``plan.steps`` global steps per epoch.
+
+    Same rules as the Ray path: a seeded reshuffle every epoch, whole batches
+    only, every sample at most once per epoch. A strategy with R local replicas
+    takes R consecutive batches per step, hence ``take(steps * R)``.
+    """
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices((split.x, split.y, split.ids))
+    if shuffle:
+        ds = ds.shuffle(len(split), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.batch(plan.per_replica_batch, drop_remainder=True).take(plan.steps * plan.replicas_per_worker)
+    return ds.repeat().prefetch(tf.data.AUTOTUNE)
+
+
 def eval_batches_from_arrays(split: Split, batch_size: int) -> "tf.data.Dataset":
     """The same (x, y, weight) batches from arrays in memory, for a plain process."""
     import tensorflow as tf
 
     w = np.ones(len(split), dtype=np.float32)
     return tf.data.Dataset.from_tensor_slices((split.x, split.y, w)).batch(batch_size)
-
-
-def replicas_round_up(n: int, k: int) -> int:
-    return int(math.ceil(n / k) * k)

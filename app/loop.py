@@ -43,6 +43,7 @@ class Loop:
         optimizer: "keras.optimizers.Optimizer",
         global_batch_size: int,
         audit_sample_ids: bool = False,
+        steps_per_execution: int = 1,
     ):
         import keras
         import tensorflow as tf
@@ -52,7 +53,14 @@ class Loop:
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size
         self.audit_sample_ids = audit_sample_ids
+        self.steps_per_execution = steps_per_execution
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        if optimizer is not None and not optimizer.built:
+            # Create the slot variables now, under the scope: created lazily inside the
+            # first tf.function call they break MirroredStrategy ("must feed a value
+            # for placeholder tensor ... fn_with_cond").
+            with strategy.scope():
+                optimizer.build(model.trainable_variables)
 
         def sums(y, logits, per_example_loss, weight):
             correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int64), y), tf.float32)
@@ -89,10 +97,21 @@ class Loop:
             return per_replica, gathered
 
         @tf.function
+        def distributed_train_steps(iterator, k):
+            # Several steps per call (TPUs need it: one host round trip per k steps).
+            acc = tf.zeros((3,), tf.float64)
+            for _ in tf.range(k):
+                x, y, _ids = next(iterator)
+                per_replica = strategy.run(train_step, args=(x, y))
+                acc += tf.add_n(list(strategy.experimental_local_results(per_replica)))
+            return acc
+
+        @tf.function
         def distributed_eval_step(batch):
             return strategy.run(eval_step, args=batch)
 
         self._train_step = distributed_train_step
+        self._train_steps = distributed_train_steps
         self._eval_step = distributed_eval_step
 
     # --- helpers ---------------------------------------------------------------
@@ -131,14 +150,21 @@ class Loop:
         acc = tf.zeros((3,), tf.float64)
         first_step_time = None
         id_chunks = []
-        for _ in range(steps):
-            per_replica, ids = self._train_step(next(iterator))
-            acc += self._local_sum(per_replica)
+        done = 0
+        while done < steps:
+            if self.steps_per_execution == 1:
+                per_replica, ids = self._train_step(next(iterator))
+                acc += self._local_sum(per_replica)
+                if self.audit_sample_ids:
+                    id_chunks.append(ids.numpy())
+                done += 1
+            else:
+                k = min(self.steps_per_execution, steps - done)
+                acc += self._train_steps(iterator, tf.constant(k))
+                done += k
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
                 first_step_time = time.time()
-            if self.audit_sample_ids:
-                id_chunks.append(ids.numpy())
         loss_sum, correct, count = self.cross_worker_sum(acc.numpy())
         seconds = time.perf_counter() - start
         return EpochStats(
@@ -165,3 +191,37 @@ class Loop:
             samples=int(count),
             seconds=time.perf_counter() - start,
         )
+
+
+def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:
+    """The per-epoch record shared by every backend (history.csv, Ray reports)."""
+    metrics = {
+        "epoch": epoch,
+        "train_loss": float(train.loss),
+        "train_accuracy": float(train.accuracy),
+        "val_loss": float(val.loss),
+        "val_accuracy": float(val.accuracy),
+        "learning_rate": float(learning_rate),
+        "samples_per_second": train.samples / train.seconds,
+        "train_seconds": train.seconds,
+        "epoch_seconds": train.seconds + val.seconds,
+        "train_samples": train.samples,
+        "dropped_samples": dropped,
+        "val_samples": val.samples,
+    }
+    if train.first_step_time is not None and epoch == 1:
+        metrics["first_step_time"] = train.first_step_time
+    if train.sample_ids is not None:
+        metrics["audit_ids_seen"] = int(train.sample_ids.size)
+        metrics["audit_ids_unique"] = int(np.unique(train.sample_ids).size)
+    return metrics
+
+
+def progress_line(m: dict, epochs: int, history: list[dict]) -> str:
+    mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
+    eta = mean_epoch * (epochs - m["epoch"])
+    return (
+        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
+        f"val_acc {m['val_accuracy']:.4f}  lr {m['learning_rate']:.4g}  "
+        f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
+    )

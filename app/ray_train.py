@@ -40,7 +40,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     from ray.train import Checkpoint
 
     from app import models, scaling
-    from app.loop import Loop
+    from app.loop import Loop, epoch_metrics, progress_line
 
     _log_to_stderr("app")
     # Ray Train logs two long INFO lines per report; our one line per epoch says it better.
@@ -49,9 +49,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     feature_shape, num_classes = tuple(payload["feature_shape"]), payload["num_classes"]
 
-    plan = data.EpochPlan(payload["num_train_rows"], world, config.per_replica_batch)
-    global_batch = config.per_replica_batch * strategy.num_replicas_in_sync
-    lr_plan = scaling.plan_lr(config, global_batch, plan.steps)
+    plan = data.EpochPlan(
+        payload["num_train_rows"], world, config.per_replica_batch, strategy.num_replicas_in_sync // world
+    )
+    lr_plan = scaling.plan_lr(config, plan.global_batch, plan.steps)
 
     with strategy.scope():
         model = models.build_model(config, feature_shape, num_classes)
@@ -67,37 +68,26 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     val_dataset = strategy.distribute_datasets_from_function(
         lambda _: data.eval_batches_from_shard(val_shard, config.per_replica_batch, feature_shape)
     )
-    loop = Loop(strategy, model, optimizer, global_batch, audit_sample_ids=config.audit_sample_ids)
+    loop = Loop(
+        strategy,
+        model,
+        optimizer,
+        plan.global_batch,
+        audit_sample_ids=config.audit_sample_ids,
+        steps_per_execution=config.steps_per_execution,
+    )
 
     history: list[dict[str, Any]] = []
     audit_ids: list[list[int]] = []  # per epoch, every replica's sample ids (audit mode only)
     for epoch in range(config.epochs):
         train = loop.train_epoch(train_iter, plan.steps)
         val = loop.evaluate(val_dataset)
-        metrics = {
-            "epoch": epoch + 1,
-            "train_loss": float(train.loss),
-            "train_accuracy": float(train.accuracy),
-            "val_loss": float(val.loss),
-            "val_accuracy": float(val.accuracy),
-            "learning_rate": float(optimizer.learning_rate.numpy()),
-            "samples_per_second": train.samples / train.seconds,
-            "train_seconds": train.seconds,
-            "epoch_seconds": train.seconds + val.seconds,
-            "train_samples": train.samples,
-            "dropped_samples": plan.dropped,
-            "val_samples": val.samples,
-        }
-        if train.first_step_time is not None and epoch == 0:
-            metrics["first_step_time"] = train.first_step_time
+        metrics = epoch_metrics(epoch + 1, train, val, optimizer.learning_rate.numpy(), plan.dropped)
         if train.sample_ids is not None:
-            ids = train.sample_ids
-            metrics["audit_ids_seen"] = int(ids.size)
-            metrics["audit_ids_unique"] = int(len(set(ids.tolist())))
-            audit_ids.append(ids.tolist())
+            audit_ids.append(train.sample_ids.tolist())
         history.append(metrics)
         if rank == 0:
-            log.info(_progress_line(metrics, config.epochs, history))
+            log.info(progress_line(metrics, config.epochs, history))
 
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
@@ -121,16 +111,6 @@ def _log_to_stderr(name: str) -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-
-
-def _progress_line(m: dict[str, Any], epochs: int, history: list[dict[str, Any]]) -> str:
-    mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
-    eta = mean_epoch * (epochs - m["epoch"])
-    return (
-        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
-        f"val_acc {m['val_accuracy']:.4f}  lr {m['learning_rate']:.4g}  "
-        f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
-    )
 
 
 # --------------------------------------------------------------------------- #
@@ -256,6 +236,12 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     connect(config)
     result = fit(config, source)
     with result.checkpoint.as_directory() as ckpt_dir:
-        summary = report.write_outputs(config, ckpt_dir, strategy="MultiWorkerMirroredStrategy", started_at=started_at)
+        summary = report.write_outputs(
+            config,
+            ckpt_dir,
+            strategy="MultiWorkerMirroredStrategy",
+            started_at=started_at,
+            extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"},
+        )
     log.info("outputs in %s", out)
     return summary

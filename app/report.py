@@ -46,7 +46,14 @@ def write_history(path: Path, history: list[dict[str, Any]]) -> None:
         writer.writerows(history)
 
 
-def write_outputs(config: TrainConfig, ckpt_dir: str | Path, *, strategy: str, started_at: float) -> dict[str, Any]:
+def write_outputs(
+    config: TrainConfig,
+    ckpt_dir: str | Path,
+    *,
+    strategy: str,
+    started_at: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """From the last checkpoint: model.keras, history.csv and result.json."""
     out = config.output_dir()
     state = checkpoint.load_state(ckpt_dir)
@@ -62,7 +69,9 @@ def write_outputs(config: TrainConfig, ckpt_dir: str | Path, *, strategy: str, s
     lr_plan = state["lr_plan"]
     result = {
         "strategy": strategy,
+        **(extra or {}),
         "num_replicas": lr_plan["global_batch"] // config.per_replica_batch,
+        "backend": config.backend,
         "per_replica_batch": config.per_replica_batch,
         "global_batch_size": lr_plan["global_batch"],
         "lr_scaling": lr_plan["rule"],

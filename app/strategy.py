@@ -48,3 +48,96 @@ def multi_worker_strategy(cpus_per_worker: float) -> "tf.distribute.Strategy":
         threads,
     )
     return strategy
+
+
+# --------------------------------------------------------------------------- #
+# Local (no Ray): MirroredStrategy, TPUStrategy, one device, central storage   #
+# --------------------------------------------------------------------------- #
+
+
+class StrategyUnavailable(Exception):
+    """An explicit strategy request that this machine cannot meet."""
+
+
+def _split_cpu(devices: int) -> None:
+    """Split the CPU into ``devices`` logical devices, so MirroredStrategy really runs N replicas."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
+
+
+def _find_tpu():
+    """The TPU cluster resolver if a TPU is reachable, else (None, why not)."""
+    import tensorflow as tf
+
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver()
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return resolver, ""
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def local_strategy(name: str, devices: int | None, cpus: float | None = None) -> tuple["tf.distribute.Strategy", str]:
+    """The strategy for ``--backend local`` and the reason it was chosen.
+
+    ``auto``: TPU if one resolves, else all GPUs (Mirrored if 2+, one device if
+    1), else the CPU (Mirrored over ``--devices`` logical CPUs if N > 1, else
+    one CPU device). An explicit request that cannot be met raises
+    StrategyUnavailable naming what was found; nothing falls back silently.
+    """
+    import tensorflow as tf
+
+    if cpus:
+        set_thread_counts(cpus)
+    gpus = tf.config.list_physical_devices("GPU")
+    if devices is not None and devices > 1:
+        if gpus:
+            raise StrategyUnavailable(f"--devices splits the CPU, but {len(gpus)} GPU(s) were found: drop --devices")
+        _split_cpu(devices)
+    cpu_devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    gpu_devices = [d.name for d in tf.config.list_logical_devices("GPU")]
+    compute = gpu_devices or cpu_devices
+    found = f"{len(gpu_devices)} GPU(s), {len(cpu_devices)} CPU device(s)"
+
+    if name == "tpu" or name == "auto":
+        resolver, why_not = _find_tpu()
+        if resolver is not None:
+            return tf.distribute.TPUStrategy(resolver), f"a TPU resolved ({resolver.master()})"
+        if name == "tpu":
+            raise StrategyUnavailable(f"--strategy tpu: no TPU found ({why_not}); found {found}")
+
+    if name == "auto":
+        if len(gpu_devices) >= 2:
+            return tf.distribute.MirroredStrategy(gpu_devices), f"no TPU; {len(gpu_devices)} GPUs -> MirroredStrategy"
+        if len(gpu_devices) == 1:
+            return tf.distribute.OneDeviceStrategy(gpu_devices[0]), "no TPU; 1 GPU -> OneDeviceStrategy on it"
+        if len(cpu_devices) >= 2:
+            return (
+                tf.distribute.MirroredStrategy(cpu_devices),
+                f"no TPU, no GPU; --devices {len(cpu_devices)} logical CPUs -> MirroredStrategy",
+            )
+        return tf.distribute.OneDeviceStrategy(cpu_devices[0]), "no TPU, no GPU -> OneDeviceStrategy on the CPU"
+
+    if name == "mirrored":
+        if len(compute) < 2:
+            raise StrategyUnavailable(
+                f"--strategy mirrored needs 2 or more devices, found {found}: "
+                "use --devices N to split the CPU, or --strategy one-device"
+            )
+        return tf.distribute.MirroredStrategy(compute), f"requested; {len(compute)} devices"
+    if name == "one-device":
+        return tf.distribute.OneDeviceStrategy(compute[0]), f"requested; on {compute[0]}"
+    if name == "central-storage":
+        if len(compute) < 2:
+            raise StrategyUnavailable(
+                f"--strategy central-storage needs 2 or more compute devices, found {found}: "
+                "use --devices N to split the CPU"
+            )
+        return (
+            tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=cpu_devices[0]),
+            f"requested; variables on {cpu_devices[0]}, compute on {len(compute)} devices",
+        )
+    raise StrategyUnavailable(f"unknown strategy {name!r}")

@@ -27,9 +27,12 @@ def main() -> None:
 
     def body() -> None:
         config = cli.config_from_args(args)
-        from app import ray_train
+        if config.backend == "local":
+            from app import local_train as backend  # never imports Ray
+        else:
+            from app import ray_train as backend
 
-        result = ray_train.run(config, started_at=STARTED_AT)
+        result = backend.run(config, started_at=STARTED_AT)
         m = result["metrics"]
         print(
             f"val_accuracy {m['val_accuracy']:.4f}  val_loss {m['val_loss']:.4f}  "

@@ -1,0 +1,117 @@
+"""--backend local: the same loop under MirroredStrategy / one device / central storage, without Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, clean_env, run_job
+
+FULL_BATCH_SGD = [
+    "--epochs", "5", "--optimizer", "sgd", "--momentum", "0", "--base-lr", "0.5", "--lr-scaling", "none",
+    "--warmup-epochs", "0", "--lr-decay", "constant", "--no-shuffle", "--seed", "7",
+]
+
+
+def local_run(out, *args):
+    p = run_job("jobs/train.py", "--backend", "local", "--output", str(out), *args, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
+    import keras
+
+    two = local_run(tmp_path / "two", "--strategy", "mirrored", "--devices", "2", "--per-replica-batch", "719",
+                    *FULL_BATCH_SGD)
+    one = local_run(tmp_path / "one", "--strategy", "one-device", "--per-replica-batch", "1438", *FULL_BATCH_SGD)
+    assert two["strategy"] == "MirroredStrategy" and two["num_replicas"] == 2
+    assert one["strategy"] == "OneDeviceStrategy" and one["num_replicas"] == 1
+    assert two["global_batch_size"] == one["global_batch_size"] == 1438
+    w2 = keras.models.load_model(tmp_path / "two" / "model.keras").get_weights()
+    w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert one["metrics"]["train_loss"] < 1.0  # 5 full-batch steps really trained
+
+
+def test_auto_picks_one_cpu_device_here_and_says_why(tmp_path):
+    result = local_run(tmp_path / "auto", "--epochs", "4")
+    assert result["strategy"] == "OneDeviceStrategy"
+    assert result["strategy_reason"] == "no TPU, no GPU -> OneDeviceStrategy on the CPU"
+    assert result["metrics"]["val_accuracy"] >= 0.95
+    # The exported model scores the same in a plain process.
+    p = run_job("jobs/evaluate.py", "--run", str(tmp_path / "auto"), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "auto" / "eval.json").read_text())["val_accuracy"] == pytest.approx(
+        result["metrics"]["val_accuracy"], abs=1e-6
+    )
+
+
+def test_mirrored_sees_every_sample_once_per_epoch(tmp_path):
+    result = local_run(tmp_path / "audit", "--strategy", "mirrored", "--devices", "2", "--epochs", "2",
+                       "--per-replica-batch", "50", "--audit-sample-ids")
+    per_epoch = json.loads((tmp_path / "audit" / "audit_sample_ids.json").read_text())
+    assert result["dropped_samples_per_epoch"] == 1438 - (1438 // 100) * 100 == 38
+    for ids in per_epoch:
+        assert len(ids) == len(set(ids)) == 1438 - 38
+    assert per_epoch[0] != per_epoch[1]  # reshuffled
+
+
+def test_central_storage_trains(tmp_path):
+    result = local_run(tmp_path / "cs", "--strategy", "central-storage", "--devices", "2", "--epochs", "3")
+    assert result["strategy"] == "CentralStorageStrategy" and result["num_replicas"] == 2
+    assert result["metrics"]["val_accuracy"] > 0.9
+
+
+def test_several_steps_per_call_equal_one_step_per_call(tmp_path):
+    """steps_per_execution is how TPUs are fed; the update sequence must not change."""
+    import keras
+
+    common = ["--strategy", "one-device", "--epochs", "2", "--no-shuffle", "--optimizer", "sgd"]
+    local_run(tmp_path / "k1", *common)
+    local_run(tmp_path / "k5", *common, "--steps-per-execution", "5")  # 44 steps/epoch: 8 calls of 5 + one of 4
+    w1 = keras.models.load_model(tmp_path / "k1" / "model.keras").get_weights()
+    w5 = keras.models.load_model(tmp_path / "k5" / "model.keras").get_weights()
+    for a, b in zip(w1, w5):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategy", "tpu"], "--strategy tpu: no TPU found"),
+        (["--strategy", "mirrored", "--devices", "1"], "--strategy mirrored needs 2 or more devices, found 0 GPU(s), 1 CPU"),
+        (["--strategy", "central-storage"], "--strategy central-storage needs 2 or more compute devices"),
+    ],
+)
+def test_impossible_strategy_requests_fail_clearly(tmp_path, args, message):
+    p = run_job("jobs/train.py", "--backend", "local", "--output", str(tmp_path / "o"), *args, timeout=120)
+    assert p.returncode == 2
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_ray_flags_are_refused_for_local_and_vice_versa(tmp_path):
+    p = run_job("jobs/train.py", "--strategy", "mirrored", "--output", str(tmp_path / "o"), timeout=60)
+    assert p.returncode == 2 and "use it with --backend local" in p.stderr
+
+
+def test_local_backend_never_imports_ray(tmp_path):
+    code = f"""
+import sys
+from app.config import build_config
+from app import local_train
+local_train.run(build_config(None, {{"backend": "local", "epochs": 1, "output": {str(tmp_path / "o")!r}}}))
+assert "ray" not in sys.modules, sorted(m for m in sys.modules if m.startswith("ray"))
+print("no ray")
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
