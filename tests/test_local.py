@@ -36,7 +36,9 @@ def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
     w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
     for a, b in zip(w1, w2):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-    assert one["metrics"]["train_loss"] < 1.0  # 5 full-batch steps really trained
+    losses = (tmp_path / "one" / "history.csv").read_text().splitlines()
+    first, last = (float(row.split(",")[1]) for row in (losses[1], losses[-1]))
+    assert last < first - 0.3  # the 5 full-batch steps really trained
 
 
 def test_auto_picks_one_cpu_device_here_and_says_why(tmp_path):
