@@ -1,14 +1,28 @@
-"""What a checkpoint holds and how it is written.
+"""What a checkpoint holds, and how it is written and restored.
 
-A checkpoint directory holds ``model.keras`` (architecture + weights, openable
-by ``keras.models.load_model`` in any process) and ``state.json`` (epoch
-counter and the history so far, so that the driver can read the full history
-from the last checkpoint alone).
+A checkpoint directory holds:
+
+- ``train_state.*``: a ``tf.train.Checkpoint`` of the model and the optimizer.
+  It restores the optimizer exactly (momentum/Adam slots and ``iterations``,
+  which is where the learning-rate schedule is), and restores into
+  distributed variables under any strategy.
+- ``model.keras``: the model alone, openable by ``keras.models.load_model`` in
+  any process (what evaluation and export use).
+- ``state.json``: epoch counter, the history so far, the LR and epoch plans,
+  the seed the data order derives from, and the run config.
+
+On the Ray path, rank 0 writes into a temporary directory and Ray Train
+copies it into storage; a checkpoint becomes visible to ``get_checkpoint()``
+only after the copy is registered, so a crash mid-save leaves the previous one
+in place. The local path gets the same guarantee from ``save_versioned``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +31,98 @@ if TYPE_CHECKING:
 
 MODEL_FILE = "model.keras"
 STATE_FILE = "state.json"
+TRAIN_STATE = "train_state"
+LATEST = "LATEST"
 
 
-def save(directory: str | Path, model: "keras.Model", state: dict[str, Any]) -> None:
+@dataclass
+class Progress:
+    """Where a run is: what a checkpoint's state.json carries besides the weights."""
+
+    epoch: int = 0  # epochs completed
+    attempt: int = 0  # 0 for the first start; +1 for every restart or resume
+    history: list[dict[str, Any]] = field(default_factory=list)
+    audit_ids: list[list[int]] = field(default_factory=list)  # per epoch, with --audit-sample-ids
+
+    @classmethod
+    def resumed_from(cls, state: dict[str, Any]) -> "Progress":
+        return cls(state["epoch"], state.get("attempt", 0) + 1, state["history"], state.get("audit_sample_ids", []))
+
+    def record(self, metrics: dict[str, Any], sample_ids=None) -> None:
+        metrics["attempt"] = self.attempt
+        self.history.append(metrics)
+        self.epoch = metrics["epoch"]
+        if sample_ids is not None:
+            self.audit_ids.append(sample_ids.tolist())
+
+    def state(self, *, config, lr_plan, plan) -> dict[str, Any]:
+        state = {
+            "epoch": self.epoch,
+            "attempt": self.attempt,
+            "history": self.history,
+            "lr_plan": lr_plan.as_dict(),
+            "plan": plan.as_dict(),
+            "data_seed": config.seed,  # the data order is a function of (seed, epoch)
+            "config": config.model_dump(mode="json"),
+        }
+        if self.audit_ids:
+            state["audit_sample_ids"] = self.audit_ids
+        return state
+
+
+def save(directory: str | Path, model: "keras.Model", optimizer, state: dict[str, Any]) -> None:
+    import tensorflow as tf
+
     directory = Path(directory)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(directory / TRAIN_STATE))
     model.save(directory / MODEL_FILE)
+    # state.json last: its presence marks a complete checkpoint.
     (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / STATE_FILE).read_text())
+
+
+def restore(directory: str | Path, model: "keras.Model", optimizer) -> dict[str, Any]:
+    """Load weights and optimizer state into already-built objects; return state.json."""
+    import tensorflow as tf
+
+    status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(str(Path(directory) / TRAIN_STATE))
+    status.assert_existing_objects_matched()
+    return load_state(directory)
+
+
+# --- the local backend: versioned directories + an atomically replaced pointer ---
+
+
+def save_versioned(root: str | Path, model: "keras.Model", optimizer, state: dict[str, Any], keep: int) -> Path:
+    """Write ``root/epoch-NNNN`` completely, then point ``root/LATEST`` at it.
+
+    The pointer is replaced with ``os.replace`` (atomic on POSIX), so a crash
+    at any moment leaves LATEST naming a complete checkpoint.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"epoch-{state['epoch']:04d}"
+    tmp = root / f".{name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save(tmp, model, optimizer, state)
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.partial"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    for old in sorted(p for p in root.glob("epoch-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_versioned(root: str | Path) -> Path | None:
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None

@@ -9,7 +9,7 @@ import typing
 from typing import Any, Callable
 
 from app.config import TrainConfig
-from app.errors import UserError
+from app.errors import RunFailed, UserError
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +34,21 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """--config file < flags; with --resume and no --config, the run's own config.yaml is the file."""
+    from pathlib import Path
+
     from app.config import build_config
+    from app.report import CONFIG_FILE
 
     overrides = {name: getattr(args, name) for name in TrainConfig.model_fields}
-    return build_config(args.config, overrides)
+    file = args.config
+    if args.resume and not file:
+        if not args.output:
+            raise UserError("--resume needs --output: the directory of the run to continue")
+        file = Path(args.output) / CONFIG_FILE
+        if not file.is_file():
+            raise UserError(f"nothing to resume: {str(args.output)!r} holds no {CONFIG_FILE}")
+    return build_config(file, overrides)
 
 
 def main(body: Callable[[], Any]) -> None:
@@ -48,3 +59,9 @@ def main(body: Callable[[], Any]) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: continue the run with --output <dir> --resume", file=sys.stderr)
+        sys.exit(130)

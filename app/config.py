@@ -82,6 +82,15 @@ class TrainConfig(BaseModel):
         None, description="Output directory (default: runs/train-<timestamp>). Must not exist unless --overwrite."
     )
     overwrite: bool = Field(False, description="Allow replacing an existing --output directory.")
+    resume: bool = Field(
+        False,
+        description="Continue the unfinished run in --output from its last checkpoint (its config.yaml is the base "
+        "config). A finished run is never retrained.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept: the best by val accuracy, plus the latest.")
+    max_failures: int = Field(
+        0, ge=0, description="Restart the worker group from the last checkpoint up to N times when a worker dies."
+    )
     storage_path: Optional[str] = Field(
         None,
         description="Ray Train storage for checkpoints (default: <output>/ray). On a multi-node cluster use "
@@ -115,6 +124,8 @@ class TrainConfig(BaseModel):
             problems.append("--devices splits a local CPU: use it with --backend local")
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
+        if self.resume and self.overwrite:
+            problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if any(u <= 0 for u in self.hidden_units):
             problems.append(f"hidden_units must all be > 0 (got {self.hidden_units})")
         if problems:

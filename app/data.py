@@ -242,20 +242,37 @@ def eval_batches_from_shard(shard, batch_size: int, feature_shape: tuple[int, ..
     return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(feature_shape, tf.float32))
 
 
-def train_batches_from_arrays(split: Split, plan: EpochPlan, seed: int, shuffle: bool) -> "tf.data.Dataset":
+def train_batches_from_arrays(
+    split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int
+) -> "tf.data.Dataset":
     """The local path's input: per-replica (x, y, id) batches, ``plan.steps`` global steps per epoch.
 
     Same rules as the Ray path: a seeded reshuffle every epoch, whole batches
-    only, every sample at most once per epoch. A strategy with R local replicas
-    takes R consecutive batches per step, hence ``take(steps * R)``.
+    only, every sample at most once per epoch. Epoch e's order is shuffled with
+    seed (seed, e), so a resumed run sees exactly the order an uninterrupted
+    one would have. A strategy with R local replicas takes R consecutive
+    batches per step, hence ``take(steps * R)``.
     """
     import tensorflow as tf
 
-    ds = tf.data.Dataset.from_tensor_slices((split.x, split.y, split.ids))
-    if shuffle:
-        ds = ds.shuffle(len(split), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.batch(plan.per_replica_batch, drop_remainder=True).take(plan.steps * plan.replicas_per_worker)
-    return ds.repeat().prefetch(tf.data.AUTOTUNE)
+    x, y, ids = (tf.constant(a) for a in (split.x, split.y, split.ids))
+
+    def one_epoch(epoch):
+        order = tf.range(len(split), dtype=tf.int64)
+        if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
+            order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+        batches = tf.data.Dataset.from_tensor_slices(order).batch(plan.per_replica_batch, drop_remainder=True)
+        return batches.take(plan.steps * plan.replicas_per_worker)
+
+    def gather(index):
+        return tf.gather(x, index), tf.gather(y, index), tf.gather(ids, index)
+
+    return (
+        tf.data.Dataset.range(start_epoch, epochs)
+        .flat_map(one_epoch)
+        .map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(tf.data.AUTOTUNE)
+    )
 
 
 def eval_batches_from_arrays(split: Split, batch_size: int) -> "tf.data.Dataset":

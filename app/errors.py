@@ -7,3 +7,10 @@ traceback: the message itself must name the problem and the fix.
 
 class UserError(Exception):
     """A problem with the user's input (flags, config file, data, cluster size)."""
+
+
+class RunFailed(Exception):
+    """A run that started and then failed (a lost worker beyond --max-failures, a non-finite loss, ...).
+
+    Entry scripts print it as one line and exit with status 1.
+    """

@@ -34,12 +34,28 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     return {"val_loss": stats.loss, "val_accuracy": stats.accuracy, "val_samples": stats.samples}
 
 
-def evaluate_run(run_dir: str | Path) -> dict[str, Any]:
-    """Evaluate ``<run>/model.keras`` on the data described by ``<run>/config.yaml``; writes ``<run>/eval.json``."""
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise UserError(f"{str(run_dir)!r} is not a run directory (no {CONFIG_FILE})")
-    config = build_config(run_dir / CONFIG_FILE)
-    metrics = evaluate_model(run_dir / MODEL_FILE, config)
-    (run_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
+def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
+    """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
+    candidate = model_path.parent / CONFIG_FILE
+    return build_config(candidate if candidate.is_file() else None, {"output": str(model_path.parent), **overrides})
+
+
+def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path) -> dict[str, Any]:
+    metrics = evaluate_model(model_path, config)
+    metrics["model"] = str(model_path)
+    metrics["dataset"] = config.dataset
+    Path(out_file).write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def evaluate_checkpoint(ckpt_dir: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """A training checkpoint directory carries its own config in state.json."""
+    from app import checkpoint
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / checkpoint.STATE_FILE).is_file():
+        raise UserError(f"{str(ckpt_dir)!r} is not a checkpoint directory (no {checkpoint.STATE_FILE})")
+    saved = checkpoint.load_state(ckpt_dir)["config"]
+    config = build_config(None, {**saved, "output": str(ckpt_dir), **overrides})
+    out_file = ckpt_dir / "eval.json"
+    return evaluate_and_write(ckpt_dir / checkpoint.MODEL_FILE, config, out_file), out_file

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from app import checkpoint, data, report
 from app.config import TrainConfig
-from app.errors import UserError
+from app.errors import RunFailed, UserError
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
     from app import models, scaling
     from app import strategy as strategy_lib
-    from app.loop import Loop, epoch_metrics, progress_line
+    from app.loop import Loop, NonFiniteLoss, progress_line
 
     started_at = started_at or time.time()
     source = data.load_source(config)
@@ -46,9 +45,18 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         model = models.build_model(config, source.feature_shape, source.num_classes)
         optimizer = scaling.make_optimizer(config, lr_plan)
 
+    ckpt_root = out / CHECKPOINT_DIR
+    progress = checkpoint.Progress()
+    latest = checkpoint.latest_versioned(ckpt_root) if config.resume else None
+    if latest is not None:
+        progress = checkpoint.Progress.resumed_from(checkpoint.restore(latest, model, optimizer))
+        log.info("resumed from %s (epoch %d)", latest, progress.epoch)
+
     train_iter = iter(
         strategy.distribute_datasets_from_function(
-            lambda _: data.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle)
+            lambda _: data.train_batches_from_arrays(
+                source.train, plan, config.seed, config.shuffle, progress.epoch, config.epochs
+            )
         )
     )
     val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch)
@@ -62,25 +70,21 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         steps_per_execution=config.steps_per_execution,
     )
 
-    history: list[dict[str, Any]] = []
-    audit_ids: list[list[int]] = []
-    ckpt_dir = out / CHECKPOINT_DIR
-    for epoch in range(config.epochs):
-        train = loop.train_epoch(train_iter, plan.steps)
-        val = loop.evaluate(val_dataset)
-        metrics = epoch_metrics(epoch + 1, train, val, optimizer.learning_rate.numpy(), plan.dropped)
-        if train.sample_ids is not None:
-            audit_ids.append(train.sample_ids.tolist())
-        history.append(metrics)
-        log.info(progress_line(metrics, config.epochs, history))
-        state = {"epoch": epoch + 1, "history": history, "lr_plan": lr_plan.as_dict(), "plan": plan.as_dict()}
-        if audit_ids:
-            state["audit_sample_ids"] = audit_ids
-        ckpt_dir.mkdir(exist_ok=True)
-        checkpoint.save(ckpt_dir, model, state)
+    for epoch in range(progress.epoch + 1, config.epochs + 1):
+        try:
+            metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped)
+        except NonFiniteLoss as e:
+            raise RunFailed(str(e)) from None
+        progress.record(metrics, train.sample_ids)
+        log.info(progress_line(metrics, config.epochs, progress.history))
+        state = progress.state(config=config, lr_plan=lr_plan, plan=plan)
+        checkpoint.save_versioned(ckpt_root, model, optimizer, state, keep=config.keep_checkpoints)
 
+    latest = checkpoint.latest_versioned(ckpt_root)
+    if latest is None:
+        raise UserError(f"no checkpoint in {ckpt_root} to export")
     summary = report.write_outputs(
-        config, Path(ckpt_dir), strategy=type(strategy).__name__, started_at=started_at,
+        config, latest, strategy=type(strategy).__name__, started_at=started_at,
         extra={"strategy_reason": reason},
     )
     log.info("outputs in %s", out)

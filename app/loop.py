@@ -33,6 +33,10 @@ class EpochStats:
     sample_ids: Optional[np.ndarray] = field(default=None, repr=False)  # all replicas' ids, if audited
 
 
+class NonFiniteLoss(Exception):
+    """The training loss became NaN or infinite."""
+
+
 class Loop:
     """Compiled train/eval steps for one (strategy, model, optimizer)."""
 
@@ -136,7 +140,7 @@ class Loop:
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
 
     # --- epochs ----------------------------------------------------------------
-    def train_epoch(self, iterator, steps: int) -> EpochStats:
+    def train_epoch(self, iterator, steps: int, epoch: int = 0) -> EpochStats:
         """``steps`` steps from an endless distributed iterator.
 
         The caller passes the same ``steps`` on every worker (an all-reduce with
@@ -150,23 +154,35 @@ class Loop:
         acc = tf.zeros((3,), tf.float64)
         first_step_time = None
         id_chunks = []
+        step_losses = []  # per call, this worker's loss sum: kept as tensors, checked once at the end
         done = 0
         while done < steps:
             if self.steps_per_execution == 1:
                 per_replica, ids = self._train_step(next(iterator))
-                acc += self._local_sum(per_replica)
+                local = self._local_sum(per_replica)
+                step_losses.append((done + 1, local[0]))
+                acc += local
                 if self.audit_sample_ids:
                     id_chunks.append(ids.numpy())
                 done += 1
             else:
                 k = min(self.steps_per_execution, steps - done)
-                acc += self._train_steps(iterator, tf.constant(k))
+                local = self._train_steps(iterator, tf.constant(k))
+                step_losses.append((done + k, local[0]))
+                acc += local
                 done += k
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
                 first_step_time = time.time()
         loss_sum, correct, count = self.cross_worker_sum(acc.numpy())
         seconds = time.perf_counter() - start
+        if not np.isfinite(loss_sum):
+            bad = next((s for s, loss in step_losses if not np.isfinite(loss.numpy())), None)
+            where = f"step {bad} of {steps}" if bad is not None else f"a step of {steps} on another worker"
+            raise NonFiniteLoss(
+                f"non-finite training loss in epoch {epoch}, {where}: check the data for NaN/inf or lower "
+                "--base-lr; the last good checkpoint is the one from the epoch before"
+            )
         return EpochStats(
             loss=loss_sum / max(count, 1),
             accuracy=correct / max(count, 1),
@@ -175,6 +191,12 @@ class Loop:
             first_step_time=first_step_time,
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
+
+    def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int) -> tuple[dict, EpochStats]:
+        """Train ``steps`` steps, evaluate, and return the epoch's metrics record."""
+        train = self.train_epoch(train_iter, steps, epoch=epoch)
+        val = self.evaluate(val_dataset)
+        return epoch_metrics(epoch, train, val, self.optimizer.learning_rate.numpy(), dropped), train
 
     def evaluate(self, dist_dataset) -> EpochStats:
         """Weighted loss/accuracy over every replica's batches; padding rows weigh 0."""
@@ -209,7 +231,7 @@ def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate:
         "dropped_samples": dropped,
         "val_samples": val.samples,
     }
-    if train.first_step_time is not None and epoch == 1:
+    if train.first_step_time is not None:
         metrics["first_step_time"] = train.first_step_time
     if train.sample_ids is not None:
         metrics["audit_ids_seen"] = int(train.sample_ids.size)

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import time
 from typing import Any
 
 from app import checkpoint, data
 from app.config import TrainConfig
-from app.errors import UserError
+from app.errors import RunFailed, UserError
 
 log = logging.getLogger(__name__)
-
-
-class TrainingFailed(RuntimeError):
-    """The run started but did not finish; the message says why."""
 
 
 # --------------------------------------------------------------------------- #
@@ -40,11 +37,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     from ray.train import Checkpoint
 
     from app import models, scaling
-    from app.loop import Loop, epoch_metrics, progress_line
+    from app.loop import Loop, progress_line
 
     _log_to_stderr("app")
-    # Ray Train logs two long INFO lines per report; our one line per epoch says it better.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     feature_shape, num_classes = tuple(payload["feature_shape"]), payload["num_classes"]
@@ -58,11 +53,22 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         model = models.build_model(config, feature_shape, num_classes)
         optimizer = scaling.make_optimizer(config, lr_plan)
 
+    # A restarted worker group (a worker died) or a resumed run starts from the
+    # last registered checkpoint: weights, optimizer (hence the LR schedule
+    # position), epoch counter and history.
+    progress = checkpoint.Progress()
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            progress = checkpoint.Progress.resumed_from(checkpoint.restore(d, model, optimizer))
+        if rank == 0:
+            log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
+
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
     train_iter = iter(
         strategy.distribute_datasets_from_function(
-            lambda _: data.train_batches_from_shard(train_shard, plan, feature_shape, config.epochs)
+            lambda _: data.train_batches_from_shard(train_shard, plan, feature_shape, config.epochs - progress.epoch)
         )
     )
     val_dataset = strategy.distribute_datasets_from_function(
@@ -77,26 +83,18 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         steps_per_execution=config.steps_per_execution,
     )
 
-    history: list[dict[str, Any]] = []
-    audit_ids: list[list[int]] = []  # per epoch, every replica's sample ids (audit mode only)
-    for epoch in range(config.epochs):
-        train = loop.train_epoch(train_iter, plan.steps)
-        val = loop.evaluate(val_dataset)
-        metrics = epoch_metrics(epoch + 1, train, val, optimizer.learning_rate.numpy(), plan.dropped)
-        if train.sample_ids is not None:
-            audit_ids.append(train.sample_ids.tolist())
-        history.append(metrics)
+    for epoch in range(progress.epoch + 1, config.epochs + 1):
+        metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped)
+        progress.record(metrics, train.sample_ids)
         if rank == 0:
-            log.info(progress_line(metrics, config.epochs, history))
+            log.info(progress_line(metrics, config.epochs, progress.history))
 
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
             # Only rank 0 writes: replicas hold identical weights after every step.
             if rank == 0:
-                state = {"epoch": epoch + 1, "history": history, "lr_plan": lr_plan.as_dict(), "plan": plan.as_dict()}
-                if audit_ids:
-                    state["audit_sample_ids"] = audit_ids
-                checkpoint.save(tmp, model, state)
+                state = progress.state(config=config, lr_plan=lr_plan, plan=plan)
+                checkpoint.save(tmp, model, optimizer, state)
                 ckpt = Checkpoint.from_directory(tmp)
             # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
             ray.train.report(metrics, checkpoint=ckpt)
@@ -151,7 +149,13 @@ def connect(config: TrainConfig) -> None:
     if ray.is_initialized():  # the caller (a notebook, a test) already chose the cluster
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
+        try:
+            ray.init(logging_level=logging.WARNING)
+        except ray.exceptions.AuthenticationError:
+            raise UserError(
+                f"the Ray cluster at {os.environ['RAY_ADDRESS']} refused our authentication token: set "
+                "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+            ) from None
         free = ray.available_resources()
         need_cpus = config.num_workers * config.cpus_per_worker
         need_gpus = config.num_workers if config.use_gpu else 0
@@ -181,7 +185,7 @@ def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
 
 
 def fit(config: TrainConfig, source: data.Source) -> Any:
-    """Run TensorflowTrainer and return Ray's Result (raises TrainingFailed)."""
+    """Run TensorflowTrainer and return Ray's Result (raises RunFailed)."""
     import ray.train
     from ray.train.tensorflow import TensorflowTrainer
 
@@ -210,16 +214,47 @@ def fit(config: TrainConfig, source: data.Source) -> Any:
         run_config=ray.train.RunConfig(
             name=out.name,
             storage_path=config.storage_path or str(out / "ray"),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=config.keep_checkpoints,
+                checkpoint_score_attribute="val_accuracy",
+                checkpoint_score_order="max",
+            ),
+            failure_config=ray.train.FailureConfig(max_failures=config.max_failures),
             worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
         ),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
+        raise RunFailed(f"training failed: {_summarize(e)}") from None
+    except (KeyboardInterrupt, SystemExit):
+        # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
+        raise RunFailed(
+            f"interrupted: the run was stopped after its last checkpoint; continue it with "
+            f"python jobs/train.py --output {out} --resume"
+        ) from None
     if result.error is not None:
-        raise TrainingFailed(f"training failed: {result.error}")
+        raise RunFailed(f"training failed: {_summarize(result.error)}")
     if result.checkpoint is None:
-        raise TrainingFailed("training ended without reporting a checkpoint")
+        raise RunFailed("training ended without reporting a checkpoint")
     return result
+
+
+def _summarize(error: BaseException) -> str:
+    """The last exception line of each worker's error, deduplicated (Ray's message holds whole tracebacks)."""
+    failures = getattr(error, "worker_failures", None) or {0: error}
+    by_message: dict[str, list[int]] = {}
+    for rank, exc in sorted(failures.items()):
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
+        message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
+        by_message.setdefault(message, []).append(rank)
+    return "; ".join(f"{msg} (rank {', '.join(map(str, ranks))})" for msg, ranks in by_message.items())
+
+
+# "package.module.SomeError: message" -> group(1) = "SomeError"
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:

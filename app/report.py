@@ -24,11 +24,23 @@ AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained
 
 
 def prepare_output_dir(config: TrainConfig) -> Path:
-    """Create the output directory; never touch an existing one without --overwrite."""
+    """Create the output directory; never touch an existing one without --overwrite or --resume."""
     out = config.output_dir()
+    if config.resume:
+        if not (out / CONFIG_FILE).is_file():
+            raise UserError(f"nothing to resume: {str(out)!r} holds no {CONFIG_FILE}")
+        if (out / RESULT_FILE).is_file():
+            raise UserError(
+                f"the run in {str(out)!r} already finished ({RESULT_FILE} exists): nothing to resume; "
+                "use a new --output, or --overwrite to train it again from scratch"
+            )
+        return out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not config.overwrite:
-            raise UserError(f"output {str(out)!r} already exists: choose another --output, or pass --overwrite")
+            raise UserError(
+                f"output {str(out)!r} already exists: choose another --output, pass --resume to continue an "
+                "unfinished run there, or --overwrite to replace it"
+            )
         if not out.is_dir():
             raise UserError(f"output {str(out)!r} is a file, not a directory")
         shutil.rmtree(out)
@@ -69,6 +81,7 @@ def write_outputs(
     lr_plan = state["lr_plan"]
     result = {
         "strategy": strategy,
+        "restarts": history[-1].get("attempt", 0),
         **(extra or {}),
         "num_replicas": lr_plan["global_batch"] // config.per_replica_batch,
         "backend": config.backend,
@@ -84,9 +97,10 @@ def write_outputs(
         "metrics": {k: last[k] for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
         "samples_per_second": train_samples / train_seconds,
         "wall_seconds": time.time() - started_at,
-        "time_to_first_step_seconds": history[0]["first_step_time"] - started_at
-        if "first_step_time" in history[0]
-        else None,
+        # The first step this driver saw (a resumed run's history starts earlier).
+        "time_to_first_step_seconds": next(
+            (h["first_step_time"] - started_at for h in history if h.get("first_step_time", 0) >= started_at), None
+        ),
         "history_file": HISTORY_FILE,
         "model_file": MODEL_FILE,
         "config": config.model_dump(mode="json"),

@@ -33,6 +33,17 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def two_worker_run(ray_cluster, tmp_path_factory):
+    """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it."""
+    from app import ray_train
+    from app.config import build_config
+
+    out = tmp_path_factory.mktemp("runs") / "w2"
+    result = ray_train.run(build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6}))
+    return out, result
+
+
 @pytest.fixture
 def no_shared_ray():
     """Stop the session's Ray (if any) before a test that runs a cluster of its own."""

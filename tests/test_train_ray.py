@@ -26,13 +26,6 @@ def history_column(out, column):
         return [float(row[column]) for row in csv.DictReader(f)]
 
 
-@pytest.fixture(scope="module")
-def two_worker_run(ray_cluster, tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "w2"
-    result = ray_train.run(build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6}))
-    return out, result
-
-
 def check_learned(out, result, workers):
     losses = history_column(out, "train_loss")
     assert losses[-1] < losses[0] / 5, losses
