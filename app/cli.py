@@ -12,10 +12,13 @@ from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser, exclude: frozenset[str] | set[str] = frozenset()) -> None:
     """One --flag-name per TrainConfig field; every default is None (= keep the file's or the field's default)."""
-    parser.add_argument("--config", metavar="FILE", help="YAML file of config fields; flags override it.")
+    if "config" not in exclude:
+        parser.add_argument("--config", metavar="FILE", help="YAML file of config fields; flags override it.")
     for name, field in TrainConfig.model_fields.items():
+        if name in exclude:
+            continue
         flag = "--" + name.replace("_", "-")
         default = field.default_factory() if field.default_factory else field.default
         help_text = f"{field.description} (default: {default})"

@@ -184,8 +184,17 @@ def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
     return {"train": train, "val": val}
 
 
-def fit(config: TrainConfig, source: data.Source) -> Any:
-    """Run TensorflowTrainer and return Ray's Result (raises RunFailed)."""
+def fit(
+    config: TrainConfig,
+    source: data.Source,
+    callbacks: list | None = None,
+    storage_path: str | None = None,
+    name: str | None = None,
+) -> Any:
+    """Run TensorflowTrainer and return Ray's Result (raises RunFailed).
+
+    ``callbacks`` run on the Train controller (Tune passes its TuneReportCallback).
+    """
     import ray.train
     from ray.train.tensorflow import TensorflowTrainer
 
@@ -212,8 +221,9 @@ def fit(config: TrainConfig, source: data.Source) -> Any:
         ),
         datasets=build_datasets(config, source),
         run_config=ray.train.RunConfig(
-            name=out.name,
-            storage_path=config.storage_path or str(out / "ray"),
+            name=name or out.name,
+            storage_path=storage_path or config.storage_path or str(out / "ray"),
+            callbacks=callbacks,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.keep_checkpoints,
                 checkpoint_score_attribute="val_accuracy",

@@ -1,0 +1,257 @@
+"""Ray Tune over TensorflowTrainer runs: sweep the hyperparameters that change with scale.
+
+Each trial is a Tune *function* trainable that builds and fits a
+TensorflowTrainer for its sampled config and forwards every Train report to
+Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a Trainer to the
+Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
+field names, so the best trial's config feeds straight back into
+``jobs/train.py --config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.config import TrainConfig, build_config, read_yaml
+from app.errors import RunFailed, UserError
+
+log = logging.getLogger(__name__)
+
+# Fields a space may not set: they say where a trial writes or how it resumes.
+NOT_SEARCHABLE = {"output", "overwrite", "resume", "storage_path", "backend", "strategy", "devices"}
+
+RESULTS_FILE = "results.csv"
+BEST_CONFIG_FILE = "best_config.yaml"
+PLOT_FILE = "val_accuracy_vs_global_batch.png"
+SUMMARY_FILE = "summary.yaml"
+TRIAL_MEMORY = 1024**3  # the trial process imports TensorFlow and runs the Train driver
+
+
+def _domains() -> dict[str, Any]:
+    from ray import tune
+
+    return {
+        "grid": tune.grid_search,
+        "choice": tune.choice,
+        "uniform": tune.uniform,
+        "quniform": tune.quniform,
+        "loguniform": tune.loguniform,
+        "qloguniform": tune.qloguniform,
+        "randint": tune.randint,
+        "qrandint": tune.qrandint,
+        "lograndint": tune.lograndint,
+    }
+
+
+def _candidates(kind: str, args: Any) -> list[Any]:
+    """Values to validate against TrainConfig before any trial starts."""
+    if kind in ("grid", "choice"):
+        return list(args)
+    low, high = args[0], args[1]
+    if kind in ("randint", "qrandint", "lograndint"):
+        return [low, high - 1]
+    return [low, high]
+
+
+def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
+    """YAML -> Tune param_space, refusing unknown keys and malformed domains by name."""
+    raw = read_yaml(path)
+    domains = _domains()
+    space: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in TrainConfig.model_fields:
+            raise UserError(f"search space {str(path)!r}: unknown key {key!r} (keys are TrainConfig fields: see "
+                            "python jobs/train.py --help)")
+        if key in NOT_SEARCHABLE:
+            raise UserError(f"search space {str(path)!r}: {key!r} cannot be searched (it says where trials run "
+                            "or write); set it with a flag")
+        if key in fixed:
+            raise UserError(f"{key!r} is both fixed by a flag and searched in {str(path)!r}: drop one")
+        if isinstance(value, dict):
+            if len(value) != 1 or next(iter(value)) not in domains:
+                raise UserError(f"search space {str(path)!r}: key {key!r} has a malformed domain {value!r}: "
+                                f"write {{<domain>: <args>}} with one of {', '.join(domains)}")
+            kind, args = next(iter(value.items()))
+            if not isinstance(args, list) or not args:
+                raise UserError(f"search space {str(path)!r}: {key!r}: {kind} needs a non-empty list, got {args!r}")
+            try:
+                candidates = _candidates(kind, args)
+                space[key] = domains[kind](args) if kind in ("grid", "choice") else domains[kind](*args)
+            except (TypeError, ValueError, IndexError) as e:
+                raise UserError(f"search space {str(path)!r}: {key!r}: bad {kind} arguments {args!r} ({e})") from None
+        else:
+            candidates, space[key] = [value], value
+        for candidate in candidates:  # a value TrainConfig refuses is refused now, not in trial 7
+            try:
+                build_config(None, {**fixed, key: candidate, "output": "x"})
+            except UserError as e:
+                raise UserError(f"search space {str(path)!r}: {key!r} = {candidate!r} is invalid: {e}") from None
+    return space
+
+
+# --------------------------------------------------------------------------- #
+# The trial                                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def run_trial(params: dict[str, Any]) -> None:
+    """One Tune trial: a full TensorflowTrainer run of the sampled config."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from app import data, ray_train
+
+    trial_dir = Path(tune.get_context().get_trial_dir())
+    config = TrainConfig(**{**params, "output": str(trial_dir / "run"), "overwrite": True})
+    source = data.load_source(config)
+    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
+    ray_train.fit(config, source, callbacks=[TuneReportCallback()], storage_path=str(trial_dir), name="train")
+
+
+# --------------------------------------------------------------------------- #
+# The sweep                                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def concurrency(base: TrainConfig, max_concurrent: int | None) -> int:
+    """How many trials fit at once: the cluster's CPUs (minus one for Ray Data) over one trial's workers."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 1.0)
+    per_trial = base.num_workers * base.cpus_per_worker
+    fits = max(1, math.floor((cpus - 1) / per_trial))
+    if base.use_gpu:
+        fits = max(1, min(fits, int(ray.cluster_resources().get("GPU", 0) // base.num_workers)))
+    return min(fits, max_concurrent) if max_concurrent else fits
+
+
+def sweep(
+    space_file: str | Path,
+    fixed: dict[str, Any],
+    output: str | Path,
+    num_samples: int = 1,
+    scheduler: str = "asha",
+    metric: str = "val_accuracy",
+    mode: str = "max",
+    max_concurrent: int | None = None,
+) -> dict[str, Any]:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from app import ray_train
+
+    space = load_space(space_file, fixed)
+    base = build_config(None, {**fixed, "output": "x"})
+    out = Path(output).expanduser().resolve()
+    ray_train.check_fits_locally(base)
+    ray_train.connect(base)
+
+    # A trial's own process (the Train driver) reserves memory, not CPU: its
+    # workers reserve their CPUs through Train's placement group, and a CPU
+    # fraction here would eat into the CPU that Ray Data's shuffle tasks need
+    # (0.99 free CPU never fits a 1-CPU task: the run waits forever). Concurrency
+    # is capped so the trials running at once can all place their workers: on
+    # 2 CPUs, one trial at a time instead of a deadlock.
+    trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([{"CPU": 0, "memory": TRIAL_MEMORY}]))
+    if tune.Tuner.can_restore(str(out)):
+        log.info("resuming the interrupted sweep in %s", out)
+        tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_errored=True)
+    else:
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
+        sched = (
+            ASHAScheduler(time_attr="training_iteration", max_t=base.epochs if "epochs" not in space else 10_000,
+                          grace_period=1, reduction_factor=2)
+            if scheduler == "asha"
+            else FIFOScheduler()
+        )
+        tuner = tune.Tuner(
+            trainable,
+            param_space={**fixed, **space},
+            tune_config=tune.TuneConfig(
+                metric=metric,
+                mode=mode,
+                scheduler=sched,
+                num_samples=num_samples,
+                max_concurrent_trials=concurrency(base, max_concurrent),
+            ),
+            run_config=tune.RunConfig(name=out.name, storage_path=str(out.parent), verbose=1),
+        )
+    results = tuner.fit()
+    return write_outputs(results, out, base, metric, mode)
+
+
+def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str) -> dict[str, Any]:
+    import pandas as pd
+
+    rows = []
+    for r in results:
+        cfg = r.config or {}
+        m = r.metrics or {}
+        workers = cfg.get("num_workers", base.num_workers)
+        rows.append({
+            **{f"config/{k}": v for k, v in cfg.items()},
+            "global_batch": cfg.get("per_replica_batch", base.per_replica_batch) * workers,
+            "epochs_run": m.get("epoch", 0),
+            metric: m.get(metric),
+            "val_loss": m.get("val_loss"),
+            "train_loss": m.get("train_loss"),
+            "wall_seconds": m.get("time_total_s"),
+            "worker_seconds": (m.get("time_total_s") or 0) * workers,
+            "error": str(r.error).splitlines()[0] if r.error else "",
+        })
+    table = pd.DataFrame(rows)
+    table.to_csv(out / RESULTS_FILE, index=False)
+    finished = table.dropna(subset=[metric])
+    if finished.empty:
+        raise RunFailed(f"no trial reported {metric!r}; see {out / RESULTS_FILE} and the trial logs in {out}")
+
+    best = results.get_best_result(metric=metric, mode=mode, scope="last")
+    best_config = {**base.model_dump(mode="json"), **best.config}
+    for key in ("output", "overwrite", "resume"):
+        best_config.pop(key, None)
+    (out / BEST_CONFIG_FILE).write_text(yaml.safe_dump(best_config, sort_keys=False))
+    plot(finished, out / PLOT_FILE, metric)
+
+    # Worker-seconds if every trial had run all its epochs, from each trial's own seconds per epoch.
+    epochs = table["config/epochs"] if "config/epochs" in table else base.epochs
+    full = (table["worker_seconds"] / table["epochs_run"].clip(lower=1) * epochs).sum()
+    summary = {
+        "trials": len(table),
+        "stopped_early": int((table["epochs_run"] < epochs).sum()),
+        "best": {metric: best.metrics.get(metric), "config": best.config},
+        "worker_seconds_spent": float(table["worker_seconds"].sum()),
+        "worker_seconds_if_all_ran_to_the_end": float(full),
+    }
+    (out / SUMMARY_FILE).write_text(yaml.safe_dump(summary, sort_keys=False))
+    shown = [c for c in table.columns if c.startswith("config/") and table[c].nunique() > 1]
+    print(table[shown + ["global_batch", "epochs_run", metric, "wall_seconds"]].to_string(index=False))
+    return summary
+
+
+def plot(table, path: Path, metric: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rule_col = "config/lr_scaling"
+    groups = table.groupby(rule_col) if rule_col in table else [("all trials", table)]
+    for rule, group in groups:
+        best = group.groupby("global_batch")[metric].max().sort_index()
+        ax.plot(best.index, best.values, marker="o", label=str(rule))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel(f"{metric} (best trial)")
+    ax.set_title("LR scaling rules across global batch sizes")
+    ax.grid(alpha=0.3)
+    ax.legend(title="lr_scaling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,77 @@
+"""Ray Tune sweeps: every trial a real TensorflowTrainer run; bad spaces refused before any trial."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from app import tune
+from app.errors import UserError
+from conftest import REPO, clean_env, run_job
+
+
+def test_smoke_sweep_and_its_best_config_feeds_back_into_train(ray_cluster, tmp_path):
+    out = tmp_path / "sweep"
+    summary = tune.sweep(REPO / "tune_spaces" / "smoke.yaml", {}, out)
+
+    table = pd.read_csv(out / tune.RESULTS_FILE)
+    assert len(table) == summary["trials"] >= 2
+    assert set(table["config/lr_scaling"]) == {"linear", "sqrt"}
+    assert (table["epochs_run"] == 1).all() and table["val_accuracy"].notna().all()
+    assert (table["error"].fillna("") == "").all()
+    # Each trial was a real multi-worker Train run: its own Train storage with checkpoints.
+    assert len(list(out.glob("run_trial_*/train/checkpoint_*/state.json"))) >= 2
+    assert (out / tune.PLOT_FILE).stat().st_size > 10_000
+
+    best_file = out / tune.BEST_CONFIG_FILE
+    best = yaml.safe_load(best_file.read_text())
+    assert best["lr_scaling"] == summary["best"]["config"]["lr_scaling"]
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again"), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    again = json.loads((tmp_path / "again" / "result.json").read_text())
+    assert again["config"]["lr_scaling"] == best["lr_scaling"] and again["epochs_completed"] == 1
+    assert again["metrics"]["val_accuracy"] == pytest.approx(summary["best"]["val_accuracy"], abs=0.03)
+
+
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        ("learning_rate: {grid: [0.1, 0.2]}\n", "unknown key 'learning_rate'"),
+        ("base_lr: {logspace: [0.01, 0.1]}\n", "key 'base_lr' has a malformed domain"),
+        ("base_lr: {uniform: [0.1]}\n", "'base_lr': bad uniform arguments"),
+        ("base_lr: {grid: 0.1}\n", "'base_lr': grid needs a non-empty list"),
+        ("lr_scaling: {grid: [linear, cubic]}\n", "'lr_scaling' = 'cubic' is invalid"),
+        ("per_replica_batch: {choice: [32, 0]}\n", "'per_replica_batch' = 0 is invalid"),
+        ("output: {grid: [a, b]}\n", "'output' cannot be searched"),
+    ],
+)
+def test_bad_spaces_are_refused_by_name(tmp_path, space, message):
+    f = tmp_path / "space.yaml"
+    f.write_text(space)
+    with pytest.raises(UserError) as e:
+        tune.load_space(f, {})
+    assert message in str(e.value)
+
+
+def test_a_key_both_fixed_and_searched_is_refused(tmp_path):
+    f = tmp_path / "space.yaml"
+    f.write_text("epochs: {grid: [1, 2]}\n")
+    with pytest.raises(UserError, match="both fixed by a flag and searched"):
+        tune.load_space(f, {"epochs": 3})
+
+
+def test_shipped_spaces_parse():
+    for f in (REPO / "tune_spaces").glob("*.yaml"):
+        assert tune.load_space(f, {})
+
+
+def test_bad_space_fails_before_ray_starts(tmp_path):
+    f = tmp_path / "space.yaml"
+    f.write_text("momentun: {grid: [0.0, 0.9]}\n")
+    p = run_job("jobs/tune.py", "--space", str(f), "--output", str(tmp_path / "o"), timeout=120)
+    assert p.returncode == 2 and "unknown key 'momentun'" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "o").exists()
