@@ -61,14 +61,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     )
     val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch)
     val_dataset = strategy.distribute_datasets_from_function(lambda _: val_batches)
-    loop = Loop(
-        strategy,
-        model,
-        optimizer,
-        plan.global_batch,
-        audit_sample_ids=config.audit_sample_ids,
-        steps_per_execution=config.steps_per_execution,
-    )
+    loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         try:

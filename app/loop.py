@@ -118,6 +118,18 @@ class Loop:
         self._train_steps = distributed_train_steps
         self._eval_step = distributed_eval_step
 
+    @classmethod
+    def for_run(cls, strategy, model, optimizer, global_batch_size: int, config) -> "Loop":
+        """The loop as a TrainConfig asks for it (both backends build it this way)."""
+        return cls(
+            strategy,
+            model,
+            optimizer,
+            global_batch_size,
+            audit_sample_ids=config.audit_sample_ids,
+            steps_per_execution=config.steps_per_execution,
+        )
+
     # --- helpers ---------------------------------------------------------------
     def _local_sum(self, per_replica) -> "tf.Tensor":
         import tensorflow as tf

@@ -74,14 +74,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     val_dataset = strategy.distribute_datasets_from_function(
         lambda _: data.eval_batches_from_shard(val_shard, config.per_replica_batch, feature_shape)
     )
-    loop = Loop(
-        strategy,
-        model,
-        optimizer,
-        plan.global_batch,
-        audit_sample_ids=config.audit_sample_ids,
-        steps_per_execution=config.steps_per_execution,
-    )
+    loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped)

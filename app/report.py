@@ -20,6 +20,7 @@ RESULT_FILE = "result.json"
 HISTORY_FILE = "history.csv"
 MODEL_FILE = "model.keras"
 CONFIG_FILE = "config.yaml"
+CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
 
@@ -58,6 +59,31 @@ def write_history(path: Path, history: list[dict[str, Any]]) -> None:
         writer.writerows(history)
 
 
+def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
+    """Loss and accuracy per epoch, train against val, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label}")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {label}")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    loss_ax.set_yscale("log")
+    acc_ax.set_ylim(top=1.0)
+    last = history[-1]
+    fig.suptitle(f"val accuracy {last['val_accuracy']:.4f} after {last['epoch']} epochs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(
     config: TrainConfig,
     ckpt_dir: str | Path,
@@ -73,6 +99,7 @@ def write_outputs(
     last = history[-1]
     shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
+    plot_curves(history, out / CURVES_FILE)
     if "audit_sample_ids" in state:
         (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
 

@@ -118,6 +118,39 @@ def run_trial(params: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 
 
+def _is_domain(value: Any) -> bool:
+    from ray.tune.search.sample import Domain
+
+    return isinstance(value, Domain) or (isinstance(value, dict) and "grid_search" in value)
+
+
+def asha(base: TrainConfig, searched: dict[str, Any]):
+    """ASHA on epochs (one Train report = one Tune iteration).
+
+    The grace period outlasts the LR warmup: judged during warmup, the large
+    batches (the very thing this sweep is about) would look worst and be cut.
+    """
+    from ray.tune.schedulers import ASHAScheduler
+
+    max_t = base.epochs if "epochs" not in searched else max(_numbers(searched["epochs"]) or [10_000])
+    warmup = max(base.warmup_epochs, *_numbers(searched.get("warmup_epochs")))
+    grace = min(max_t, math.ceil(warmup) + 1)
+    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=grace, reduction_factor=2)
+
+
+def _numbers(domain: Any) -> list[float]:
+    """The values a fixed or grid/choice entry can take (ranges: none known in advance)."""
+    if isinstance(domain, (int, float)):
+        return [domain]
+    if isinstance(domain, dict) and "grid_search" in domain:
+        return list(domain["grid_search"])
+    categories = getattr(domain, "categories", None)
+    if categories:
+        return list(categories)
+    upper = getattr(domain, "upper", None)  # a range: its upper bound is the worst case
+    return [upper] if upper is not None else [0]
+
+
 def concurrency(base: TrainConfig, max_concurrent: int | None) -> int:
     """How many trials fit at once: the cluster's CPUs (minus one for Ray Data) over one trial's workers."""
     import ray
@@ -141,12 +174,14 @@ def sweep(
     max_concurrent: int | None = None,
 ) -> dict[str, Any]:
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
 
     from app import ray_train
 
     space = load_space(space_file, fixed)
-    base = build_config(None, {**fixed, "output": "x"})
+    searched = {k for k, v in space.items() if _is_domain(v)}
+    # The values every trial shares (flags, and the space's plain values) make the base config.
+    base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
     out = Path(output).expanduser().resolve()
     ray_train.check_fits_locally(base)
     ray_train.connect(base)
@@ -159,17 +194,12 @@ def sweep(
     # 2 CPUs, one trial at a time instead of a deadlock.
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([{"CPU": 0, "memory": TRIAL_MEMORY}]))
     if tune.Tuner.can_restore(str(out)):
-        log.info("resuming the interrupted sweep in %s", out)
+        log.info("restoring the sweep in %s: finished trials are kept, unfinished ones resume", out)
         tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_errored=True)
     else:
         if out.exists() and any(out.iterdir()):
             raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
-        sched = (
-            ASHAScheduler(time_attr="training_iteration", max_t=base.epochs if "epochs" not in space else 10_000,
-                          grace_period=1, reduction_factor=2)
-            if scheduler == "asha"
-            else FIFOScheduler()
-        )
+        sched = asha(base, {k: space[k] for k in searched}) if scheduler == "asha" else FIFOScheduler()
         tuner = tune.Tuner(
             trainable,
             param_space={**fixed, **space},
@@ -203,6 +233,7 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
             "train_loss": m.get("train_loss"),
             "wall_seconds": m.get("time_total_s"),
             "worker_seconds": (m.get("time_total_s") or 0) * workers,
+            "epoch_seconds": m.get("epoch_seconds"),
             "error": str(r.error).splitlines()[0] if r.error else "",
         })
     table = pd.DataFrame(rows)
@@ -218,9 +249,12 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     (out / BEST_CONFIG_FILE).write_text(yaml.safe_dump(best_config, sort_keys=False))
     plot(finished, out / PLOT_FILE, metric)
 
-    # Worker-seconds if every trial had run all its epochs, from each trial's own seconds per epoch.
+    # Worker-seconds had every trial run all its epochs: what it spent, plus its
+    # remaining epochs at its own last epoch time (start-up is not paid again).
     epochs = table["config/epochs"] if "config/epochs" in table else base.epochs
-    full = (table["worker_seconds"] / table["epochs_run"].clip(lower=1) * epochs).sum()
+    workers = table["config/num_workers"] if "config/num_workers" in table else base.num_workers
+    remaining = (epochs - table["epochs_run"]).clip(lower=0) * table["epoch_seconds"].fillna(0) * workers
+    full = (table["worker_seconds"] + remaining).sum()
     summary = {
         "trials": len(table),
         "stopped_early": int((table["epochs_run"] < epochs).sum()),
@@ -244,11 +278,14 @@ def plot(table, path: Path, metric: str) -> None:
     rule_col = "config/lr_scaling"
     groups = table.groupby(rule_col) if rule_col in table else [("all trials", table)]
     for rule, group in groups:
-        best = group.groupby("global_batch")[metric].max().sort_index()
-        ax.plot(best.index, best.values, marker="o", label=str(rule))
+        best = group.loc[group.groupby("global_batch")[metric].idxmax()].sort_values("global_batch")
+        ax.plot(best["global_batch"], best[metric], marker="o", label=str(rule))
+        for _, row in best.iterrows():  # ASHA stops trials at different epochs: say which
+            ax.annotate(f"{int(row['epochs_run'])} ep", (row["global_batch"], row[metric]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
-    ax.set_ylabel(f"{metric} (best trial)")
+    ax.set_ylabel(f"final {metric} (best trial per point)")
     ax.set_title("LR scaling rules across global batch sizes")
     ax.grid(alpha=0.3)
     ax.legend(title="lr_scaling")

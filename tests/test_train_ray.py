@@ -39,6 +39,7 @@ def check_learned(out, result, workers):
     assert result["samples_per_second"] > 0 and result["wall_seconds"] > 0
     assert json.loads((out / "result.json").read_text()) == result
     assert len(history_column(out, "epoch")) == 6
+    assert (out / "curves.png").stat().st_size > 10_000
 
 
 def test_two_workers_learn_the_digits(two_worker_run):

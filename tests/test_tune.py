@@ -75,3 +75,14 @@ def test_bad_space_fails_before_ray_starts(tmp_path):
     p = run_job("jobs/tune.py", "--space", str(f), "--output", str(tmp_path / "o"), timeout=120)
     assert p.returncode == 2 and "unknown key 'momentun'" in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "o").exists()
+
+
+def test_asha_judges_trials_only_after_the_warmup():
+    from app.config import build_config
+
+    space = tune.load_space(REPO / "tune_spaces" / "lr_scaling.yaml", {})
+    searched = {k: v for k, v in space.items() if tune._is_domain(v)}
+    base = build_config(None, {"output": "x", **{k: v for k, v in space.items() if k not in searched}})
+    scheduler = tune.asha(base, searched)
+    assert scheduler._max_t == 6
+    assert min(milestone for milestone, _ in scheduler._brackets[0]._rungs) == 2  # warmup 1 epoch + 1
