@@ -43,9 +43,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from app.config import build_config
     from app.report import CONFIG_FILE
 
-    overrides = {name: getattr(args, name) for name in TrainConfig.model_fields}
-    file = args.config
-    if args.resume and not file:
+    overrides = {name: getattr(args, name, None) for name in TrainConfig.model_fields}
+    file = getattr(args, "config", None)
+    if overrides["resume"] and not file:
         if not args.output:
             raise UserError("--resume needs --output: the directory of the run to continue")
         file = Path(args.output) / CONFIG_FILE
