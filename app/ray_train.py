@@ -11,6 +11,7 @@ import os
 import re
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from app import checkpoint, data
@@ -260,6 +261,26 @@ def _summarize(error: BaseException) -> str:
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")
 
 
+RUN_NAME_FILE = "ray_run_name"
+
+
+def _ray_run_name(config: TrainConfig, out: Path) -> str:
+    """The Ray Train run name: new for a new run, the recorded one for --resume.
+
+    Ray Train resumes whatever run has this name in the storage path. A fresh
+    name per run keeps a new run (or --overwrite) from silently continuing an
+    old one left in shared storage (--storage-path); --resume reads it back.
+    """
+    recorded = out / RUN_NAME_FILE
+    if config.resume:
+        if not recorded.is_file():
+            raise UserError(f"cannot resume {str(out)!r}: it records no Ray run ({RUN_NAME_FILE} is missing)")
+        return recorded.read_text().strip()
+    name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    recorded.write_text(name)
+    return name
+
+
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train, and write the outputs. Returns result.json's content."""
     from app import report
@@ -270,9 +291,10 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
     check_fits_locally(config)
     out = report.prepare_output_dir(config)
+    name = _ray_run_name(config, out)
 
     connect(config)
-    result = fit(config, source)
+    result = fit(config, source, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = report.write_outputs(
             config,

@@ -69,8 +69,13 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
     assert epochs == [1, 2, 3, 4, 5, 6]  # nothing repeated but the interrupted epoch, which was never recorded
     resumed = [r for r in rows if r["attempt"] == "1"]
     assert resumed and int(resumed[0]["epoch"]) >= 2
+    # Recovery must not cost accuracy: at most 1 point below the undisturbed run with the same seed.
+    # (Not a two-sided band: after a restart Ray Data's shuffle counter starts again, so the later
+    # epochs see other orders, and on 359 val samples that alone moves the result by ~1 point
+    # either way; seen: 0.9805 killed vs 0.9666 undisturbed.)
     undisturbed = two_worker_run[1]["metrics"]["val_accuracy"]
-    assert abs(result["metrics"]["val_accuracy"] - undisturbed) <= 0.01
+    assert result["metrics"]["val_accuracy"] >= undisturbed - 0.01
+    assert result["metrics"]["val_accuracy"] >= 0.95
     print(f"\nkill -> first step of the new worker group: {float(resumed[0]['first_step_time']) - killed_at:.1f} s")
 
 
