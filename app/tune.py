@@ -264,7 +264,7 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     }
     (out / SUMMARY_FILE).write_text(yaml.safe_dump(summary, sort_keys=False))
     shown = [c for c in table.columns if c.startswith("config/") and table[c].nunique() > 1]
-    print(table[shown + ["global_batch", "epochs_run", metric, "wall_seconds"]].to_string(index=False))
+    log.info("\n%s", table[shown + ["global_batch", "epochs_run", metric, "wall_seconds"]].to_string(index=False))
     return summary
 
 
