@@ -166,13 +166,13 @@ class Loop:
         acc = tf.zeros((3,), tf.float64)
         first_step_time = None
         id_chunks = []
-        step_losses = []  # per call, this worker's loss sum: kept as tensors, checked once at the end
+        step_sums = []  # per call, this worker's sums: kept as tensors, checked once at the end
         done = 0
         while done < steps:
             if self.steps_per_execution == 1:
                 per_replica, ids = self._train_step(next(iterator))
                 local = self._local_sum(per_replica)
-                step_losses.append((done + 1, local[0]))
+                step_sums.append((done + 1, local))
                 acc += local
                 if self.audit_sample_ids:
                     id_chunks.append(ids.numpy())
@@ -180,7 +180,7 @@ class Loop:
             else:
                 k = min(self.steps_per_execution, steps - done)
                 local = self._train_steps(iterator, tf.constant(k))
-                step_losses.append((done + k, local[0]))
+                step_sums.append((done + k, local))
                 acc += local
                 done += k
             if first_step_time is None:
@@ -189,7 +189,7 @@ class Loop:
         loss_sum, correct, count = self.cross_worker_sum(acc.numpy())
         seconds = time.perf_counter() - start
         if not np.isfinite(loss_sum):
-            bad = next((s for s, loss in step_losses if not np.isfinite(loss.numpy())), None)
+            bad = next((s for s, sums in step_sums if not np.isfinite(sums.numpy()[0])), None)
             where = f"step {bad} of {steps}" if bad is not None else f"a step of {steps} on another worker"
             raise NonFiniteLoss(
                 f"non-finite training loss in epoch {epoch}, {where}: check the data for NaN/inf or lower "

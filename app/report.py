@@ -119,7 +119,7 @@ def write_outputs(
         "learning_rate": lr_plan["peak_lr"],
         "lr_plan": lr_plan,
         "epochs_completed": last["epoch"],
-        "steps_per_epoch": state["plan"]["steps"] if "plan" in state else None,
+        "steps_per_epoch": state["plan"]["steps"],
         "dropped_samples_per_epoch": last["dropped_samples"],
         "metrics": {k: last[k] for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
         "samples_per_second": train_samples / train_seconds,
