@@ -48,13 +48,29 @@ class TrainConfig(BaseModel):
     )
 
     # --- data and model ----------------------------------------------------
-    dataset: str = Field("digits", description="Dataset name: digits (embedded, no download).")
+    dataset: str = Field(
+        "digits", description="Dataset: digits (embedded, no download) or synthetic (--synthetic-* sizes)."
+    )
+    synthetic_rows: int = Field(2048, ge=2, description="--dataset synthetic: number of rows.")
+    synthetic_shape: list[int] = Field(
+        default_factory=lambda: [32, 32, 3], description="--dataset synthetic: shape of one example."
+    )
+    synthetic_classes: int = Field(10, ge=2, description="--dataset synthetic: number of classes.")
     val_fraction: float = Field(
         0.2, gt=0, lt=1, description="Seeded fraction of the data held out for validation."
     )
-    model: str = Field("mlp", description="Model name: mlp.")
+    model: str = Field("mlp", description="Model name: mlp, cnn.")
     hidden_units: list[int] = Field(
         default_factory=lambda: [128, 64], description="Hidden layer widths of the mlp."
+    )
+    conv_filters: list[int] = Field(
+        default_factory=lambda: [32, 64, 128],
+        description="cnn: filters of each conv stage (two 3x3 conv + batch norm each; pooling between stages).",
+    )
+    sync_batch_norm: bool = Field(
+        False,
+        description="cnn: batch-norm statistics over the global batch (one all-reduce per layer per step) "
+        "instead of each replica's own batch.",
     )
 
     # --- optimisation ------------------------------------------------------
@@ -126,8 +142,10 @@ class TrainConfig(BaseModel):
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
-        if any(u <= 0 for u in self.hidden_units):
-            problems.append(f"hidden_units must all be > 0 (got {self.hidden_units})")
+        for name in ("hidden_units", "conv_filters", "synthetic_shape"):
+            values = getattr(self, name)
+            if not values or any(v <= 0 for v in values):
+                problems.append(f"{name} must be a non-empty list of positive integers (got {values})")
         if problems:
             raise ValueError("; ".join(problems))
         return self

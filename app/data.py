@@ -49,7 +49,7 @@ class Source:
         return tuple(self.train.x.shape[1:])
 
 
-def _digits() -> tuple[np.ndarray, np.ndarray]:
+def _digits(config: "TrainConfig") -> tuple[np.ndarray, np.ndarray]:
     # scikit-learn ships these 1,797 8x8 images inside the wheel: no download.
     from sklearn.datasets import load_digits
 
@@ -57,7 +57,26 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
 
 
-DATASETS: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {"digits": _digits}
+def _synthetic(config: "TrainConfig") -> tuple[np.ndarray, np.ndarray]:
+    """Seeded, learnable data of any shape: a per-class pattern under unit Gaussian noise.
+
+    For benchmarks and tests: the size and shape are whatever the config says,
+    and a model can still learn it (the pattern's amplitude is small enough
+    that it takes a few epochs, not one step).
+    """
+    rng = np.random.default_rng(config.seed + 1)
+    shape = tuple(config.synthetic_shape)
+    patterns = rng.normal(size=(config.synthetic_classes, *shape)).astype(np.float32)
+    y = rng.integers(0, config.synthetic_classes, size=config.synthetic_rows, dtype=np.int64)
+    x = rng.normal(size=(config.synthetic_rows, *shape)).astype(np.float32)
+    x += 0.5 * patterns[y]
+    return x, y
+
+
+DATASETS: dict[str, Callable[["TrainConfig"], tuple[np.ndarray, np.ndarray]]] = {
+    "digits": _digits,
+    "synthetic": _synthetic,
+}
 
 
 def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:
@@ -75,7 +94,7 @@ def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) 
 
 
 def load_source(config: "TrainConfig") -> Source:
-    x, y = DATASETS[config.dataset]()
+    x, y = DATASETS[config.dataset](config)
     train, val = split_holdout(x, y, config.val_fraction, config.seed)
     return Source(train=train, val=val, num_classes=int(y.max()) + 1)
 
@@ -275,9 +294,19 @@ def train_batches_from_arrays(
     )
 
 
-def eval_batches_from_arrays(split: Split, batch_size: int) -> "tf.data.Dataset":
-    """The same (x, y, weight) batches from arrays in memory, for a plain process."""
+def eval_batches_from_arrays(split: Split, batch_size: int, replicas: int = 1) -> "tf.data.Dataset":
+    """The same (x, y, weight) batches from arrays in memory, for a plain process.
+
+    With several local replicas, weight-0 rows pad the set to whole rounds of
+    ``replicas`` batches: otherwise the last round hands some replicas an empty
+    batch, which some kernels (Conv2D + batch norm on CPU) reject.
+    """
     import tensorflow as tf
 
-    w = np.ones(len(split), dtype=np.float32)
-    return tf.data.Dataset.from_tensor_slices((split.x, split.y, w)).batch(batch_size)
+    x, y, w = split.x, split.y, np.ones(len(split), dtype=np.float32)
+    pad = (-len(split)) % (batch_size * replicas) if replicas > 1 else 0
+    if pad:
+        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
+        y = np.concatenate([y, np.repeat(y[:1], pad)])
+        w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
+    return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(batch_size)

@@ -59,7 +59,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             )
         )
     )
-    val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch)
+    val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch, strategy.num_replicas_in_sync)
     val_dataset = strategy.distribute_datasets_from_function(lambda _: val_batches)
     loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
 

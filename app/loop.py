@@ -114,9 +114,27 @@ class Loop:
         def distributed_eval_step(batch):
             return strategy.run(eval_step, args=batch)
 
+        # Non-trainable state (batch-norm moving mean/variance) is updated by each
+        # replica from its own batch: Keras 3 creates these variables with
+        # aggregation "none", so the replicas' copies drift apart, each evaluates
+        # with its own, and rank 0 saves only its own. Averaging them over every
+        # replica once per epoch keeps one consistent value (what tf.keras 2 did
+        # with ON_READ/MEAN variables, without a collective on every step).
+        replica_state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+
+        @tf.function
+        def average_replica_state():
+            def average():
+                ctx = tf.distribute.get_replica_context()
+                for v in replica_state:
+                    v.assign(ctx.all_reduce(tf.distribute.ReduceOp.MEAN, v.value))
+
+            strategy.run(average)
+
         self._train_step = distributed_train_step
         self._train_steps = distributed_train_steps
         self._eval_step = distributed_eval_step
+        self._average_replica_state = average_replica_state if replica_state else None
 
     @classmethod
     def for_run(cls, strategy, model, optimizer, global_batch_size: int, config) -> "Loop":
@@ -207,6 +225,8 @@ class Loop:
     def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int) -> tuple[dict, EpochStats]:
         """Train ``steps`` steps, evaluate, and return the epoch's metrics record."""
         train = self.train_epoch(train_iter, steps, epoch=epoch)
+        if self._average_replica_state is not None:
+            self._average_replica_state()
         val = self.evaluate(val_dataset)
         return epoch_metrics(epoch, train, val, self.optimizer.learning_rate.numpy(), dropped), train
 

@@ -24,7 +24,40 @@ def build_mlp(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes
     return keras.Model(inputs, logits, name="mlp")
 
 
-MODELS: dict[str, Callable[..., "keras.Model"]] = {"mlp": build_mlp}
+def build_cnn(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+    """The seeds' CIFAR-style conv net: stages of two 3x3 conv + batch norm + ReLU, 2x2 max pooling between.
+
+    Batch norm is not synchronised across workers by default (--sync-batch-norm
+    turns it on): each replica normalises with its own batch's statistics, as
+    Horovod and PyTorch DDP do by default. With 32+ images per replica those
+    statistics are good, and synchronising costs one all-reduce per BN layer per
+    step in the forward pass, on the critical path. Synchronise when the
+    per-replica batch is small (detection, segmentation: a handful per replica).
+    The moving averages used at inference are updated by each replica from its
+    own batch and averaged over all replicas at the end of every epoch
+    (``Loop``), so evaluation and the exported model use one value.
+    """
+    import keras
+
+    if len(feature_shape) == 2:  # (h, w) grayscale
+        feature_shape = (*feature_shape, 1)
+    if len(feature_shape) != 3:
+        raise ValueError(f"cnn needs images (height, width[, channels]), got examples of shape {feature_shape}")
+    inputs = keras.Input(shape=feature_shape, name="x")
+    h = inputs
+    for stage, filters in enumerate(config.conv_filters):
+        if stage > 0 and min(h.shape[1], h.shape[2]) >= 2:
+            h = keras.layers.MaxPooling2D(name=f"pool_{stage}")(h)
+        for j in range(2):
+            h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"conv_{stage}_{j}")(h)
+            h = keras.layers.BatchNormalization(synchronized=config.sync_batch_norm, name=f"bn_{stage}_{j}")(h)
+            h = keras.layers.ReLU(name=f"relu_{stage}_{j}")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(h)
+    return keras.Model(inputs, logits, name="cnn")
+
+
+MODELS: dict[str, Callable[..., "keras.Model"]] = {"mlp": build_mlp, "cnn": build_cnn}
 
 
 def build_model(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":

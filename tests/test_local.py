@@ -117,3 +117,21 @@ print("no ray")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
+
+
+def test_cnn_batch_norm_state_is_one_value_across_replicas(tmp_path):
+    """Each replica updates its own batch-norm moving statistics; the loop averages them every epoch.
+
+    Without that, replica 1 evaluates with different statistics from the ones
+    rank 0 exports, and the in-training val metrics disagree with the exported
+    model's.
+    """
+    out = tmp_path / "cnn"
+    result = local_run(out, "--strategy", "mirrored", "--devices", "2", "--dataset", "synthetic",
+                       "--synthetic-rows", "512", "--synthetic-shape", "8", "8", "3", "--model", "cnn",
+                       "--conv-filters", "4", "8", "--epochs", "2", "--per-replica-batch", "16")
+    p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["val_loss"] == pytest.approx(result["metrics"]["val_loss"], rel=1e-5)
+    assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
