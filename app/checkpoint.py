@@ -43,10 +43,18 @@ class Progress:
     attempt: int = 0  # 0 for the first start; +1 for every restart or resume
     history: list[dict[str, Any]] = field(default_factory=list)
     audit_ids: list[list[int]] = field(default_factory=list)  # per epoch, with --audit-sample-ids
+    worker_nodes: list[str] = field(default_factory=list)  # Ray node id of each rank, this attempt
 
     @classmethod
-    def resumed_from(cls, state: dict[str, Any]) -> "Progress":
-        return cls(state["epoch"], state.get("attempt", 0) + 1, state["history"], state.get("audit_sample_ids", []))
+    def resumed_from(cls, state: dict[str, Any], current: "Progress | None" = None) -> "Progress":
+        """The progress a checkpoint records, continued by a new attempt (whose placement is ``current``'s)."""
+        return cls(
+            state["epoch"],
+            state.get("attempt", 0) + 1,
+            state["history"],
+            state.get("audit_sample_ids", []),
+            current.worker_nodes if current else [],
+        )
 
     def record(self, metrics: dict[str, Any], sample_ids=None) -> None:
         metrics["attempt"] = self.attempt
@@ -67,6 +75,8 @@ class Progress:
         }
         if self.audit_ids:
             state["audit_sample_ids"] = self.audit_ids
+        if self.worker_nodes:
+            state["worker_nodes"] = self.worker_nodes
         return state
 
 

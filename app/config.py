@@ -46,6 +46,11 @@ class TrainConfig(BaseModel):
     cpus_per_worker: float = Field(
         1.0, gt=0, description="CPUs each worker reserves; also its TensorFlow thread count (rounded up)."
     )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray places the workers: PACK fills nodes (fast local all-reduce), SPREAD puts them on "
+        "different nodes where it can (STRICT_*: must).",
+    )
 
     # --- data and model ----------------------------------------------------
     dataset: str = Field(
@@ -111,6 +116,17 @@ class TrainConfig(BaseModel):
         None,
         description="Ray Train storage for checkpoints (default: <output>/ray). On a multi-node cluster use "
         "shared storage (NFS path or s3://, gs://).",
+    )
+
+    # --- monitoring ----------------------------------------------------------
+    tensorboard: bool = Field(True, description="Rank 0 writes TensorBoard scalars (see --tensorboard-dir).")
+    tensorboard_dir: Optional[str] = Field(
+        None,
+        description="TensorBoard log directory or URI (default: <output>/tensorboard; with --storage-path, "
+        "<storage-path>/<run name>/tensorboard, reachable from every node).",
+    )
+    log_every_steps: int = Field(
+        50, ge=0, description="TensorBoard step scalars every N optimizer steps (0 = per epoch only)."
     )
 
     # --- diagnostics -------------------------------------------------------

@@ -23,7 +23,7 @@ CHECKPOINT_DIR = "checkpoint"
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
-    from app import models, scaling
+    from app import models, monitor, scaling
     from app import strategy as strategy_lib
     from app.loop import Loop, NonFiniteLoss, progress_line
 
@@ -62,17 +62,20 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch, strategy.num_replicas_in_sync)
     val_dataset = strategy.distribute_datasets_from_function(lambda _: val_batches)
     loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
+    tensorboard = monitor.TensorBoard(monitor.logdir_for(config, out.name))
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         try:
-            metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped)
+            metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
         except NonFiniteLoss as e:
             raise RunFailed(str(e)) from None
         progress.record(metrics, train.sample_ids)
+        tensorboard.epoch(epoch, metrics)
         log.info(progress_line(metrics, config.epochs, progress.history))
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan)
         checkpoint.save_versioned(ckpt_root, model, optimizer, state, keep=config.keep_checkpoints)
 
+    tensorboard.close()
     latest = checkpoint.latest_versioned(ckpt_root)
     if latest is None:
         raise UserError(f"no checkpoint in {ckpt_root} to export")

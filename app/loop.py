@@ -48,6 +48,7 @@ class Loop:
         global_batch_size: int,
         audit_sample_ids: bool = False,
         steps_per_execution: int = 1,
+        log_every_steps: int = 0,
     ):
         import keras
         import tensorflow as tf
@@ -58,6 +59,8 @@ class Loop:
         self.global_batch_size = global_batch_size
         self.audit_sample_ids = audit_sample_ids
         self.steps_per_execution = steps_per_execution
+        self.log_every_steps = log_every_steps
+        self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         if optimizer is not None and not optimizer.built:
             # Create the slot variables now, under the scope: created lazily inside the
@@ -146,6 +149,8 @@ class Loop:
             global_batch_size,
             audit_sample_ids=config.audit_sample_ids,
             steps_per_execution=config.steps_per_execution,
+            # Log points are collectives: every worker must agree on them.
+            log_every_steps=config.log_every_steps if config.tensorboard else 0,
         )
 
     # --- helpers ---------------------------------------------------------------
@@ -170,18 +175,23 @@ class Loop:
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
 
     # --- epochs ----------------------------------------------------------------
-    def train_epoch(self, iterator, steps: int, epoch: int = 0) -> EpochStats:
+    def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log=None) -> EpochStats:
         """``steps`` steps from an endless distributed iterator.
 
         The caller passes the same ``steps`` on every worker (an all-reduce with
         a missing peer waits forever). Using an endless dataset and counting
         steps also avoids TF's per-step "does any worker still have data"
         all-reduce that a finite multi-worker dataset costs.
+
+        Every ``log_every_steps`` optimizer steps, every worker sums the steps
+        since the last point (a collective: all workers reach it at the same
+        step) and ``on_log(step, scalars)`` gets them.
         """
         import tensorflow as tf
 
         start = time.perf_counter()
         acc = tf.zeros((3,), tf.float64)
+        window = _LogWindow(self, on_log, start)
         first_step_time = None
         id_chunks = []
         step_sums = []  # per call, this worker's sums: kept as tensors, checked once at the end
@@ -192,6 +202,7 @@ class Loop:
                 local = self._local_sum(per_replica)
                 step_sums.append((done + 1, local))
                 acc += local
+                window.after(local, 1)
                 if self.audit_sample_ids:
                     id_chunks.append(ids.numpy())
                 done += 1
@@ -200,6 +211,7 @@ class Loop:
                 local = self._train_steps(iterator, tf.constant(k))
                 step_sums.append((done + k, local))
                 acc += local
+                window.after(local, k)
                 done += k
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
@@ -222,9 +234,11 @@ class Loop:
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
 
-    def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int) -> tuple[dict, EpochStats]:
+    def run_epoch(
+        self, epoch: int, train_iter, steps: int, val_dataset, dropped: int, on_log=None
+    ) -> tuple[dict, EpochStats]:
         """Train ``steps`` steps, evaluate, and return the epoch's metrics record."""
-        train = self.train_epoch(train_iter, steps, epoch=epoch)
+        train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log)
         if self._average_replica_state is not None:
             self._average_replica_state()
         val = self.evaluate(val_dataset)
@@ -245,6 +259,40 @@ class Loop:
             samples=int(count),
             seconds=time.perf_counter() - start,
         )
+
+
+class _LogWindow:
+    """The steps since the last log point of ``Loop.train_epoch`` (a window never spans two epochs)."""
+
+    def __init__(self, loop: Loop, on_log, start: float):
+        self.loop, self.on_log, self.start = loop, on_log, start
+        self.sums = None
+        if loop.global_step is None:  # first epoch of this process: continue a restored optimizer's count
+            loop.global_step = int(loop.optimizer.iterations.numpy()) if loop.optimizer is not None else 0
+
+    def after(self, local_sums, k: int) -> None:
+        loop = self.loop
+        before, loop.global_step = loop.global_step, loop.global_step + k
+        every = loop.log_every_steps
+        if not every:
+            return
+        self.sums = local_sums if self.sums is None else self.sums + local_sums
+        if loop.global_step // every == before // every:
+            return
+        # Every worker gets here at the same step (same config, same step count): a collective is safe.
+        loss_sum, correct, count = loop.cross_worker_sum(self.sums.numpy())
+        now = time.perf_counter()
+        if self.on_log is not None:
+            self.on_log(
+                loop.global_step,
+                {
+                    "train_loss": loss_sum / max(count, 1),
+                    "train_accuracy": correct / max(count, 1),
+                    "learning_rate": float(loop.optimizer.learning_rate.numpy()),
+                    "samples_per_second": count / (now - self.start),
+                },
+            )
+        self.sums, self.start = None, now
 
 
 def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:

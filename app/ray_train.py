@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint, data
+from app import checkpoint, data, monitor
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 
@@ -37,7 +37,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     import ray.train
     from ray.train import Checkpoint
 
-    from app import models, scaling
+    from app import models, monitor, scaling
     from app.loop import Loop, progress_line
 
     _log_to_stderr("app")
@@ -58,10 +58,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     # last registered checkpoint: weights, optimizer (hence the LR schedule
     # position), epoch counter and history.
     progress = checkpoint.Progress()
+    # Where every rank runs (a collective, once): result.json records it.
+    progress.worker_nodes = _worker_nodes(strategy, ray.get_runtime_context().get_node_id(), world)
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
-            progress = checkpoint.Progress.resumed_from(checkpoint.restore(d, model, optimizer))
+            progress = checkpoint.Progress.resumed_from(checkpoint.restore(d, model, optimizer), progress)
         if rank == 0:
             log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
 
@@ -76,10 +78,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         lambda _: data.eval_batches_from_shard(val_shard, config.per_replica_batch, feature_shape)
     )
     loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
+    tensorboard = monitor.TensorBoard(payload["tensorboard_dir"] if rank == 0 else None)
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
-        metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped)
+        metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
         progress.record(metrics, train.sample_ids)
+        tensorboard.epoch(epoch, metrics)
         if rank == 0:
             log.info(progress_line(metrics, config.epochs, progress.history))
 
@@ -92,6 +96,26 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 ckpt = Checkpoint.from_directory(tmp)
             # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
             ray.train.report(metrics, checkpoint=ckpt)
+    tensorboard.close()
+
+
+def _worker_nodes(strategy, node_id: str, world: int) -> list[str]:
+    """Every worker's Ray node id, in rank order, from an all-gather of the ids as fixed-width codes.
+
+    Ray Train has no all-gather of Python objects (only a broadcast from rank
+    0), and this runs once, so one small TensorFlow collective is the simplest.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    code = np.frombuffer(node_id.encode().ljust(_NODE_ID_WIDTH)[:_NODE_ID_WIDTH], dtype=np.uint8).astype(np.int32)
+    values = strategy.experimental_distribute_values_from_function(lambda _: tf.constant(code[None, :]))
+    rows = strategy.gather(values, axis=0).numpy()
+    # A worker with several local replicas contributes one row per replica.
+    return [bytes(row.astype(np.uint8)).decode().strip() for row in rows[:: len(rows) // world]]
+
+
+_NODE_ID_WIDTH = 64  # Ray node ids are 56 hex characters
 
 
 def _log_to_stderr(name: str) -> None:
@@ -207,11 +231,13 @@ def fit(
             "feature_shape": list(source.feature_shape),
             "num_classes": source.num_classes,
             "num_train_rows": len(source.train),
+            "tensorboard_dir": monitor.logdir_for(config, name or out.name),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.num_workers,
             use_gpu=config.use_gpu,
             resources_per_worker={"CPU": config.cpus_per_worker},
+            placement_strategy=config.placement_strategy,
         ),
         datasets=build_datasets(config, source),
         run_config=ray.train.RunConfig(

@@ -128,6 +128,7 @@ def write_outputs(
         "time_to_first_step_seconds": next(
             (h["first_step_time"] - started_at for h in history if h.get("first_step_time", 0) >= started_at), None
         ),
+        **({"worker_nodes": state["worker_nodes"]} if "worker_nodes" in state else {}),
         "history_file": HISTORY_FILE,
         "model_file": MODEL_FILE,
         "config": config.model_dump(mode="json"),

@@ -40,8 +40,23 @@ def two_worker_run(ray_cluster, tmp_path_factory):
     from app.config import build_config
 
     out = tmp_path_factory.mktemp("runs") / "w2"
-    result = ray_train.run(build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6}))
+    result = ray_train.run(
+        build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10})
+    )
     return out, result
+
+
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a TensorBoard log directory, read back the way TensorBoard reads it."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {
+        tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+        for tag in acc.Tags()["tensors"]
+    }
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from app import ray_train
 from app.config import build_config
-from conftest import run_job
+from conftest import run_job, tensorboard_scalars
 
 
 def train(tmp_path, name, **overrides):
@@ -106,3 +106,26 @@ def test_every_sample_is_seen_once_per_epoch(ray_cluster, tmp_path):
     # The shuffle deals a new order every epoch, so a different remainder is dropped.
     assert per_epoch[0] != per_epoch[1]
     assert set(per_epoch[0]) | set(per_epoch[1]) != set(per_epoch[0])
+
+
+def test_rank0_writes_tensorboard_scalars_per_epoch_and_every_n_steps(two_worker_run):
+    out, result = two_worker_run
+    scalars = tensorboard_scalars(out / "tensorboard")
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0 only
+    history = {k: history_column(out, k) for k in ("train_loss", "val_accuracy", "learning_rate")}
+    for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "learning_rate", "samples_per_second"):
+        assert [step for step, _ in scalars[f"epoch/{name}"]] == [1, 2, 3, 4, 5, 6], name
+    for name in ("train_loss", "val_accuracy", "learning_rate"):  # the same numbers as history.csv
+        np.testing.assert_allclose([v for _, v in scalars[f"epoch/{name}"]], history[name], rtol=1e-6)
+    total_steps = result["steps_per_epoch"] * 6  # 22 x 6 = 132: a point every 10 steps
+    for name in ("train_loss", "train_accuracy", "learning_rate", "samples_per_second"):
+        assert [step for step, _ in scalars[f"step/{name}"]] == list(range(10, total_steps + 1, 10)), name
+    step_loss = [v for _, v in scalars["step/train_loss"]]
+    assert step_loss[-1] < step_loss[0] / 3
+    assert all(v > 0 for _, v in scalars["step/samples_per_second"])
+
+
+def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):
+    _, result = two_worker_run
+    node = ray_cluster.get_runtime_context().get_node_id()
+    assert result["worker_nodes"] == [node, node]  # one node here; tests/test_multinode.py spreads them
