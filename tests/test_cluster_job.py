@@ -1,4 +1,4 @@
-"""`ray job submit` of jobs/train.py to a head started with `ray start --head`, token auth on."""
+"""`ray job submit` of jobs/train.py to a two-node cluster started with `ray start`, token auth on."""
 
 from __future__ import annotations
 
@@ -30,8 +30,30 @@ def ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+def start_node(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """`ray start ... --block` in its own process group, so that we stop exactly what it started."""
+    return subprocess.Popen(
+        [ray_cli(), "start", "--block", "--disable-usage-stats", "--dashboard-agent-listen-port", str(free_port()),
+         *args],
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def stop_node(node: subprocess.Popen) -> None:
+    # `ray start --block` stops the processes it started when it gets SIGTERM.
+    os.killpg(node.pid, signal.SIGTERM)
+    try:
+        node.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+    assert_process_group_gone(node.pid)
+
+
 @pytest.mark.own_ray_cluster
-def test_job_submit_runs_train_to_success(no_shared_ray, tmp_path):
+def test_job_submit_to_a_two_node_cluster_spreads_the_workers(no_shared_ray, tmp_path):
+    """The cross-node path of a real cluster, on one machine: a head and a second node joined with
+    `ray start --address`, a job submitted with the token, and workers placed SPREAD on both nodes."""
     # Token authentication stays on: head and submitter share a token, as Ray documents
     # (RAY_AUTH_MODE=token plus the token in RAY_AUTH_TOKEN).
     env = clean_env(
@@ -40,16 +62,16 @@ def test_job_submit_runs_train_to_success(no_shared_ray, tmp_path):
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
     gcs_port, dashboard_port = free_port(), free_port()
-    # A temp dir of its own keeps this head out of /tmp/ray, where `ray.init()` looks for clusters.
+    # A temp dir of its own keeps this cluster out of /tmp/ray, where `ray.init()` looks for clusters.
     temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")
-    head = subprocess.Popen(
-        [ray_cli(), "start", "--head", "--block", "--num-cpus", "3", "--temp-dir", temp_dir,
-         "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-         "--disable-usage-stats"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # its own process group, so we stop exactly what it started
+    # 2 CPUs on the head (one worker + Ray Data's tasks), 1 on the second node (the other worker).
+    head = start_node(
+        ["--head", "--num-cpus", "2", "--temp-dir", temp_dir, "--port", str(gcs_port),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+         "--ray-client-server-port", str(free_port())],
+        env, tmp_path,
     )
+    nodes = [head]
     address = f"http://127.0.0.1:{dashboard_port}"
     out = tmp_path / "run"
     try:
@@ -59,11 +81,13 @@ def test_job_submit_runs_train_to_success(no_shared_ray, tmp_path):
             assert head.poll() is None, head.stdout.read()
             assert time.time() < deadline, "the head's job server did not come up in 90 s"
             time.sleep(2)
+        nodes.append(start_node(["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "1"], env, tmp_path))
 
         submit = subprocess.run(
             [ray_cli(), "job", "submit", "--address", address, "--submission-id", "train-smoke",
              "--working-dir", str(REPO), "--",
-             "python", "jobs/train.py", "--epochs", "1", "--output", str(out)],
+             "python", "jobs/train.py", "--epochs", "1", "--output", str(out), "--placement-strategy", "SPREAD",
+             "--worker-start-timeout-s", "60"],
             env=env, capture_output=True, text=True, timeout=600,
         )
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
@@ -73,15 +97,16 @@ def test_job_submit_runs_train_to_success(no_shared_ray, tmp_path):
         result = json.loads((out / "result.json").read_text())
         assert result["epochs_completed"] == 1 and result["num_replicas"] == 2
         assert "outputs written to" in submit.stdout
+        # Each rank reported the node it ran on: two different nodes, both of this cluster.
+        listed = subprocess.run([ray_cli(), "list", "nodes", "--address", address, "--format", "json"],
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        cluster_nodes = {n["node_id"] for n in json.loads(listed.stdout)}
+        assert len(cluster_nodes) == 2
+        assert len(set(result["worker_nodes"])) == 2 and set(result["worker_nodes"]) == cluster_nodes
     finally:
-        # `ray start --block` stops the processes it started when it gets SIGTERM.
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        assert_process_group_gone(head.pid)
+        for node in reversed(nodes):
+            stop_node(node)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
