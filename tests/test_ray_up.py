@@ -1,0 +1,177 @@
+"""End to end: `ray up` of the shipped SSH config against this machine, a job, then `ray down`.
+
+The shipped cluster_ssh.yaml is the base; the test changes only what a lab
+user would (the machine, the user, the key, no workers) plus what a shared
+test machine needs:
+
+- sshd is started by the test on a free port of 127.0.0.1 with a key the test
+  makes; `SetEnv HOME=...` gives the "remote" side a home of its own, so the
+  launcher's files (~/ray_bootstrap_config.yaml, the key, the token) land in
+  the test's temp directory and not in the real home.
+- The launcher's start commands run `ray stop`, and `ray down` runs `ray stop`
+  over SSH: on a real cluster's dedicated machines that is right, here it
+  would stop every Ray process of the user. The start commands are replaced
+  (a head in a process group of its own), and on the remote PATH a `ray` shim
+  turns `ray stop` into "stop that process group"; every other subcommand is
+  the real ray.
+- Setup commands are emptied: the venv running the tests already holds the
+  project (installing the CUDA build of TensorFlow is for real clusters).
+
+Needs Debian's openssh-server and rsync (`.ci/run` installs them); skipped
+without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, assert_process_group_gone, clean_env, free_port, ray_cli
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+pytestmark = [
+    pytest.mark.own_ray_cluster,
+    pytest.mark.skipif(
+        not (os.path.exists(SSHD) and shutil.which("rsync") and shutil.which("ssh-keygen")),
+        reason="needs sshd, ssh-keygen and rsync (Debian: apt-get install openssh-server rsync; .ci/run does)",
+    ),
+]
+
+RAY_SHIM = """#!/bin/bash
+# Test-only: `ray stop` (what `ray down` runs) stops the head this test started, nothing else.
+if [ "$1" = "stop" ]; then
+  pgid=$(cat ~/ray-head.pgid 2>/dev/null) || exit 0
+  kill -TERM -- "-$pgid" 2>/dev/null || exit 0
+  for _ in $(seq 60); do kill -0 -- "-$pgid" 2>/dev/null || exit 0; sleep 1; done
+  kill -KILL -- "-$pgid"
+  exit 0
+fi
+exec {real_ray} "$@"
+"""
+
+
+def keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+
+
+def start_sshd(root: Path, port: int, remote_home: Path) -> subprocess.Popen:
+    keygen(root / "host_key")
+    (root / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {root / 'host_key'}\nPidFile {root / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {root / 'authorized_keys'}\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
+        f"SetEnv HOME={remote_home}\n"
+    )
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(root / "sshd_config")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 30
+    while subprocess.run(["ssh-keyscan", "-p", str(port), "127.0.0.1"], capture_output=True).returncode != 0:
+        assert sshd.poll() is None, sshd.stdout.read()
+        assert time.time() < deadline, "sshd did not come up in 30 s"
+        time.sleep(0.5)
+    return sshd
+
+
+def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboard_port: int) -> dict:
+    user = os.environ.get("USER") or subprocess.check_output(["id", "-un"], text=True).strip()
+    config = yaml.safe_load((REPO / "cluster_ssh.yaml").read_text())
+    ray_temp = root / "ray"  # short: Ray's socket paths must stay under 107 characters
+    start = (
+        f"RAY_AUTH_MODE=token exec ray start --head --block --port={gcs_port} --num-cpus=3 "
+        f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --temp-dir={ray_temp} "
+        f"--ray-client-server-port={free_port()} --dashboard-agent-listen-port={free_port()} "
+        "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"
+    )
+    config.update(
+        cluster_name=f"test-{secrets.token_hex(4)}",
+        provider={"type": "local", "head_ip": "127.0.0.1", "worker_ips": []},
+        auth={"ssh_user": user, "ssh_private_key": str(key),
+              # The launcher has no SSH-port setting (and ssh reads ~/.ssh/config from the passwd home,
+              # not $HOME): reach the test's sshd through itself, the standard jump-host idiom.
+              "ssh_proxy_command": f"ssh -q -i {key} -p {ssh_port} -o StrictHostKeyChecking=no "
+              f"-o UserKnownHostsFile=/dev/null -o IdentitiesOnly=yes -W 127.0.0.1:{ssh_port} {user}@127.0.0.1"},
+        min_workers=0,
+        max_workers=0,
+        file_mounts={"~/.ray/auth_token": str(root / "local" / ".ray" / "auth_token")},
+        setup_commands=[],
+        head_start_ray_commands=[
+            # A process group of its own (its id in ~/ray-head.pgid), detached from the SSH session.
+            f"setsid bash -c 'echo $$ > ~/ray-head.pgid; {start}' > ~/ray-head.log 2>&1 < /dev/null &",
+            f"for _ in $(seq 90); do RAY_AUTH_MODE=token ray status --address=127.0.0.1:{gcs_port} "
+            "> /dev/null 2>&1 && exit 0; sleep 1; done; cat ~/ray-head.log; exit 1",
+        ],
+        worker_start_ray_commands=[],
+    )
+    return config
+
+
+def test_ray_up_submit_ray_down(no_shared_ray):
+    root = Path(tempfile.mkdtemp(prefix="rayup", dir="/tmp"))
+    remote_home, local_home = root / "remote", root / "local"
+    for d in (remote_home / "bin", local_home / ".ray"):
+        d.mkdir(parents=True)
+    token = secrets.token_hex(32)
+    (local_home / ".ray" / "auth_token").write_text(token)
+    key = root / "id_ed25519"
+    keygen(key)
+    shutil.copyfile(f"{key}.pub", root / "authorized_keys")
+    # The "remote" login shell: the shim, then this venv (a job's python is the head's python).
+    (remote_home / "bin" / "ray").write_text(RAY_SHIM.format(real_ray=ray_cli()))
+    (remote_home / "bin" / "ray").chmod(0o755)
+    (remote_home / ".bash_profile").write_text(
+        f'export PATH="{remote_home / "bin"}:{Path(sys.executable).parent}:$PATH"\n'
+    )
+    (remote_home / ".bashrc").write_text("")  # the launcher sources it
+    ssh_port, gcs_port, dashboard_port = free_port(), free_port(), free_port()
+    config = cluster_config(root, key, ssh_port, gcs_port, dashboard_port)
+    config_path = root / "cluster.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    local_env = clean_env(HOME=str(local_home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    state_files = [Path(f"/tmp/ray/cluster-{config['cluster_name']}.{ext}") for ext in ("state", "lock")]
+    out = root / "run"
+
+    sshd = start_sshd(root, ssh_port, remote_home)
+    try:
+        up = subprocess.run([ray_cli(), "up", "-y", "--no-config-cache", str(config_path)], env=local_env,
+                            capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        assert (remote_home / "ray_bootstrap_config.yaml").is_file()  # the launcher really set up the head
+        assert (remote_home / ".ray" / "auth_token").read_text() == token  # file_mounts copied the token
+
+        submit = subprocess.run(
+            [ray_cli(), "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--working-dir",
+             str(REPO), "--", "python", "jobs/train.py", "--epochs", "1", "--output", str(out)],
+            env=clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token), capture_output=True, text=True,
+            timeout=600,
+        )
+        assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+        assert "succeeded" in submit.stdout
+        assert json.loads((out / "result.json").read_text())["epochs_completed"] == 1
+
+        head_pgid = int((remote_home / "ray-head.pgid").read_text())
+        down = subprocess.run([ray_cli(), "down", "-y", str(config_path)], env=local_env, capture_output=True,
+                              text=True, timeout=300)
+        assert down.returncode == 0, down.stdout[-4000:] + down.stderr[-4000:]
+        assert_process_group_gone(head_pgid)  # `ray down` left nothing of the cluster running
+    finally:
+        pgid_file = remote_home / "ray-head.pgid"
+        if pgid_file.is_file():  # a failed run: stop the head ourselves
+            subprocess.run(["bash", "-c", f"kill -TERM -- -{pgid_file.read_text().strip()}"], capture_output=True)
+        os.killpg(sshd.pid, 15)
+        sshd.wait(timeout=30)
+        for f in state_files:  # the local provider's node state, ours alone (a unique cluster name)
+            f.unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
