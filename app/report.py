@@ -59,26 +59,37 @@ def write_history(path: Path, history: list[dict[str, Any]]) -> None:
         writer.writerows(history)
 
 
-def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
-    """Loss and accuracy per epoch, train against val, side by side."""
+def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -> None:
+    """Loss and accuracy per epoch, train against val, side by side; the best val epoch marked.
+
+    Train numbers are means over the epoch's steps as the weights moved; val
+    numbers are measured after the epoch. Early on, val can therefore beat train.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    best = max(history, key=lambda h: h["val_accuracy"])
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
-        ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label}")
-        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {label}")
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label} (mean over epoch)")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {label} (end of epoch)")
+        ax.axvline(best["epoch"], color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("epoch")
         ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     loss_ax.set_yscale("log")
+    loss_ax.set_title("loss (log scale)")
+    acc_ax.set_title(f"accuracy; best val {best['val_accuracy']:.4f} at epoch {best['epoch']} (dotted)")
     acc_ax.set_ylim(top=1.0)
     last = history[-1]
-    fig.suptitle(f"val accuracy {last['val_accuracy']:.4f} after {last['epoch']} epochs")
+    title = f"val accuracy {last['val_accuracy']:.4f} after {last['epoch']} epochs"
+    fig.suptitle(f"{title}\n{subtitle}" if subtitle else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -99,13 +110,19 @@ def write_outputs(
     last = history[-1]
     shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
-    plot_curves(history, out / CURVES_FILE)
+    lr_plan = state["lr_plan"]
+    plot_curves(
+        history,
+        out / CURVES_FILE,
+        subtitle=f"{config.model} on {config.dataset}, {strategy}, {lr_plan['global_batch'] // config.per_replica_batch} "
+        f"replicas x {config.per_replica_batch} = global batch {lr_plan['global_batch']}, peak LR {lr_plan['peak_lr']:.3g} "
+        f"({lr_plan['rule']} rule)",
+    )
     if "audit_sample_ids" in state:
         (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
 
     train_samples = sum(h["train_samples"] for h in history)
     train_seconds = sum(h["train_seconds"] for h in history)
-    lr_plan = state["lr_plan"]
     result = {
         "strategy": strategy,
         "restarts": history[-1].get("attempt", 0),
