@@ -93,6 +93,17 @@ class TrainConfig(BaseModel):
     lr_decay: Literal["cosine", "constant"] = Field(
         "cosine", description="LR after warmup: cosine decay to 0 over the run, or constant."
     )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="Accumulate gradients over K micro-batches of --per-replica-batch before each all-reduce and "
+        "update: global batch = per-replica x replicas x K (the LR rule uses it).",
+    )
+    mixed_precision: Literal["off", "fp16", "bf16"] = Field(
+        "off",
+        description="Compute in float16 (GPUs; dynamic loss scaling) or bfloat16 (TPUs, CPUs with bf16 "
+        "instructions); variables and the logits stay float32.",
+    )
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")
     seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
@@ -173,7 +184,7 @@ class TrainConfig(BaseModel):
 
     @property
     def global_batch_size(self) -> int:
-        return self.per_replica_batch * self.num_replicas
+        return self.per_replica_batch * self.num_replicas * self.grad_accum
 
     def output_dir(self) -> Path:
         return Path(self.output).expanduser().resolve()

@@ -117,14 +117,21 @@ class EpochPlan:
     num_workers: int
     per_replica_batch: int
     replicas_per_worker: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+    @property
+    def step_batch(self) -> int:
+        """Rows one replica takes per optimizer step (all its micro-batches)."""
+        return self.per_replica_batch * self.grad_accum
 
     @property
     def global_batch(self) -> int:
-        return self.num_workers * self.replicas_per_worker * self.per_replica_batch
+        """The effective global batch: rows behind one optimizer step, over every replica."""
+        return self.num_workers * self.replicas_per_worker * self.step_batch
 
     @property
     def steps(self) -> int:
-        return (self.num_rows // self.num_workers) // (self.per_replica_batch * self.replicas_per_worker)
+        return (self.num_rows // self.num_workers) // (self.step_batch * self.replicas_per_worker)
 
     @property
     def samples(self) -> int:
@@ -140,6 +147,7 @@ class EpochPlan:
             "workers": self.num_workers,
             "replicas_per_worker": self.replicas_per_worker,
             "per_replica_batch": self.per_replica_batch,
+            "grad_accum": self.grad_accum,
             "global_batch": self.global_batch,
             "steps": self.steps,
             "samples": self.samples,
@@ -150,7 +158,8 @@ class EpochPlan:
         if self.steps == 0:
             raise UserError(
                 f"global batch {self.global_batch} (= {self.per_replica_batch} per replica x "
-                f"{self.num_workers * self.replicas_per_worker} replicas) is larger than the {self.num_rows} "
+                f"{self.num_workers * self.replicas_per_worker} replicas x {self.grad_accum} accumulated) is larger "
+                f"than the {self.num_rows} "
                 "training rows: lower --per-replica-batch or the number of workers/devices"
             )
 
@@ -231,7 +240,7 @@ def train_batches_from_shard(
         passes_left[0] -= 1
         taken = extra = 0
         for batch in shard.iter_batches(
-            batch_size=plan.per_replica_batch, batch_format="numpy", drop_last=True, prefetch_batches=2
+            batch_size=plan.step_batch, batch_format="numpy", drop_last=True, prefetch_batches=2
         ):
             if taken < plan.steps:
                 taken += 1
@@ -240,7 +249,7 @@ def train_batches_from_shard(
                 extra += 1
         if taken < plan.steps:
             raise RuntimeError(
-                f"uneven shard: this worker got {taken} full batches of {plan.per_replica_batch}, "
+                f"uneven shard: this worker got {taken} full batches of {plan.step_batch}, "
                 f"the plan needs {plan.steps} on every worker"
             )
         if extra:
@@ -280,7 +289,7 @@ def train_batches_from_arrays(
         order = tf.range(len(split), dtype=tf.int64)
         if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
             order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
-        batches = tf.data.Dataset.from_tensor_slices(order).batch(plan.per_replica_batch, drop_remainder=True)
+        batches = tf.data.Dataset.from_tensor_slices(order).batch(plan.step_batch, drop_remainder=True)
         return batches.take(plan.steps * plan.replicas_per_worker)
 
     def gather(index):

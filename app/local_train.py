@@ -36,7 +36,9 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         raise UserError(str(e)) from None
     log.info("strategy: %s (%s)", type(strategy).__name__, reason)
 
-    plan = data.EpochPlan(len(source.train), 1, config.per_replica_batch, strategy.num_replicas_in_sync)
+    plan = data.EpochPlan(
+        len(source.train), 1, config.per_replica_batch, strategy.num_replicas_in_sync, config.grad_accum
+    )
     plan.check()
     out = report.prepare_output_dir(config)
     lr_plan = scaling.plan_lr(config, plan.global_batch, plan.steps)

@@ -49,6 +49,7 @@ class Loop:
         audit_sample_ids: bool = False,
         steps_per_execution: int = 1,
         log_every_steps: int = 0,
+        grad_accum: int = 1,
     ):
         import keras
         import tensorflow as tf
@@ -60,6 +61,7 @@ class Loop:
         self.audit_sample_ids = audit_sample_ids
         self.steps_per_execution = steps_per_execution
         self.log_every_steps = log_every_steps
+        self.grad_accum = grad_accum
         self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         if optimizer is not None and not optimizer.built:
@@ -79,18 +81,60 @@ class Loop:
                 tf.float64,
             )
 
-        def train_step(x, y):
+        variables = model.trainable_variables
+        scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+        def micro_batch_gradients(x, y):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
                 per_example_loss = loss_fn(y, logits)
-                # Divide by the *global* batch: the all-reduce then sums replica
-                # gradients into the gradient of the mean over the global batch.
+                # Divide by the *global* batch (all replicas, all micro-batches): the
+                # all-reduce then sums replica gradients into the gradient of the mean
+                # over the global batch.
                 loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
                 if model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return sums(y, logits, per_example_loss, tf.ones_like(per_example_loss))
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
+                if scales_loss:
+                    loss = optimizer.scale_loss(loss)
+            return tape.gradient(loss, variables), sums(y, logits, per_example_loss, tf.ones_like(per_example_loss))
+
+        def train_step(x, y):
+            if grad_accum == 1:
+                grads, step_sums = micro_batch_gradients(x, y)
+            else:
+                # K micro-batches, one at a time (activation memory of one), gradients
+                # summed locally; the optimizer's all-reduce then runs once per K.
+                micro = tf.shape(x)[0] // grad_accum
+
+                def accumulate(i, grads, step_sums):
+                    part = slice(i * micro, (i + 1) * micro)
+                    g, s = micro_batch_gradients(x[part], y[part])
+                    return i + 1, [a + b for a, b in zip(grads, g)], step_sums + s
+
+                zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in variables]
+                _, grads, step_sums = tf.while_loop(
+                    lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((3,), tf.float64))
+                )
+            if scales_loss:
+                grads = agree_on_overflow(grads)
+            optimizer.apply_gradients(zip(grads, variables))
+            return step_sums
+
+        def agree_on_overflow(grads):
+            """Make an fp16 overflow on any replica an overflow on all of them.
+
+            LossScaleOptimizer checks the *local* gradients before its all-reduce:
+            under MWMS a worker that overflowed would skip the step (and the
+            all-reduce) while the others wait in it forever; under Mirrored the
+            first replica decides and another's inf would be summed into the
+            weights. One scalar all-reduce per step makes the decision global.
+            """
+            bad = tf.cast(
+                tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32
+            )
+            any_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, bad) > 0
+            poison = tf.where(any_bad, float("nan"), 0.0)
+            return [g + tf.cast(poison, g.dtype) for g in grads]
 
         def eval_step(x, y, w):
             logits = model(x, training=False)
@@ -151,6 +195,7 @@ class Loop:
             steps_per_execution=config.steps_per_execution,
             # Log points are collectives: every worker must agree on them.
             log_every_steps=config.log_every_steps if config.tensorboard else 0,
+            grad_accum=config.grad_accum,
         )
 
     # --- helpers ---------------------------------------------------------------

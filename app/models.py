@@ -59,6 +59,8 @@ def build_cnn(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes
 
 MODELS: dict[str, Callable[..., "keras.Model"]] = {"mlp": build_mlp, "cnn": build_cnn}
 
+PRECISION_POLICIES = {"off": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
+
 
 def build_model(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
     import keras
@@ -66,4 +68,7 @@ def build_model(config: "TrainConfig", feature_shape: tuple[int, ...], num_class
     # Same seed on every worker: replicas start identical (MWMS also broadcasts
     # the initial values, but a seeded init makes runs reproducible).
     keras.utils.set_random_seed(config.seed)
+    # Layers take the policy when they are created: compute in fp16/bf16, variables in float32.
+    # Every model's last layer is float32 (dtype="float32"), so logits and the loss are.
+    keras.mixed_precision.set_global_policy(PRECISION_POLICIES[config.mixed_precision])
     return MODELS[config.model](config, feature_shape, num_classes)

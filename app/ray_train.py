@@ -46,7 +46,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     feature_shape, num_classes = tuple(payload["feature_shape"]), payload["num_classes"]
 
     plan = data.EpochPlan(
-        payload["num_train_rows"], world, config.per_replica_batch, strategy.num_replicas_in_sync // world
+        payload["num_train_rows"], world, config.per_replica_batch, strategy.num_replicas_in_sync // world,
+        config.grad_accum,
     )
     lr_plan = scaling.plan_lr(config, plan.global_batch, plan.steps)
 
@@ -314,7 +315,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     started_at = started_at or time.time()
     # Everything that can be refused is checked before the output directory or Ray exists.
     source = data.load_source(config)
-    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
+    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch, 1, config.grad_accum).check()
     check_fits_locally(config)
     out = report.prepare_output_dir(config)
     name = _ray_run_name(config, out)

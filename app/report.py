@@ -111,12 +111,14 @@ def write_outputs(
     shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]
+    num_replicas = lr_plan["global_batch"] // (config.per_replica_batch * config.grad_accum)
+    accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
     plot_curves(
         history,
         out / CURVES_FILE,
-        subtitle=f"{config.model} on {config.dataset}, {strategy}, {lr_plan['global_batch'] // config.per_replica_batch} "
-        f"replicas x {config.per_replica_batch} = global batch {lr_plan['global_batch']}, peak LR {lr_plan['peak_lr']:.3g} "
-        f"({lr_plan['rule']} rule)",
+        subtitle=f"{config.model} on {config.dataset}, {strategy}, {num_replicas} replica(s) x "
+        f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
+        f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)",
     )
     if "audit_sample_ids" in state:
         (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
@@ -127,9 +129,11 @@ def write_outputs(
         "strategy": strategy,
         "restarts": history[-1].get("attempt", 0),
         **(extra or {}),
-        "num_replicas": lr_plan["global_batch"] // config.per_replica_batch,
+        "num_replicas": num_replicas,
         "backend": config.backend,
         "per_replica_batch": config.per_replica_batch,
+        "grad_accum": config.grad_accum,
+        "mixed_precision": config.mixed_precision,
         "global_batch_size": lr_plan["global_batch"],
         "lr_scaling": lr_plan["rule"],
         "base_lr": lr_plan["base_lr"],

@@ -69,5 +69,12 @@ def make_optimizer(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.Opt
 
     schedule = lr_schedule(config, plan)
     if config.optimizer == "adam":
-        return keras.optimizers.Adam(learning_rate=schedule)
-    return keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)
+        optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    else:
+        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)
+    if config.mixed_precision == "fp16":
+        # float16's range is small: scale the loss up so that small gradients do not
+        # underflow; the scale halves on overflow (that step is skipped) and doubles
+        # after 2,000 finite steps. bfloat16 has float32's range and needs none of it.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer

@@ -109,7 +109,7 @@ def run_trial(params: dict[str, Any]) -> None:
     trial_dir = Path(tune.get_context().get_trial_dir())
     config = TrainConfig(**{**params, "output": str(trial_dir / "run"), "overwrite": True})
     source = data.load_source(config)
-    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch).check()
+    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch, 1, config.grad_accum).check()
     ray_train.fit(config, source, callbacks=[TuneReportCallback()], storage_path=str(trial_dir), name="train")
 
 
@@ -226,7 +226,8 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
         workers = cfg.get("num_workers", base.num_workers)
         rows.append({
             **{f"config/{k}": v for k, v in cfg.items()},
-            "global_batch": cfg.get("per_replica_batch", base.per_replica_batch) * workers,
+            "global_batch": cfg.get("per_replica_batch", base.per_replica_batch) * workers
+            * cfg.get("grad_accum", base.grad_accum),
             "epochs_run": m.get("epoch", 0),
             metric: m.get(metric),
             "val_loss": m.get("val_loss"),

@@ -129,3 +129,12 @@ def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):
     _, result = two_worker_run
     node = ray_cluster.get_runtime_context().get_node_id()
     assert result["worker_nodes"] == [node, node]  # one node here; tests/test_multinode.py spreads them
+
+
+def test_workers_accumulate_gradients_in_bfloat16(ray_cluster, tmp_path):
+    _, result, _ = train(tmp_path, "acc", num_workers=2, epochs=3, grad_accum=2, mixed_precision="bf16")
+    assert result["grad_accum"] == 2 and result["mixed_precision"] == "bf16"
+    assert result["global_batch_size"] == 32 * 2 * 2
+    assert result["steps_per_epoch"] == 1438 // 2 // 64
+    assert result["learning_rate"] == pytest.approx(0.05 * 4)
+    assert result["metrics"]["val_accuracy"] >= 0.9

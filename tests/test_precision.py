@@ -1,0 +1,67 @@
+"""Mixed precision (fp16 with loss scaling, bf16) and gradient accumulation, in the shared loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, clean_env
+from test_local import FULL_BATCH_SGD, local_run
+
+
+def weights(path):
+    import keras
+
+    return keras.models.load_model(path / "model.keras").get_weights()
+
+
+def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(tmp_path):
+    """K=2 at batch B == K=1 at batch 2B, full-batch SGD, under Mirrored (a real all-reduce)."""
+    common = ["--strategy", "mirrored", "--devices", "2", *FULL_BATCH_SGD]
+    accumulated = local_run(tmp_path / "k2", *common, "--per-replica-batch", "359", "--grad-accum", "2")
+    single = local_run(tmp_path / "k1", *common, "--per-replica-batch", "718")
+    assert accumulated["global_batch_size"] == single["global_batch_size"] == 1436
+    assert accumulated["grad_accum"] == 2 and accumulated["steps_per_epoch"] == single["steps_per_epoch"] == 1
+    for a, b in zip(weights(tmp_path / "k1"), weights(tmp_path / "k2")):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert accumulated["metrics"]["train_loss"] == pytest.approx(single["metrics"]["train_loss"], rel=1e-5)
+
+
+def test_the_lr_rule_scales_with_the_accumulated_global_batch(tmp_path):
+    result = local_run(tmp_path / "lr", "--strategy", "one-device", "--epochs", "1", "--grad-accum", "4")
+    assert result["global_batch_size"] == 128  # 32 per replica x 1 replica x 4 micro-batches
+    assert result["learning_rate"] == pytest.approx(0.05 * 128 / 32)  # linear rule, reference batch 32
+
+
+@pytest.mark.parametrize("precision, policy", [("fp16", "mixed_float16"), ("bf16", "mixed_bfloat16")])
+def test_mixed_precision_matches_float32_accuracy(tmp_path, precision, policy, float32_run):
+    import keras
+
+    result = local_run(tmp_path / precision, "--strategy", "one-device", "--epochs", "5", "--mixed-precision",
+                       precision)
+    assert result["mixed_precision"] == precision
+    assert abs(result["metrics"]["val_accuracy"] - float32_run["metrics"]["val_accuracy"]) <= 0.01
+    model = keras.models.load_model(tmp_path / precision / "model.keras")
+    assert model.get_layer("dense_0").dtype_policy.name == policy  # hidden layers compute in 16 bits
+    assert model.get_layer("logits").compute_dtype == "float32"  # the logits (and the loss) stay float32
+    assert all(w.dtype == np.float32 for w in model.get_weights())  # variables stay float32
+
+
+@pytest.fixture(scope="module")
+def float32_run(tmp_path_factory):
+    return local_run(tmp_path_factory.mktemp("fp32") / "off", "--strategy", "one-device", "--epochs", "5")
+
+
+def test_fp16_overflow_on_one_replica_skips_the_step_on_all(tmp_path):
+    """Keras' LossScaleOptimizer checks local gradients only; the loop makes the decision global."""
+    p = subprocess.run([sys.executable, "tests/scripts/fp16_overflow_on_one_replica.py", str(tmp_path / "o")],
+                       cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["compute_dtype"] == "float16"
+    assert seen["finite"] and seen["unchanged"], seen  # skipped everywhere, no inf summed into the weights
+    assert seen["scale_after"] == seen["scale_before"] / 2  # and the loss scale backed off
