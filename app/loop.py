@@ -174,7 +174,9 @@ class Loop:
             def average():
                 ctx = tf.distribute.get_replica_context()
                 for v in replica_state:
-                    v.assign(ctx.all_reduce(tf.distribute.ReduceOp.MEAN, v.value))
+                    # all_reduce of the variable itself fails under MWMS ("destinations can not be
+                    # empty"): reduce a tensor copy of this replica's value.
+                    v.assign(ctx.all_reduce(tf.distribute.ReduceOp.MEAN, tf.identity(v.value)))
 
             strategy.run(average)
 
