@@ -37,7 +37,7 @@ from app.errors import RunFailed, UserError  # noqa: E402
 log = logging.getLogger("benchmark")
 
 FULL = {"rows": 8192, "epochs": 4, "conv_filters": [32, 64, 128]}
-QUICK = {"rows": 1024, "epochs": 2, "conv_filters": [8, 16]}
+QUICK = {"rows": 768, "epochs": 2, "conv_filters": [8, 16]}
 
 
 def workload(args) -> dict:

@@ -1,0 +1,25 @@
+"""jobs/benchmark.py --quick works end to end: it measures every configuration and writes its table and plot.
+
+Speed is not asserted here (a shared 2-core machine is noise); BENCHMARKS.md has the full run's figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_job
+
+
+@pytest.mark.own_ray_cluster
+def test_quick_benchmark_writes_its_table_and_plot(no_shared_ray, tmp_path):
+    p = run_job("jobs/benchmark.py", "--quick", "--output", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "plain TF (baseline)" in p.stdout and "ray 2 worker(s)" in p.stdout and "vs baseline" in p.stdout
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [row["workers"] for row in report["table"]] == [1, 1, 2]
+    assert all(row["samples_per_second"] > 0 for row in report["table"])
+    assert report["input_pipeline"]["samples_per_second"] > 0
+    assert report["startup"]["time_to_first_step_seconds"] > 0
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
