@@ -488,8 +488,9 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
     files = list(loc.files)
     try:
         if loc.format == "parquet":
-            columns = None if spec is None else [*spec.features, spec.label]
-            return ray.data.read_parquet(files, columns=columns, **common)
+            ds = ray.data.read_parquet(files, **common)
+            # Only the needed columns are read from the files (the projection is pushed into the read).
+            return ds if spec is None else ds.select_columns([*spec.features, spec.label])
         if loc.format == "csv":
             return ray.data.read_csv(files, **common)
         if loc.format == "images":
