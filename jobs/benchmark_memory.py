@@ -1,6 +1,7 @@
 """Peak memory with a streamed parquet dataset at 1x and at 10x its size.
 
     python jobs/benchmark_memory.py [--rows 12000] [--scale 10] [--dir runs/benchmark-memory]
+    python jobs/benchmark_memory.py --only write|1x|scaled   # one phase at a time (a shared machine)
 
 Writes a synthetic parquet dataset (``--rows`` rows of 32x32x3 float32 as a
 flat list column, ~12 KB a row: ~150 MB at 1x) and the same at ``--scale``
@@ -58,7 +59,10 @@ class ProcessPeaks:
 
     def __init__(self, interval: float = 0.5):
         self.interval = interval
-        self.peaks: dict[int, tuple[str, float]] = {}
+        self.peaks: dict[int, tuple[str, float]] = {}  # pid -> (name, VmHWM: peak of all resident pages)
+        # pid -> (name, largest RssAnon seen): the process's own memory, without the pages of Ray's
+        # shared-memory object store that it mapped to read objects (VmHWM counts those too).
+        self.anon: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -95,8 +99,11 @@ class ProcessPeaks:
                 except OSError:
                     continue
                 hwm = int(status.get("VmHWM", "0 kB").split()[0]) / 1024
+                anon = int(status.get("RssAnon", "0 kB").split()[0]) / 1024
                 if hwm > self.peaks.get(pid, ("", 0))[1]:
                     self.peaks[pid] = (name, hwm)
+                if anon > self.anon.get(pid, ("", 0))[1]:
+                    self.anon[pid] = (name, anon)
             self._stop.wait(self.interval)
 
 
@@ -124,16 +131,22 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
             ray.shutdown()
     with open(Path(out) / "history.csv") as f:
         last = list(csv.DictReader(f))[-1]
-    others = [(name, mib) for name, mib in peaks.peaks.values() if "RayTrainWorker" not in name]
-    top_other = max(others, key=lambda item: item[1]) if others else ("", 0.0)
+    def largest(match, table=peaks.peaks) -> float:
+        return round(max((mib for name, mib in table.values() if match(name)), default=0.0), 1)
+
+    is_task = lambda name: name.startswith("ray::") and not name.startswith(("ray::RayTrainWorker", "ray::TrainController"))
     return {
         "rows_trained": int(last["train_samples"]),
         "val_rows": int(last["val_samples"]),
         "seconds": round(time.time() - started, 1),
         "driver_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "train_worker_peak_mib": round(float(last["worker_peak_rss_mib"]), 1),
-        "other_ray_process_peak_mib": round(top_other[1], 1),
-        "other_ray_process": top_other[0],
+        "train_worker_anon_peak_mib": largest(lambda name: name.startswith("ray::RayTrainWorker"), peaks.anon),
+        # Ray Data's read/preprocess tasks and the split coordinator run in these worker processes.
+        "ray_data_process_peak_mib": largest(is_task),
+        "ray_data_process_anon_peak_mib": largest(is_task, peaks.anon),
+        "train_controller_peak_mib": largest(lambda name: name.startswith("ray::TrainController")),
+        "ray_daemon_peak_mib": largest(lambda name: not name.startswith("ray::")),
         "val_accuracy": result["metrics"]["val_accuracy"],
     }
 
@@ -145,6 +158,7 @@ def main() -> None:
     parser.add_argument("--rows-per-file", type=int, default=1_500)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dir", default="runs/benchmark-memory")
+    parser.add_argument("--only", choices=["write", "1x", "scaled"], help="one phase (results merge into memory.json)")
     parser.add_argument("--run-one", nargs=2, metavar=("DATA", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -154,13 +168,16 @@ def main() -> None:
 
     root = Path(args.dir).resolve()
     rows = {"1x": args.rows, f"{args.scale}x": args.rows * args.scale}
-    results = {}
+    summary = root / "memory.json"
+    results = json.loads(summary.read_text()) if args.only and summary.exists() else {}
     for label, n in rows.items():
         data_dir = root / f"data-{n}"
         if not (data_dir / "_complete").exists():
             size = write_dataset(data_dir, n, args.rows_per_file, seed=0)
             (data_dir / "_complete").write_text(str(size))
         size = int((data_dir / "_complete").read_text())
+        if args.only == "write" or (args.only == "1x" and label != "1x") or (args.only == "scaled" and label == "1x"):
+            continue
         p = subprocess.run(
             [sys.executable, __file__, "--workers", str(args.workers), "--run-one", str(data_dir), str(root / f"run-{label}")],
             capture_output=True, text=True,
@@ -170,13 +187,17 @@ def main() -> None:
             sys.exit(f"{label} run failed:\n{p.stderr[-3000:]}")
         results[label] = {"rows": n, "parquet_mib": round(size / 2**20, 1), **json.loads(line[len("RESULT "):])}
         print(f"{label}: {json.dumps(results[label])}", flush=True)
-
+        root.mkdir(parents=True, exist_ok=True)
+        summary.write_text(json.dumps(results, indent=2))
+    if "1x" not in results or f"{args.scale}x" not in results:
+        return
     small, large = results["1x"], results[f"{args.scale}x"]
     print(f"\n{'':28}{'1x':>10}{f'{args.scale}x':>10}{'ratio':>8}")
-    for key in ("parquet_mib", "driver_peak_mib", "train_worker_peak_mib", "other_ray_process_peak_mib"):
+    for key in ("parquet_mib", "seconds", "driver_peak_mib", "train_worker_peak_mib", "train_worker_anon_peak_mib",
+                "ray_data_process_peak_mib", "ray_data_process_anon_peak_mib",
+                "train_controller_peak_mib", "ray_daemon_peak_mib"):
         print(f"{key:28}{small[key]:>10,.1f}{large[key]:>10,.1f}{large[key] / small[key]:>8.3f}")
-    (root / "memory.json").write_text(json.dumps(results, indent=2))
-    print(f"\nwritten to {root / 'memory.json'}")
+    print(f"\nwritten to {summary}")
 
 
 if __name__ == "__main__":
