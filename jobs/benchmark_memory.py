@@ -148,6 +148,11 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
         "train_controller_peak_mib": largest(lambda name: name.startswith("ray::TrainController")),
         "ray_daemon_peak_mib": largest(lambda name: not name.startswith("ray::")),
         "val_accuracy": result["metrics"]["val_accuracy"],
+        # The four largest processes by own memory, for a look at where it went.
+        "largest_processes": [
+            [name[:60], round(mib, 1), round(peaks.peaks.get(pid, ("", 0))[1], 1)]
+            for pid, (name, mib) in sorted(peaks.anon.items(), key=lambda item: -item[1][1])[:4]
+        ],
     }
 
 

@@ -244,7 +244,7 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
 
 def test_local_backend_refuses_streamed_formats_clearly(tmp_path, good_parquet):
     config = build_config(None, {"output": str(tmp_path / "o"), "backend": "local", "dataset": str(good_parquet)})
-    with pytest.raises(UserError, match=re.escape("is parquet data, which streams through Ray Data: use --backend ray")):
+    with pytest.raises(UserError, match=re.escape("is parquet data, which streams through Ray Data: train on it with jobs/train.py --backend ray")):
         data.load_source(config)
 
 
