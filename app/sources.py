@@ -365,11 +365,12 @@ def _features(table: "pa.Table", spec: Spec) -> np.ndarray:
     n = table.num_rows
     if spec.kind == "scalars":
         x = np.stack(
-            [_column(table, c).to_numpy(zero_copy_only=False).astype(np.float32) for c in spec.features], axis=1
+            [_column(table, c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False) for c in spec.features],
+            axis=1,
         ) if n else np.zeros((0, len(spec.features)), np.float32)
     elif spec.kind == "list":
         values = pc.list_flatten(_column(table, spec.features[0])).to_numpy(zero_copy_only=False)
-        x = values.astype(np.float32).reshape(n, *spec.stored_shape)
+        x = values.astype(np.float32, copy=False).reshape(n, *spec.stored_shape)
     elif spec.kind in ("tensor", "images"):
         x = np.asarray(_column(table, spec.features[0]).to_numpy(), dtype=np.float32).reshape(n, *spec.stored_shape)
         if spec.kind == "images":
@@ -403,12 +404,17 @@ def _row_ids(table: "pa.Table", spec: Spec, x: np.ndarray, y: np.ndarray) -> np.
         rows = [t.encode() + b"\0" + str(label).encode() for t, label in zip(texts, y.tolist())]
     else:
         flat = np.ascontiguousarray(x.reshape(n, -1))
-        rows = np.concatenate([flat.view(np.uint8), y.reshape(n, 1).view(np.uint8)], axis=1)
-    ids = np.fromiter(
-        (int.from_bytes(hashlib.blake2b(r, digest_size=8).digest(), "little") & _MASK63 for r in rows),
-        dtype=np.int64, count=n,
-    )
+        rows = ((flat[i], y[i : i + 1]) for i in range(n))  # features then label, hashed row by row: no copy
+    ids = np.fromiter((_hash63(*parts) if isinstance(parts, tuple) else _hash63(parts) for parts in rows),
+                      dtype=np.int64, count=n)
     return ids
+
+
+def _hash63(*parts) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") & _MASK63
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -535,7 +541,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     spec = replace(spec, val_fraction=val_fraction)
 
     stats = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
-        block_stats, batch_format="pyarrow", batch_size=None, fn_kwargs={"spec": spec}
+        block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
     ).take_all()
     total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     if total["rows"] == 0:
@@ -569,6 +575,16 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         total["label_max"] = max(s["label_max"] for s in real)
     _check_labels(spec.label, total["label_min"], total["label_max"], config.num_classes)
     return spec, total
+
+
+def _batch_rows(spec: Spec) -> int:
+    """Rows per preprocessing call: ~16 MiB of float32 features, whatever the size of Ray Data's blocks.
+
+    A block can hold a whole file (or more): preprocessing it in one call would
+    make a task's memory grow with the files, not with this bound.
+    """
+    row_bytes = 4 * math.prod(spec.stored_shape or (1024,))
+    return max(16, (16 << 20) // row_bytes)
 
 
 def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> bool:
@@ -629,7 +645,8 @@ def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
     def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int]):
         raw = _read(source, config, s if source.format == "parquet" else None, shuffle_seed)
         return raw.map_batches(
-            preprocess, batch_format="pyarrow", batch_size=None, fn_kwargs={"spec": s, "keep": keep, "weights": weights}
+            preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
+            fn_kwargs={"spec": s, "keep": keep, "weights": weights},
         )
 
     train_keep = "train" if val_loc is None else "all"
