@@ -78,7 +78,7 @@ class TrainConfig(BaseModel):
     image_size: list[int] = Field(
         default_factory=lambda: [32, 32], description="Image folders: decode and resize to height width."
     )
-    image_channels: Literal[1, 3] = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
+    image_channels: int = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
     data_cache: Literal["auto", "memory", "stream"] = Field(
         "auto",
         description="File datasets: memory = preprocess once and keep the result in Ray's object store (epochs "
@@ -187,6 +187,8 @@ class TrainConfig(BaseModel):
             problems.append("val_dataset must be a path or URI (built-in datasets split off --val-fraction)")
         if self.embed_dim % self.num_heads:
             problems.append(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
+        if self.image_channels not in (1, 3):
+            problems.append(f"image_channels must be 1 (grayscale) or 3 (RGB) (got {self.image_channels})")
         if len(self.image_size) != 2:
             problems.append(f"image_size must be height width (got {self.image_size})")
         if self.model not in models.MODELS:
