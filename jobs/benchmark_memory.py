@@ -18,6 +18,21 @@ Ray, so every peak below belongs to that run only:
 
 The data is written in files of ``--rows-per-file`` rows, so writing it never
 holds more than one file in memory either.
+
+Measured on the 2-core development machine (November 2026, defaults):
+
+                                 1x (145 MB)   10x (1.45 GB)   ratio
+    driver                          774 MiB        778 MiB     1.005
+    train worker, RSS               926 MiB      1,488 MiB     1.61
+    train worker, own (RssAnon)     439 MiB        512 MiB     1.17
+    Ray Data task, RSS            1,176 MiB      2,874 MiB     2.44
+    Ray Data task, own (RssAnon)    864 MiB      1,058 MiB     1.22
+
+The driver never holds the data. A worker's RSS also counts the pages of
+Ray's shared-memory object store it mapped to read blocks: they belong to
+the store (bounded by its size, spilled to disk beyond), and more data
+flowing through touches more of them. The processes' own memory grows by
+17-22% for 10x the data: within bounds, but not yet within the 10% asked.
 """
 
 import argparse
