@@ -54,8 +54,46 @@ class TrainConfig(BaseModel):
 
     # --- data and model ----------------------------------------------------
     dataset: str = Field(
-        "digits", description="Dataset: digits (embedded, no download) or synthetic (--synthetic-* sizes)."
+        "digits",
+        description="Dataset: digits (embedded, no download), synthetic (--synthetic-* sizes), synthetic-text, "
+        "or a path/URI (local, s3://, gs://) to parquet files, CSV files, an image folder (one subfolder per "
+        "class), a .npz file or a directory of .npy files.",
     )
+    data_format: Literal["auto", "parquet", "csv", "images", "numpy"] = Field(
+        "auto", description="Format of a --dataset path: auto = from the file names."
+    )
+    val_dataset: Optional[str] = Field(
+        None, description="Validation data from a separate path/URI (same format); default: --val-fraction split."
+    )
+    feature_columns: Optional[list[str]] = Field(
+        None,
+        description="Feature columns (numeric scalars, or one list/tensor column; for .npz/.npy the array name). "
+        "Default: every column but the label and text columns.",
+    )
+    label_column: str = Field("label", description="Column of integer class ids 0..K-1.")
+    text_column: Optional[str] = Field(
+        None, description="A string column to tokenize into --sequence-length token ids (the features, for text)."
+    )
+    num_classes: Optional[int] = Field(
+        None, ge=2, description="Number of classes (default: largest label + 1); labels beyond it are refused."
+    )
+    feature_shape: Optional[list[int]] = Field(
+        None, description="Reshape each example to this shape, e.g. 32 32 3 for images stored as flat lists."
+    )
+    image_size: list[int] = Field(
+        default_factory=lambda: [32, 32], description="Image folders: decode and resize to height width."
+    )
+    image_channels: int = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
+    data_cache: Literal["auto", "memory", "stream"] = Field(
+        "auto",
+        description="File datasets: memory = preprocess once and keep the result in Ray's object store (epochs "
+        "only reshuffle); stream = read and preprocess block by block every epoch (data larger than memory); "
+        "auto = memory when it takes under 30 percent of the object store.",
+    )
+    shuffle_buffer: int = Field(
+        2048, ge=1, description="Streamed data: rows in each worker's local shuffle buffer (files are shuffled too)."
+    )
+    synthetic_text_rows: int = Field(2000, ge=2, description="--dataset synthetic-text: number of texts.")
     synthetic_rows: int = Field(2048, ge=2, description="--dataset synthetic: number of rows.")
     synthetic_shape: list[int] = Field(
         default_factory=lambda: [32, 32, 3], description="--dataset synthetic: shape of one example."
@@ -64,7 +102,7 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(
         0.2, gt=0, lt=1, description="Seeded fraction of the data held out for validation."
     )
-    model: str = Field("mlp", description="Model name: mlp, cnn.")
+    model: str = Field("mlp", description="Model name: mlp, cnn, transformer.")
     hidden_units: list[int] = Field(
         default_factory=lambda: [128, 64], description="Hidden layer widths of the mlp."
     )
@@ -72,6 +110,14 @@ class TrainConfig(BaseModel):
         default_factory=lambda: [32, 64, 128],
         description="cnn: filters of each conv stage (two 3x3 conv + batch norm each; pooling between stages).",
     )
+    vocab_size: int = Field(
+        8192, ge=2, le=2**24, description="Text: token id buckets (hashing trick; 0 is padding)."
+    )
+    sequence_length: int = Field(64, ge=1, description="Text: tokens per example (truncated or padded).")
+    embed_dim: int = Field(64, ge=1, description="transformer: embedding width (a multiple of --num-heads).")
+    num_heads: int = Field(4, ge=1, description="transformer: attention heads per block.")
+    ff_dim: int = Field(128, ge=1, description="transformer: hidden width of each block's feed-forward layer.")
+    num_blocks: int = Field(2, ge=1, description="transformer: number of encoder blocks.")
     sync_batch_norm: bool = Field(
         False,
         description="cnn: batch-norm statistics over the global batch (one all-reduce per layer per step) "
@@ -152,13 +198,26 @@ class TrainConfig(BaseModel):
     def _check(self) -> "TrainConfig":
         # Names are checked against the registries here so that a typo fails
         # before Ray starts; imported lazily to keep config import light.
-        from app import data, models
+        from app import data, models, sources
 
         problems = []
         if self.per_replica_batch <= 0:
             problems.append(f"per_replica_batch must be > 0 (got {self.per_replica_batch})")
-        if self.dataset not in data.DATASETS:
-            problems.append(f"unknown dataset {self.dataset!r} (choose from {', '.join(sorted(data.DATASETS))})")
+        for name in ("dataset", "val_dataset"):
+            value = getattr(self, name)
+            if value is not None and value not in data.DATASETS and not sources.looks_like_path(value):
+                problems.append(
+                    f"unknown {name} {value!r} (choose from {', '.join(sorted(data.DATASETS))}, or give a "
+                    "path or URI to parquet, CSV, image-folder, .npz or .npy data)"
+                )
+        if self.val_dataset in data.DATASETS:
+            problems.append("val_dataset must be a path or URI (built-in datasets split off --val-fraction)")
+        if self.embed_dim % self.num_heads:
+            problems.append(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
+        if self.image_channels not in (1, 3):
+            problems.append(f"image_channels must be 1 (grayscale) or 3 (RGB) (got {self.image_channels})")
+        if len(self.image_size) != 2:
+            problems.append(f"image_size must be height width (got {self.image_size})")
         if self.model not in models.MODELS:
             problems.append(f"unknown model {self.model!r} (choose from {', '.join(sorted(models.MODELS))})")
         if self.backend == "ray" and self.strategy != "auto":
@@ -169,8 +228,10 @@ class TrainConfig(BaseModel):
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
-        for name in ("hidden_units", "conv_filters", "synthetic_shape"):
+        for name in ("hidden_units", "conv_filters", "synthetic_shape", "feature_shape", "image_size"):
             values = getattr(self, name)
+            if values is None and name == "feature_shape":
+                continue
             if not values or any(v <= 0 for v in values):
                 problems.append(f"{name} must be a non-empty list of positive integers (got {values})")
         if problems:

@@ -48,6 +48,10 @@ class Source:
     def feature_shape(self) -> tuple[int, ...]:
         return tuple(self.train.x.shape[1:])
 
+    @property
+    def num_train_rows(self) -> int:
+        return len(self.train)
+
 
 def _digits(config: "TrainConfig") -> tuple[np.ndarray, np.ndarray]:
     # scikit-learn ships these 1,797 8x8 images inside the wheel: no download.
@@ -73,9 +77,18 @@ def _synthetic(config: "TrainConfig") -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def _synthetic_text(config: "TrainConfig") -> tuple[np.ndarray, np.ndarray]:
+    """Generated labelled texts (app.text), tokenized: the built-in text dataset for the transformer."""
+    from app import text
+
+    texts, y = text.synthetic_corpus(config.synthetic_text_rows, config.synthetic_classes, config.seed)
+    return text.tokenize(texts, config.vocab_size, config.sequence_length), y
+
+
 DATASETS: dict[str, Callable[["TrainConfig"], tuple[np.ndarray, np.ndarray]]] = {
     "digits": _digits,
     "synthetic": _synthetic,
+    "synthetic-text": _synthetic_text,
 }
 
 
@@ -94,9 +107,27 @@ def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) 
 
 
 def load_source(config: "TrainConfig") -> Source:
-    x, y = DATASETS[config.dataset](config)
-    train, val = split_holdout(x, y, config.val_fraction, config.seed)
-    return Source(train=train, val=val, num_classes=int(y.max()) + 1)
+    """A built-in dataset, or a .npz / .npy one (app.sources), in memory; file formats that stream are refused."""
+    if config.dataset in DATASETS:
+        x, y = DATASETS[config.dataset](config)
+    else:
+        from app import sources
+
+        x, y = sources.load_numpy(config, config.dataset)
+    if config.val_dataset:
+        from app import sources
+
+        vx, vy = sources.load_numpy(config, config.val_dataset)
+        if vx.shape[1:] != x.shape[1:]:
+            raise UserError(f"--val-dataset examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")
+        # Validation ids continue after the training ids: still one id per row.
+        train = Split(x, y, np.arange(len(y), dtype=np.int64))
+        val = Split(vx, vy, np.arange(len(y), len(y) + len(vy), dtype=np.int64))
+        high = max(int(y.max()), int(vy.max()))
+    else:
+        train, val = split_holdout(x, y, config.val_fraction, config.seed)
+        high = int(y.max())
+    return Source(train=train, val=val, num_classes=config.num_classes or high + 1)
 
 
 # --- epoch arithmetic --------------------------------------------------------
@@ -218,7 +249,7 @@ def _batch_signature(feature_shape: tuple[int, ...], third: "tf.DType") -> tuple
 
 
 def train_batches_from_shard(
-    shard, plan: EpochPlan, feature_shape: tuple[int, ...], epochs: int
+    shard, plan: EpochPlan, feature_shape: tuple[int, ...], epochs: int, shuffle_buffer: int = 0, seed: int = 0
 ) -> "tf.data.Dataset":
     """Per-replica (x, y, id) batches for ``epochs`` epochs of ``plan.steps`` each.
 
@@ -229,6 +260,10 @@ def train_batches_from_shard(
     the generator comes back empty, which ends ``repeat()``. A shard with fewer
     full batches than planned raises instead of letting the other workers wait
     in the all-reduce forever.
+
+    With ``shuffle_buffer`` (streamed data, which is not shuffled globally)
+    rows are shuffled in a local buffer of that many rows, seeded anew each
+    pass; the shard still holds the same rows, so the step count is unchanged.
     """
     import tensorflow as tf
 
@@ -239,8 +274,13 @@ def train_batches_from_shard(
             return
         passes_left[0] -= 1
         taken = extra = 0
+        shuffle = (
+            {"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed * 1_000_003 + passes_left[0]}
+            if shuffle_buffer
+            else {}
+        )
         for batch in shard.iter_batches(
-            batch_size=plan.step_batch, batch_format="numpy", drop_last=True, prefetch_batches=2
+            batch_size=plan.step_batch, batch_format="numpy", drop_last=True, prefetch_batches=2, **shuffle
         ):
             if taken < plan.steps:
                 taken += 1

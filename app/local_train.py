@@ -71,6 +71,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
         except NonFiniteLoss as e:
             raise RunFailed(str(e)) from None
+        metrics["worker_peak_rss_mib"] = report.peak_rss_mib()
         progress.record(metrics, train.sample_ids)
         tensorboard.epoch(epoch, metrics)
         log.info(progress_line(metrics, config.epochs, progress.history))

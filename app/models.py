@@ -57,7 +57,44 @@ def build_cnn(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes
     return keras.Model(inputs, logits, name="cnn")
 
 
-MODELS: dict[str, Callable[..., "keras.Model"]] = {"mlp": build_mlp, "cnn": build_cnn}
+def build_transformer(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+    """The seeds' text classifier: token + position embeddings, N post-norm encoder blocks, mean pooling, head.
+
+    Inputs are token ids (app.text; 0 = padding) carried as float32 like every
+    feature, cast back to int32 here. Padding is masked out of the attention
+    keys and out of the pooling, so a short text is not diluted by its padding.
+    """
+    import keras
+
+    if len(feature_shape) != 1:
+        raise ValueError(f"transformer needs token id sequences (length,), got examples of shape {feature_shape}")
+    length = feature_shape[0]
+    inputs = keras.Input(shape=feature_shape, name="x")
+    ids = keras.ops.cast(inputs, "int32")
+    mask = keras.ops.not_equal(ids, 0)
+    tokens = keras.layers.Embedding(config.vocab_size, config.embed_dim, name="token_embedding")(ids)
+    positions = keras.layers.Embedding(length, config.embed_dim, name="position_embedding")(
+        keras.ops.arange(length, dtype="int32")
+    )
+    h = tokens + positions
+    for i in range(config.num_blocks):
+        attn = keras.layers.MultiHeadAttention(
+            config.num_heads, config.embed_dim // config.num_heads, name=f"attention_{i}"
+        )(h, h, query_mask=mask, value_mask=mask)
+        h = keras.layers.LayerNormalization(name=f"norm_attention_{i}")(h + attn)
+        ff = keras.layers.Dense(config.ff_dim, activation="relu", name=f"ff_in_{i}")(h)
+        ff = keras.layers.Dense(config.embed_dim, name=f"ff_out_{i}")(ff)
+        h = keras.layers.LayerNormalization(name=f"norm_ff_{i}")(h + ff)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h, mask=mask)
+    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(pooled)
+    return keras.Model(inputs, logits, name="transformer")
+
+
+MODELS: dict[str, Callable[..., "keras.Model"]] = {
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "transformer": build_transformer,
+}
 
 PRECISION_POLICIES = {"off": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint, data, monitor
+from app import checkpoint, data, monitor, sources
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 
@@ -73,7 +73,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     val_shard = ray.train.get_dataset_shard("val")
     train_iter = iter(
         strategy.distribute_datasets_from_function(
-            lambda _: data.train_batches_from_shard(train_shard, plan, feature_shape, config.epochs - progress.epoch)
+            lambda _: data.train_batches_from_shard(
+                train_shard, plan, feature_shape, config.epochs - progress.epoch,
+                shuffle_buffer=payload.get("shuffle_buffer", 0), seed=config.seed,
+            )
         )
     )
     val_dataset = strategy.distribute_datasets_from_function(
@@ -84,6 +87,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
+        metrics["worker_peak_rss_mib"] = _largest_peak_rss(loop, rank, world)
         progress.record(metrics, train.sample_ids)
         tensorboard.epoch(epoch, metrics)
         if rank == 0:
@@ -118,6 +122,17 @@ def _worker_nodes(strategy, node_id: str, world: int) -> list[str]:
 
 
 _NODE_ID_WIDTH = 64  # Ray node ids are 56 hex characters
+
+
+def _largest_peak_rss(loop, rank: int, world: int) -> float:
+    """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
+    import numpy as np
+
+    from app.report import peak_rss_mib
+
+    mine = np.zeros(world)
+    mine[rank] = peak_rss_mib()
+    return float(loop.cross_worker_sum(mine).max())
 
 
 def _log_to_stderr(name: str) -> None:
@@ -198,7 +213,9 @@ def _import_train_tensorflow() -> None:
     import ray.train.tensorflow  # noqa: F401  (fit() imports it again: a no-op, or a wait for this import)
 
 
-def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
+def build_datasets(config: TrainConfig, source: data.Source | sources.Streamed) -> dict[str, Any]:
+    if isinstance(source, sources.Streamed):  # already Ray Datasets: shuffled, val padded (app.sources)
+        return {"train": source.train, "val": source.val}
     train = data.to_ray_dataset(source.train)
     if config.shuffle:
         train = data.shuffled_each_epoch(train, config.seed)
@@ -210,7 +227,7 @@ def build_datasets(config: TrainConfig, source: data.Source) -> dict[str, Any]:
 
 def fit(
     config: TrainConfig,
-    source: data.Source,
+    source: data.Source | sources.Streamed,
     callbacks: list | None = None,
     storage_path: str | None = None,
     name: str | None = None,
@@ -236,8 +253,9 @@ def fit(
             "config": config.model_dump(mode="json"),
             "feature_shape": list(source.feature_shape),
             "num_classes": source.num_classes,
-            "num_train_rows": len(source.train),
+            "num_train_rows": source.num_train_rows,
             "tensorboard_dir": monitor.logdir_for(config, name or out.name),
+            "shuffle_buffer": getattr(source, "shuffle_buffer", 0),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.num_workers,
@@ -318,9 +336,15 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     from app import report
 
     started_at = started_at or time.time()
-    # Everything that can be refused is checked before the output directory or Ray exists.
-    source = data.load_source(config)
-    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch, 1, config.grad_accum).check()
+    # Everything that can be refused is checked before the output directory exists,
+    # and before Ray exists too, except for file datasets: Ray Data reads them to check them.
+    if sources.is_streamed(config):
+        check_fits_locally(config)
+        connect(config)
+        source = sources.prepare(config, config.num_workers)
+    else:
+        source = data.load_source(config)
+    data.EpochPlan(source.num_train_rows, config.num_workers, config.per_replica_batch, 1, config.grad_accum).check()
     check_fits_locally(config)
     out = report.prepare_output_dir(config)
     name = _ray_run_name(config, out)

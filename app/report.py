@@ -24,6 +24,13 @@ CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def prepare_output_dir(config: TrainConfig) -> Path:
     """Create the output directory; never touch an existing one without --overwrite or --resume."""
     out = config.output_dir()
