@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +90,12 @@ def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
 
 
 # --- clusters a test starts itself (ray start, ray up) -----------------------
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+SSH_TOOLS_MISSING = (
+    "" if os.path.exists(SSHD) and shutil.which("rsync") and shutil.which("ssh-keygen")
+    else "needs sshd, ssh-keygen and rsync (Debian: apt-get install openssh-server rsync; .ci/run does)"
+)
 
 
 def free_port() -> int:

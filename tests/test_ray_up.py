@@ -18,7 +18,7 @@ test machine needs:
   project (installing the CUDA build of TensorFlow is for real clusters).
 
 Needs Debian's openssh-server and rsync (`.ci/run` installs them); skipped
-without them.
+without them, and then tests/test_cluster_job.py runs the two-node job instead.
 """
 
 from __future__ import annotations
@@ -36,16 +36,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, assert_process_group_gone, clean_env, free_port, ray_cli
-
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+from conftest import (
+    REPO,
+    SSH_TOOLS_MISSING,
+    SSHD,
+    assert_process_group_gone,
+    clean_env,
+    free_port,
+    ray_cli,
+    start_node,
+    stop_node,
+)
 
 pytestmark = [
     pytest.mark.own_ray_cluster,
-    pytest.mark.skipif(
-        not (os.path.exists(SSHD) and shutil.which("rsync") and shutil.which("ssh-keygen")),
-        reason="needs sshd, ssh-keygen and rsync (Debian: apt-get install openssh-server rsync; .ci/run does)",
-    ),
+    pytest.mark.skipif(bool(SSH_TOOLS_MISSING), reason=SSH_TOOLS_MISSING),
 ]
 
 RAY_SHIM = """#!/bin/bash
@@ -58,6 +63,20 @@ if [ "$1" = "stop" ]; then
   exit 0
 fi
 exec {real_ray} "$@"
+"""
+
+
+WAIT_FOR_URL = """#!{python}
+import sys, time, urllib.error, urllib.request
+for _ in range(90):
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=2)
+        sys.exit(0)
+    except urllib.error.HTTPError:  # it answers (401 without the token): it is up
+        sys.exit(0)
+    except OSError:
+        time.sleep(1)
+sys.exit(1)
 """
 
 
@@ -110,15 +129,17 @@ def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboar
         head_start_ray_commands=[
             # A process group of its own (its id in ~/ray-head.pgid), detached from the SSH session.
             f"setsid bash -c 'echo $$ > ~/ray-head.pgid; {start}' > ~/ray-head.log 2>&1 < /dev/null &",
-            f"for _ in $(seq 90); do RAY_AUTH_MODE=token ray status --address=127.0.0.1:{gcs_port} "
-            "> /dev/null 2>&1 && exit 0; sleep 1; done; cat ~/ray-head.log; exit 1",
+            # Up means the job server answers, not only the GCS (a script on the remote PATH: no nested quoting).
+            f"wait-for-url http://127.0.0.1:{dashboard_port}/api/version || {{ cat ~/ray-head.log; exit 1; }}",
         ],
         worker_start_ray_commands=[],
     )
     return config
 
 
-def test_ray_up_submit_ray_down(no_shared_ray):
+def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
+    """ray up (head), a second node joins with `ray start --address` (as a lab machine would), a job with
+    --placement-strategy SPREAD puts one worker on each node, then ray down leaves nothing running."""
     root = Path(tempfile.mkdtemp(prefix="rayup", dir="/tmp"))
     remote_home, local_home = root / "remote", root / "local"
     for d in (remote_home / "bin", local_home / ".ray"):
@@ -131,6 +152,8 @@ def test_ray_up_submit_ray_down(no_shared_ray):
     # The "remote" login shell: the shim, then this venv (a job's python is the head's python).
     (remote_home / "bin" / "ray").write_text(RAY_SHIM.format(real_ray=ray_cli()))
     (remote_home / "bin" / "ray").chmod(0o755)
+    (remote_home / "bin" / "wait-for-url").write_text(WAIT_FOR_URL.format(python=sys.executable))
+    (remote_home / "bin" / "wait-for-url").chmod(0o755)
     (remote_home / ".bash_profile").write_text(
         f'export PATH="{remote_home / "bin"}:{Path(sys.executable).parent}:$PATH"\n'
     )
@@ -144,6 +167,7 @@ def test_ray_up_submit_ray_down(no_shared_ray):
     out = root / "run"
 
     sshd = start_sshd(root, ssh_port, remote_home)
+    nodes_started = []
     try:
         up = subprocess.run([ray_cli(), "up", "-y", "--no-config-cache", str(config_path)], env=local_env,
                             capture_output=True, text=True, timeout=300)
@@ -151,15 +175,30 @@ def test_ray_up_submit_ray_down(no_shared_ray):
         assert (remote_home / "ray_bootstrap_config.yaml").is_file()  # the launcher really set up the head
         assert (remote_home / ".ray" / "auth_token").read_text() == token  # file_mounts copied the token
 
+        job_env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+                            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        second = start_node(["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "1", "--temp-dir",
+                             str(root / "ray")], job_env, root)
+        nodes_started.append(second)
+        address = f"http://127.0.0.1:{dashboard_port}"
         submit = subprocess.run(
-            [ray_cli(), "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--working-dir",
-             str(REPO), "--", "python", "jobs/train.py", "--epochs", "1", "--output", str(out)],
-            env=clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token), capture_output=True, text=True,
-            timeout=600,
+            [ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--", "python",
+             "jobs/train.py", "--epochs", "1", "--output", str(out), "--placement-strategy", "SPREAD",
+             "--worker-start-timeout-s", "60"],
+            env=job_env, capture_output=True, text=True, timeout=600,
         )
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "succeeded" in submit.stdout
-        assert json.loads((out / "result.json").read_text())["epochs_completed"] == 1
+        result = json.loads((out / "result.json").read_text())
+        assert result["epochs_completed"] == 1 and result["num_replicas"] == 2
+        # Each rank reported the node it ran on: two different nodes, both of this cluster.
+        listed = subprocess.run([ray_cli(), "list", "nodes", "--address", address, "--format", "json"],
+                                env=job_env, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        cluster_nodes = {n["node_id"] for n in json.loads(listed.stdout) if n["state"] == "ALIVE"}
+        assert len(cluster_nodes) == 2
+        assert len(set(result["worker_nodes"])) == 2 and set(result["worker_nodes"]) == cluster_nodes
+        stop_node(nodes_started.pop())
 
         head_pgid = int((remote_home / "ray-head.pgid").read_text())
         down = subprocess.run([ray_cli(), "down", "-y", str(config_path)], env=local_env, capture_output=True,
@@ -167,6 +206,8 @@ def test_ray_up_submit_ray_down(no_shared_ray):
         assert down.returncode == 0, down.stdout[-4000:] + down.stderr[-4000:]
         assert_process_group_gone(head_pgid)  # `ray down` left nothing of the cluster running
     finally:
+        for node in nodes_started:
+            stop_node(node)
         pgid_file = remote_home / "ray-head.pgid"
         if pgid_file.is_file():  # a failed run: stop the head ourselves
             subprocess.run(["bash", "-c", f"kill -TERM -- -{pgid_file.read_text().strip()}"], capture_output=True)
