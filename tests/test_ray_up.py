@@ -184,13 +184,15 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
         submit = subprocess.run(
             [ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--", "python",
              "jobs/train.py", "--epochs", "1", "--output", str(out), "--placement-strategy", "SPREAD",
-             "--worker-start-timeout-s", "60"],
+             "--worker-start-timeout-s", "60", "--mixed-precision", "bf16", "--grad-accum", "2"],
             env=job_env, capture_output=True, text=True, timeout=600,
         )
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "succeeded" in submit.stdout
         result = json.loads((out / "result.json").read_text())
         assert result["epochs_completed"] == 1 and result["num_replicas"] == 2
+        # The performance levers across nodes: bf16 policy in every worker, 2 micro-batches per all-reduce.
+        assert result["mixed_precision"] == "bf16" and result["global_batch_size"] == 32 * 2 * 2
         # Each rank reported the node it ran on: two different nodes, both of this cluster.
         listed = subprocess.run([ray_cli(), "list", "nodes", "--address", address, "--format", "json"],
                                 env=job_env, capture_output=True, text=True, timeout=60)

@@ -66,7 +66,8 @@ def test_local_backend_writes_the_same_result_keys(two_worker_run, tmp_path):
     p = run_job("jobs/train.py", "--backend", "local", "--epochs", "1", "--output", str(tmp_path / "local"))
     assert p.returncode == 0, p.stderr[-2000:]
     local_result = json.loads((tmp_path / "local" / "result.json").read_text())
-    assert sorted(local_result) == sorted(ray_result)
+    # worker_nodes (each rank's Ray node) is the Ray path's alone.
+    assert sorted(local_result) == sorted(set(ray_result) - {"worker_nodes"})
     assert sorted(local_result["metrics"]) == sorted(ray_result["metrics"])
     assert (tmp_path / "local" / "history.csv").exists() and (tmp_path / "local" / "model.keras").exists()
 
@@ -128,13 +129,5 @@ def test_rank0_writes_tensorboard_scalars_per_epoch_and_every_n_steps(two_worker
 def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):
     _, result = two_worker_run
     node = ray_cluster.get_runtime_context().get_node_id()
-    assert result["worker_nodes"] == [node, node]  # one node here; tests/test_multinode.py spreads them
+    assert result["worker_nodes"] == [node, node]  # one node here; tests/test_ray_up.py and test_cluster_job.py spread them
 
-
-def test_workers_accumulate_gradients_in_bfloat16(ray_cluster, tmp_path):
-    _, result, _ = train(tmp_path, "acc", num_workers=2, epochs=3, grad_accum=2, mixed_precision="bf16")
-    assert result["grad_accum"] == 2 and result["mixed_precision"] == "bf16"
-    assert result["global_batch_size"] == 32 * 2 * 2
-    assert result["steps_per_epoch"] == 1438 // 2 // 64
-    assert result["learning_rate"] == pytest.approx(0.05 * 4)
-    assert result["metrics"]["val_accuracy"] >= 0.9
