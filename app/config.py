@@ -229,10 +229,8 @@ class TrainConfig(BaseModel):
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         for name in ("hidden_units", "conv_filters", "synthetic_shape", "feature_shape", "image_size"):
-            values = getattr(self, name)
-            if values is None and name == "feature_shape":
-                continue
-            if not values or any(v <= 0 for v in values):
+            values = getattr(self, name)  # only feature_shape may be None (= as stored)
+            if values is not None and (not values or any(v <= 0 for v in values)):
                 problems.append(f"{name} must be a non-empty list of positive integers (got {values})")
         if problems:
             raise ValueError("; ".join(problems))

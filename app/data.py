@@ -198,6 +198,23 @@ class EpochPlan:
 # --- Ray Data ----------------------------------------------------------------
 
 
+def padded_with_zero_weight(split: Split, multiple: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, y, ids, weights) with weight-0 copies of the first row appended until the count divides by ``multiple``.
+
+    Padding rows have id -1 and weigh nothing in the loss and metric sums; they
+    exist so that every worker or replica gets the same number of eval batches.
+    """
+    x, y, ids = split.x, split.y, split.ids
+    w = np.ones(len(y), dtype=np.float32)
+    pad = (-len(y)) % multiple
+    if pad:
+        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
+        y = np.concatenate([y, np.repeat(y[:1], pad)])
+        ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
+        w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
+    return x, y, ids, w
+
+
 def to_ray_dataset(split: Split, *, pad_to_multiple_of: int = 1, weights: bool = False) -> "ray.data.Dataset":
     """Arrays -> a Ray Dataset with columns x, y, id (and w).
 
@@ -209,14 +226,7 @@ def to_ray_dataset(split: Split, *, pad_to_multiple_of: int = 1, weights: bool =
     import ray.data
     from ray.data.extensions import ArrowTensorArray
 
-    x, y, ids = split.x, split.y, split.ids
-    w = np.ones(len(y), dtype=np.float32)
-    pad = (-len(y)) % pad_to_multiple_of
-    if pad:
-        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
-        y = np.concatenate([y, np.repeat(y[:1], pad)])
-        ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
-        w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
+    x, y, ids, w = padded_with_zero_weight(split, pad_to_multiple_of)
     columns = {X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids)}
     if weights:
         columns[W] = pa.array(w)
@@ -352,10 +362,5 @@ def eval_batches_from_arrays(split: Split, batch_size: int, replicas: int = 1) -
     """
     import tensorflow as tf
 
-    x, y, w = split.x, split.y, np.ones(len(split), dtype=np.float32)
-    pad = (-len(split)) % (batch_size * replicas) if replicas > 1 else 0
-    if pad:
-        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
-        y = np.concatenate([y, np.repeat(y[:1], pad)])
-        w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
+    x, y, _, w = padded_with_zero_weight(split, batch_size * replicas if replicas > 1 else 1)
     return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(batch_size)

@@ -61,7 +61,6 @@ class Loop:
         self.audit_sample_ids = audit_sample_ids
         self.steps_per_execution = steps_per_execution
         self.log_every_steps = log_every_steps
-        self.grad_accum = grad_accum
         self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         if optimizer is not None and not optimizer.built:
@@ -249,7 +248,7 @@ class Loop:
                 local = self._local_sum(per_replica)
                 step_sums.append((done + 1, local))
                 acc += local
-                window.after(local, 1)
+                window.after(acc, 1)
                 if self.audit_sample_ids:
                     id_chunks.append(ids.numpy())
                 done += 1
@@ -258,7 +257,7 @@ class Loop:
                 local = self._train_steps(iterator, tf.constant(k))
                 step_sums.append((done + k, local))
                 acc += local
-                window.after(local, k)
+                window.after(acc, k)
                 done += k
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
@@ -309,25 +308,27 @@ class Loop:
 
 
 class _LogWindow:
-    """The steps since the last log point of ``Loop.train_epoch`` (a window never spans two epochs)."""
+    """The steps since the last log point of ``Loop.train_epoch`` (a window never spans two epochs).
+
+    The window's sums are the epoch's running sums minus their value at the
+    last point: nothing is added per step beyond what the epoch already sums.
+    """
 
     def __init__(self, loop: Loop, on_log, start: float):
         self.loop, self.on_log, self.start = loop, on_log, start
-        self.sums = None
+        self.base = np.zeros(3)  # the epoch's running sums at the last log point
         if loop.global_step is None:  # first epoch of this process: continue a restored optimizer's count
             loop.global_step = int(loop.optimizer.iterations.numpy()) if loop.optimizer is not None else 0
 
-    def after(self, local_sums, k: int) -> None:
+    def after(self, epoch_sums, k: int) -> None:
         loop = self.loop
         before, loop.global_step = loop.global_step, loop.global_step + k
         every = loop.log_every_steps
-        if not every:
-            return
-        self.sums = local_sums if self.sums is None else self.sums + local_sums
-        if loop.global_step // every == before // every:
+        if not every or loop.global_step // every == before // every:
             return
         # Every worker gets here at the same step (same config, same step count): a collective is safe.
-        loss_sum, correct, count = loop.cross_worker_sum(self.sums.numpy())
+        now_sums = epoch_sums.numpy()
+        loss_sum, correct, count = loop.cross_worker_sum(now_sums - self.base)
         now = time.perf_counter()
         if self.on_log is not None:
             self.on_log(
@@ -339,7 +340,7 @@ class _LogWindow:
                     "samples_per_second": count / (now - self.start),
                 },
             )
-        self.sums, self.start = None, now
+        self.base, self.start = now_sums, now
 
 
 def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:

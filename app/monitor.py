@@ -20,12 +20,9 @@ filesystem.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 from typing import Any, Optional
-
-log = logging.getLogger(__name__)
 
 EPOCH_SCALARS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "learning_rate", "samples_per_second")
 

@@ -118,7 +118,7 @@ def write_outputs(
     shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]
-    num_replicas = lr_plan["global_batch"] // (config.per_replica_batch * config.grad_accum)
+    num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
     accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
     plot_curves(
         history,

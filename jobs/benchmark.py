@@ -73,16 +73,13 @@ def train_run(config: dict, workers: int, out: Path) -> dict:
     """jobs/train.py as a user runs it; steady-state samples/s from its history.csv."""
     import csv
 
-    flags = []
-    for key, value in {**config, "num_workers": workers, "output": str(out), "overwrite": True}.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, list):
-            flags += [flag, *map(str, value)]
-        else:
-            flags += [flag, str(value)]
-    run([sys.executable, "jobs/train.py", *flags], timeout=1800)
+    import yaml
+
+    # The workload as a --config file: jobs/train.py reads it exactly as a user's YAML.
+    config_file = out.parent / f"{out.name}.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    run([sys.executable, "jobs/train.py", "--config", str(config_file), "--num-workers", str(workers),
+         "--output", str(out), "--overwrite"], timeout=1800)
     result = json.loads((out / "result.json").read_text())
     with open(out / "history.csv") as f:
         per_epoch = [float(row["samples_per_second"]) for row in csv.DictReader(f)]

@@ -125,11 +125,10 @@ class ProcessPeaks:
 def run_once(data_dir: str, out: str, workers: int) -> dict:
     """One training run in this process (called in a fresh subprocess per dataset size)."""
     import csv
-    import resource
 
     import ray
 
-    from app import ray_train
+    from app import ray_train, report
     from app.config import build_config
 
     config = build_config(None, {
@@ -139,7 +138,7 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
     })
     started = time.time()
     with ProcessPeaks() as peaks:
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level="WARNING")
+        ray_train.connect(config)  # the local Ray that jobs/train.py would start, shut down below
         try:
             result = ray_train.run(config)
         finally:
@@ -154,7 +153,7 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
         "rows_trained": int(last["train_samples"]),
         "val_rows": int(last["val_samples"]),
         "seconds": round(time.time() - started, 1),
-        "driver_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "driver_peak_mib": round(report.peak_rss_mib(), 1),
         "train_worker_peak_mib": round(float(last["worker_peak_rss_mib"]), 1),
         "train_worker_anon_peak_mib": largest(lambda name: name.startswith("ray::RayTrainWorker"), peaks.anon),
         # Ray Data's read/preprocess tasks and the split coordinator run in these worker processes.
