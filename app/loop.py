@@ -12,6 +12,7 @@ accuracy over the whole validation set, not an average of per-worker averages.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -179,6 +180,7 @@ class Loop:
 
             strategy.run(average)
 
+        self._traced = False
         self._train_step = distributed_train_step
         self._train_steps = distributed_train_steps
         self._eval_step = distributed_eval_step
@@ -200,6 +202,21 @@ class Loop:
         )
 
     # --- helpers ---------------------------------------------------------------
+    def _first_batch(self, iterator):
+        """The next batch; the first time, trace the train step while that batch is on its way.
+
+        The first batch of a run waits for the input to start (on Ray, a new Ray
+        Data execution with processes of its own) and the first step waits for
+        tracing; both are seconds on the path to the first step, and they overlap.
+        """
+        if self._traced:
+            return next(iterator)
+        self._traced = True
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            batch = pool.submit(next, iterator)
+            self._train_step.get_concrete_function(iterator.element_spec)
+            return batch.result()
+
     def _local_sum(self, per_replica) -> "tf.Tensor":
         import tensorflow as tf
 
@@ -244,7 +261,7 @@ class Loop:
         done = 0
         while done < steps:
             if self.steps_per_execution == 1:
-                per_replica, ids = self._train_step(next(iterator))
+                per_replica, ids = self._train_step(self._first_batch(iterator) if done == 0 else next(iterator))
                 local = self._local_sum(per_replica)
                 step_sums.append((done + 1, local))
                 acc += local

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,18 @@ log = logging.getLogger(__name__)
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     """Runs in every Ray Train worker. Reads top to bottom: strategy, model, data, loop, report."""
-    # MWMS must exist before any other TensorFlow op in this process.
+    import ray.train
+    from ray.train import Checkpoint
+
     from app import strategy as strategy_lib
 
     config = TrainConfig(**payload["config"])
+    # The shards first: asking for them starts Ray Data's split coordinators (new
+    # processes) while this one imports TensorFlow, instead of after it (~3 s).
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("val")
+    # MWMS must exist before any other TensorFlow op in this process.
     strategy = strategy_lib.multi_worker_strategy(config.cpus_per_worker)
-
-    import ray.train
-    from ray.train import Checkpoint
 
     from app import models, monitor, scaling
     from app.loop import Loop, progress_line
@@ -69,8 +72,6 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0:
             log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
 
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
     train_iter = iter(
         strategy.distribute_datasets_from_function(
             lambda _: data.train_batches_from_shard(
@@ -209,10 +210,6 @@ def connect(config: TrainConfig) -> None:
     ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
 
 
-def _import_train_tensorflow() -> None:
-    import ray.train.tensorflow  # noqa: F401  (fit() imports it again: a no-op, or a wait for this import)
-
-
 def build_datasets(config: TrainConfig, source: data.Source | sources.Streamed) -> dict[str, Any]:
     if isinstance(source, sources.Streamed):  # already Ray Datasets: shuffled, val padded (app.sources)
         return {"train": source.train, "val": source.val}
@@ -232,12 +229,13 @@ def fit(
     storage_path: str | None = None,
     name: str | None = None,
 ) -> Any:
-    """Run TensorflowTrainer and return Ray's Result (raises RunFailed).
+    """Run Ray Train with the TF_CONFIG backend (app.tf_backend) and return Ray's Result (raises RunFailed).
 
     ``callbacks`` run on the Train controller (Tune passes its TuneReportCallback).
     """
     import ray.train
-    from ray.train.tensorflow import TensorflowTrainer
+
+    from app import tf_backend
 
     # Both are propagated by Ray Train V2 from the driver to its controller.
     # Bound the wait for workers to be placed:
@@ -247,7 +245,7 @@ def fit(
     # to one per 2 s. Polling every 0.5 s costs one small actor call per worker.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     out = config.output_dir()
-    trainer = TensorflowTrainer(
+    trainer = tf_backend.trainer(
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={
             "config": config.model_dump(mode="json"),
@@ -349,10 +347,6 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     out = report.prepare_output_dir(config)
     name = _ray_run_name(config, out)
 
-    # The driver needs TensorFlow only because ray.train.tensorflow imports it
-    # (~3-5 s here); importing it while ray.init starts the local cluster (which
-    # mostly waits on its processes) takes ~4 s off the time to the first step.
-    threading.Thread(target=_import_train_tensorflow, daemon=True).start()
     connect(config)
     result = fit(config, source, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:

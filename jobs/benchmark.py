@@ -9,6 +9,9 @@ In one run, each in a fresh process, on the same model, data and thread count:
   (a) baseline: a plain single-process tf.function loop, no Ray, no strategy
   (b) the Ray path (jobs/train.py) with 1 worker x 1 CPU
   (c) the Ray path with 2 workers x 1 CPU, and more where the machine has them
+  (d) for each N > 1: N plain loops at once, each on 1/N of the data, no
+      communication: what N single-threaded processes reach on this machine,
+      the ceiling for (c)
   plus the input pipeline alone (Ray Data -> tf.data, no model) and the time
   from starting jobs/train.py (2 local workers, its defaults) to its first step.
 
@@ -56,17 +59,38 @@ def workload(args) -> dict:
     }
 
 
+def _local_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a local Ray of its own
+
+
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a local Ray of its own
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, cwd=REPO, env=_local_env(), capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RunFailed(f"{' '.join(cmd[:4])} ... failed:\n{p.stderr[-3000:]}")
     return p
 
 
-def measure(kind: str, config: dict) -> dict:
-    p = run([sys.executable, "-m", "app.benchmark", kind, json.dumps(config)], timeout=1200)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def measure(kind: str, config: dict, processes: int = 1) -> dict:
+    """One measurement of app.benchmark; with ``processes`` > 1, that many at once, samples/s summed.
+
+    Plain TF loops in N processes at once, each with its 1/N of the data and no
+    communication, are what N single-threaded workers could reach on this
+    machine at best: the ceiling for the N-worker Ray run, measured the same way.
+    """
+    if processes > 1:
+        config = {**config, "synthetic_rows": config["synthetic_rows"] // processes}
+    cmd = [sys.executable, "-m", "app.benchmark", kind, json.dumps(config)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(processes)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=1200)
+        if p.returncode != 0:
+            raise RunFailed(f"app.benchmark {kind} failed:\n{err[-3000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    if processes == 1:
+        return results[0]
+    return {"samples_per_second": sum(r["samples_per_second"] for r in results), "processes": results}
 
 
 def train_run(config: dict, workers: int, out: Path) -> dict:
@@ -113,6 +137,10 @@ def plot(rows: list[dict], baseline: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.plot(workers, [r["samples_per_second"] for r in ray_rows], marker="o", label="Ray Train, N workers x 1 CPU")
     ax.plot(workers, [one * w for w in workers], linestyle="--", color="grey", label="ideal (N x 1 worker)")
+    ceilings = [r for r in rows if r["run"].startswith("plain TF x")]
+    if ceilings:
+        ax.plot([r["workers"] for r in ceilings], [r["samples_per_second"] for r in ceilings], marker="s",
+                linestyle="none", color="tab:green", label="plain TF loops, N processes at once (ceiling)")
     ax.axhline(baseline, color="tab:red", linestyle=":", label="plain TF loop, 1 thread (baseline)")
     for r in ray_rows:
         ax.annotate(f"{r['efficiency']:.0%}", (r["workers"], r["samples_per_second"]), textcoords="offset points",
@@ -153,6 +181,12 @@ def main() -> None:
         log.info("(a) plain TensorFlow loop, 1 thread ...")
         baseline = measure("plain", config)
         log.info("    %.0f samples/s", baseline["samples_per_second"])
+        ceilings = {}
+        for w in (w for w in workers if w > 1):
+            log.info("plain TensorFlow loops in %d processes at once, no communication (the %d-worker ceiling) ...",
+                     w, w)
+            ceilings[w] = measure("plain", config, processes=w)
+            log.info("    %.0f samples/s", ceilings[w]["samples_per_second"])
         log.info("input pipeline alone (Ray Data -> tf.data, one worker's shard) ...")
         pipeline = measure("input", {**config, "num_workers": 1})
         log.info("    %.0f samples/s", pipeline["samples_per_second"])
@@ -178,6 +212,11 @@ def main() -> None:
             rows.append({"run": f"ray {w} worker(s)", "workers": w, "samples_per_second": sps,
                          "speedup": sps / one, "efficiency": sps / (one * w),
                          "vs_baseline": sps / baseline["samples_per_second"]})
+        for w, ceiling in ceilings.items():
+            sps = ceiling["samples_per_second"]
+            rows.append({"run": f"plain TF x{w} processes", "workers": w, "samples_per_second": sps,
+                         "speedup": sps / one, "efficiency": sps / (one * w),
+                         "vs_baseline": sps / baseline["samples_per_second"]})
         one_worker_consumes = runs[min(workers)]["samples_per_second"] / min(workers)
         report = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -187,6 +226,7 @@ def main() -> None:
             "table": rows,
             "baseline": baseline,
             "ray_runs": {str(w): r for w, r in runs.items()},
+            "plain_processes_at_once": {str(w): c for w, c in ceilings.items()},
             "input_pipeline": {**pipeline, "vs_one_worker_consumption": pipeline["samples_per_second"]
                                / one_worker_consumes},
             "startup": startup,
@@ -195,6 +235,8 @@ def main() -> None:
                 if 1 in runs else None,
                 "two_workers_vs_one >= 1.8": runs[2]["samples_per_second"] / runs[1]["samples_per_second"]
                 if {1, 2} <= runs.keys() else None,
+                **{f"{w}_workers_vs_{w}_plain_processes": runs[w]["samples_per_second"] / c["samples_per_second"]
+                   for w, c in ceilings.items()},
                 "input_vs_consumption >= 5": pipeline["samples_per_second"] / one_worker_consumes,
                 "first_step_seconds <= 15": startup["time_to_first_step_seconds"],
             },

@@ -1,0 +1,66 @@
+"""Ray Train's TensorFlow backend (TF_CONFIG for MultiWorkerMirroredStrategy), without importing TensorFlow.
+
+Ray's ``TensorflowTrainer`` does exactly two things beyond ``DataParallelTrainer``:
+it gives each worker ``TF_CONFIG`` (every worker's address, and its own index)
+before the training function runs, and it names the framework. But its backend
+lives in ``ray.train.tensorflow``, whose package ``__init__`` imports TensorFlow,
+and the Train controller unpickles that backend: so the controller process,
+which never runs a TensorFlow op, imported TensorFlow (~4 s on 2 cores) on the
+critical path to the first step, and so did the driver. This module is that
+backend with only Ray imports (the same TF_CONFIG, built the same way as
+ray/train/tensorflow/config.py in ray 2.60); the workers import TensorFlow when
+the training function builds its strategy.
+
+It leaves out ``TF_USE_LEGACY_KERAS=1``, which TensorflowTrainer sets: this
+project uses Keras 3 (``import keras``), and tf_keras is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.train.backend import Backend, BackendConfig
+
+
+def _free_address() -> str:
+    """This worker's node IP and a free port on it: MWMS's gRPC server listens there."""
+    import socket
+
+    host = ray.util.get_node_ip_address()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
+def _set_tf_config(worker_addresses: list[str], index: int) -> None:
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": worker_addresses}, "task": {"type": "worker", "index": index}}
+    )
+
+
+class _TFConfigBackend(Backend):
+    def on_start(self, worker_group, backend_config: "TFConfig") -> None:
+        addresses = worker_group.execute(_free_address)
+        ray.get([
+            worker_group.execute_single_async(i, _set_tf_config, worker_addresses=addresses, index=i)
+            for i in range(len(worker_group))
+        ])
+
+
+@dataclass
+class TFConfig(BackendConfig):
+    @property
+    def backend_cls(self):
+        return _TFConfigBackend
+
+
+def trainer(**kwargs):
+    """A DataParallelTrainer with the TF_CONFIG backend: what TensorflowTrainer(**kwargs) is, minus the import."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    return DataParallelTrainer(backend_config=TFConfig(), **kwargs)
