@@ -1,6 +1,6 @@
 """Ray Train wiring: the per-worker function and the driver that launches it.
 
-Driver:  config -> Ray cluster (join or start) -> Ray Datasets -> TensorflowTrainer.fit()
+Driver:  config -> Ray cluster (join or start) -> Ray Datasets -> Ray Train fit() (app.tf_backend)
 Worker:  MWMS -> model + optimizer under scope -> dataset shards -> loop -> report
 """
 
