@@ -18,7 +18,10 @@ def test_quick_benchmark_writes_its_table_and_plot(no_shared_ray, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "plain TF (baseline)" in p.stdout and "ray 2 worker(s)" in p.stdout and "vs baseline" in p.stdout
     report = json.loads((tmp_path / "benchmark.json").read_text())
-    assert [row["workers"] for row in report["table"]] == [1, 1, 2]
+    # baseline, Ray 1 and 2 workers, and 2 plain processes at once (the 2-worker ceiling)
+    assert [row["workers"] for row in report["table"]] == [1, 1, 2, 2]
+    assert report["table"][-1]["run"] == "plain TF x2 processes"
+    assert len(report["plain_processes_at_once"]["2"]["processes"]) == 2
     assert all(row["samples_per_second"] > 0 for row in report["table"])
     assert report["input_pipeline"]["samples_per_second"] > 0
     assert report["startup"]["time_to_first_step_seconds"] > 0
