@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
-    """Runs in every Ray Train worker. Reads top to bottom: strategy, model, data, loop, report."""
+    """Runs in every Ray Train worker. Reads top to bottom: shards, strategy, model, input, loop, report."""
     import ray.train
     from ray.train import Checkpoint
 
