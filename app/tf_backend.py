@@ -1,7 +1,7 @@
 """Ray Train's TensorFlow backend (TF_CONFIG for MultiWorkerMirroredStrategy), without importing TensorFlow.
 
-Ray's ``TensorflowTrainer`` does exactly two things beyond ``DataParallelTrainer``:
-it gives each worker ``TF_CONFIG`` (every worker's address, and its own index)
+Ray's ``TensorflowTrainer`` does two things beyond ``DataParallelTrainer``: it
+gives each worker ``TF_CONFIG`` (every worker's address, and its own index)
 before the training function runs, and it names the framework. But its backend
 lives in ``ray.train.tensorflow``, whose package ``__init__`` imports TensorFlow,
 and the Train controller unpickles that backend: so the controller process,
@@ -12,7 +12,9 @@ ray/train/tensorflow/config.py in ray 2.60); the workers import TensorFlow when
 the training function builds its strategy.
 
 It leaves out ``TF_USE_LEGACY_KERAS=1``, which TensorflowTrainer sets: this
-project uses Keras 3 (``import keras``), and tf_keras is not installed.
+project uses Keras 3 (``import keras``), and tf_keras is not installed. It
+also leaves the framework unnamed: Ray Train's run-state tracking would import
+the named framework's modules to record their versions.
 """
 
 from __future__ import annotations
@@ -25,18 +27,6 @@ import ray
 from ray.train.backend import Backend, BackendConfig
 
 
-def _free_address() -> str:
-    """This worker's node IP and a free port on it: MWMS's gRPC server listens there."""
-    import socket
-
-    host = ray.util.get_node_ip_address()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
-
-
 def _set_tf_config(worker_addresses: list[str], index: int) -> None:
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": worker_addresses}, "task": {"type": "worker", "index": index}}
@@ -45,7 +35,12 @@ def _set_tf_config(worker_addresses: list[str], index: int) -> None:
 
 class _TFConfigBackend(Backend):
     def on_start(self, worker_group, backend_config: "TFConfig") -> None:
-        addresses = worker_group.execute(_free_address)
+        # Ray's own helpers (ray.train.tensorflow's backend calls the same ones): the
+        # node's IP and a free port there, where MWMS's gRPC server will listen.
+        from ray._common.network_utils import build_address
+        from ray.train._internal.utils import get_address_and_port
+
+        addresses = worker_group.execute(lambda: build_address(*get_address_and_port()))
         ray.get([
             worker_group.execute_single_async(i, _set_tf_config, worker_addresses=addresses, index=i)
             for i in range(len(worker_group))

@@ -83,11 +83,17 @@ def measure(kind: str, config: dict, processes: int = 1) -> dict:
     procs = [subprocess.Popen(cmd, cwd=REPO, env=_local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(processes)]
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=1200)
-        if p.returncode != 0:
-            raise RunFailed(f"app.benchmark {kind} failed:\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=1200)
+            if p.returncode != 0:
+                raise RunFailed(f"app.benchmark {kind} failed:\n{err[-3000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:  # one failed or timed out: stop the others we started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if processes == 1:
         return results[0]
     return {"samples_per_second": sum(r["samples_per_second"] for r in results), "processes": results}

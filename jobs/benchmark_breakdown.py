@@ -27,6 +27,7 @@ def one(config_file: str, strategy_kind: str, input_kind: str) -> dict:
     import yaml
 
     from app import data, models, scaling
+    from app.benchmark import steady
     from app.config import TrainConfig
 
     cfg = TrainConfig(**yaml.safe_load(open(config_file)))
@@ -63,9 +64,8 @@ def one(config_file: str, strategy_kind: str, input_kind: str) -> dict:
     for epoch in range(1, cfg.epochs + 1):
         stats = loop.train_epoch(iterator, plan.steps, epoch)
         per_epoch.append(stats.samples / stats.seconds)
-    steady = per_epoch[1:] or per_epoch
     return {"strategy": strategy_kind, "input": input_kind, "per_epoch": per_epoch,
-            "samples_per_second": sum(steady) / len(steady)}
+            "samples_per_second": steady(per_epoch)}
 
 
 def main() -> None:
