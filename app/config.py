@@ -93,6 +93,12 @@ class TrainConfig(BaseModel):
     shuffle_buffer: int = Field(
         2048, ge=1, description="Streamed data: rows in each worker's local shuffle buffer (files are shuffled too)."
     )
+    stream_buffer_mib: int = Field(
+        256, ge=256,
+        description="Streamed data: object-store memory (MiB) that Ray Data may fill with blocks read ahead of "
+        "training, per dataset. Bounds memory whatever the dataset's size; raise it if reads stall training. "
+        "At least 256: with less, Ray Data's per-operator shares fall below one block and reading crawls.",
+    )
     synthetic_text_rows: int = Field(2000, ge=2, description="--dataset synthetic-text: number of texts.")
     synthetic_rows: int = Field(2048, ge=2, description="--dataset synthetic: number of rows.")
     synthetic_shape: list[int] = Field(

@@ -262,6 +262,7 @@ def fit(
             placement_strategy=config.placement_strategy,
         ),
         datasets=build_datasets(config, source),
+        dataset_config=sources.data_config(source) if isinstance(source, sources.Streamed) else None,
         run_config=ray.train.RunConfig(
             name=name or out.name,
             storage_path=storage_path or config.storage_path or str(out / "ray"),

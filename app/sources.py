@@ -36,6 +36,8 @@ import hashlib
 import logging
 import math
 import os
+import copy
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -60,6 +62,11 @@ FILE_EXTENSIONS.update({ext: "images" for ext in IMAGE_EXTENSIONS})
 # this share of it: the rest is left for Ray Data's in-flight blocks and the
 # workers' own objects.
 CACHE_SHARE = 0.3
+# Blocks of streamed data. Ray Data's default (128 MiB) is made for throughput
+# over big clusters; here a block is what a worker maps and batches at a time and
+# the unit of the read-ahead budget (--stream-buffer-mib), so a few MiB keeps
+# both small and steady from the first blocks on, at any dataset size.
+STREAM_BLOCK_BYTES = 16 << 20
 _MASK63 = (1 << 63) - 1
 
 
@@ -540,9 +547,11 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         spec = _schema_spec(loc, config, schema)
     spec = replace(spec, val_fraction=val_fraction)
 
-    stats = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
-        block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
-    ).take_all()
+    with _streaming(config):
+        stats = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
+            block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
+        )
+    stats = stats.take_all()
     total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
@@ -642,17 +651,18 @@ def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
     if spec.kind == "images":
         num_classes = config.num_classes or len(spec.classes)
 
-    def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int]):
-        raw = _read(source, config, s if source.format == "parquet" else None, shuffle_seed)
-        return raw.map_batches(
-            preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
-            fn_kwargs={"spec": s, "keep": keep, "weights": weights},
-        )
+    def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int], streamed: bool):
+        with _streaming(config) if streamed else nullcontext():
+            raw = _read(source, config, s if source.format == "parquet" else None, shuffle_seed)
+            return raw.map_batches(
+                preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
+                fn_kwargs={"spec": s, "keep": keep, "weights": weights},
+            )
 
     train_keep = "train" if val_loc is None else "all"
     cached = {"train": _fits_in_memory(config, n_train, spec, "training")}
     if cached["train"]:
-        train = pipeline(loc, spec, train_keep, False, None).materialize()
+        train = pipeline(loc, spec, train_keep, False, None, streamed=False).materialize()
         if config.shuffle:
             train = data.shuffled_each_epoch(train, config.seed)
         shuffle_buffer = 0
@@ -660,11 +670,11 @@ def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
         # A global random_shuffle would hold the whole set at once: instead the
         # files are dealt in a new seeded order each epoch and each worker
         # shuffles rows in a local buffer.
-        train = pipeline(loc, spec, train_keep, False, config.seed if config.shuffle else None)
+        train = pipeline(loc, spec, train_keep, False, config.seed if config.shuffle else None, streamed=True)
         shuffle_buffer = config.shuffle_buffer if config.shuffle else 0
 
     cached["val"] = _fits_in_memory(config, n_val, val_spec, "validation")
-    val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None)
+    val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None, not cached["val"])
     if cached["val"]:
         val = val.materialize()
     val = _pad(val, n_val, num_workers, spec.feature_shape)
@@ -673,6 +683,48 @@ def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
         loc.uri, loc.format, n_train, n_val, spec.feature_shape, num_classes,
     )
     return Streamed(train, val, spec.feature_shape, num_classes, n_train, n_val, shuffle_buffer, cached)
+
+
+@contextmanager
+def _streaming(config: "TrainConfig"):
+    """Datasets created inside stream in small blocks with a bounded read-ahead.
+
+    Ray Data seals the current DataContext into each Dataset it creates, so
+    these settings belong to the datasets made here and to no other.
+
+    - Blocks of ``STREAM_BLOCK_BYTES`` (Ray's default is 128 MiB): see there.
+    - At most ``--stream-buffer-mib`` of the object store. Ray Data's default
+      budget is half the store: reads run far ahead of training (the input is
+      many times faster than the model), so a large dataset filled that much
+      of the store, and every process that wrote or read a block kept those
+      shared pages mapped. A fixed budget keeps the blocks in flight, and so
+      the memory, the same at any dataset size.
+    """
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    saved = context.target_max_block_size, context.execution_options
+    options = copy.deepcopy(saved[1])
+    options.resource_limits = options.resource_limits.copy(object_store_memory=config.stream_buffer_mib * 2**20)
+    context.target_max_block_size, context.execution_options = STREAM_BLOCK_BYTES, options
+    try:
+        yield
+    finally:
+        context.target_max_block_size, context.execution_options = saved
+
+
+def data_config(source: Streamed):
+    """Ray Train's DataConfig: streamed datasets keep their own execution options (``_streaming``).
+
+    Without it Ray Train replaces every dataset's options with the driver's
+    current defaults. Cached datasets are already whole in the store: they
+    keep Ray Train's defaults.
+    """
+    import ray.train
+
+    datasets = {"train": source.train, "val": source.val}
+    options = {name: ds.context.execution_options for name, ds in datasets.items() if not source.cached[name]}
+    return ray.train.DataConfig(execution_options=options or None)
 
 
 def _pad(val: "ray.data.Dataset", rows: int, num_workers: int, feature_shape: tuple[int, ...]):

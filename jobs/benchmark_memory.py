@@ -107,6 +107,10 @@ class ProcessPeaks:
         # pid -> (name, largest RssAnon seen): the process's own memory, without the pages of Ray's
         # shared-memory object store that it mapped to read objects (VmHWM counts those too).
         self.anon: dict[int, tuple[str, float]] = {}
+        # The machine's shared memory in use (/dev/shm, where Ray's object store lives), above what it was at
+        # the start: the store's pages that blocks have touched, counted once however many processes map them.
+        self.shmem_peak = 0.0
+        self._shmem_start = self._shmem()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -118,9 +122,15 @@ class ProcessPeaks:
         self._stop.set()
         self._thread.join()
 
+    @staticmethod
+    def _shmem() -> float:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Shmem:")) / 1024
+
     def _run(self):
         me = os.getpid()
         while not self._stop.is_set():
+            self.shmem_peak = max(self.shmem_peak, self._shmem() - self._shmem_start)
             parents = {}
             for entry in os.listdir("/proc"):
                 if entry.isdigit():
@@ -151,7 +161,7 @@ class ProcessPeaks:
             self._stop.wait(self.interval)
 
 
-def run_once(data_dir: str, out: str, workers: int) -> dict:
+def run_once(data_dir: str, out: str, workers: int, overrides: dict) -> dict:
     """One training run in this process (called in a fresh subprocess per dataset size)."""
     import csv
 
@@ -163,7 +173,7 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
     config = build_config(None, {
         "dataset": data_dir, "output": out, "overwrite": True, "num_workers": workers, "epochs": 1,
         "model": "mlp", "hidden_units": [64], "per_replica_batch": 256, "data_cache": "stream",
-        "warmup_epochs": 0, "base_lr": 0.01,
+        "warmup_epochs": 0, "base_lr": 0.01, **overrides,
     })
     started = time.time()
     with ProcessPeaks() as peaks:
@@ -188,6 +198,7 @@ def run_once(data_dir: str, out: str, workers: int) -> dict:
         # Ray Data's read/preprocess tasks and the split coordinator run in these worker processes.
         "ray_data_process_peak_mib": largest(is_task),
         "ray_data_process_anon_peak_mib": largest(is_task, peaks.anon),
+        "object_store_pages_peak_mib": round(peaks.shmem_peak, 1),
         "train_controller_peak_mib": largest(lambda name: name.startswith("ray::TrainController")),
         "ray_daemon_peak_mib": largest(lambda name: not name.startswith("ray::")),
         "val_accuracy": result["metrics"]["val_accuracy"],
@@ -206,12 +217,14 @@ def main() -> None:
     parser.add_argument("--rows-per-file", type=int, default=1_500)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dir", default="runs/benchmark-memory")
+    parser.add_argument("--stream-buffer-mib", type=int, help="the training option (default: its default)")
     parser.add_argument("--only", choices=["write", "1x", "scaled"], help="one phase (results merge into memory.json)")
     parser.add_argument("--run-one", nargs=2, metavar=("DATA", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    overrides = {} if args.stream_buffer_mib is None else {"stream_buffer_mib": args.stream_buffer_mib}
     if args.run_one:  # the child: one run, one JSON line
-        print("RESULT " + json.dumps(run_once(*args.run_one, args.workers)), flush=True)
+        print("RESULT " + json.dumps(run_once(*args.run_one, args.workers, overrides)), flush=True)
         return
 
     root = Path(args.dir).resolve()
@@ -227,7 +240,8 @@ def main() -> None:
         if args.only == "write" or (args.only == "1x" and label != "1x") or (args.only == "scaled" and label == "1x"):
             continue
         p = subprocess.run(
-            [sys.executable, __file__, "--workers", str(args.workers), "--run-one", str(data_dir), str(root / f"run-{label}")],
+            [sys.executable, __file__, "--workers", str(args.workers), "--run-one", str(data_dir), str(root / f"run-{label}"),
+             *(["--stream-buffer-mib", str(args.stream_buffer_mib)] if args.stream_buffer_mib else [])],
             capture_output=True, text=True,
         )
         line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -242,7 +256,7 @@ def main() -> None:
     small, large = results["1x"], results[f"{args.scale}x"]
     print(f"\n{'':28}{'1x':>10}{f'{args.scale}x':>10}{'ratio':>8}")
     for key in ("parquet_mib", "seconds", "driver_peak_mib", "train_worker_peak_mib", "train_worker_anon_peak_mib",
-                "ray_data_process_peak_mib", "ray_data_process_anon_peak_mib",
+                "ray_data_process_peak_mib", "ray_data_process_anon_peak_mib", "object_store_pages_peak_mib",
                 "train_controller_peak_mib", "ray_daemon_peak_mib"):
         print(f"{key:28}{small[key]:>10,.1f}{large[key]:>10,.1f}{large[key] / small[key]:>8.3f}")
     print(f"\nwritten to {summary}")

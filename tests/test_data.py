@@ -103,6 +103,32 @@ def test_streamed_parquet_trains_and_sees_every_row_once_per_epoch(ray_cluster, 
     assert history(out, "worker_peak_rss_mib")[-1] > 100
 
 
+def test_streamed_datasets_read_small_blocks_within_their_own_budget(ray_cluster, tmp_path):
+    """--data-cache stream: the train and val datasets (not the driver's other datasets) read 16 MiB blocks and
+    may hold at most --stream-buffer-mib in the object store; Ray Train is handed those options (its default would
+    replace them with the driver's, i.e. half the object store)."""
+    from ray.data import DataContext
+
+    x, y = learnable()
+    path = write_parquet(tmp_path / "pq", x, y)
+    config = build_config(
+        None, {"output": str(tmp_path / "unused"), **TINY, "dataset": str(path), "data_cache": "stream",
+               "stream_buffer_mib": 300},
+    )
+    current = DataContext.get_current()
+    before = current.target_max_block_size, current.execution_options.resource_limits
+    streamed = sources.prepare(config, 2)
+    assert streamed.cached == {"train": False, "val": False}
+    handed = sources.data_config(streamed)
+    for name, ds in (("train", streamed.train), ("val", streamed.val)):
+        assert ds.context.target_max_block_size == sources.STREAM_BLOCK_BYTES
+        for options in (ds.context.execution_options, handed._resolve_execution_options(name)):
+            assert options.resource_limits.object_store_memory == 300 * 2**20
+    assert (current.target_max_block_size, current.execution_options.resource_limits) == before
+    with pytest.raises(UserError, match="stream_buffer_mib"):
+        build_config(None, {"stream_buffer_mib": 64})
+
+
 def test_csv_trains_with_a_separate_validation_file(ray_cluster, tmp_path):
     x, y = learnable(length=4)
     header = ["f0", "f1", "f2", "f3", "label"]
