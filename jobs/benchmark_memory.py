@@ -14,54 +14,48 @@ Ray, so every peak below belongs to that run only:
 - train worker: the largest ``ru_maxrss`` of the Ray Train workers (they report it);
 - other Ray processes: the largest peak (``VmHWM``, sampled from /proc every
   0.5 s) of Ray Data's read/preprocess tasks, the split coordinator, the
-  Train controller and Ray's own daemons.
+  Train controller and Ray's own daemons;
+- "own" figures: the largest ``RssAnon`` seen, a process's private memory.
+  RSS also counts the pages of Ray's shared-memory object store that a
+  process wrote or read, and those pages belong to the store;
+- the object store's pages: the machine's ``Shmem`` (/dev/shm) above its
+  level at the start. Every page is counted once, however many processes
+  map it.
 
 The data is written in files of ``--rows-per-file`` rows, so writing it never
 holds more than one file in memory either.
 
-Measured on the 2-core development machine (2026-11-22, 2 workers; the
-driver no longer imports TensorFlow, hence ~280 MiB):
+Measured on the 2-core development machine (2026-11-22, 2 workers, defaults:
+16 MiB blocks, --stream-buffer-mib 256):
 
     python jobs/benchmark_memory.py --rows 24000      # 1x = 290 MB, 10x = 2.9 GB
                                      1x          10x     ratio
-    driver                          277 MiB      280 MiB   1.009
-    train worker, RSS             1,012 MiB    2,066 MiB   2.04
-    train worker, own (RssAnon)     461 MiB      508 MiB   1.104
-    Ray Data task, own (RssAnon)    869 MiB      971 MiB   1.117
+    driver                          277 MiB      281 MiB   1.014
+    train worker, own (RssAnon)     450 MiB      473 MiB   1.051
+    Ray Data task, own (RssAnon)  1,033 MiB    1,026 MiB   0.993
+    Ray Data task, RSS            1,541 MiB    1,613 MiB   1.047
+    object store's pages            411 MiB      491 MiB   1.195
+    train worker, RSS               988 MiB    1,331 MiB   1.347
 
     python jobs/benchmark_memory.py                   # 1x = 145 MB, 10x = 1.45 GB
     driver                          274 MiB      279 MiB   1.017
-    train worker, RSS               925 MiB    1,573 MiB   1.70
-    train worker, own (RssAnon)     439 MiB      520 MiB   1.185
-    Ray Data task, own (RssAnon)    882 MiB    1,090 MiB   1.235
+    train worker, own (RssAnon)     448 MiB      460 MiB   1.028
+    Ray Data task, own (RssAnon)    863 MiB      962 MiB   1.115
+    object store's pages            216 MiB      455 MiB   2.104
+    train worker, RSS               931 MiB    1,207 MiB   1.297
 
-The driver never holds the data. A worker's own memory levels off: 520 MiB
-at 1.45 GB and 508 MiB at 2.9 GB. Its growth against 1x is the warm-up of a
-small first dataset (a 145 MB shard never fills the local shuffle buffer),
-not a cost per row. glibc settings (MALLOC_ARENA_MAX=2, fixed mmap and trim
-thresholds) changed the 145 MB ratio only from 1.185 to 1.163. A worker's RSS
-also counts the pages of Ray's shared-memory object store that it mapped to
-read blocks. Those belong to the store: they are counted once for the whole
-machine and capped by the store's size. More data flowing through touches
-more of them.
+What keeps it flat (app/sources.py, ``_streaming``): streamed datasets read
+16 MiB blocks instead of Ray Data's 128 MiB, and may hold at most
+``--stream-buffer-mib`` of the object store each. Before, Ray Data's default
+budget was half the store: reads ran far ahead of training and filled it.
+Before, from 145 MB: a worker's own memory went 439 -> 520 MiB (1.185), a
+Ray Data task's 882 -> 1,090 MiB (1.235), a worker's RSS 925 -> 1,573 MiB.
 
-The data is written in files of ``--rows-per-file`` rows, so writing it never
-holds more than one file in memory either.
-
-Measured on the 2-core development machine (November 2026, defaults):
-
-                                 1x (145 MB)   10x (1.45 GB)   ratio
-    driver                          774 MiB        778 MiB     1.005
-    train worker, RSS               926 MiB      1,488 MiB     1.61
-    train worker, own (RssAnon)     439 MiB        512 MiB     1.17
-    Ray Data task, RSS            1,176 MiB      2,874 MiB     2.44
-    Ray Data task, own (RssAnon)    864 MiB      1,058 MiB     1.22
-
-The driver never holds the data. A worker's RSS also counts the pages of
-Ray's shared-memory object store it mapped to read blocks: they belong to
-the store (bounded by its size, spilled to disk beyond), and more data
-flowing through touches more of them. The processes' own memory grows by
-17-22% for 10x the data: within bounds, but not yet within the 10% asked.
+The object store's pages grow until the budgets are full. From 145 MB (less
+than the 2 x 256 MiB budget for train and val) they double. From 290 MB
+they grow 20%. A worker's RSS maps those shared pages as it reads blocks
+from all over the store, hence its 1.3x. Every process's own memory stays
+within 5% from 290 MB; from 145 MB the Ray Data tasks' stays within 12%.
 """
 
 import argparse
