@@ -32,11 +32,11 @@ hashing costs one pass over each row's bytes per preprocessing run.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
 import os
-import copy
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
