@@ -284,9 +284,9 @@ def train_batches_from_shard(
             return
         passes_left[0] -= 1
         # The last pass stops at its last planned batch instead of draining the shard's
-        # remainder: the prefetch thread then finishes this generator right away. Left
-        # inside it, that thread kept the end of a run waiting 2-60 s, because destroying
-        # the iterator waits for it.
+        # remainder, so the prefetch thread finishes this generator right away. Left
+        # inside it, that thread held up the end of a run (7, 26 and 50+ s measured):
+        # destroying the iterator waits for it (py-spy --native).
         last_pass = passes_left[0] == 0
         taken = extra = 0
         shuffle = (
