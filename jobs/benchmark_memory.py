@@ -28,14 +28,13 @@ holds more than one file in memory either.
 Measured on the 2-core development machine (2026-11-22, 2 workers, defaults:
 16 MiB blocks, --stream-buffer-mib 256):
 
-    python jobs/benchmark_memory.py --rows 24000      # 1x = 290 MB, 10x = 2.9 GB
-                                     1x          10x     ratio
-    driver                          277 MiB      281 MiB   1.014
-    train worker, own (RssAnon)     450 MiB      473 MiB   1.051
-    Ray Data task, own (RssAnon)  1,033 MiB    1,026 MiB   0.993
-    Ray Data task, RSS            1,541 MiB    1,613 MiB   1.047
-    object store's pages            411 MiB      491 MiB   1.195
-    train worker, RSS               988 MiB    1,331 MiB   1.347
+    python jobs/benchmark_memory.py --rows 24000      # 1x = 290 MB, 10x = 2.9 GB, two runs
+                                     1x (MiB)      10x (MiB)     ratio
+    driver                          277 / 277      281 / 280     1.014 / 1.010
+    train worker, own (RssAnon)     450 / 454      473 / 464     1.051 / 1.021
+    Ray Data task, own (RssAnon)  1,033 / 826    1,026 / 942     0.993 / 1.141
+    object store's pages            411 / 411      491 / 534     1.195 / 1.301
+    train worker, RSS               988 / 996    1,331 / 1,372   1.347 / 1.377
 
     python jobs/benchmark_memory.py                   # 1x = 145 MB, 10x = 1.45 GB
     driver                          274 MiB      279 MiB   1.017
@@ -44,18 +43,20 @@ Measured on the 2-core development machine (2026-11-22, 2 workers, defaults:
     object store's pages            216 MiB      455 MiB   2.104
     train worker, RSS               931 MiB    1,207 MiB   1.297
 
-What keeps it flat (app/sources.py, ``_streaming``): streamed datasets read
+What bounds it (app/sources.py, ``_streaming``): streamed datasets read
 16 MiB blocks instead of Ray Data's 128 MiB, and may hold at most
 ``--stream-buffer-mib`` of the object store each. Before, Ray Data's default
 budget was half the store: reads ran far ahead of training and filled it.
 Before, from 145 MB: a worker's own memory went 439 -> 520 MiB (1.185), a
 Ray Data task's 882 -> 1,090 MiB (1.235), a worker's RSS 925 -> 1,573 MiB.
 
-The object store's pages grow until the budgets are full. From 145 MB (less
-than the 2 x 256 MiB budget for train and val) they double. From 290 MB
-they grow 20%. A worker's RSS maps those shared pages as it reads blocks
-from all over the store, hence its 1.3x. Every process's own memory stays
-within 5% from 290 MB; from 145 MB the Ray Data tasks' stays within 12%.
+The driver's and a train worker's own memory stay within 5% in every run.
+A Ray Data task's own memory lies between 800 and 1,040 MiB at either size
+(the parquet reader reads 128 MiB of row groups per task): its ratio is the
+luck of the 1x run, 0.99 to 1.14. The object store's pages grow until the
+budgets are full: from 145 MB (less than the 2 x 256 MiB budget for train
+and val) they double, from 290 MB they grow 20-30%. A worker's RSS maps
+those shared pages as it reads blocks from all over the store, hence 1.3x.
 """
 
 import argparse
