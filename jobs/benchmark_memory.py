@@ -253,7 +253,8 @@ def main() -> None:
     for key in ("parquet_mib", "seconds", "driver_peak_mib", "train_worker_peak_mib", "train_worker_anon_peak_mib",
                 "ray_data_process_peak_mib", "ray_data_process_anon_peak_mib", "object_store_pages_peak_mib",
                 "train_controller_peak_mib", "ray_daemon_peak_mib"):
-        print(f"{key:28}{small[key]:>10,.1f}{large[key]:>10,.1f}{large[key] / small[key]:>8.3f}")
+        if key in small and key in large:  # results merged from an older version may lack a key
+            print(f"{key:28}{small[key]:>10,.1f}{large[key]:>10,.1f}{large[key] / small[key]:>8.3f}")
     print(f"\nwritten to {summary}")
 
 
