@@ -283,11 +283,6 @@ def train_batches_from_shard(
         if passes_left[0] <= 0:
             return
         passes_left[0] -= 1
-        # The last pass stops at its last planned batch instead of draining the shard's
-        # remainder, so the prefetch thread finishes this generator right away. Left
-        # inside it, that thread held up the end of a run (7, 26 and 50+ s measured):
-        # destroying the iterator waits for it (py-spy --native).
-        last_pass = passes_left[0] == 0
         taken = extra = 0
         shuffle = (
             {"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed * 1_000_003 + passes_left[0]}
@@ -300,8 +295,6 @@ def train_batches_from_shard(
             if taken < plan.steps:
                 taken += 1
                 yield batch[X], batch[Y], batch[ID]
-                if last_pass and taken == plan.steps:
-                    break
             else:
                 extra += 1
         if taken < plan.steps:
