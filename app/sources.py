@@ -697,8 +697,10 @@ def _streaming(config: "TrainConfig"):
       budget is half the store: reads run far ahead of training (the input is
       many times faster than the model), so a large dataset filled that much
       of the store, and every process that wrote or read a block kept those
-      shared pages mapped. A fixed budget keeps the blocks in flight, and so
-      the memory, the same at any dataset size.
+      shared pages mapped. With both, the blocks in flight, and so the
+      memory, are bounded by this setting instead of by the dataset's size
+      (jobs/benchmark_memory.py: the budget alone, with 128 MiB blocks, did
+      not hold).
     """
     from ray.data import DataContext
 
