@@ -245,6 +245,7 @@ def fit(
     # to one per 2 s. Polling every 0.5 s costs one small actor call per worker.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     out = config.output_dir()
+    datasets = build_datasets(config, source)
     trainer = tf_backend.trainer(
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={
@@ -261,8 +262,8 @@ def fit(
             resources_per_worker={"CPU": config.cpus_per_worker},
             placement_strategy=config.placement_strategy,
         ),
-        datasets=build_datasets(config, source),
-        dataset_config=sources.data_config(source) if isinstance(source, sources.Streamed) else None,
+        datasets=datasets,
+        dataset_config=sources.data_config(datasets, source.cached) if isinstance(source, sources.Streamed) else None,
         run_config=ray.train.RunConfig(
             name=name or out.name,
             storage_path=storage_path or config.storage_path or str(out / "ray"),

@@ -548,10 +548,10 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     spec = replace(spec, val_fraction=val_fraction)
 
     with _streaming(config):
-        stats = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
+        per_block = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
             block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
         )
-    stats = stats.take_all()
+    stats = per_block.take_all()
     total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
@@ -715,7 +715,7 @@ def _streaming(config: "TrainConfig"):
         context.target_max_block_size, context.execution_options = saved
 
 
-def data_config(source: Streamed):
+def data_config(datasets: dict[str, "ray.data.Dataset"], cached: dict[str, bool]):
     """Ray Train's DataConfig: streamed datasets keep their own execution options (``_streaming``).
 
     Without it Ray Train replaces every dataset's options with the driver's
@@ -724,8 +724,7 @@ def data_config(source: Streamed):
     """
     import ray.train
 
-    datasets = {"train": source.train, "val": source.val}
-    options = {name: ds.context.execution_options for name, ds in datasets.items() if not source.cached[name]}
+    options = {name: ds.context.execution_options for name, ds in datasets.items() if not cached[name]}
     return ray.train.DataConfig(execution_options=options or None)
 
 

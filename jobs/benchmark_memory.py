@@ -236,7 +236,7 @@ def main() -> None:
             continue
         p = subprocess.run(
             [sys.executable, __file__, "--workers", str(args.workers), "--run-one", str(data_dir), str(root / f"run-{label}"),
-             *(["--stream-buffer-mib", str(args.stream_buffer_mib)] if args.stream_buffer_mib else [])],
+             *([] if args.stream_buffer_mib is None else ["--stream-buffer-mib", str(args.stream_buffer_mib)])],
             capture_output=True, text=True,
         )
         line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)

@@ -119,7 +119,7 @@ def test_streamed_datasets_read_small_blocks_within_their_own_budget(ray_cluster
     before = current.target_max_block_size, current.execution_options.resource_limits
     streamed = sources.prepare(config, 2)
     assert streamed.cached == {"train": False, "val": False}
-    handed = sources.data_config(streamed)
+    handed = sources.data_config({"train": streamed.train, "val": streamed.val}, streamed.cached)
     for name, ds in (("train", streamed.train), ("val", streamed.val)):
         assert ds.context.target_max_block_size == sources.STREAM_BLOCK_BYTES
         for options in (ds.context.execution_options, handed._resolve_execution_options(name)):
