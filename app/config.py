@@ -1,47 +1,54 @@
-"""One typed, validated run configuration.
+"""One typed, validated run configuration, in sections.
 
 `TrainConfig` is the single source of truth for a run: the YAML file, the
-command-line flags of `jobs/train.py` (generated from the fields below, with
-their descriptions as `--help`), Tune search spaces and the config dict sent to
-every Ray worker all use these field names.
+command line (generated from these fields by app.cli, grouped by section),
+the Python API, Tune search spaces and what every worker receives all use
+these field names. The sections are mixins of one flat model, so a YAML file
+and a search space stay flat (``per_replica_batch: 64``) while ``--help`` and
+the code read by concern. Range checks are pydantic constraints; the cross-
+field rules are in ``TrainConfig._check``. Validated once, frozen after.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_serializer, model_validator
 
+from app import registry
 from app.errors import UserError
 
 LrScaling = Literal["linear", "sqrt", "none"]
+PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
+# A model or dataset: a built-in name, "file.py:function", "package.module:function",
+# a path/URI (datasets), or, from Python (app.train), the function itself.
+Plugin = Union[str, Callable[..., Any]]
 
 
-class TrainConfig(BaseModel):
-    """Everything that defines a training run."""
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # --- where it runs --------------------------------------------------------
+class RunSection(_Section):
+    """Where and how wide the run is."""
+
     backend: Literal["ray", "local"] = Field(
-        "ray", description="ray: TensorflowTrainer workers (MWMS). local: no Ray, one process (--strategy)."
+        "ray", description="ray: Ray Train workers (MultiWorkerMirroredStrategy). local: no Ray, one process."
     )
     strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage"] = Field(
         "auto",
         description="--backend local only. auto: TPU if found, else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
     )
-    devices: Optional[int] = Field(
-        None, ge=1, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
+    devices: Optional[PositiveInt] = Field(
+        None, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
     )
-    steps_per_execution: int = Field(
-        1, ge=1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
+    steps_per_execution: PositiveInt = Field(
+        1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )
-
-    # --- cluster -----------------------------------------------------------
-    num_workers: int = Field(2, ge=1, description="Number of Ray Train workers (one replica each).")
+    num_workers: PositiveInt = Field(2, description="Number of Ray Train workers (one replica each).")
     use_gpu: bool = Field(False, description="Give each worker one GPU.")
     cpus_per_worker: float = Field(
         1.0, gt=0, description="CPUs each worker reserves; also its TensorFlow thread count (rounded up)."
@@ -51,13 +58,24 @@ class TrainConfig(BaseModel):
         description="How Ray places the workers: PACK fills nodes (fast local all-reduce), SPREAD puts them on "
         "different nodes where it can (STRICT_*: must).",
     )
+    max_failures: int = Field(
+        0, ge=0, description="Restart the worker group from the last checkpoint up to N times when a worker dies."
+    )
+    worker_start_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
+    )
+    seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
 
-    # --- data and model ----------------------------------------------------
-    dataset: str = Field(
+
+class DataSection(_Section):
+    """What is trained on."""
+
+    dataset: Plugin = Field(
         "digits",
         description="Dataset: digits (embedded, no download), synthetic (--synthetic-* sizes), synthetic-text, "
-        "or a path/URI (local, s3://, gs://) to parquet files, CSV files, an image folder (one subfolder per "
-        "class), a .npz file or a directory of .npy files.",
+        "a path/URI (local, s3://, gs://) to parquet files, CSV files, an image folder (one subfolder per "
+        "class), a .npz file or a directory of .npy files, or your function: file.py:function or "
+        "package.module:function.",
     )
     data_format: Literal["auto", "parquet", "csv", "images", "numpy"] = Field(
         "auto", description="Format of a --dataset path: auto = from the file names."
@@ -77,21 +95,22 @@ class TrainConfig(BaseModel):
     num_classes: Optional[int] = Field(
         None, ge=2, description="Number of classes (default: largest label + 1); labels beyond it are refused."
     )
-    feature_shape: Optional[list[int]] = Field(
+    feature_shape: Optional[PositiveInts] = Field(
         None, description="Reshape each example to this shape, e.g. 32 32 3 for images stored as flat lists."
     )
-    image_size: list[int] = Field(
+    image_size: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = Field(
         default_factory=lambda: [32, 32], description="Image folders: decode and resize to height width."
     )
-    image_channels: int = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
+    image_channels: Literal[1, 3] = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
     data_cache: Literal["auto", "memory", "stream"] = Field(
         "auto",
         description="File datasets: memory = preprocess once and keep the result in Ray's object store (epochs "
         "only reshuffle); stream = read and preprocess block by block every epoch (data larger than memory); "
         "auto = memory when it takes under 30 percent of the object store.",
     )
-    shuffle_buffer: int = Field(
-        2048, ge=1, description="Streamed data: rows in each worker's local shuffle buffer (files are shuffled too)."
+    shuffle: bool = Field(True, description="Reshuffle the training set every epoch (seeded).")
+    shuffle_buffer: PositiveInt = Field(
+        2048, description="Streamed data: rows in each worker's local shuffle buffer (files are shuffled too)."
     )
     stream_buffer_mib: int = Field(
         256, ge=256,
@@ -99,44 +118,72 @@ class TrainConfig(BaseModel):
         "training, per dataset. Bounds memory whatever the dataset's size; raise it if reads stall training. "
         "At least 256: with less, Ray Data's per-operator shares fall below one block and reading crawls.",
     )
-    synthetic_text_rows: int = Field(2000, ge=2, description="--dataset synthetic-text: number of texts.")
-    synthetic_rows: int = Field(2048, ge=2, description="--dataset synthetic: number of rows.")
-    synthetic_shape: list[int] = Field(
-        default_factory=lambda: [32, 32, 3], description="--dataset synthetic: shape of one example."
-    )
-    synthetic_classes: int = Field(10, ge=2, description="--dataset synthetic: number of classes.")
-    val_fraction: float = Field(
-        0.2, gt=0, lt=1, description="Seeded fraction of the data held out for validation."
-    )
-    model: str = Field("mlp", description="Model name: mlp, cnn, transformer.")
-    hidden_units: list[int] = Field(
-        default_factory=lambda: [128, 64], description="Hidden layer widths of the mlp."
-    )
-    conv_filters: list[int] = Field(
-        default_factory=lambda: [32, 64, 128],
-        description="cnn: filters of each conv stage (two 3x3 conv + batch norm each; pooling between stages).",
-    )
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="Seeded fraction of the data held out for validation.")
     vocab_size: int = Field(
         8192, ge=2, le=2**24, description="Text: token id buckets (hashing trick; 0 is padding)."
     )
-    sequence_length: int = Field(64, ge=1, description="Text: tokens per example (truncated or padded).")
-    embed_dim: int = Field(64, ge=1, description="transformer: embedding width (a multiple of --num-heads).")
-    num_heads: int = Field(4, ge=1, description="transformer: attention heads per block.")
-    ff_dim: int = Field(128, ge=1, description="transformer: hidden width of each block's feed-forward layer.")
-    num_blocks: int = Field(2, ge=1, description="transformer: number of encoder blocks.")
+    sequence_length: PositiveInt = Field(64, description="Text: tokens per example (truncated or padded).")
+    synthetic_text_rows: int = Field(2000, ge=2, description="--dataset synthetic-text: number of texts.")
+    synthetic_rows: int = Field(2048, ge=2, description="--dataset synthetic: number of rows.")
+    synthetic_shape: PositiveInts = Field(
+        default_factory=lambda: [32, 32, 3], description="--dataset synthetic: shape of one example."
+    )
+    synthetic_classes: int = Field(10, ge=2, description="--dataset synthetic: number of classes.")
+
+
+class ModelSection(_Section):
+    """What is trained."""
+
+    model: Plugin = Field(
+        "mlp",
+        description="Model: mlp, cnn, transformer, or your function: file.py:function or package.module:function "
+        "(called with the arguments it declares among input_shape, num_classes and --model-args).",
+    )
+    model_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the model function, as a JSON object on the command line "
+        "('{\"width\": 64}'), a mapping in YAML. Built-in models also take the fields below.",
+    )
+    task: Literal["auto", "classification", "binary", "regression"] = Field(
+        "auto",
+        description="auto: integer labels -> classification (binary when the model has one output), float "
+        "targets -> regression. Sets the default loss and the metric (accuracy, or mean absolute error).",
+    )
+    loss: Optional[str] = Field(
+        None,
+        description="Any Keras loss name (e.g. huber, mean_squared_error). Default: cross-entropy for "
+        "classification and binary, mean_squared_error for regression.",
+    )
+    from_logits: Optional[bool] = Field(
+        None,
+        description="Whether the model outputs logits. Default: decided from the model's last activation "
+        "(softmax or sigmoid -> probabilities).",
+    )
+    hidden_units: PositiveInts = Field(default_factory=lambda: [128, 64], description="mlp: hidden layer widths.")
+    conv_filters: PositiveInts = Field(
+        default_factory=lambda: [32, 64, 128],
+        description="cnn: filters of each conv stage (two 3x3 conv + batch norm each; pooling between stages).",
+    )
+    embed_dim: PositiveInt = Field(64, description="transformer: embedding width (a multiple of --num-heads).")
+    num_heads: PositiveInt = Field(4, description="transformer: attention heads per block.")
+    ff_dim: PositiveInt = Field(128, description="transformer: hidden width of each block's feed-forward layer.")
+    num_blocks: PositiveInt = Field(2, description="transformer: number of encoder blocks.")
     sync_batch_norm: bool = Field(
         False,
         description="cnn: batch-norm statistics over the global batch (one all-reduce per layer per step) "
         "instead of each replica's own batch.",
     )
 
-    # --- optimisation ------------------------------------------------------
-    epochs: int = Field(15, ge=1, description="Training epochs.")
-    per_replica_batch: int = Field(32, description="Batch size on each replica; global batch = this x replicas.")
-    base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch.")
-    reference_batch: int = Field(
-        32, ge=1, description="Global batch size at which --base-lr is the right learning rate."
+
+class OptimSection(_Section):
+    """How it is trained."""
+
+    epochs: PositiveInt = Field(15, description="Training epochs.")
+    per_replica_batch: int = Field(
+        32, gt=0, description="Batch size on each replica; global batch = this x replicas."
     )
+    base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch.")
+    reference_batch: PositiveInt = Field(32, description="Global batch size at which --base-lr is the right LR.")
     lr_scaling: LrScaling = Field(
         "linear",
         description="How the LR follows global batch / reference batch: linear (Goyal et al. 2017), sqrt, none.",
@@ -145,9 +192,8 @@ class TrainConfig(BaseModel):
     lr_decay: Literal["cosine", "constant"] = Field(
         "cosine", description="LR after warmup: cosine decay to 0 over the run, or constant."
     )
-    grad_accum: int = Field(
+    grad_accum: PositiveInt = Field(
         1,
-        ge=1,
         description="Accumulate gradients over K micro-batches of --per-replica-batch before each all-reduce and "
         "update: global batch = per-replica x replicas x K (the LR rule uses it).",
     )
@@ -158,10 +204,11 @@ class TrainConfig(BaseModel):
     )
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")
-    seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
-    shuffle: bool = Field(True, description="Reshuffle the training set every epoch (seeded).")
 
-    # --- outputs -----------------------------------------------------------
+
+class OutputSection(_Section):
+    """Where results, checkpoints and logs go."""
+
     output: Optional[str] = Field(
         None, description="Output directory (default: runs/train-<timestamp>). Must not exist unless --overwrite."
     )
@@ -171,17 +218,12 @@ class TrainConfig(BaseModel):
         description="Continue the unfinished run in --output from its last checkpoint (its config.yaml is the base "
         "config). A finished run is never retrained.",
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept: the best by val accuracy, plus the latest.")
-    max_failures: int = Field(
-        0, ge=0, description="Restart the worker group from the last checkpoint up to N times when a worker dies."
-    )
+    keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept: the best by val accuracy, plus the latest.")
     storage_path: Optional[str] = Field(
         None,
         description="Ray Train storage for checkpoints (default: <output>/ray). On a multi-node cluster use "
         "shared storage (NFS path or s3://, gs://).",
     )
-
-    # --- monitoring ----------------------------------------------------------
     tensorboard: bool = Field(True, description="Rank 0 writes TensorBoard scalars (see --tensorboard-dir).")
     tensorboard_dir: Optional[str] = Field(
         None,
@@ -191,41 +233,36 @@ class TrainConfig(BaseModel):
     log_every_steps: int = Field(
         50, ge=0, description="TensorBoard step scalars every N optimizer steps (0 = per epoch only)."
     )
-
-    # --- diagnostics -------------------------------------------------------
     audit_sample_ids: bool = Field(
         False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
     )
-    worker_start_timeout_s: float = Field(
-        120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
-    )
+
+
+SECTIONS: tuple[type[_Section], ...] = (RunSection, DataSection, ModelSection, OptimSection, OutputSection)
+
+
+class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSection):
+    """Everything that defines a training run (the sections' fields, flat)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        # Names are checked against the registries here so that a typo fails
-        # before Ray starts; imported lazily to keep config import light.
-        from app import data, models, sources
-
         problems = []
-        if self.per_replica_batch <= 0:
-            problems.append(f"per_replica_batch must be > 0 (got {self.per_replica_batch})")
         for name in ("dataset", "val_dataset"):
             value = getattr(self, name)
-            if value is not None and value not in data.DATASETS and not sources.looks_like_path(value):
+            if isinstance(value, str) and not registry.is_dataset_name(value):
                 problems.append(
-                    f"unknown {name} {value!r} (choose from {', '.join(sorted(data.DATASETS))}, or give a "
-                    "path or URI to parquet, CSV, image-folder, .npz or .npy data)"
+                    f"unknown {name} {value!r} (choose from {', '.join(sorted(registry.DATASETS))}, give a "
+                    "path or URI to parquet, CSV, image-folder, .npz or .npy data, or file.py:function)"
                 )
-        if self.val_dataset in data.DATASETS:
+        if self.val_dataset in registry.DATASETS:
             problems.append("val_dataset must be a path or URI (built-in datasets split off --val-fraction)")
+        if isinstance(self.model, str) and not registry.is_model_name(self.model):
+            problems.append(
+                f"unknown model {self.model!r} (choose from {', '.join(sorted(registry.MODELS))}, or give "
+                "file.py:function or package.module:function)"
+            )
         if self.embed_dim % self.num_heads:
             problems.append(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
-        if self.image_channels not in (1, 3):
-            problems.append(f"image_channels must be 1 (grayscale) or 3 (RGB) (got {self.image_channels})")
-        if len(self.image_size) != 2:
-            problems.append(f"image_size must be height width (got {self.image_size})")
-        if self.model not in models.MODELS:
-            problems.append(f"unknown model {self.model!r} (choose from {', '.join(sorted(models.MODELS))})")
         if self.backend == "ray" and self.strategy != "auto":
             problems.append("--strategy picks a local strategy: use it with --backend local (Ray workers use MWMS)")
         if self.backend == "ray" and self.devices is not None:
@@ -234,28 +271,28 @@ class TrainConfig(BaseModel):
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
-        for name in ("hidden_units", "conv_filters", "synthetic_shape", "feature_shape", "image_size"):
-            values = getattr(self, name)  # only feature_shape may be None (= as stored)
-            if values is not None and (not values or any(v <= 0 for v in values)):
-                problems.append(f"{name} must be a non-empty list of positive integers (got {values})")
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
-    # --- derived values ------------------------------------------------------
-    @property
-    def num_replicas(self) -> int:
-        return self.num_workers
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.per_replica_batch * self.num_replicas * self.grad_accum
+    @field_serializer("model", "dataset")
+    def _plugin_name(self, value: Plugin) -> str:
+        # A function given from Python is recorded by name in config.yaml and result.json.
+        return value if isinstance(value, str) else registry.describe(value)
 
     def output_dir(self) -> Path:
         return Path(self.output).expanduser().resolve()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def section_of(field: str) -> type[_Section]:
+    """The section that declares a field (for --help groups)."""
+    return next(s for s in SECTIONS if field in s.model_fields)
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def _one_line(err: ValidationError) -> str:
@@ -265,6 +302,9 @@ def _one_line(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             parts.append(f"unknown key {loc!r} (see python jobs/train.py --help for the valid keys)")
+        elif e["type"] in _BOUNDS and loc:
+            bound = next(iter(e["ctx"].values()))
+            parts.append(f"{loc} must be {_BOUNDS[e['type']]} {bound} (got {e.get('input')!r})")
         elif loc:
             parts.append(f"{loc}: {msg} (got {e.get('input')!r})")
         else:

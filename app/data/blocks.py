@@ -1,0 +1,180 @@
+"""Per-block transforms, run inside Ray Data tasks: raw rows -> x / y / id (/ w), and block statistics.
+
+Two paths, chosen by the format:
+
+- ``.npz`` / a directory of ``.npy`` files: read with numpy (``.npy`` memory-
+  mapped) into the in-memory ``data.Source``, the fast path for small data
+  that the local backend uses too.
+- parquet, CSV, image folders: Ray Data reads them block by block
+  (``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths
+  and ``s3://`` / ``gs://`` URIs through pyarrow's filesystems) and
+  ``map_batches`` turns each block into the columns every worker consumes:
+  ``x`` (float32 features), ``y`` (int64 label), ``id`` (int64), plus ``w``
+  (weight) for validation. The driver never holds the data: it sees the
+  schema, a few numbers per block from one statistics pass, and file names.
+
+Every check (missing column, wrong dtype, ragged shapes, empty data, label out
+of range) runs before any output directory or worker exists, and fails with a
+one-line ``UserError`` naming the column and what was found.
+
+Row identity without global row indices. A streamed block does not know its
+rows' positions in the dataset, so a row's ``id`` is a 63-bit hash of its
+content (features + label; an image's path; a text + label) and the seeded
+validation split puts a row in validation when ``mix(id, seed)`` falls below
+``val_fraction``. Trade-offs: ids are stable across runs, files, block sizes
+and read order, and need no coordination; but identical rows share an id
+(the exactly-once audit counts them once, and they always land in the same
+split, which is the right thing for a holdout: no duplicate leaks from train
+into val), the validation size is ``val_fraction`` of the rows only in
+expectation (binomial; the exact counts come from the statistics pass), and
+hashing costs one pass over each row's bytes per preprocessing run.
+"""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.data.arrays import ID, W, X, Y
+from app.data.schema import Spec, class_of
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+_MASK63 = (1 << 63) - 1
+
+
+def _column(table: "pa.Table", name: str):
+    col = table.column(name)
+    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+def _features(table: "pa.Table", spec: Spec) -> np.ndarray:
+    """One block's features as float32 (n, *feature_shape); the block passed the checks."""
+    import pyarrow.compute as pc
+
+    from app.data import text
+
+    n = table.num_rows
+    if spec.kind == "scalars":
+        x = np.stack(
+            [_column(table, c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False) for c in spec.features],
+            axis=1,
+        ) if n else np.zeros((0, len(spec.features)), np.float32)
+    elif spec.kind == "list":
+        values = pc.list_flatten(_column(table, spec.features[0])).to_numpy(zero_copy_only=False)
+        x = values.astype(np.float32, copy=False).reshape(n, *spec.stored_shape)
+    elif spec.kind in ("tensor", "images"):
+        x = np.asarray(_column(table, spec.features[0]).to_numpy(), dtype=np.float32).reshape(n, *spec.stored_shape)
+        if spec.kind == "images":
+            x /= 255.0  # normalisation: pixels to [0, 1]
+    elif spec.kind == "text":
+        x = text.tokenize(_column(table, spec.features[0]).to_pylist(), spec.vocab_size, spec.sequence_length)
+    else:
+        raise AssertionError(spec.kind)
+    return x.reshape(n, *(spec.feature_shape or spec.stored_shape))
+
+
+def _labels(table: "pa.Table", spec: Spec) -> np.ndarray:
+    if spec.kind == "images":
+        index = {name: i for i, name in enumerate(spec.classes)}
+        paths = _column(table, "path").to_pylist()
+        return np.array([index[class_of(p, spec.root)] for p in paths], dtype=np.int64)
+    return _column(table, spec.label).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+
+def _row_ids(table: "pa.Table", spec: Spec, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """A 63-bit content hash per row (see the module docstring for why and what it costs)."""
+    n = len(y)
+    if spec.kind == "images":  # the path names an image; hashing it is cheaper than hashing pixels
+        rows = [p.encode() for p in _column(table, "path").to_pylist()]
+    elif spec.kind == "text":
+        texts = _column(table, spec.features[0]).to_pylist()
+        rows = [t.encode() + b"\0" + str(label).encode() for t, label in zip(texts, y.tolist())]
+    else:
+        flat = np.ascontiguousarray(x.reshape(n, -1))
+        rows = ((flat[i], y[i : i + 1]) for i in range(n))  # features then label, hashed row by row: no copy
+    ids = np.fromiter((_hash63(*parts) if isinstance(parts, tuple) else _hash63(parts) for parts in rows),
+                      dtype=np.int64, count=n)
+    return ids
+
+
+def _hash63(*parts) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") & _MASK63
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit mix (uint64 wrap-around is intended)."""
+    z = z.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def in_validation(ids: np.ndarray, seed: int, val_fraction: float) -> np.ndarray:
+    """The seeded split: a row is validation when mix(id ^ mix(seed)) / 2^64 < val_fraction."""
+    salt = _mix64(np.array([seed], dtype=np.int64).view(np.uint64))[0]
+    u = (_mix64(ids.view(np.uint64) ^ salt) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return u < val_fraction
+
+
+def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
+    """One row of statistics per block: the driver adds them up (it never sees the rows)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    stats: dict[str, Any] = {"rows": n, "val_rows": 0, "label_min": 0, "label_max": 0, "label_nulls": 0}
+    stats.update({"nulls_column": "", "nulls": 0, "len_min": -1, "len_max": -1})
+    if spec.kind != "images":
+        label = _column(table, spec.label)
+        stats["label_nulls"] = label.null_count
+        if n and label.null_count < n:
+            mm = pc.min_max(label)
+            stats["label_min"], stats["label_max"] = mm["min"].as_py(), mm["max"].as_py()
+    for name in spec.features:
+        nulls = _column(table, name).null_count
+        if nulls and not stats["nulls"]:
+            stats["nulls_column"], stats["nulls"] = name, nulls
+    if spec.kind == "list" and n:
+        lengths = pc.list_value_length(_column(table, spec.features[0]))
+        mm = pc.min_max(lengths)
+        stats["len_min"], stats["len_max"] = mm["min"].as_py(), mm["max"].as_py()
+    ok = not stats["label_nulls"] and not stats["nulls"] and stats["len_min"] == stats["len_max"]
+    if n and ok and spec.val_fraction is not None:
+        if spec.kind == "list":  # the stored length is only known here; ids hash the flat row
+            spec = replace(spec, stored_shape=(stats["len_min"],), feature_shape=(stats["len_min"],))
+        y = _labels(table, spec)
+        ids = _row_ids(table, spec, _features(table, spec), y)
+        stats["val_rows"] = int(in_validation(ids, spec.seed, spec.val_fraction).sum())
+    return pa.table({k: [v] for k, v in stats.items()})
+
+
+def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.Table":
+    """A raw block -> x / y / id (/ w): decode, normalise, tokenize, hash, and keep one side of the split."""
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    x, y = _features(table, spec), _labels(table, spec)
+    ids = _row_ids(table, spec, x, y)
+    if spec.val_fraction is not None and keep != "all":
+        chosen = in_validation(ids, spec.seed, spec.val_fraction)
+        if keep == "train":
+            chosen = ~chosen
+        x, y, ids = x[chosen], y[chosen], ids[chosen]
+    columns = {X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids)}
+    if weights:
+        columns[W] = pa.array(np.ones(len(y), dtype=np.float32))
+    return pa.table(columns)
+

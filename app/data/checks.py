@@ -1,0 +1,48 @@
+"""Checks every data source shares, each failing with one line that names the column and the fix."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from app.errors import UserError
+
+
+def check_labels(what: str, low: int, high: int, num_classes: Optional[int]) -> None:
+    """Class ids must be 0..K-1; ``what`` names them ("label column 'y'")."""
+    if low < 0:
+        raise UserError(f"{what} has a negative value ({low}): class ids must be 0..K-1")
+    if num_classes is not None and high >= num_classes:
+        raise UserError(
+            f"{what} has values up to {high}, but --num-classes is {num_classes} "
+            f"(class ids must be 0..{num_classes - 1})"
+        )
+
+
+def missing(kind: str, name: str, uri: str, existing: list[str]) -> UserError:
+    return UserError(f"{kind} {name!r} not found in dataset {uri!r}: it has {', '.join(existing) or 'nothing'}")
+
+
+def check_finite(values: np.ndarray, what: str) -> None:
+    """NaN or inf in features or targets: refused with a count (a NaN poisons every weight it touches)."""
+    if values.dtype.kind != "f":
+        return
+    bad = int(np.count_nonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1)))
+    if bad:
+        raise UserError(f"{what} has non-finite values (NaN or inf) in {bad} of {len(values)} rows: clean the data")
+
+
+def task_of(y: np.ndarray, requested: str, what: str) -> str:
+    """auto: integer labels -> classification, floats -> regression; an explicit task must fit the labels."""
+    integral = y.dtype.kind in "iub"
+    if requested == "auto":
+        return "classification" if integral else "regression"
+    if requested in ("classification", "binary") and not integral:
+        raise UserError(
+            f"{what} has {y.dtype} values, but --task {requested} needs integer class ids: "
+            "use --task regression for continuous targets"
+        )
+    if requested == "binary" and len(y) and (y.min() < 0 or y.max() > 1):
+        raise UserError(f"{what} has values {int(y.min())}..{int(y.max())}, but --task binary needs labels 0 or 1")
+    return requested

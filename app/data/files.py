@@ -1,0 +1,73 @@
+"""Locating a dataset's files: local paths and URIs (s3://, gs://) through pyarrow's filesystems, and their format."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from app.errors import UserError
+from app.registry import FILE_EXTENSIONS
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Located:
+    uri: str
+    format: str  # parquet, csv, images, numpy
+    filesystem: Any  # pyarrow.fs.FileSystem
+    root: str  # path inside the filesystem
+    files: tuple[str, ...]
+
+
+def locate(uri: str, data_format: str = "auto") -> Located:
+    """List the files behind a path or URI and tell their format (from the extensions unless given)."""
+    import pyarrow.fs as pafs
+
+    if "://" in uri:
+        try:
+            fs, root = pafs.FileSystem.from_uri(uri)
+        except Exception as e:  # pyarrow's errors say what is wrong (scheme, credentials, bucket)
+            raise UserError(f"cannot open dataset {uri!r}: {e}") from None
+    else:
+        fs, root = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise UserError(f"dataset {uri!r} does not exist")
+    if info.type == pafs.FileType.File:
+        files = [root]
+    else:
+        listing = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+        # Hidden and underscore files are writers' markers (_SUCCESS, .crc), not data.
+        files = sorted(
+            f.path for f in listing
+            if f.type == pafs.FileType.File and not os.path.basename(f.path).startswith((".", "_"))
+        )
+    formats = {FILE_EXTENSIONS.get(f.rsplit(".", 1)[-1].lower()) for f in files} - {None}
+    if data_format == "auto":
+        if not files:
+            raise UserError(f"dataset {uri!r} is empty: no files found")
+        if len(formats) != 1:
+            found = ", ".join(sorted(formats)) or "none of parquet, csv, npz, npy or images"
+            raise UserError(
+                f"cannot tell the format of dataset {uri!r}: its file extensions say {found}; "
+                "set --data-format"
+            )
+        data_format = formats.pop()
+    wanted = [f for f in files if FILE_EXTENSIONS.get(f.rsplit(".", 1)[-1].lower()) == data_format]
+    if not wanted:
+        raise UserError(f"dataset {uri!r} is empty: no {data_format} files found")
+    return Located(uri, data_format, fs, root, tuple(wanted))
+
+
+def is_streamed(config: "TrainConfig") -> bool:
+    """True when --dataset is parquet, CSV or an image folder: the Ray Data path."""
+    from app.registry import is_dataset_name, looks_like_path
+
+    dataset = config.dataset
+    if not isinstance(dataset, str) or not looks_like_path(dataset):
+        return False
+    assert is_dataset_name(dataset)
+    return locate(dataset, config.data_format).format != "numpy"

@@ -1,0 +1,150 @@
+"""In-memory sources -> train/val arrays: built-in datasets, .npz/.npy files, and users' data functions.
+
+A data function (built-in or ``file.py:function``) is called with the config
+fields it declares (``seed``, ``val_fraction``, ...) and may return:
+
+- ``(x, y)`` arrays: split into train/val with the seeded ``--val-fraction``;
+- ``{"train": (x, y), "val": (x, y)}``: used as given;
+- a pandas DataFrame: features and label picked as for CSV
+  (``--feature-columns``, ``--label-column``);
+- a ``ray.data.Dataset``: streamed like parquet (app.data.streamed), not here.
+
+Every source then gets the same checks (shapes, finite values, labels against
+the task and ``--num-classes``) before anything starts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app import registry
+from app.data.arrays import DataFacts, Source, Split, split_holdout
+from app.data.checks import check_finite, check_labels, task_of
+from app.errors import UserError
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
+
+RAY_DATASET = "ray.data.Dataset"
+
+
+def call_data_function(config: "TrainConfig") -> Any:
+    """What the dataset function returns (built-ins included), called with the config fields it declares."""
+    fn = registry.resolve(config.dataset, registry.DATASETS)
+    name = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
+    return registry.call_with_declared(fn, config.model_dump(), name)
+
+
+def is_ray_dataset(value: Any) -> bool:
+    return type(value).__module__.startswith("ray.data") and type(value).__name__ == "Dataset"
+
+
+def _pair(value: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        got = f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else \
+            f"a {type(value).__name__}"
+        raise UserError(f"{what} returned {got}; expected (x, y)")
+    x, y = (np.asarray(a) for a in value)
+    if x.ndim == 0 or y.ndim != 1:
+        raise UserError(f"{what} returned x of shape {x.shape} and y of shape {y.shape}; expected x (n, ...) "
+                        "and y (n,)")
+    if len(x) != len(y):
+        raise UserError(f"{what} returned {len(x)} examples but {len(y)} labels")
+    if len(y) == 0:
+        raise UserError(f"{what} returned 0 rows")
+    if x.dtype.kind not in "fiub":
+        raise UserError(f"{what} returned features of dtype {x.dtype}; expected numbers")
+    if y.dtype.kind not in "fiub":
+        raise UserError(f"{what} returned labels of dtype {y.dtype}; expected integer class ids or float targets "
+                        "(encode string labels as integers 0..K-1)")
+    return x, y
+
+
+def _frame(df, config: "TrainConfig", what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A pandas DataFrame: the label column and the feature columns (default: every other numeric column)."""
+    columns = list(df.columns)
+    if config.label_column not in columns:
+        raise UserError(f"{what} returned a DataFrame without label column {config.label_column!r} "
+                        f"(it has {', '.join(map(str, columns))}): set --label-column")
+    features = config.feature_columns or [c for c in columns if c != config.label_column]
+    unknown = [c for c in features if c not in columns]
+    if unknown:
+        raise UserError(f"{what} returned a DataFrame without feature column(s) {', '.join(unknown)}")
+    text = [c for c in features if df[c].dtype.kind not in "fiub"]
+    if text:
+        raise UserError(f"{what}: feature column {text[0]!r} has dtype {df[text[0]].dtype}, expected numbers: "
+                        "pick numeric columns with --feature-columns")
+    return df[features].to_numpy(dtype=np.float32), df[config.label_column].to_numpy()
+
+
+def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple[np.ndarray, np.ndarray], Any]:
+    """A data function's result -> ((x, y), val pair or None)."""
+    if isinstance(value, dict):
+        if "train" not in value or set(value) - {"train", "val"}:
+            raise UserError(f"{what} returned a dict with keys {', '.join(map(str, value))}; expected "
+                            "'train' and optionally 'val'")
+        val = _pair(value["val"], f"{what}['val']") if "val" in value else None
+        return _pair(value["train"], f"{what}['train']"), val
+    if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):
+        return _frame(value, config, what), None
+    if is_ray_dataset(value):
+        raise AssertionError("a ray.data.Dataset streams: app.data.streamed handles it")
+    return _pair(value, what), None
+
+
+def load_source(config: "TrainConfig") -> Source:
+    """The config's dataset in memory, checked: built-in, data function, or .npz / .npy files."""
+    from app.data import numpy_files
+
+    if registry.looks_like_path(config.dataset) if isinstance(config.dataset, str) else False:
+        train_xy, val_xy = numpy_files.load_numpy(config, config.dataset), None
+        what, labels = f"dataset {config.dataset!r}", f"label array {config.label_column!r}"
+    else:
+        what = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
+        train_xy, val_xy = arrays_from(call_data_function(config), config, what)
+        labels = f"{what}: the labels"
+    if config.val_dataset:
+        val_xy = numpy_files.load_numpy(config, config.val_dataset)
+    return source_from_arrays(config, train_xy, val_xy, what, labels)
+
+
+def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, labels: str) -> Source:
+    """(x, y) [+ validation (x, y)] -> checked, typed train/val splits and their facts."""
+    x, y = train_xy
+    check_finite(np.asarray(x, dtype=np.float32) if x.dtype.kind != "f" else x, f"{what}: the features")
+    check_finite(y, labels)
+    task = task_of(y, config.task, labels)
+    y_dtype = np.float32 if task == "regression" else np.int64
+    x = np.asarray(x, dtype=np.float32)
+    if config.feature_shape:
+        from app.data.numpy_files import reshape
+
+        x = reshape(x, tuple(config.feature_shape), "x")
+    y = y.astype(y_dtype)
+    if val_xy is not None:
+        vx, vy = val_xy
+        vx = np.asarray(vx, dtype=np.float32)
+        if config.feature_shape:
+            from app.data.numpy_files import reshape
+
+            vx = reshape(vx, tuple(config.feature_shape), "x")
+        if vx.shape[1:] != x.shape[1:]:
+            raise UserError(f"validation examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")
+        check_finite(vx, f"{what}: the validation features")
+        check_finite(vy, f"{what}: the validation labels")
+        task_of(vy, task, f"{what}: the validation labels")
+        vy = vy.astype(y_dtype)
+        # Validation ids continue after the training ids: still one id per row.
+        train = Split(x, y, np.arange(len(y), dtype=np.int64))
+        val = Split(vx, vy, np.arange(len(y), len(y) + len(vy), dtype=np.int64))
+    else:
+        train, val = split_holdout(x, y, config.val_fraction, config.seed)
+    num_classes = None
+    if task != "regression":
+        every = np.concatenate([train.y, val.y])
+        check_labels(labels, int(every.min()), int(every.max()), config.num_classes)
+        num_classes = 2 if task == "binary" else (config.num_classes or int(every.max()) + 1)
+    facts = DataFacts(tuple(x.shape[1:]), task, num_classes, len(train), len(val))
+    return Source(train=train, val=val, facts=facts)

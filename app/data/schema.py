@@ -1,0 +1,127 @@
+"""From a file dataset's schema (no rows read) to a Spec: how to turn its raw rows into x / y / id."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from app.data.checks import missing
+from app.data.files import Located
+from app.errors import UserError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from app.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How to turn one block of raw rows into x / y / id: a plain, picklable recipe sent to Ray Data tasks."""
+
+    kind: str  # scalars, list, tensor, text, images
+    features: tuple[str, ...]
+    label: str
+    stored_shape: tuple[int, ...] = ()  # one example as stored (before --feature-shape)
+    feature_shape: tuple[int, ...] = ()  # one example as the model sees it
+    vocab_size: int = 0
+    sequence_length: int = 0
+    classes: tuple[str, ...] = ()  # image folders: class names, index = label
+    root: str = ""  # image folders: the root the class folders sit under
+    val_fraction: Optional[float] = None  # None: no split (a separate validation source)
+    seed: int = 0
+
+
+
+def _type_kind(t: "pa.DataType") -> str:
+    import pyarrow as pa
+
+    if isinstance(t, pa.ExtensionType):
+        if "VariableShaped" in type(t).__name__:
+            return "ragged"
+        if getattr(t, "shape", None) is not None:
+            return "tensor"
+        return "other"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        value = t.value_type
+        return "list" if pa.types.is_integer(value) or pa.types.is_floating(value) else "other"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return "scalar"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    return "other"
+
+
+def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
+    """Columns and dtypes from the schema alone (no data read): the cheap checks first."""
+    import pyarrow as pa
+
+    names = list(schema.names)
+    types = dict(zip(names, schema.types))
+    common = dict(
+        label=config.label_column, vocab_size=config.vocab_size, sequence_length=config.sequence_length,
+        seed=config.seed,
+    )
+    if config.label_column not in types:
+        raise missing("label column", config.label_column, loc.uri, names)
+    label_type = types[config.label_column]
+    if not pa.types.is_integer(label_type):
+        raise UserError(
+            f"label column {config.label_column!r} has type {label_type}, expected integers (class ids 0..K-1)"
+        )
+    if config.text_column:
+        if config.text_column not in types:
+            raise missing("text column", config.text_column, loc.uri, names)
+        if _type_kind(types[config.text_column]) != "string":
+            raise UserError(f"text column {config.text_column!r} has type {types[config.text_column]}, expected strings")
+        return Spec(kind="text", features=(config.text_column,), stored_shape=(config.sequence_length,), **common)
+    features = config.feature_columns or [n for n in names if n != config.label_column]
+    for name in features:
+        if name not in types:
+            raise missing("feature column", name, loc.uri, names)
+    if not features:
+        raise UserError(f"dataset {loc.uri!r} has no feature columns besides the label {config.label_column!r}")
+    kinds = {name: _type_kind(types[name]) for name in features}
+    for name, kind in kinds.items():
+        if kind == "ragged":
+            raise UserError(f"feature column {name!r} has ragged feature shapes (tensors of varying shape)")
+        if kind == "string":
+            raise UserError(
+                f"feature column {name!r} has type {types[name]}, expected numbers: pick numeric columns with "
+                "--feature-columns, or tokenize it with --text-column"
+            )
+        if kind == "other":
+            raise UserError(f"feature column {name!r} has type {types[name]}, expected numbers or lists of numbers")
+    if set(kinds.values()) == {"scalar"}:
+        return Spec(kind="scalars", features=tuple(features), stored_shape=(len(features),), **common)
+    if len(features) > 1:
+        raise UserError(
+            f"feature columns {', '.join(features)} mix list/tensor and other columns: name one list or tensor "
+            "column, or only scalar columns, with --feature-columns"
+        )
+    (name,) = features
+    shape = tuple(types[name].shape) if kinds[name] == "tensor" else ()  # lists: length from the data
+    return Spec(kind=kinds[name], features=(name,), stored_shape=shape, **common)
+
+
+def image_spec(loc: Located, config: "TrainConfig") -> Spec:
+    classes = sorted({class_of(f, loc.root) for f in loc.files})
+    loose = [f for f in loc.files if os.path.dirname(os.path.relpath(f, loc.root)) == ""]
+    if loose:
+        raise UserError(
+            f"image folder {loc.uri!r} must hold one subfolder per class; found images directly in it "
+            f"({os.path.basename(loose[0])})"
+        )
+    h, w = config.image_size
+    shape = (h, w, 3) if config.image_channels == 3 else (h, w)
+    return Spec(
+        kind="images", features=("image",), label="<class folder>", stored_shape=shape, classes=tuple(classes),
+        root=loc.root, seed=config.seed,
+    )
+
+
+
+def class_of(path: str, root: str) -> str:
+    return os.path.relpath(path, root).split(os.sep)[0]
+

@@ -1,0 +1,274 @@
+"""File datasets on Ray Data: schema checks, one statistics pass, then preprocessed Ray Datasets for the workers.
+
+parquet, CSV and image folders are read by Ray Data block by block
+(``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths and
+``s3://`` / ``gs://`` URIs) and ``map_batches`` turns each block into the
+columns every worker consumes (app.data.blocks). The driver never holds the
+data: it sees the schema, a few numbers per block from one statistics pass,
+and file names. Every check runs before any output directory or worker exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+from app.data.arrays import DataFacts
+from app.data.blocks import block_stats, preprocess
+from app.data.checks import check_labels
+from app.data.files import Located, locate
+from app.data.ray_input import padded, shuffled_each_epoch
+from app.data.schema import Spec, image_spec, schema_spec
+from app.errors import UserError
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from app.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+# Preprocessed data is kept in the object store ("memory") when it takes at most
+# this share of it: the rest is left for Ray Data's in-flight blocks and the
+# workers' own objects.
+CACHE_SHARE = 0.3
+# Blocks of streamed data. Ray Data's default (128 MiB) is made for throughput
+# over big clusters; here a block is what a worker maps and batches at a time and
+# the unit of the read-ahead budget (--stream-buffer-mib), so a few MiB keeps
+# both small and steady from the first blocks on, at any dataset size.
+STREAM_BLOCK_BYTES = 16 << 20
+
+
+@dataclass
+class Streamed:
+    """Ray Datasets ready for TensorflowTrainer, and the numbers the workers need."""
+
+    train: "ray.data.Dataset"
+    val: "ray.data.Dataset"
+    facts: DataFacts
+    shuffle_buffer: int  # rows of each worker's local shuffle buffer (0: the dataset is shuffled globally)
+    cached: dict[str, bool] = field(default_factory=dict)
+
+
+def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuffle_seed: Optional[int] = None):
+    """The raw Ray Dataset of a file source; with ``shuffle_seed``, the file order is reshuffled every epoch."""
+    import ray.data
+    from ray.data import FileShuffleConfig
+
+    common: dict[str, Any] = {"filesystem": loc.filesystem}
+    if shuffle_seed is not None:
+        common["shuffle"] = FileShuffleConfig(seed=shuffle_seed, reseed_after_execution=True)
+    files = list(loc.files)
+    try:
+        if loc.format == "parquet":
+            ds = ray.data.read_parquet(files, **common)
+            # Only the needed columns are read from the files (the projection is pushed into the read).
+            return ds if spec is None else ds.select_columns([*spec.features, spec.label])
+        if loc.format == "csv":
+            return ray.data.read_csv(files, **common)
+        if loc.format == "images":
+            h, w = config.image_size
+            mode = "RGB" if config.image_channels == 3 else "L"
+            return ray.data.read_images(files, size=(h, w), mode=mode, include_paths=True, **common)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {str(e).splitlines()[0]}") from None
+    raise UserError(f"dataset {loc.uri!r}: format {loc.format!r} is not streamed")
+
+
+def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float]) -> tuple[Spec, dict[str, int]]:
+    """Schema checks, then one streaming statistics pass; returns the final spec and the totals."""
+    if loc.format == "images":
+        spec = image_spec(loc, config)
+    else:
+        raw = _read(loc, config)
+        try:
+            schema = raw.schema()
+        except Exception as e:  # noqa: BLE001 - a malformed file surfaces here; say which and why
+            raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {str(e).splitlines()[0]}") from None
+        if schema is None:
+            raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
+        spec = schema_spec(loc, config, schema)
+    spec = replace(spec, val_fraction=val_fraction)
+
+    with _streaming(config):
+        per_block = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
+            block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
+        )
+    stats = per_block.take_all()
+    total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
+    if total["rows"] == 0:
+        raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
+    if total["label_nulls"]:
+        raise UserError(f"label column {spec.label!r} has {total['label_nulls']} missing values")
+    if total["nulls"]:
+        column = next(s["nulls_column"] for s in stats if s["nulls"])
+        raise UserError(f"feature column {column!r} has {total['nulls']} missing values")
+    if spec.kind == "list":
+        lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
+        low, high = min(a for a, _ in lengths), max(b for _, b in lengths)
+        if low != high:
+            raise UserError(
+                f"feature column {spec.features[0]!r} has ragged feature shapes: lists of length {low} to {high} "
+                "(every example must have the same shape)"
+            )
+        spec = replace(spec, stored_shape=(low,))
+    shape = tuple(config.feature_shape) if config.feature_shape else spec.stored_shape
+    if math.prod(shape) != math.prod(spec.stored_shape):
+        raise UserError(
+            f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
+            f"{spec.features[0]!r} has {math.prod(spec.stored_shape)} per example"
+        )
+    spec = replace(spec, feature_shape=shape)
+    if spec.kind == "images":
+        total["label_min"], total["label_max"] = 0, len(spec.classes) - 1
+    else:
+        real = [s for s in stats if s["rows"]]
+        total["label_min"] = min(s["label_min"] for s in real)
+        total["label_max"] = max(s["label_max"] for s in real)
+    check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
+    return spec, total
+
+
+def _batch_rows(spec: Spec) -> int:
+    """Rows per preprocessing call: ~16 MiB of float32 features, whatever the size of Ray Data's blocks.
+
+    A block can hold a whole file (or more): preprocessing it in one call would
+    make a task's memory grow with the files, not with this bound.
+    """
+    row_bytes = 4 * math.prod(spec.stored_shape or (1024,))
+    return max(16, (16 << 20) // row_bytes)
+
+
+def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> bool:
+    import ray
+
+    row_bytes = 4 * math.prod(spec.feature_shape) + 8 + 8 + 4  # x float32, y, id, w
+    need = rows * row_bytes
+    budget = CACHE_SHARE * ray.cluster_resources().get("object_store_memory", 0)
+    if config.data_cache != "auto":
+        cached = config.data_cache == "memory"
+        reason = f"--data-cache {config.data_cache}"
+    else:
+        cached = need <= budget
+        reason = f"{need / 2**20:,.0f} MiB preprocessed {'<=' if cached else '>'} {budget / 2**20:,.0f} MiB " \
+                 f"({CACHE_SHARE:.0%} of the object store)"
+    log.info(
+        "%s data: %s (%s)", what,
+        "preprocessed once, kept in the object store" if cached else "streamed, preprocessed block by block every epoch",
+        reason,
+    )
+    return cached
+
+
+def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
+    """Check a file source and build its train/val Ray Datasets (Ray must be running: the checks read data)."""
+    loc = locate(config.dataset, config.data_format)
+    val_loc = locate(config.val_dataset, config.data_format) if config.val_dataset else None
+    if val_loc is not None and val_loc.format != loc.format:
+        raise UserError(f"--val-dataset is {val_loc.format} data but --dataset is {loc.format}: use one format")
+    spec, stats = _inspect(loc, config, None if val_loc else config.val_fraction)
+    if val_loc is None:
+        n_val = stats["val_rows"]
+        n_train = stats["rows"] - n_val
+        val_spec = spec
+        if n_train == 0 or n_val == 0:
+            raise UserError(
+                f"val_fraction={config.val_fraction} leaves an empty train or val set for {stats['rows']} rows"
+            )
+    else:
+        val_spec, val_stats = _inspect(val_loc, config, None)
+        if val_spec.feature_shape != spec.feature_shape:
+            raise UserError(
+                f"--val-dataset examples have shape {val_spec.feature_shape}, the training data {spec.feature_shape}"
+            )
+        if spec.kind == "images" and val_spec.classes != spec.classes:
+            raise UserError(
+                f"--val-dataset has class folders {', '.join(val_spec.classes)}, the training data "
+                f"{', '.join(spec.classes)}"
+            )
+        n_train, n_val = stats["rows"], val_stats["rows"]
+        stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
+    num_classes = config.num_classes or stats["label_max"] + 1
+    if spec.kind == "images":
+        num_classes = config.num_classes or len(spec.classes)
+
+    def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int], streamed: bool):
+        with _streaming(config) if streamed else nullcontext():
+            raw = _read(source, config, s if source.format == "parquet" else None, shuffle_seed)
+            return raw.map_batches(
+                preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
+                fn_kwargs={"spec": s, "keep": keep, "weights": weights},
+            )
+
+    train_keep = "train" if val_loc is None else "all"
+    cached = {"train": _fits_in_memory(config, n_train, spec, "training")}
+    if cached["train"]:
+        train = pipeline(loc, spec, train_keep, False, None, streamed=False).materialize()
+        if config.shuffle:
+            train = shuffled_each_epoch(train, config.seed)
+        shuffle_buffer = 0
+    else:
+        # A global random_shuffle would hold the whole set at once: instead the
+        # files are dealt in a new seeded order each epoch and each worker
+        # shuffles rows in a local buffer.
+        train = pipeline(loc, spec, train_keep, False, config.seed if config.shuffle else None, streamed=True)
+        shuffle_buffer = config.shuffle_buffer if config.shuffle else 0
+
+    cached["val"] = _fits_in_memory(config, n_val, val_spec, "validation")
+    val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None, not cached["val"])
+    if cached["val"]:
+        val = val.materialize()
+    facts = DataFacts(spec.feature_shape, "classification", num_classes, n_train, n_val)
+    val = padded(val, n_val, num_workers, facts)
+    log.info(
+        "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %d classes",
+        loc.uri, loc.format, n_train, n_val, spec.feature_shape, num_classes,
+    )
+    return Streamed(train, val, facts, shuffle_buffer, cached)
+
+
+@contextmanager
+def _streaming(config: "TrainConfig"):
+    """Datasets created inside stream in small blocks with a bounded read-ahead.
+
+    Ray Data seals the current DataContext into each Dataset it creates, so
+    these settings belong to the datasets made here and to no other.
+
+    - Blocks of ``STREAM_BLOCK_BYTES`` (Ray's default is 128 MiB): see there.
+    - At most ``--stream-buffer-mib`` of the object store. Ray Data's default
+      budget is half the store: reads run far ahead of training (the input is
+      many times faster than the model), so a large dataset filled that much
+      of the store, and every process that wrote or read a block kept those
+      shared pages mapped. With both, the blocks in flight, and so the
+      memory, are bounded by this setting instead of by the dataset's size
+      (jobs/benchmark_memory.py: the budget alone, with 128 MiB blocks, did
+      not hold).
+    """
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    saved = context.target_max_block_size, context.execution_options
+    options = copy.deepcopy(saved[1])
+    options.resource_limits = options.resource_limits.copy(object_store_memory=config.stream_buffer_mib * 2**20)
+    context.target_max_block_size, context.execution_options = STREAM_BLOCK_BYTES, options
+    try:
+        yield
+    finally:
+        context.target_max_block_size, context.execution_options = saved
+
+
+def data_config(datasets: dict[str, "ray.data.Dataset"], cached: dict[str, bool]):
+    """Ray Train's DataConfig: streamed datasets keep their own execution options (``_streaming``).
+
+    Without it Ray Train replaces every dataset's options with the driver's
+    current defaults. Cached datasets are already whole in the store: they
+    keep Ray Train's defaults.
+    """
+    import ray.train
+
+    options = {name: ds.context.execution_options for name, ds in datasets.items() if not cached[name]}
+    return ray.train.DataConfig(execution_options=options or None)

@@ -1,0 +1,160 @@
+"""A worker's data -> per-replica tf.data batches, with the same rules on every path.
+
+Rules: a seeded reshuffle every epoch, whole batches only, the same number of
+steps on every worker (MWMS's all-reduce waits forever for a missing peer),
+every sample at most once per epoch, validation padded with weight-0 rows so
+that every worker runs the same number of eval batches and no row is lost.
+
+Two kinds of input:
+
+- arrays in memory (built-in data, numpy files, data functions), on the local
+  path and on Ray workers alike (there, the arrays come from the object store,
+  put once by the driver): each epoch is a seeded permutation of all rows, a
+  pure function of (seed, epoch), and worker ``rank`` of ``world`` takes its
+  contiguous slice of it: exactly once by construction, as a distributed
+  sampler does, with no Ray task per epoch;
+- a Ray Data shard (streamed files): Ray Data deals the rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from app.data.arrays import ID, W, X, Y, DataFacts, Split, padded_with_zero_weight
+from app.data.plan import EpochPlan
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+
+def _batch_signature(facts: DataFacts, third: "tf.DType") -> tuple:
+    import tensorflow as tf
+
+    return (
+        tf.TensorSpec((None, *facts.feature_shape), tf.float32),
+        tf.TensorSpec((None,), tf.as_dtype(facts.label_dtype)),
+        tf.TensorSpec((None,), third),
+    )
+
+
+def train_batches_from_arrays(
+    split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int,
+    rank: int = 0, world: int = 1,
+) -> "tf.data.Dataset":
+    """Per-replica (x, y, id) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
+
+    Epoch e's order is shuffled with seed (seed, e), so a resumed or restarted
+    run sees exactly the order an uninterrupted one would have. Worker
+    ``rank`` takes rows [rank * n // world, (rank + 1) * n // world) of that
+    order; a strategy with R local replicas takes R consecutive batches per
+    step, hence ``take(steps * R)``.
+    """
+    import tensorflow as tf
+
+    x, y, ids = (tf.constant(a) for a in (split.x, split.y, split.ids))
+    per_worker = len(split) // world
+
+    def one_epoch(epoch):
+        order = tf.range(len(split), dtype=tf.int64)
+        if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
+            order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+        mine = order[rank * per_worker: (rank + 1) * per_worker]
+        batches = tf.data.Dataset.from_tensor_slices(mine).batch(plan.step_batch, drop_remainder=True)
+        return batches.take(plan.steps * plan.replicas_per_worker)
+
+    def gather(index):
+        return tf.gather(x, index), tf.gather(y, index), tf.gather(ids, index)
+
+    return (
+        tf.data.Dataset.range(start_epoch, epochs)
+        .flat_map(one_epoch)
+        .map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def eval_batches_from_arrays(
+    split: Split, batch_size: int, replicas: int = 1, rank: int = 0, world: int = 1
+) -> "tf.data.Dataset":
+    """(x, y, weight) batches of this worker's slice of the validation set.
+
+    Weight-0 rows pad the set to a multiple of the worker count (equal slices,
+    so equal eval batches everywhere), and with several local replicas to
+    whole rounds of ``replicas`` batches: otherwise the last round hands some
+    replicas an empty batch, which some kernels (Conv2D + batch norm on CPU)
+    reject.
+    """
+    import tensorflow as tf
+
+    round_rows = batch_size * replicas if replicas > 1 else 1
+    x, y, _, w = padded_with_zero_weight(split, world * round_rows)
+    share = len(y) // world
+    mine = slice(rank * share, (rank + 1) * share)
+    return tf.data.Dataset.from_tensor_slices((x[mine], y[mine], w[mine])).batch(batch_size)
+
+
+def train_batches_from_shard(
+    shard, plan: EpochPlan, facts: DataFacts, epochs: int, shuffle_buffer: int = 0, seed: int = 0
+) -> "tf.data.Dataset":
+    """Per-replica (x, y, id) batches of a Ray Data shard, for ``epochs`` epochs of ``plan.steps`` each.
+
+    Each call of the generator is one pass of the Ray shard (one epoch, newly
+    shuffled); ``repeat()`` starts the next pass, so the prefetch overlaps the
+    epoch boundary. The cardinality stays "infinite" to TensorFlow, which spares
+    a per-step all-reduce in multi-worker mode; after the last planned epoch
+    the generator comes back empty, which ends ``repeat()``. A shard with fewer
+    full batches than planned raises instead of letting the other workers wait
+    in the all-reduce forever.
+
+    With ``shuffle_buffer`` (streamed data, which is not shuffled globally)
+    rows are shuffled in a local buffer of that many rows, seeded anew each
+    pass; the shard still holds the same rows, so the step count is unchanged.
+    """
+    import tensorflow as tf
+
+    passes_left = [epochs]
+
+    def epoch() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if passes_left[0] <= 0:
+            return
+        passes_left[0] -= 1
+        taken = extra = 0
+        shuffle = (
+            {"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed * 1_000_003 + passes_left[0]}
+            if shuffle_buffer
+            else {}
+        )
+        for batch in shard.iter_batches(
+            batch_size=plan.step_batch, batch_format="numpy", drop_last=True, prefetch_batches=2, **shuffle
+        ):
+            if taken < plan.steps:
+                taken += 1
+                yield batch[X], batch[Y], batch[ID]
+            else:
+                extra += 1
+        if taken < plan.steps:
+            raise RuntimeError(
+                f"uneven shard: this worker got {taken} full batches of {plan.step_batch}, "
+                f"the plan needs {plan.steps} on every worker"
+            )
+        if extra:
+            log.warning("shard had %d batches beyond the planned %d; they were skipped", extra, plan.steps)
+
+    ds = tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.int64))
+    return ds.repeat().prefetch(2)
+
+
+def eval_batches_from_shard(shard, batch_size: int, facts: DataFacts) -> "tf.data.Dataset":
+    """Per-replica (x, y, weight) batches of a padded validation shard, last batch partial."""
+    import tensorflow as tf
+
+    def epoch():
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
+            yield batch[X], batch[Y], batch[W]
+
+    return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.float32))
