@@ -1,0 +1,33 @@
+"""ray-tf-train: data-parallel Keras 3 training on Ray (and locally), from the command line or from Python.
+
+    from app import train, tune, evaluate
+    result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
+
+The functions are imported on first use, so that ``import app`` stays light.
+"""
+
+from typing import Any
+
+
+def train(*args: Any, **kwargs: Any) -> dict:
+    """app.run.api.train: train and return what result.json holds."""
+    from app.run.api import train as _train
+
+    return _train(*args, **kwargs)
+
+
+def tune(*args: Any, **kwargs: Any) -> dict:
+    """app.run.api.tune: sweep hyperparameters with Ray Tune."""
+    from app.run.api import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
+def evaluate(*args: Any, **kwargs: Any) -> dict:
+    """app.run.api.evaluate: score an exported model."""
+    from app.run.api import evaluate as _evaluate
+
+    return _evaluate(*args, **kwargs)
+
+
+__all__ = ["train", "tune", "evaluate"]

@@ -1,30 +1,34 @@
-"""Model registry: name -> a function that builds a Keras 3 model.
+"""The built-in models: plain functions of (input_shape, num_outputs, **options), as users' own are.
 
-Models output logits in float32; the loss applies the softmax.
+Each returns an uncompiled Keras 3 model whose last layer outputs float32
+logits (one per class, or one for binary and regression), so that mixed
+precision never reaches the loss. app.train.model calls them exactly as it
+calls a user's ``file.py:function``: with the arguments they declare.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     import keras
 
-    from app.config import TrainConfig
 
-
-def build_mlp(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+def build_mlp(input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequence[int] = (128, 64)) -> "keras.Model":
     import keras
 
-    inputs = keras.Input(shape=feature_shape, name="x")
+    inputs = keras.Input(shape=input_shape, name="x")
     h = keras.layers.Flatten()(inputs)
-    for i, units in enumerate(config.hidden_units):
+    for i, units in enumerate(hidden_units):
         h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
-    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(h)
+    logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(h)
     return keras.Model(inputs, logits, name="mlp")
 
 
-def build_cnn(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+def build_cnn(
+    input_shape: tuple[int, ...], num_outputs: int, conv_filters: Sequence[int] = (32, 64, 128),
+    sync_batch_norm: bool = False,
+) -> "keras.Model":
     """The seeds' CIFAR-style conv net: stages of two 3x3 conv + batch norm + ReLU, 2x2 max pooling between.
 
     Batch norm is not synchronised across workers by default (--sync-batch-norm
@@ -39,25 +43,29 @@ def build_cnn(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes
     """
     import keras
 
-    if len(feature_shape) == 2:  # (h, w) grayscale
-        feature_shape = (*feature_shape, 1)
-    if len(feature_shape) != 3:
-        raise ValueError(f"cnn needs images (height, width[, channels]), got examples of shape {feature_shape}")
-    inputs = keras.Input(shape=feature_shape, name="x")
-    h = inputs
-    for stage, filters in enumerate(config.conv_filters):
+    if len(input_shape) not in (2, 3):
+        raise ValueError(
+            f"cnn needs images (height, width[, channels]), got examples of shape {tuple(input_shape)}: "
+            "use --model mlp for tabular data, or --feature-shape H W C"
+        )
+    inputs = keras.Input(shape=input_shape, name="x")
+    h = keras.layers.Reshape((*input_shape, 1), name="channels")(inputs) if len(input_shape) == 2 else inputs
+    for stage, filters in enumerate(conv_filters):
         if stage > 0 and min(h.shape[1], h.shape[2]) >= 2:
             h = keras.layers.MaxPooling2D(name=f"pool_{stage}")(h)
         for j in range(2):
             h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"conv_{stage}_{j}")(h)
-            h = keras.layers.BatchNormalization(synchronized=config.sync_batch_norm, name=f"bn_{stage}_{j}")(h)
+            h = keras.layers.BatchNormalization(synchronized=sync_batch_norm, name=f"bn_{stage}_{j}")(h)
             h = keras.layers.ReLU(name=f"relu_{stage}_{j}")(h)
     h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
-    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(h)
+    logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(h)
     return keras.Model(inputs, logits, name="cnn")
 
 
-def build_transformer(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+def build_transformer(
+    input_shape: tuple[int, ...], num_outputs: int, vocab_size: int = 8192, embed_dim: int = 64, num_heads: int = 4,
+    ff_dim: int = 128, num_blocks: int = 2,
+) -> "keras.Model":
     """The seeds' text classifier: token + position embeddings, N post-norm encoder blocks, mean pooling, head.
 
     Inputs are token ids (app.text; 0 = padding) carried as float32 like every
@@ -66,46 +74,25 @@ def build_transformer(config: "TrainConfig", feature_shape: tuple[int, ...], num
     """
     import keras
 
-    if len(feature_shape) != 1:
-        raise ValueError(f"transformer needs token id sequences (length,), got examples of shape {feature_shape}")
-    length = feature_shape[0]
-    inputs = keras.Input(shape=feature_shape, name="x")
+    if len(input_shape) != 1:
+        raise ValueError(f"transformer needs token id sequences (length,), got examples of shape {tuple(input_shape)}")
+    length = input_shape[0]
+    inputs = keras.Input(shape=input_shape, name="x")
     ids = keras.ops.cast(inputs, "int32")
     mask = keras.ops.not_equal(ids, 0)
-    tokens = keras.layers.Embedding(config.vocab_size, config.embed_dim, name="token_embedding")(ids)
-    positions = keras.layers.Embedding(length, config.embed_dim, name="position_embedding")(
+    tokens = keras.layers.Embedding(vocab_size, embed_dim, name="token_embedding")(ids)
+    positions = keras.layers.Embedding(length, embed_dim, name="position_embedding")(
         keras.ops.arange(length, dtype="int32")
     )
     h = tokens + positions
-    for i in range(config.num_blocks):
+    for i in range(num_blocks):
         attn = keras.layers.MultiHeadAttention(
-            config.num_heads, config.embed_dim // config.num_heads, name=f"attention_{i}"
+            num_heads, embed_dim // num_heads, name=f"attention_{i}"
         )(h, h, query_mask=mask, value_mask=mask)
         h = keras.layers.LayerNormalization(name=f"norm_attention_{i}")(h + attn)
-        ff = keras.layers.Dense(config.ff_dim, activation="relu", name=f"ff_in_{i}")(h)
-        ff = keras.layers.Dense(config.embed_dim, name=f"ff_out_{i}")(ff)
+        ff = keras.layers.Dense(ff_dim, activation="relu", name=f"ff_in_{i}")(h)
+        ff = keras.layers.Dense(embed_dim, name=f"ff_out_{i}")(ff)
         h = keras.layers.LayerNormalization(name=f"norm_ff_{i}")(h + ff)
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h, mask=mask)
-    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(pooled)
+    logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(pooled)
     return keras.Model(inputs, logits, name="transformer")
-
-
-MODELS: dict[str, Callable[..., "keras.Model"]] = {
-    "mlp": build_mlp,
-    "cnn": build_cnn,
-    "transformer": build_transformer,
-}
-
-PRECISION_POLICIES = {"off": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
-
-
-def build_model(config: "TrainConfig", feature_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
-    import keras
-
-    # Same seed on every worker: replicas start identical (MWMS also broadcasts
-    # the initial values, but a seeded init makes runs reproducible).
-    keras.utils.set_random_seed(config.seed)
-    # Layers take the policy when they are created: compute in fp16/bf16, variables in float32.
-    # Every model's last layer is float32 (dtype="float32"), so logits and the loss are.
-    keras.mixed_precision.set_global_policy(PRECISION_POLICIES[config.mixed_precision])
-    return MODELS[config.model](config, feature_shape, num_classes)

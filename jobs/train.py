@@ -1,44 +1,31 @@
-"""Train a model data-parallel on Ray (TensorflowTrainer + MultiWorkerMirroredStrategy).
+"""Train a Keras model data-parallel on Ray (Ray Train + MultiWorkerMirroredStrategy), or locally.
 
     python jobs/train.py                         # local Ray, 2 CPU workers, embedded digits
-    python jobs/train.py --config my.yaml --num-workers 4
+    python jobs/train.py --model my_example.py:build_model --dataset my_example.py:load_data
+    python jobs/train.py --config my.yaml --num-workers 4 --dry-run
     RAY_ADDRESS=... python jobs/train.py ...     # join an existing cluster (ray job submit sets it)
 """
 
-import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
 STARTED_AT = time.time()  # for time-to-first-step, before the heavy imports
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ INFO/WARNING chatter
-# The checkout's own code wins over an installed copy: `ray job submit --working-dir`
-# ships the code next to this script.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _bootstrap  # noqa: E402,F401
 from app import cli  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_config_flags(parser)
-    args = parser.parse_args()
+    args = cli.train_args(__doc__)
 
     def body() -> None:
-        config = cli.config_from_args(args)
-        if config.backend == "local":
-            from app import local_train as backend  # never imports Ray
-        else:
-            from app import ray_train as backend
+        from app.run import api
 
-        result = backend.run(config, started_at=STARTED_AT)
-        m = result["metrics"]
-        print(
-            f"val_accuracy {m['val_accuracy']:.4f}  val_loss {m['val_loss']:.4f}  "
-            f"{result['samples_per_second']:,.0f} samples/s  {result['wall_seconds']:.1f} s wall"
-        )
-        print(f"outputs written to {config.output_dir()}")
+        if args.dry_run:
+            print("\n".join(api.dry_run(args.config)))
+            return
+        result = api.run_training(args.config, started_at=STARTED_AT)
+        print(api.result_line(result))
+        print(f"outputs written to {args.config.output_dir()}")
 
     cli.main(body)
 

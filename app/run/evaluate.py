@@ -7,31 +7,38 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app import data
 from app.config import TrainConfig, build_config
 from app.errors import UserError
-from app.report import CONFIG_FILE, MODEL_FILE
+from app.run.outputs import CONFIG_FILE
+from app.train import checkpoint
 
 log = logging.getLogger(__name__)
 
 
 def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any]:
-    """Val loss/accuracy of a .keras model on the config's validation split."""
+    """Val loss and metric of a .keras model on the config's validation split, summed exactly as in training."""
     import keras
     import tensorflow as tf
 
-    from app.loop import Loop
+    from app.data import memory, tf_input
+    from app.train.loop import evaluate
+    from app.train.objective import objective_for
+    from app.train.step import make_eval_step
 
     model_path = Path(model_path)
     if not model_path.is_file():
         raise UserError(f"model file {str(model_path)!r} does not exist")
     model = keras.models.load_model(model_path, compile=False)
-    source = data.load_source(config)
+    source = memory.load_source(config)
+    task = source.facts.task
+    if task == "classification" and source.facts.num_classes == 2 and model.output_shape[-1] == 1:
+        task = "binary"
+    objective = objective_for(config, task, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
-    loop = Loop(strategy, model, optimizer=None, global_batch_size=config.per_replica_batch)
-    batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch)
-    stats = loop.evaluate(strategy.distribute_datasets_from_function(lambda _: batches))
-    return {"val_loss": stats.loss, "val_accuracy": stats.accuracy, "val_samples": stats.samples}
+    batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
+    stats = evaluate(strategy, make_eval_step(strategy, model, objective),
+                     strategy.distribute_datasets_from_function(lambda _: batches))
+    return {"val_loss": stats.loss, f"val_{objective.metric}": stats.metric, "val_samples": stats.samples}
 
 
 def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
@@ -50,8 +57,6 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
 
 def evaluate_checkpoint(ckpt_dir: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
     """A training checkpoint directory carries its own config in state.json."""
-    from app import checkpoint
-
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / checkpoint.STATE_FILE).is_file():
         raise UserError(f"{str(ckpt_dir)!r} is not a checkpoint directory (no {checkpoint.STATE_FILE})")

@@ -1,90 +1,105 @@
-"""The local backend: the same loop in one process, no Ray.
+"""The local backend: the same per-worker function in this process, no Ray.
 
 MirroredStrategy over GPUs (or logical CPUs), TPUStrategy, one device, or
-CentralStorageStrategy; the input is tf.data from the same sources, with the
-same rules as the Ray path (seeded reshuffle, equal whole batches, every
-sample at most once per epoch). Ray is never imported here.
+CentralStorageStrategy; the input is tf.data from the same arrays with the
+same rules as the Ray path. Ray is never imported here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
-from app import checkpoint, data, report
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
+from app.run import outputs
+from app.train import checkpoint
+from app.train.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 
 
+class LocalSession:
+    """One process, every local device: a tf.distribute strategy and tf.train.CheckpointManager checkpoints."""
+
+    rank, world = 0, 1
+
+    def __init__(self, config: TrainConfig, strategy, source):
+        self.config, self._strategy, self.source = config, strategy, source
+        self.checkpoints: Optional[checkpoint.LocalCheckpoints] = None
+
+    def strategy(self):
+        return self._strategy
+
+    def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
+        config = self.config
+        self.checkpoints = checkpoint.LocalCheckpoints(
+            config.output_dir() / CHECKPOINT_DIR, model, optimizer, keep=config.keep_checkpoints
+        )
+        state = self.checkpoints.restore() if config.resume else None
+        if state is not None:
+            log.info("resumed from %s (epoch %d)", self.checkpoints.latest, state["epoch"])
+        return state
+
+    def inputs(self, strategy, plan, start_epoch: int):
+        from app.data import tf_input
+
+        config, source = self.config, self.source
+        train = strategy.distribute_datasets_from_function(
+            lambda _: tf_input.train_batches_from_arrays(
+                source.train, plan, config.seed, config.shuffle, start_epoch, config.epochs
+            )
+        )
+        val_batches = tf_input.eval_batches_from_arrays(
+            source.val, config.per_replica_batch, strategy.num_replicas_in_sync
+        )
+        return iter(train), strategy.distribute_datasets_from_function(lambda _: val_batches)
+
+    def placement(self, strategy) -> list[str]:
+        return []
+
+    def save_and_report(self, metrics, state, write: Callable[[str], None]) -> None:
+        self.checkpoints.save(state)
+
+
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
-    from app import models, monitor, scaling
-    from app import strategy as strategy_lib
-    from app.loop import Loop, NonFiniteLoss, progress_line
+    from app.run import preflight
+    from app.train.loop import NonFiniteLoss
+    from app.train.tensorboard import logdir_for
 
     started_at = started_at or time.time()
-    source = data.load_source(config)
-    # Devices are configured before TensorFlow initialises them: strategy first.
+    strategy, reason = make_strategy(config)
+    replicas = strategy.num_replicas_in_sync
+    checked = preflight.check(config, 1, replicas)
+    out = outputs.prepare_output_dir(config)
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name))
+    session = LocalSession(config, strategy, checked.source)
+    try:
+        train_worker(config, job, session)
+    except NonFiniteLoss as e:
+        raise RunFailed(str(e)) from None
+    latest = session.checkpoints.latest if session.checkpoints else None
+    if latest is None:
+        raise UserError(f"no checkpoint in {out / CHECKPOINT_DIR} to export")
+    summary = outputs.write_outputs(
+        config, session.checkpoints.restore_state(), latest + checkpoint.MODEL_SUFFIX,
+        strategy=type(strategy).__name__, started_at=started_at, extra={"strategy_reason": reason},
+    )
+    log.info("outputs in %s", out)
+    return summary
+
+
+def make_strategy(config: TrainConfig):
+    """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
+    from app.train import strategy as strategy_lib
+
     try:
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:
         raise UserError(str(e)) from None
     log.info("strategy: %s (%s)", type(strategy).__name__, reason)
-
-    plan = data.EpochPlan(
-        len(source.train), 1, config.per_replica_batch, strategy.num_replicas_in_sync, config.grad_accum
-    )
-    plan.check()
-    out = report.prepare_output_dir(config)
-    lr_plan = scaling.plan_lr(config, plan.global_batch, plan.steps)
-
-    with strategy.scope():
-        model = models.build_model(config, source.feature_shape, source.num_classes)
-        optimizer = scaling.make_optimizer(config, lr_plan)
-
-    ckpt_root = out / CHECKPOINT_DIR
-    progress = checkpoint.Progress()
-    latest = checkpoint.latest_versioned(ckpt_root) if config.resume else None
-    if latest is not None:
-        progress = checkpoint.Progress.resumed_from(checkpoint.restore(latest, model, optimizer))
-        log.info("resumed from %s (epoch %d)", latest, progress.epoch)
-
-    train_iter = iter(
-        strategy.distribute_datasets_from_function(
-            lambda _: data.train_batches_from_arrays(
-                source.train, plan, config.seed, config.shuffle, progress.epoch, config.epochs
-            )
-        )
-    )
-    val_batches = data.eval_batches_from_arrays(source.val, config.per_replica_batch, strategy.num_replicas_in_sync)
-    val_dataset = strategy.distribute_datasets_from_function(lambda _: val_batches)
-    loop = Loop.for_run(strategy, model, optimizer, plan.global_batch, config)
-    tensorboard = monitor.TensorBoard(monitor.logdir_for(config, out.name))
-
-    for epoch in range(progress.epoch + 1, config.epochs + 1):
-        try:
-            metrics, train = loop.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
-        except NonFiniteLoss as e:
-            raise RunFailed(str(e)) from None
-        metrics["worker_peak_rss_mib"] = report.peak_rss_mib()
-        progress.record(metrics, train.sample_ids)
-        tensorboard.epoch(epoch, metrics)
-        log.info(progress_line(metrics, config.epochs, progress.history))
-        state = progress.state(config=config, lr_plan=lr_plan, plan=plan)
-        checkpoint.save_versioned(ckpt_root, model, optimizer, state, keep=config.keep_checkpoints)
-
-    tensorboard.close()
-    latest = checkpoint.latest_versioned(ckpt_root)
-    if latest is None:
-        raise UserError(f"no checkpoint in {ckpt_root} to export")
-    summary = report.write_outputs(
-        config, latest, strategy=type(strategy).__name__, started_at=started_at,
-        extra={"strategy_reason": reason},
-    )
-    log.info("outputs in %s", out)
-    return summary
+    return strategy, reason

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint
 from app.config import TrainConfig
 from app.errors import UserError
+from app.train.metrics import metric_of
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +22,6 @@ MODEL_FILE = "model.keras"
 CONFIG_FILE = "config.yaml"
 CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def prepare_output_dir(config: TrainConfig) -> Path:
@@ -79,9 +72,11 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
-    best = max(history, key=lambda h: h["val_accuracy"])
+    metric = metric_of(history[-1])
+    lower_is_better = metric == "mae"
+    best = (min if lower_is_better else max)(history, key=lambda h: h[f"val_{metric}"])
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
+    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, metric, metric)):
         ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label} (mean over epoch)")
         ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {label} (end of epoch)")
         ax.axvline(best["epoch"], color="grey", linestyle=":", linewidth=1)
@@ -92,10 +87,11 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
         ax.legend()
     loss_ax.set_yscale("log")
     loss_ax.set_title("loss (log scale)")
-    acc_ax.set_title(f"accuracy; best val {best['val_accuracy']:.4f} at epoch {best['epoch']} (dotted)")
-    acc_ax.set_ylim(top=1.0)
+    acc_ax.set_title(f"{metric}; best val {best[f'val_{metric}']:.4f} at epoch {best['epoch']} (dotted)")
+    if not lower_is_better:
+        acc_ax.set_ylim(top=1.0)
     last = history[-1]
-    title = f"val accuracy {last['val_accuracy']:.4f} after {last['epoch']} epochs"
+    title = f"val {metric} {last[f'val_{metric}']:.4f} after {last['epoch']} epochs"
     fig.suptitle(f"{title}\n{subtitle}" if subtitle else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -104,18 +100,19 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
 
 def write_outputs(
     config: TrainConfig,
-    ckpt_dir: str | Path,
+    state: dict[str, Any],
+    model_file: str | Path,
     *,
     strategy: str,
     started_at: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """From the last checkpoint: model.keras, history.csv and result.json."""
+    """From the last checkpoint (its state and model file): model.keras, history.csv, curves.png, result.json."""
     out = config.output_dir()
-    state = checkpoint.load_state(ckpt_dir)
     history = state["history"]
     last = history[-1]
-    shutil.copyfile(Path(ckpt_dir) / checkpoint.MODEL_FILE, out / MODEL_FILE)
+    metric = metric_of(last)
+    shutil.copyfile(model_file, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]
     num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
@@ -123,7 +120,7 @@ def write_outputs(
     plot_curves(
         history,
         out / CURVES_FILE,
-        subtitle=f"{config.model} on {config.dataset}, {strategy}, {num_replicas} replica(s) x "
+        subtitle=f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
         f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
         f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)",
     )
@@ -149,7 +146,8 @@ def write_outputs(
         "epochs_completed": last["epoch"],
         "steps_per_epoch": state["plan"]["steps"],
         "dropped_samples_per_epoch": last["dropped_samples"],
-        "metrics": {k: last[k] for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
+        "task": state.get("task", "classification"),
+        "metrics": {k: last[k] for k in ("train_loss", f"train_{metric}", "val_loss", f"val_{metric}")},
         "samples_per_second": train_samples / train_seconds,
         "wall_seconds": time.time() - started_at,
         # The first step this driver saw (a resumed run's history starts earlier).

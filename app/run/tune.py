@@ -104,13 +104,12 @@ def run_trial(params: dict[str, Any]) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from app import data, ray_train
+    from app.run import ray_train
 
     trial_dir = Path(tune.get_context().get_trial_dir())
     config = TrainConfig(**{**params, "output": str(trial_dir / "run"), "overwrite": True})
-    source = data.load_source(config)
-    data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch, 1, config.grad_accum).check()
-    ray_train.fit(config, source, callbacks=[TuneReportCallback()], storage_path=str(trial_dir), name="train")
+    checked = ray_train.check(config)
+    ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=str(trial_dir), name="train")
 
 
 # --------------------------------------------------------------------------- #
@@ -169,22 +168,30 @@ def sweep(
     output: str | Path,
     num_samples: int = 1,
     scheduler: str = "asha",
-    metric: str = "val_accuracy",
-    mode: str = "max",
+    metric: str | None = None,
+    mode: str | None = None,
     max_concurrent: int | None = None,
 ) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
 
-    from app import ray_train
+    from app.run import cluster
 
     space = load_space(space_file, fixed)
     searched = {k for k, v in space.items() if _is_domain(v)}
     # The values every trial shares (flags, and the space's plain values) make the base config.
     base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
     out = Path(output).expanduser().resolve()
-    ray_train.check_fits_locally(base)
-    ray_train.connect(base)
+    cluster.check_fits_locally(base)
+    cluster.connect(base)
+    if metric is None or mode is None:
+        # The task's metric (accuracy, or mae for regression), from the data the trials share.
+        from app.run import preflight
+        from app.train.objective import metric_mode, metric_name
+
+        task = base.task if base.task != "auto" else preflight.load_data(base, base.num_workers).facts.task
+        metric = metric or f"val_{metric_name(task)}"
+        mode = mode or metric_mode(task)
 
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU
@@ -257,6 +264,7 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     remaining = (epochs - table["epochs_run"]).clip(lower=0) * table["epoch_seconds"].fillna(0) * workers
     full = (table["worker_seconds"] + remaining).sum()
     summary = {
+        "metric": metric,
         "trials": len(table),
         "stopped_early": int((table["epochs_run"] < epochs).sum()),
         "best": {metric: best.metrics.get(metric), "config": best.config},
@@ -279,7 +287,8 @@ def plot(table, path: Path, metric: str) -> None:
     rule_col = "config/lr_scaling"
     groups = table.groupby(rule_col) if rule_col in table else [("all trials", table)]
     for rule, group in groups:
-        best = group.loc[group.groupby("global_batch")[metric].idxmax()].sort_values("global_batch")
+        pick = "idxmin" if metric.endswith("_mae") or "loss" in metric else "idxmax"
+        best = group.loc[getattr(group.groupby("global_batch")[metric], pick)()].sort_values("global_batch")
         ax.plot(best["global_batch"], best[metric], marker="o", label=str(rule))
         for _, row in best.iterrows():  # ASHA stops trials at different epochs: say which
             ax.annotate(f"{int(row['epochs_run'])} ep", (row["global_batch"], row[metric]),

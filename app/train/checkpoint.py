@@ -14,14 +14,15 @@ A checkpoint directory holds:
 On the Ray path, rank 0 writes into a temporary directory and Ray Train
 copies it into storage; a checkpoint becomes visible to ``get_checkpoint()``
 only after the copy is registered, so a crash mid-save leaves the previous one
-in place. The local path gets the same guarantee from ``save_versioned``.
+in place. The local path gets the same guarantee from
+``tf.train.CheckpointManager`` (``LocalCheckpoints``), which moves its pointer
+file atomically after the checkpoint is complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 MODEL_FILE = "model.keras"
 STATE_FILE = "state.json"
 TRAIN_STATE = "train_state"
-LATEST = "LATEST"
 
 
 @dataclass
@@ -63,9 +63,10 @@ class Progress:
         if sample_ids is not None:
             self.audit_ids.append(sample_ids.tolist())
 
-    def state(self, *, config, lr_plan, plan) -> dict[str, Any]:
+    def state(self, *, config, lr_plan, plan, task: str = "classification") -> dict[str, Any]:
         state = {
             "epoch": self.epoch,
+            "task": task,
             "attempt": self.attempt,
             "history": self.history,
             "lr_plan": lr_plan.as_dict(),
@@ -103,36 +104,56 @@ def restore(directory: str | Path, model: "keras.Model", optimizer) -> dict[str,
     return load_state(directory)
 
 
-# --- the local backend: versioned directories + an atomically replaced pointer ---
+# --- the local backend: tf.train.CheckpointManager, the model file and state beside each checkpoint ---
 
 
-def save_versioned(root: str | Path, model: "keras.Model", optimizer, state: dict[str, Any], keep: int) -> Path:
-    """Write ``root/epoch-NNNN`` completely, then point ``root/LATEST`` at it.
+class LocalCheckpoints:
+    """``root/epoch-N``: the manager's checkpoint, plus ``epoch-N.keras`` and ``epoch-N.state.json``.
 
-    The pointer is replaced with ``os.replace`` (atomic on POSIX), so a crash
-    at any moment leaves LATEST naming a complete checkpoint.
+    The extras are written first and the manager's pointer (``root/checkpoint``,
+    replaced atomically) moves last, so a crash at any moment leaves the latest
+    checkpoint complete, extras included.
     """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"epoch-{state['epoch']:04d}"
-    tmp = root / f".{name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save(tmp, model, optimizer, state)
-    final = root / name
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    pointer = root / f".{LATEST}.partial"
-    pointer.write_text(name)
-    os.replace(pointer, root / LATEST)
-    for old in sorted(p for p in root.glob("epoch-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+    def __init__(self, root: str | Path, model: "keras.Model", optimizer, keep: int):
+        import tensorflow as tf
+
+        self.root, self.model = Path(root), model
+        self.manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=optimizer), str(self.root), max_to_keep=keep,
+            checkpoint_name="epoch",
+        )
+
+    def save(self, state: dict[str, Any]) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        prefix = str(self.root / f"epoch-{state['epoch']}")
+        self.model.save(prefix + MODEL_SUFFIX)
+        partial = Path(prefix + STATE_SUFFIX + ".partial")
+        partial.write_text(json.dumps(state, indent=1))
+        os.replace(partial, prefix + STATE_SUFFIX)
+        saved = self.manager.save(checkpoint_number=state["epoch"])
+        kept = set(self.manager.checkpoints)
+        for extra in self.root.glob(f"epoch-*{STATE_SUFFIX}"):
+            if str(extra)[: -len(STATE_SUFFIX)] not in kept:
+                extra.unlink(missing_ok=True)
+                Path(str(extra)[: -len(STATE_SUFFIX)] + MODEL_SUFFIX).unlink(missing_ok=True)
+        return saved
+
+    @property
+    def latest(self) -> str | None:
+        return self.manager.latest_checkpoint
+
+    def restore_state(self) -> dict[str, Any]:
+        """The latest checkpoint's state.json, without loading weights."""
+        return json.loads(Path(self.latest + STATE_SUFFIX).read_text())
+
+    def restore(self) -> dict[str, Any] | None:
+        """Load the latest checkpoint into the model and optimizer; its state, or None when there is none."""
+        if self.latest is None:
+            return None
+        self.manager.checkpoint.restore(self.latest).assert_existing_objects_matched()
+        return json.loads(Path(self.latest + STATE_SUFFIX).read_text())
 
 
-def latest_versioned(root: str | Path) -> Path | None:
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
+MODEL_SUFFIX = ".keras"
+STATE_SUFFIX = ".state.json"

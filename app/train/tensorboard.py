@@ -24,7 +24,8 @@ import shutil
 import tempfile
 from typing import Any, Optional
 
-EPOCH_SCALARS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "learning_rate", "samples_per_second")
+EPOCH_SCALARS = ("train_loss", "train_accuracy", "train_mae", "val_loss", "val_accuracy", "val_mae", "learning_rate",
+                 "samples_per_second")
 
 
 def logdir_for(config, run_name: str) -> Optional[str]:

@@ -1,0 +1,102 @@
+"""The entry points the job scripts and the Python API share: train, dry-run, tune, evaluate.
+
+    from app import train
+    result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
+    result["metrics"]["val_accuracy"]
+
+``model`` and ``data`` take what ``--model`` and ``--dataset`` take (names,
+``file.py:function``, paths) or the functions themselves, defined anywhere,
+a notebook's ``__main__`` included: Ray ships them to the workers by value.
+``data`` may also be (x, y) arrays or a {"train": (x, y), "val": (x, y)} dict.
+Every other keyword is a config field (``python jobs/train.py --help``).
+The result is what result.json holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from app.config import TrainConfig, build_config
+
+
+def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
+    if config.backend == "local":
+        from app.run import local
+
+        return local.run(config, started_at)
+    from app.run import ray_train
+
+    return ray_train.run(config, started_at)
+
+
+def dry_run(config: TrainConfig) -> list[str]:
+    """Validate, inspect the data, build the model once, and return the plan; trains nothing, writes nothing."""
+    from app.run import preflight
+
+    if config.backend == "local":
+        from app.run import local
+
+        strategy, reason = local.make_strategy(config)
+        replicas = strategy.num_replicas_in_sync
+        checked = preflight.check(config, 1, replicas)
+        lines = preflight.plan_lines(config, checked, 1, replicas, f"{type(strategy).__name__} ({reason})")
+    else:
+        from app.run import ray_train
+
+        checked = ray_train.check(config)
+        lines = preflight.plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy")
+    return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
+
+
+def result_line(result: dict[str, Any]) -> str:
+    m = result["metrics"]
+    metric = "mae" if "val_mae" in m else "accuracy"
+    return (
+        f"val_{metric} {m[f'val_{metric}']:.4f}  val_loss {m['val_loss']:.4f}  "
+        f"{result['samples_per_second']:,.0f} samples/s  {result['wall_seconds']:.1f} s wall"
+    )
+
+
+def _plugins(model: Any, data: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if model is not None:
+        values["model"] = model
+    if data is not None:
+        if isinstance(data, (tuple, dict)):
+            arrays = data  # the arrays themselves: wrapped in a data function of no arguments
+
+            def given_arrays():
+                return arrays
+
+            values["dataset"] = given_arrays
+        else:
+            values["dataset"] = data
+    return values
+
+
+def train(model: Any = None, data: Any = None, config: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+    """Train as jobs/train.py does and return result.json's content (see the module docstring)."""
+    return run_training(build_config(config, {**fields, **_plugins(model, data)}))
+
+
+def tune(space: str, model: Any = None, data: Any = None, output: Optional[str] = None, **fields: Any) -> dict:
+    """Sweep as jobs/tune.py does; returns the sweep's summary."""
+    import datetime
+
+    from app.run import tune as tune_lib
+
+    output = output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    options = {k: fields.pop(k) for k in ("num_samples", "scheduler", "metric", "mode", "max_concurrent")
+               if k in fields}
+    return tune_lib.sweep(space, {**fields, **_plugins(model, data)}, output, **options)
+
+
+def evaluate(model_file: str, data: Any = None, **fields: Any) -> dict[str, Any]:
+    """Score an exported .keras model on a validation split, as jobs/evaluate.py does."""
+    from pathlib import Path
+
+    from app.run import evaluate as evaluate_lib
+
+    model_file = Path(model_file)
+    config = evaluate_lib.config_for(model_file, {**fields, **_plugins(None, data)})
+    return evaluate_lib.evaluate_and_write(model_file, config, model_file.parent / "eval.json")

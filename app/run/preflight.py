@@ -1,0 +1,112 @@
+"""Everything checked before a run starts, and the plan a --dry-run prints.
+
+Data first (schema, finite values, labels against the task and
+--num-classes), then the model, built once for the data's shape in this
+process (the user's function called, its output checked against the task,
+its last activation read for the loss), then the epoch arithmetic. Each
+problem is one UserError line; nothing here creates the output directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Union
+
+from app.data.arrays import DataFacts, Source
+from app.data.plan import EpochPlan
+from app.errors import UserError
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
+    from app.data.streamed import Streamed
+    from app.train.objective import Objective
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Checked:
+    source: Union[Source, "Streamed"]
+    facts: DataFacts
+    objective: "Objective"
+    model: dict[str, Any]  # name, parameters, output shape
+
+
+def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streamed"]:
+    """In-memory data (built-in, numpy, data functions) or, for file formats that stream, Ray Datasets."""
+    from app.data import files, memory
+
+    if files.is_streamed(config):
+        from app.data import streamed
+
+        return streamed.prepare(config, num_workers)
+    return memory.load_source(config)
+
+
+def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Objective", dict[str, Any]]:
+    """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary."""
+    from app.train.model import build_model, check_output, model_name
+    from app.train.objective import objective_for
+
+    name = model_name(config)
+    if config.task == "auto" and facts.task == "classification" and facts.num_classes == 2:
+        # Two classes and a one-output model (a sigmoid head) is a binary task.
+        probe = build_model(config, replace(facts, task="binary"))
+        if _outputs(probe, facts) == 1:
+            facts = replace(facts, task="binary")
+    model = build_model(config, facts)
+    shape = check_output(model, facts, name)
+    objective = objective_for(config, facts.task, model)
+    summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
+               "outputs": "logits" if objective.from_logits else "probabilities"}
+    return facts, objective, summary
+
+
+def _outputs(model, facts: DataFacts) -> int:
+    import numpy as np
+
+    try:
+        out = model(np.zeros((1, *facts.feature_shape), np.float32), training=False)
+    except Exception:  # noqa: BLE001 - check_output reports it properly
+        return -1
+    return int(np.prod(out.shape[1:])) if len(out.shape) > 1 else 1
+
+
+def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
+          source: Union[Source, "Streamed", None] = None) -> Checked:
+    """Data, model and epoch plan, checked; the streamed path needs Ray connected first."""
+    source = source if source is not None else load_data(config, num_workers)
+    facts, objective, summary = check_model(config, source.facts)
+    EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
+    return Checked(source, facts, objective, summary)
+
+
+def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
+               strategy: str) -> list[str]:
+    """The plan a --dry-run prints (and a real run logs at its start)."""
+    from app.train.optim import plan_lr
+
+    facts = checked.facts
+    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker)
+    lr = plan_lr(config, plan.global_batch, plan.steps)
+    target = f"{facts.num_classes} classes" if facts.num_classes else "a float target"
+    m = checked.model
+    return [
+        f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
+        f"{tuple(facts.feature_shape)}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
+        "(whole batches on every replica)",
+        f"model: {m['name']}, {m['parameters']:,} parameters, output shape {tuple(m['output_shape'])} "
+        f"({m['outputs']}); loss {checked.objective.loss_name}, metric {checked.objective.metric}",
+        f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
+        f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
+        f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch, "
+        f"{config.epochs} epochs",
+        f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} at batch "
+        f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
+    ]
+
+
+def require_rows(facts: DataFacts) -> None:
+    if facts.num_train_rows == 0:
+        raise UserError("the training set is empty")

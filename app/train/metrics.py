@@ -1,0 +1,93 @@
+"""Epoch metrics: exact sums over every replica of every worker, and the per-epoch record.
+
+Loss, metric and sample count are summed per replica and reduced across all
+workers once per epoch, so a val accuracy is the accuracy over the whole
+validation set, not an average of per-worker averages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    metric: float  # accuracy, or mean absolute error (regression)
+    samples: int
+    seconds: float
+    first_step_time: Optional[float] = None  # wall clock when the first step finished
+    sample_ids: Optional[np.ndarray] = field(default=None, repr=False)  # all replicas' ids, if audited
+
+    @classmethod
+    def from_sums(cls, sums: np.ndarray, seconds: float, **extra) -> "EpochStats":
+        loss_sum, metric_sum, count = sums
+        return cls(loss_sum / max(count, 1), metric_sum / max(count, 1), int(count), seconds, **extra)
+
+
+def local_sum(strategy, per_replica):
+    """This worker's replicas' values, added."""
+    import tensorflow as tf
+
+    return tf.add_n(list(strategy.experimental_local_results(per_replica)))
+
+
+def cross_worker_sum(strategy, local: np.ndarray) -> np.ndarray:
+    """Sum a host-side vector over every worker (a no-op with one process)."""
+    import tensorflow as tf
+
+    local = np.asarray(local, dtype=np.float64)
+    calls = iter(range(1 << 30))
+
+    def value_fn(ctx):
+        # Only this process's first replica contributes, so that a worker
+        # with several local replicas is not counted several times.
+        return tf.constant(local if next(calls) == 0 else np.zeros_like(local))
+
+    values = strategy.experimental_distribute_values_from_function(value_fn)
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+
+
+def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int,
+                  metric: str = "accuracy") -> dict:
+    """The per-epoch record shared by every backend (history.csv, Ray reports, TensorBoard)."""
+    metrics = {
+        "epoch": epoch,
+        "train_loss": float(train.loss),
+        f"train_{metric}": float(train.metric),
+        "val_loss": float(val.loss),
+        f"val_{metric}": float(val.metric),
+        "learning_rate": float(learning_rate),
+        "samples_per_second": train.samples / train.seconds,
+        "train_seconds": train.seconds,
+        "epoch_seconds": train.seconds + val.seconds,
+        "train_samples": train.samples,
+        "dropped_samples": dropped,
+        "val_samples": val.samples,
+    }
+    if train.first_step_time is not None:
+        metrics["first_step_time"] = train.first_step_time
+    if train.sample_ids is not None:
+        metrics["audit_ids_seen"] = int(train.sample_ids.size)
+        metrics["audit_ids_unique"] = int(np.unique(train.sample_ids).size)
+    return metrics
+
+
+def metric_of(m: dict) -> str:
+    """Which metric a record carries (accuracy or mae)."""
+    return "mae" if "val_mae" in m else "accuracy"
+
+
+def progress_line(m: dict, epochs: int, history: list[dict]) -> str:
+    mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
+    eta = mean_epoch * (epochs - m["epoch"])
+    metric = metric_of(m)
+    short = {"accuracy": "val_acc", "mae": "val_mae"}[metric]
+    return (
+        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
+        f"{short} {m[f'val_{metric}']:.4f}  lr {m['learning_rate']:.4g}  "
+        f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
+    )

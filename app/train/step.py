@@ -1,0 +1,189 @@
+"""The compiled steps: train (one or several per call), eval, and the end-of-epoch replica-state average.
+
+Each factory takes the strategy, a model and optimizer built under its scope,
+and the objective, and returns a ``tf.function``. Nothing here knows whether
+it runs under MultiWorkerMirroredStrategy in a Ray worker, MirroredStrategy,
+TPUStrategy or one device.
+
+Every step returns this replica's sums [loss, metric, count] as float64 (so
+that sums over a large epoch stay exact for counts and close for the loss):
+the caller adds them over replicas and workers once per epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import keras
+
+    from app.train.objective import Objective
+
+
+def _sums(objective_fns, y, out, per_example_loss, weight):
+    import tensorflow as tf
+
+    _, metric_fn = objective_fns
+    return tf.cast(
+        tf.stack([
+            tf.reduce_sum(per_example_loss * weight),
+            tf.reduce_sum(metric_fn(y, out) * weight),
+            tf.reduce_sum(weight),
+        ]),
+        tf.float64,
+    )
+
+
+def build_optimizer_slots(strategy, model, optimizer) -> None:
+    """Create the optimizer's slot variables now, under the scope.
+
+    Created lazily inside the first tf.function call they break
+    MirroredStrategy ("must feed a value for placeholder tensor ... fn_with_cond").
+    """
+    if optimizer is not None and not optimizer.built:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+
+
+def agree_on_overflow(grads):
+    """Make an fp16 overflow on any replica an overflow on all of them.
+
+    LossScaleOptimizer checks the *local* gradients before its all-reduce:
+    under MWMS a worker that overflowed would skip the step (and the
+    all-reduce) while the others wait in it forever; under Mirrored the first
+    replica decides and another's inf would be summed into the weights. One
+    scalar all-reduce per step makes the decision global.
+    """
+    import tensorflow as tf
+
+    bad = tf.cast(tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32)
+    any_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, bad) > 0
+    poison = tf.where(any_bad, float("nan"), 0.0)
+    return [g + tf.cast(poison, g.dtype) for g in grads]
+
+
+def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", global_batch: int, grad_accum: int):
+    """The per-replica step: gradients of the loss averaged over the *global* batch, then applied."""
+    import keras
+    import tensorflow as tf
+
+    fns = (objective.loss_fn(), objective.metric_fn())
+    variables = model.trainable_variables
+    scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def micro_batch_gradients(x, y):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            per_example_loss = fns[0](y, out)
+            # Divide by the *global* batch (all replicas, all micro-batches): the
+            # all-reduce then sums replica gradients into the gradient of the mean
+            # over the global batch.
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
+            if scales_loss:
+                loss = optimizer.scale_loss(loss)
+        return tape.gradient(loss, variables), _sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
+
+    def train_step(x, y):
+        if grad_accum == 1:
+            grads, step_sums = micro_batch_gradients(x, y)
+        else:
+            # K micro-batches, one at a time (activation memory of one), gradients
+            # summed locally; the optimizer's all-reduce then runs once per K.
+            micro = tf.shape(x)[0] // grad_accum
+
+            def accumulate(i, grads, step_sums):
+                part = slice(i * micro, (i + 1) * micro)
+                g, s = micro_batch_gradients(x[part], y[part])
+                return i + 1, [a + b for a, b in zip(grads, g)], step_sums + s
+
+            zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in variables]
+            _, grads, step_sums = tf.while_loop(
+                lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((3,), tf.float64))
+            )
+        if scales_loss:
+            grads = agree_on_overflow(grads)
+        optimizer.apply_gradients(zip(grads, variables))
+        return step_sums
+
+    return train_step
+
+
+@dataclass
+class TrainSteps:
+    one: Callable[..., Any]  # (batch) -> (per-replica sums, gathered sample ids)
+    many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
+
+
+def make_train_steps(strategy, model, optimizer, objective, global_batch: int, grad_accum: int = 1,
+                     audit_sample_ids: bool = False) -> TrainSteps:
+    import tensorflow as tf
+
+    build_optimizer_slots(strategy, model, optimizer)
+    step = replica_train_step(model, optimizer, objective, global_batch, grad_accum)
+
+    @tf.function
+    def one(batch):
+        x, y, ids = batch
+        per_replica = strategy.run(step, args=(x, y))
+        gathered = strategy.gather(ids, axis=0) if audit_sample_ids else tf.zeros((0,), tf.int64)
+        return per_replica, gathered
+
+    @tf.function
+    def many(iterator, k):
+        # Several steps per call (TPUs need it: one host round trip per k steps).
+        acc = tf.zeros((3,), tf.float64)
+        for _ in tf.range(k):
+            x, y, _ids = next(iterator)
+            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(step, args=(x, y)))))
+        return acc
+
+    return TrainSteps(one, many)
+
+
+def make_eval_step(strategy, model, objective):
+    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing."""
+    import tensorflow as tf
+
+    fns = (objective.loss_fn(), objective.metric_fn())
+
+    def eval_step(x, y, w):
+        out = model(x, training=False)
+        return _sums(fns, y, out, fns[0](y, out), w)
+
+    @tf.function
+    def distributed(batch):
+        return strategy.run(eval_step, args=batch)
+
+    return distributed
+
+
+def make_replica_state_average(strategy, model) -> Optional[Callable[[], None]]:
+    """Average non-trainable float state (batch-norm moving statistics) over every replica.
+
+    Each replica updates batch-norm moving mean/variance from its own batch:
+    Keras 3 creates these variables with aggregation "none", so the replicas'
+    copies drift apart, each evaluates with its own, and rank 0 saves only its
+    own. Averaging them once per epoch keeps one consistent value (what
+    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step).
+    """
+    import tensorflow as tf
+
+    state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+    if not state:
+        return None
+
+    @tf.function
+    def average():
+        def replica():
+            ctx = tf.distribute.get_replica_context()
+            for v in state:
+                # all_reduce of the variable itself fails under MWMS ("destinations can not be
+                # empty"): reduce a tensor copy of this replica's value.
+                v.assign(ctx.all_reduce(tf.distribute.ReduceOp.MEAN, tf.identity(v.value)))
+
+        strategy.run(replica)
+
+    return average
