@@ -29,7 +29,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.ray_train.connect)."""
+    """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.run.cluster.connect)."""
     import ray
 
     ray.init(address="local", num_cpus=3, include_dashboard=True, logging_level="WARNING")
@@ -40,7 +40,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def two_worker_run(ray_cluster, tmp_path_factory):
     """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it."""
-    from app import ray_train
+    from app.run import ray_train
     from app.config import build_config
 
     out = tmp_path_factory.mktemp("runs") / "w2"

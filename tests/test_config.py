@@ -5,14 +5,14 @@ import math
 import pytest
 
 from app.config import TrainConfig, build_config
-from app.data import EpochPlan
+from app.data.plan import EpochPlan
 from app.errors import UserError
-from app.scaling import plan_lr, scaled_lr
+from app.train.optim import plan_lr, scaled_lr
 
 
 def test_defaults_are_valid_and_global_batch_is_per_replica_times_replicas():
     c = build_config(None, {"num_workers": 3, "per_replica_batch": 16})
-    assert c.global_batch_size == 48
+    assert EpochPlan.for_run(c, 1000, c.num_workers).global_batch == 48
     assert c.output.startswith("runs/train-")
 
 
@@ -72,7 +72,7 @@ def test_lr_scaling_rules(rule, factor):
 def test_warmup_ramps_from_base_to_scaled_lr_then_holds():
     c = TrainConfig(output="x", base_lr=0.1, reference_batch=32, lr_scaling="linear",
                     warmup_epochs=2, lr_decay="constant", epochs=5)
-    from app.scaling import lr_schedule
+    from app.train.optim import lr_schedule
 
     plan = plan_lr(c, global_batch=128, steps_per_epoch=10)
     assert plan.peak_lr == pytest.approx(0.4) and plan.warmup_steps == 20

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app import data, ray_train, sources, text
+from app.data import blocks, memory, streamed, text
+from app.run import ray_train
 from app.config import build_config
 from app.errors import UserError
 
@@ -74,7 +75,7 @@ def test_parquet_split_is_disjoint_and_small_data_is_kept_in_memory(ray_cluster,
     x, y = learnable()
     path = write_parquet(tmp_path / "pq", x, y)
     config = build_config(None, {"output": str(tmp_path / "unused"), **TINY, "dataset": str(path)})
-    first = sources.prepare(config, 2)
+    first = streamed.prepare(config, 2)
     assert first.num_train_rows + first.num_val_rows == ROWS
     assert 0.1 < first.num_val_rows / ROWS < 0.3
     val_ids = {r["id"] for r in first.val.take_all() if r["w"] > 0}
@@ -117,11 +118,11 @@ def test_streamed_datasets_read_small_blocks_within_their_own_budget(ray_cluster
     )
     current = DataContext.get_current()
     before = current.target_max_block_size, current.execution_options.resource_limits
-    streamed = sources.prepare(config, 2)
-    assert streamed.cached == {"train": False, "val": False}
-    handed = sources.data_config({"train": streamed.train, "val": streamed.val}, streamed.cached)
-    for name, ds in (("train", streamed.train), ("val", streamed.val)):
-        assert ds.context.target_max_block_size == sources.STREAM_BLOCK_BYTES
+    prepared = streamed.prepare(config, 2)
+    assert prepared.cached == {"train": False, "val": False}
+    handed = streamed.data_config({"train": prepared.train, "val": prepared.val}, prepared.cached)
+    for name, ds in (("train", prepared.train), ("val", prepared.val)):
+        assert ds.context.target_max_block_size == streamed.STREAM_BLOCK_BYTES
         for options in (ds.context.execution_options, handed._resolve_execution_options(name)):
             assert options.resource_limits.object_store_memory == 300 * 2**20
     assert (current.target_max_block_size, current.execution_options.resource_limits) == before
@@ -149,7 +150,7 @@ def test_image_folder_trains_with_two_workers(ray_cluster, tmp_path):
             Image.fromarray(pixels).save(tmp_path / "img" / name / f"{i}.png")
     config = build_config(None, {"output": str(tmp_path / "x"), **TINY, "dataset": str(tmp_path / "img"),
                                  "image_size": [8, 8]})
-    prepared = sources.prepare(config, 2)
+    prepared = streamed.prepare(config, 2)
     assert prepared.feature_shape == (8, 8, 3) and prepared.num_classes == 3
     pixels = np.stack([r["x"] for r in prepared.train.take(20)])
     assert 0.0 <= pixels.min() and pixels.max() <= 1.0  # decoded, resized, normalised in Ray Data
@@ -265,19 +266,19 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
         np.savez(tmp_path / f"{i}.npz", **arrays)
         config = build_config(None, {"output": str(tmp_path / "o"), "dataset": str(tmp_path / f"{i}.npz")})
         with pytest.raises(UserError, match=match):
-            data.load_source(config)
+            memory.load_source(config)
 
 
 def test_local_backend_refuses_streamed_formats_clearly(tmp_path, good_parquet):
     config = build_config(None, {"output": str(tmp_path / "o"), "backend": "local", "dataset": str(good_parquet)})
     with pytest.raises(UserError, match=re.escape("is parquet data, which streams through Ray Data: train on it with jobs/train.py --backend ray")):
-        data.load_source(config)
+        memory.load_source(config)
 
 
 def test_validation_split_is_seeded_and_stable():
     ids = np.arange(100_000, dtype=np.int64) * 7919
-    a = sources.in_validation(ids, seed=0, val_fraction=0.2)
-    assert (a == sources.in_validation(ids, seed=0, val_fraction=0.2)).all()
+    a = blocks.in_validation(ids, seed=0, val_fraction=0.2)
+    assert (a == blocks.in_validation(ids, seed=0, val_fraction=0.2)).all()
     assert abs(a.mean() - 0.2) < 0.01
-    b = sources.in_validation(ids, seed=1, val_fraction=0.2)
+    b = blocks.in_validation(ids, seed=1, val_fraction=0.2)
     assert 0.1 < (a & b).mean() / 0.2 < 0.3  # another seed: another, independent split

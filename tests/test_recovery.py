@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import checkpoint, ray_train
+from app.run import ray_train
+from app.train import checkpoint
 from app.config import build_config
 from conftest import REPO, clean_env, run_job
 
@@ -138,8 +139,7 @@ def test_local_crash_and_resume_gives_the_uninterrupted_weights(tmp_path):
     out = tmp_path / "crashed"
     driver = subprocess.Popen([sys.executable, "jobs/train.py", *LOCAL, "--output", str(out)], cwd=REPO,
                               env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = out / "checkpoint" / "LATEST"
-    wait_for(lambda: latest.exists() and latest.read_text() >= "epoch-0002", 120, "the local checkpoint of epoch 2")
+    wait_for(lambda: local_checkpoint_epoch(out / "checkpoint") >= 2, 120, "the local checkpoint of epoch 2")
     driver.kill()
     driver.wait()
     assert not (out / "result.json").exists()
@@ -163,22 +163,33 @@ def test_local_non_finite_loss_names_epoch_and_step(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+def local_checkpoint_epoch(root: Path) -> int:
+    """The epoch of the latest complete local checkpoint (tf.train.CheckpointManager's pointer file), or 0."""
+    import re
+
+    pointer = root / "checkpoint"
+    found = re.search(r'^model_checkpoint_path: "epoch-(\d+)"', pointer.read_text(), re.M) if pointer.exists() else None
+    return int(found.group(1)) if found else 0
+
+
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     import keras
+    import tensorflow as tf
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
-    checkpoint.save_versioned(tmp_path, model, optimizer, {"epoch": 1, "history": []}, keep=2)
+    checkpoint.LocalCheckpoints(tmp_path, model, optimizer, keep=2).save({"epoch": 1, "history": []})
 
-    def dies_mid_write(directory, *args):
-        (Path(directory) / "model.keras").write_text("half a file")
+    def dies_mid_write(self, prefix, options=None):
+        Path(prefix + ".index").write_text("half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save", dies_mid_write)
+    monkeypatch.setattr(tf.train.Checkpoint, "_write", dies_mid_write)
     with pytest.raises(OSError):
-        checkpoint.save_versioned(tmp_path, model, optimizer, {"epoch": 2, "history": []}, keep=2)
-    latest = checkpoint.latest_versioned(tmp_path)
-    assert latest is not None and latest.name == "epoch-0001"
+        checkpoint.LocalCheckpoints(tmp_path, model, optimizer, keep=2).save({"epoch": 2, "history": []})
     monkeypatch.undo()
-    assert checkpoint.restore(latest, model, optimizer)["epoch"] == 1
+    latest = checkpoint.LocalCheckpoints(tmp_path, model, optimizer, keep=2)  # what a restarted process sees
+    assert latest.latest is not None and Path(latest.latest).name == "epoch-1"
+    assert local_checkpoint_epoch(tmp_path) == 1
+    assert latest.restore()["epoch"] == 1

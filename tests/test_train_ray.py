@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from app import ray_train
+from app.run import ray_train
 from app.config import build_config
 from conftest import run_job, tensorboard_scalars
 
@@ -94,11 +94,11 @@ def test_two_workers_equal_one_worker_with_the_same_global_batch(ray_cluster, tm
 
 
 def test_every_sample_is_seen_once_per_epoch(ray_cluster, tmp_path):
-    from app import data
+    from app.data import memory
 
     config, result, _ = train(tmp_path, "audit", num_workers=2, epochs=2, audit_sample_ids=True, per_replica_batch=50)
     per_epoch = json.loads((tmp_path / "audit" / "audit_sample_ids.json").read_text())
-    train_ids = set(data.load_source(config).train.ids.tolist())
+    train_ids = set(memory.load_source(config).train.ids.tolist())
     dropped = result["dropped_samples_per_epoch"]
     assert dropped == 1438 - (1438 // 2 // 50) * 2 * 50 == 38
     for ids in per_epoch:

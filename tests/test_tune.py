@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from app import tune
+from app.run import tune
 from app.errors import UserError
 from conftest import REPO, clean_env, run_job
 

@@ -53,6 +53,12 @@ class Streamed:
     shuffle_buffer: int  # rows of each worker's local shuffle buffer (0: the dataset is shuffled globally)
     cached: dict[str, bool] = field(default_factory=dict)
 
+    # The facts, by name (as in-memory data's Split lengths and shapes read).
+    feature_shape = property(lambda self: self.facts.feature_shape)
+    num_classes = property(lambda self: self.facts.num_classes)
+    num_train_rows = property(lambda self: self.facts.num_train_rows)
+    num_val_rows = property(lambda self: self.facts.num_val_rows)
+
 
 def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuffle_seed: Optional[int] = None):
     """The raw Ray Dataset of a file source; with ``shuffle_seed``, the file order is reshuffled every epoch."""
