@@ -116,12 +116,14 @@ def _import_file(path: str, value: str):
     return module
 
 
-def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: str) -> Any:
+def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: str,
+                       required: tuple[str, ...] = ()) -> Any:
     """Call ``fn`` with the entries of ``available`` that it declares (all of them if it takes ``**kwargs``).
 
     A function is never handed an argument it did not ask for, so a user's
     ``build_model(input_shape)`` and a built-in with ten options are called the
-    same way. Whatever it raises is reported in one line naming it.
+    same way; the ``required`` entries (what the user asked for by name, e.g.
+    --model-args) must be taken. Whatever it raises is reported in one line.
     """
     try:
         params = inspect.signature(fn).parameters
@@ -131,6 +133,10 @@ def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: 
         kwargs = dict(available)
     else:
         kwargs = {k: v for k, v in available.items() if k in params}
+    refused = [k for k in required if k not in kwargs]
+    if refused:
+        takes = [n for n in params if n not in ("self",)]
+        raise UserError(f"{what} does not take argument(s) {', '.join(refused)} (it takes {', '.join(takes)})")
     missing = [
         n for n, p in params.items()
         if p.default is inspect.Parameter.empty and n not in kwargs

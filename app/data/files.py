@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Located:
     uri: str
-    format: str  # parquet, csv, images, numpy
+    format: str  # parquet, csv, images, numpy; "ray-dataset": a data function's ray.data.Dataset
     filesystem: Any  # pyarrow.fs.FileSystem
     root: str  # path inside the filesystem
     files: tuple[str, ...]
+    dataset: Any = None  # the ray.data.Dataset itself (format "ray-dataset")
 
 
 def locate(uri: str, data_format: str = "auto") -> Located:
@@ -62,8 +63,13 @@ def locate(uri: str, data_format: str = "auto") -> Located:
     return Located(uri, data_format, fs, root, tuple(wanted))
 
 
+def given_dataset(name: str, dataset: Any) -> Located:
+    """A ray.data.Dataset returned by a data function: streamed like a parquet source."""
+    return Located(name, "ray-dataset", None, "", (), dataset)
+
+
 def is_streamed(config: "TrainConfig") -> bool:
-    """True when --dataset is parquet, CSV or an image folder: the Ray Data path."""
+    """True when --dataset is parquet, CSV or an image folder: the Ray Data path (data functions: app.run.preflight)."""
     from app.registry import is_dataset_name, looks_like_path
 
     dataset = config.dataset

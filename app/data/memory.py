@@ -89,13 +89,14 @@ def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple[np.
         return _pair(value["train"], f"{what}['train']"), val
     if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):
         return _frame(value, config, what), None
-    if is_ray_dataset(value):
-        raise AssertionError("a ray.data.Dataset streams: app.data.streamed handles it")
     return _pair(value, what), None
 
 
-def load_source(config: "TrainConfig") -> Source:
-    """The config's dataset in memory, checked: built-in, data function, or .npz / .npy files."""
+def load_source(config: "TrainConfig", returned: Any = None) -> Source:
+    """The config's dataset in memory, checked: built-in, data function, or .npz / .npy files.
+
+    ``returned``: what the data function already returned, if it was called.
+    """
     from app.data import numpy_files
 
     if registry.looks_like_path(config.dataset) if isinstance(config.dataset, str) else False:
@@ -103,7 +104,11 @@ def load_source(config: "TrainConfig") -> Source:
         what, labels = f"dataset {config.dataset!r}", f"label array {config.label_column!r}"
     else:
         what = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
-        train_xy, val_xy = arrays_from(call_data_function(config), config, what)
+        value = returned if returned is not None else call_data_function(config)
+        if is_ray_dataset(value):
+            raise UserError(f"{what} returned a ray.data.Dataset: it streams through Ray Data, which this command "
+                            "does not use; return (x, y) arrays, or train it with jobs/train.py")
+        train_xy, val_xy = arrays_from(value, config, what)
         labels = f"{what}: the labels"
     if config.val_dataset:
         val_xy = numpy_files.load_numpy(config, config.val_dataset)

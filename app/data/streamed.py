@@ -41,6 +41,8 @@ CACHE_SHARE = 0.3
 # the unit of the read-ahead budget (--stream-buffer-mib), so a few MiB keeps
 # both small and steady from the first blocks on, at any dataset size.
 STREAM_BLOCK_BYTES = 16 << 20
+# Sources whose reads take only the needed columns (the projection is pushed into the read).
+PROJECTED = ("parquet", "ray-dataset")
 
 
 @dataclass
@@ -65,6 +67,8 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
     import ray.data
     from ray.data import FileShuffleConfig
 
+    if loc.format == "ray-dataset":
+        return loc.dataset if spec is None else loc.dataset.select_columns([*spec.features, spec.label])
     common: dict[str, Any] = {"filesystem": loc.filesystem}
     if shuffle_seed is not None:
         common["shuffle"] = FileShuffleConfig(seed=shuffle_seed, reseed_after_execution=True)
@@ -101,7 +105,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     spec = replace(spec, val_fraction=val_fraction)
 
     with _streaming(config):
-        per_block = _read(loc, config, spec if loc.format == "parquet" else None).map_batches(
+        per_block = _read(loc, config, spec if loc.format in PROJECTED else None).map_batches(
             block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
         )
     stats = per_block.take_all()
@@ -204,7 +208,7 @@ def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
 
     def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int], streamed: bool):
         with _streaming(config) if streamed else nullcontext():
-            raw = _read(source, config, s if source.format == "parquet" else None, shuffle_seed)
+            raw = _read(source, config, s if source.format in PROJECTED else None, shuffle_seed)
             return raw.map_batches(
                 preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
                 fn_kwargs={"spec": s, "keep": keep, "weights": weights},

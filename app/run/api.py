@@ -41,10 +41,16 @@ def dry_run(config: TrainConfig) -> list[str]:
         checked = preflight.check(config, 1, replicas)
         lines = preflight.plan_lines(config, checked, 1, replicas, f"{type(strategy).__name__} ({reason})")
     else:
-        from app.run import ray_train
+        from app.errors import UserError
+        from app.run import cluster, ray_train
 
-        checked = ray_train.check(config)
-        lines = preflight.plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy")
+        try:
+            cluster.check_fits_locally(config)
+            fits = []
+        except UserError as e:  # the plan is still worth seeing: it may be meant for a cluster
+            fits = [f"warning: {e}"]
+        checked = ray_train.check(config, require_fit=False)
+        lines = preflight.plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy") + fits
     return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
 
 

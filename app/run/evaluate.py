@@ -20,7 +20,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     import keras
     import tensorflow as tf
 
-    from app.data import memory, tf_input
+    from app.data import tf_input
     from app.train.loop import evaluate
     from app.train.objective import objective_for
     from app.train.step import make_eval_step
@@ -29,16 +29,34 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     if not model_path.is_file():
         raise UserError(f"model file {str(model_path)!r} does not exist")
     model = keras.models.load_model(model_path, compile=False)
-    source = memory.load_source(config)
+    source = _data(config)
     task = source.facts.task
     if task == "classification" and source.facts.num_classes == 2 and model.output_shape[-1] == 1:
         task = "binary"
     objective = objective_for(config, task, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
-    batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
+    if hasattr(source, "shuffle_buffer"):  # streamed (app.data.streamed): read by Ray Data in this process
+        batches = tf_input.eval_batches_from_shard(source.val, config.per_replica_batch, source.facts)
+    else:
+        batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
     stats = evaluate(strategy, make_eval_step(strategy, model, objective),
                      strategy.distribute_datasets_from_function(lambda _: batches))
     return {"val_loss": stats.loss, f"val_{objective.metric}": stats.metric, "val_samples": stats.samples}
+
+
+def _data(config: TrainConfig):
+    """The validation data: in memory without Ray; files that stream (and data functions' Ray Datasets) on a
+    local Ray of one CPU that this process starts, or the cluster RAY_ADDRESS names."""
+    from app import registry
+    from app.data import files
+    from app.run import preflight
+
+    function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
+    if files.is_streamed(config) or function:
+        from app.run import cluster
+
+        cluster.connect(config.model_copy(update={"num_workers": 1}))
+    return preflight.load_data(config, 1)
 
 
 def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:

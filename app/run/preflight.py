@@ -35,13 +35,26 @@ class Checked:
 
 def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streamed"]:
     """In-memory data (built-in, numpy, data functions) or, for file formats that stream, Ray Datasets."""
+    from app import registry
     from app.data import files, memory
 
     if files.is_streamed(config):
         from app.data import streamed
 
         return streamed.prepare(config, num_workers)
-    return memory.load_source(config)
+    if isinstance(config.dataset, str) and registry.looks_like_path(config.dataset):
+        return memory.load_source(config)
+    # A data function: arrays, a DataFrame, or a ray.data.Dataset (streamed like parquet).
+    value = memory.call_data_function(config)
+    name = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
+    if memory.is_ray_dataset(value):
+        from app.data import streamed
+
+        if config.backend == "local":
+            raise UserError(f"{name} returned a ray.data.Dataset, which streams through Ray Data: train on it with "
+                            "--backend ray, or return (x, y) arrays")
+        return streamed.prepare(config, num_workers, files.given_dataset(name, value))
+    return memory.load_source(config, value)
 
 
 def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Objective", dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -162,10 +163,7 @@ def fit(
     inputs["facts"] = checked.facts
     datasets = {"train": source.train, "val": source.val} if inputs.get("streamed") else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name))
-    if not isinstance(config.dataset, str):
-        # Workers get the data from the object store or Ray Data, never from the data
-        # function: do not ship it (nor arrays it closes over) to every worker.
-        config = config.model_copy(update={"dataset": config.model_dump()["dataset"]})
+    config = _for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={"config": config, "job": job, "inputs": inputs},
@@ -205,6 +203,28 @@ def fit(
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
+
+
+def _for_workers(config: TrainConfig) -> TrainConfig:
+    """The config as shipped to the workers: the model function itself, by value; no data function.
+
+    Workers get the data from the object store or Ray Data, never from the data
+    function, so it (and arrays it closes over) is not shipped. A user's model
+    function is resolved here and pickled by value: a worker may not be able to
+    import its module (a file loaded by path, a test module, a notebook).
+    """
+    from ray import cloudpickle
+
+    from app import registry
+
+    update: dict[str, Any] = {"dataset": config.model_dump()["dataset"]}
+    if config.model not in registry.MODELS:
+        fn = registry.resolve(config.model, registry.MODELS)
+        module = sys.modules.get(getattr(fn, "__module__", ""))
+        if module is not None and module.__name__ != "__main__" and not module.__name__.startswith("app."):
+            cloudpickle.register_pickle_by_value(module)
+        update["model"] = fn
+    return config.model_copy(update=update)
 
 
 def _data_config(source, datasets):
@@ -249,13 +269,20 @@ def _ray_run_name(config: TrainConfig, out: Path) -> str:
     return name
 
 
-def check(config: TrainConfig):
-    """Preflight for a Ray run: streamed data needs Ray (its checks read the files), in-memory data does not."""
+def check(config: TrainConfig, require_fit: bool = True):
+    """Preflight for a Ray run: streamed data needs Ray (its checks read the files), in-memory data does not.
+
+    A data function may build a ray.data.Dataset: Ray is started first (sized
+    here) so that Ray Data does not start one of its own.
+    """
+    from app import registry
     from app.data.files import is_streamed
     from app.run import preflight
 
-    cluster.check_fits_locally(config)
-    if is_streamed(config):
+    if require_fit:
+        cluster.check_fits_locally(config)
+    function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
+    if is_streamed(config) or function:
         cluster.connect(config)
     return preflight.check(config, config.num_workers)
 

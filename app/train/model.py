@@ -53,7 +53,7 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
         **config.model_args,
     }
     name = model_name(config)
-    model = registry.call_with_declared(fn, available, name)
+    model = registry.call_with_declared(fn, available, name, required=tuple(config.model_args))
     if not isinstance(model, keras.Model):
         raise UserError(f"{name} returned a {type(model).__name__}; expected a keras.Model")
     return model

@@ -1,0 +1,197 @@
+"""Your own model and data, any task, from the command line as a user types it and from Python.
+
+Each run joins the session's Ray (as `ray job submit` would) and trains on 2 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, clean_env, run_job
+
+USER_FILE = '''
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+
+
+def load_data():
+    d = load_digits()
+    return (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32"), d.target
+
+
+def convnet(input_shape, num_classes, head="softmax"):
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(num_classes, activation=None if head == "logits" else head),
+    ])
+
+
+def regression_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(1200, 6)).astype("float32")
+    y = (x @ np.array([1.5, -2.0, 0.5, 0.0, 1.0, 3.0]) + 0.1 * rng.normal(size=1200)).astype("float32")
+    return x, y
+
+
+def binary_data():
+    x, y = regression_data(1)
+    return x, (y > 0).astype("int64")
+
+
+def sigmoid_model(input_shape):
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(1, activation="sigmoid")])
+
+
+def ray_dataset():
+    import ray.data
+
+    x, y = binary_data()
+    return ray.data.from_items([{"features": list(map(float, row)), "label": int(c)} for row, c in zip(x, y)])
+
+
+def returns_three():
+    x, y = binary_data()
+    return x, y, y
+
+
+def raises():
+    raise ValueError("no such bucket")
+'''
+
+FAST = ["--num-workers", "2", "--epochs", "3", "--warmup-epochs", "0"]
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "my_example.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def joined(ray_cluster):
+    """The environment of a driver that joins the session's Ray."""
+    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+
+
+def train_cli(out, *args, env):
+    p = run_job("jobs/train.py", "--output", str(out), *args, timeout=400, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_users_softmax_convnet_from_a_file_matches_its_logits_twin(user_file, joined, tmp_path):
+    common = ["--dataset", f"{user_file}:load_data", *FAST, "--seed", "3"]
+    soft = train_cli(tmp_path / "soft", "--model", f"{user_file}:convnet", *common, env=joined)
+    twin = train_cli(tmp_path / "logits", "--model", f"{user_file}:convnet", "--model-args", '{"head": "logits"}',
+                     *common, env=joined)
+    assert soft["num_replicas"] == 2 and soft["task"] == "classification"
+    assert soft["metrics"]["val_accuracy"] > 0.85
+    # The loss takes probabilities from the softmax model and logits from its twin: the same training.
+    assert soft["metrics"]["val_accuracy"] == pytest.approx(twin["metrics"]["val_accuracy"], abs=0.02)
+
+
+def test_regression_on_float_targets(user_file, joined, tmp_path):
+    result = train_cli(tmp_path / "reg", "--dataset", f"{user_file}:regression_data", "--model", "mlp",
+                       "--hidden-units", "32", "--base-lr", "0.01", *FAST, env=joined)
+    assert result["task"] == "regression"
+    assert set(result["metrics"]) == {"train_loss", "train_mae", "val_loss", "val_mae"}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("u", user_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    variance = float(np.var(module.regression_data()[1]))
+    assert result["metrics"]["val_loss"] < 0.05 * variance  # val MSE far below the targets' variance
+
+
+def test_binary_sigmoid_model_on_a_users_ray_dataset(user_file, joined, tmp_path):
+    result = train_cli(tmp_path / "bin", "--dataset", f"{user_file}:ray_dataset", "--model",
+                       f"{user_file}:sigmoid_model", "--feature-columns", "features", "--base-lr", "0.2", *FAST,
+                       env=joined)
+    assert result["task"] == "binary" and result["num_replicas"] == 2
+    assert result["metrics"]["val_accuracy"] > 0.9
+
+
+def test_python_api_with_functions_defined_here(ray_cluster, tmp_path):
+    import keras
+
+    from app import train
+
+    def load_data():
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(800, 4)).astype("float32")
+        return x, (x[:, 0] + x[:, 1] > 0).astype("int64")
+
+    def build_model(input_shape, num_classes):
+        return keras.Sequential([keras.Input(input_shape), keras.layers.Dense(num_classes, activation="softmax")])
+
+    result = train(model=build_model, data=load_data, num_workers=2, epochs=3, warmup_epochs=0, base_lr=0.2,
+                   output=str(tmp_path / "api"))
+    assert result["metrics"]["val_accuracy"] > 0.9 and result["num_replicas"] == 2
+    assert (tmp_path / "api" / "model.keras").is_file()
+    assert result["config"]["model"].endswith("build_model")
+
+
+def test_sweep_and_evaluate_on_parquet(joined, tmp_path):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = rng.normal(size=(300, 8)) + 2 * rng.normal(size=(3, 8))[y]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"pixels": pa.array(list(x.astype("float32")), type=pa.list_(pa.float32())),
+                             "label": y}), tmp_path / "pq" / "part-0.parquet")
+    p = run_job("jobs/tune.py", "--space", str(REPO / "tune_spaces" / "smoke.yaml"), "--dataset", str(tmp_path / "pq"),
+                "--scheduler", "fifo", "--output", str(tmp_path / "sweep"), timeout=600, env=joined)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "best val_accuracy" in p.stdout
+    run = tmp_path / "run"
+    train_cli(run, "--dataset", str(tmp_path / "pq"), *FAST, env=joined)
+    p = run_job("jobs/evaluate.py", "--run", str(run), timeout=300, env=joined)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evaluated = json.loads((run / "eval.json").read_text())
+    trained = json.loads((run / "result.json").read_text())["metrics"]
+    assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "{f}:returns_three"], "returns_three returned a tuple of 3; expected (x, y)"),
+        (["--dataset", "{f}:raises"], "raises raised ValueError: no such bucket"),
+        (["--dataset", "{f}:nope"], "has no function 'nope'"),
+        (["--model", "{f}:sigmoid_model"], "outputs 1 value(s) per example (shape (1,)), but 10 classes needs 10"),
+        (["--model", "mlp", "--model-args", '{"widht": 64}'], "does not take argument(s) widht"),
+        (["--model", "cnn", "--dataset", "{f}:binary_data"], "cnn needs images"),
+    ],
+)
+def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, args, message):
+    args = [a.format(f=user_file) for a in args]
+    p = run_job("jobs/train.py", "--output", str(tmp_path / "out"), "--epochs", "1", *args, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert len([line for line in p.stderr.splitlines() if line.startswith("error:")]) == 1, p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_the_plan_for_every_readme_command(user_file, tmp_path):
+    import shlex
+
+    (tmp_path / "my_run.yaml").write_text("epochs: 2\n")
+    commands = [line.strip() for line in (REPO / "README.md").read_text().splitlines()
+                if line.strip().startswith("python jobs/train.py") and "--help" not in line]
+    assert len(commands) >= 5
+    for command in commands:
+        command = command.split("  #")[0].replace("my_example.py", str(user_file))
+        args = shlex.split(command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")))[2:]
+        p = run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"), timeout=120)
+        assert p.returncode == 0, (command, p.stderr[-2000:])
+        assert "global batch" in p.stdout and "learning rate" in p.stdout, command
+        assert not (tmp_path / "never").exists()
