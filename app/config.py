@@ -64,6 +64,12 @@ class RunSection(_Section):
     worker_start_timeout_s: float = Field(
         120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
     )
+    stall_timeout_s: float = Field(
+        300.0, gt=0,
+        description="Ray workers: a collective (the gradient all-reduce, a metric sum) that a peer does not join "
+        "within this many seconds fails the run (or restarts it under --max-failures) instead of waiting forever "
+        "for a frozen or cut-off worker.",
+    )
     seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
 
 

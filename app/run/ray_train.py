@@ -46,7 +46,7 @@ class RaySession:
     def strategy(self):
         from app.train.strategy import multi_worker_strategy
 
-        return multi_worker_strategy(self.config.cpus_per_worker)
+        return multi_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s)
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         import ray.train
@@ -104,6 +104,10 @@ class RaySession:
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: the one per-worker function, with a Ray session."""
     _log_to_stderr("app")
+    # Ray Train's per-report lines and TensorFlow's collective/sharding notices are
+    # for debugging, not for the console every worker's stderr is forwarded to.
+    for noisy in ("ray.train", "ray.data", "tensorflow"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     session = RaySession(payload["config"], payload["inputs"])
     train_worker(payload["config"], payload["job"], session)
 
@@ -242,6 +246,9 @@ def summarize(error: BaseException) -> str:
         raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
         message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
         message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
+        if "DeadlineExceeded" in message or "Collective ops timeout" in message:
+            message = ("a peer did not join the all-reduce within --stall-timeout-s (a frozen, lost or cut-off "
+                       f"worker): {message}")
         by_message.setdefault(message, []).append(rank)
     return "; ".join(f"{msg} (rank {', '.join(map(str, ranks))})" for msg, ranks in by_message.items())
 
@@ -284,7 +291,10 @@ def check(config: TrainConfig, require_fit: bool = True):
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if is_streamed(config) or function:
         cluster.connect(config)
-    return preflight.check(config, config.num_workers)
+    checked = preflight.check(config, config.num_workers)
+    if hasattr(checked.source, "shuffle_buffer"):  # streamed: Ray Data's read tasks need CPUs of their own
+        cluster.check_room_for_reads(config)
+    return checked
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:

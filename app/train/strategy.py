@@ -32,16 +32,20 @@ def set_thread_counts(cpus: float) -> int:
     return threads
 
 
-def multi_worker_strategy(cpus_per_worker: float) -> "tf.distribute.Strategy":
+def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None = None) -> "tf.distribute.Strategy":
     """MWMS for a Ray Train worker. Call it before any other TensorFlow op.
 
     Collectives must be configured at program start-up, so this is the first
-    thing the worker does with TensorFlow.
+    thing the worker does with TensorFlow. With ``stall_timeout_s`` every
+    collective fails (DeadlineExceeded) when a peer does not join it in time:
+    a frozen worker (SIGSTOP, a stuck device, a partition) ends the run or
+    triggers a restart instead of leaving the others waiting forever.
     """
     import tensorflow as tf
 
     threads = set_thread_counts(cpus_per_worker)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=stall_timeout_s)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     log.info(
         "MultiWorkerMirroredStrategy: %d replicas in sync, %d TF threads per worker",
         strategy.num_replicas_in_sync,
