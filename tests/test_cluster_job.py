@@ -78,3 +78,55 @@ def test_job_submit_to_a_two_node_cluster_spreads_the_workers(no_shared_ray, tmp
         for node in reversed(nodes):
             stop_node(node)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.own_ray_cluster
+def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray, tmp_path):
+    """`ray start --head --num-cpus 2` and 2 workers x 1 CPU: no CPU left beside the workers.
+
+    In-memory data needs no Ray task per epoch, so it runs to the end; streamed data (Ray Data's reads need a
+    CPU) is refused with one line that says what to change, and runs to the end once that is done."""
+    env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    gcs_port, dashboard_port = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rayfull", dir="/tmp")
+    head = start_node(["--head", "--num-cpus", "2", "--temp-dir", temp_dir, "--port", str(gcs_port),
+                       "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                       "--ray-client-server-port", str(free_port())], env, tmp_path)
+    address = f"http://127.0.0.1:{dashboard_port}"
+
+    def submit(*args, timeout=400):
+        return subprocess.run([ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+                               "python", "jobs/train.py", "--epochs", "2", *args],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+
+    try:
+        deadline = time.time() + 90
+        while subprocess.run([ray_cli(), "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert time.time() < deadline, "the head's job server did not come up in 90 s"
+            time.sleep(2)
+        done = submit("--output", str(tmp_path / "memory"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert json.loads((tmp_path / "memory" / "result.json").read_text())["epochs_completed"] == 2
+
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rng = np.random.default_rng(0)
+        (tmp_path / "pq").mkdir()
+        pq.write_table(pa.table({"x": pa.array(list(rng.normal(size=(256, 4)).astype("float32")),
+                                               type=pa.list_(pa.float32())), "label": rng.integers(0, 2, 256)}),
+                       tmp_path / "pq" / "p.parquet")
+        refused = submit("--dataset", str(tmp_path / "pq"), "--output", str(tmp_path / "refused"), timeout=200)
+        assert refused.returncode != 0
+        lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "streamed data needs 1 CPU for Ray Data's reads" in lines[0], lines
+        assert "Traceback" not in refused.stdout + refused.stderr
+        done = submit("--dataset", str(tmp_path / "pq"), "--cpus-per-worker", "0.5", "--output", str(tmp_path / "pq-run"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert json.loads((tmp_path / "pq-run" / "result.json").read_text())["epochs_completed"] == 2
+    finally:
+        stop_node(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
