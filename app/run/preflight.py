@@ -72,7 +72,8 @@ def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Ob
     shape = check_output(model, facts, name)
     objective = objective_for(config, facts.task, model)
     summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
-               "outputs": "logits" if objective.from_logits else "probabilities"}
+               "outputs": "values" if facts.task == "regression" else
+               ("logits" if objective.from_logits else "probabilities")}
     return facts, objective, summary
 
 
@@ -119,7 +120,3 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]
 
-
-def require_rows(facts: DataFacts) -> None:
-    if facts.num_train_rows == 0:
-        raise UserError("the training set is empty")
