@@ -33,6 +33,10 @@ def convnet(input_shape, num_classes, head="softmax"):
     ])
 
 
+def build_model(input_shape, num_classes):
+    return convnet(input_shape, num_classes)
+
+
 def regression_data(seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(1200, 6)).astype("float32")
@@ -173,7 +177,7 @@ def test_sweep_and_evaluate_on_parquet(joined, tmp_path):
     ],
 )
 def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, args, message):
-    args = [a.format(f=user_file) for a in args]
+    args = [a.replace("{f}", str(user_file)) for a in args]
     p = run_job("jobs/train.py", "--output", str(tmp_path / "out"), "--epochs", "1", *args, timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     assert message in p.stderr and "Traceback" not in p.stderr
