@@ -186,25 +186,37 @@ class TuneArgs:
     fixed: dict[str, Any]
 
 
-def tune_args(description: str, argv: Optional[list[str]] = None) -> TuneArgs:
-    """The sweep's own flags, and config flags fixed for every trial (only those typed)."""
+def _own_and_config(argv, own: Callable[[argparse.ArgumentParser], None], doc: str, fields: set[str]):
+    """(the script's own flags, the config flags the user typed) of a script that is not jobs/train.py."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--space")
-    pre.add_argument("--num-samples", type=int, default=1)
-    pre.add_argument("--scheduler", choices=["asha", "fifo"], default="asha")
-    pre.add_argument("--metric")
-    pre.add_argument("--mode", choices=["max", "min"])
-    pre.add_argument("--max-concurrent", type=int)
-    pre.add_argument("--output")
+    own(pre)
     known, rest = _guarded(lambda: pre.parse_known_args(argv))
-    fields = set(TrainConfig.model_fields) - NOT_FOR_TUNE
+    config = _guarded(lambda: _parse(doc, rest, build_config(None, {}), fields))
+    return known, {k: getattr(config, k) for k in _typed(rest, fields)}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        _guarded(lambda: (_ for _ in ()).throw(UserError(message)))
+
+
+def tune_args(description: str, argv: Optional[list[str]] = None) -> TuneArgs:
+    """The sweep's own flags, and config flags fixed for every trial (only those typed)."""
+
+    def own(pre: argparse.ArgumentParser) -> None:
+        pre.add_argument("--space")
+        pre.add_argument("--num-samples", type=int, default=1)
+        pre.add_argument("--scheduler", choices=["asha", "fifo"], default="asha")
+        pre.add_argument("--metric")
+        pre.add_argument("--mode", choices=["max", "min"])
+        pre.add_argument("--max-concurrent", type=int)
+        pre.add_argument("--output")
+
     doc = (f"{description}\nSweep flags: --space FILE (required), --num-samples N, --scheduler asha|fifo, --metric, "
            "--mode max|min, --max-concurrent N, --output DIR. The flags below fix a value for every trial.")
-    config = _guarded(lambda: _parse(doc, rest, build_config(None, {}), fields))
-    if not known.space:
-        _guarded(lambda: (_ for _ in ()).throw(UserError("--space FILE is required (a search space: tune_spaces/)")))
-    fixed = {k: getattr(config, k) for k in _typed(rest, fields)}
+    known, fixed = _own_and_config(argv, own, doc, set(TrainConfig.model_fields) - NOT_FOR_TUNE)
+    _require(bool(known.space), "--space FILE is required (a search space: tune_spaces/)")
     return TuneArgs(known.space, known.num_samples, known.scheduler, known.metric, known.mode, known.max_concurrent,
                     known.output, fixed)
 
@@ -225,19 +237,18 @@ class EvaluateArgs:
 
 def evaluate_args(description: str, argv: Optional[list[str]] = None) -> EvaluateArgs:
     """Exactly one of --model FILE.keras, --checkpoint DIR, --run DIR; data flags override the run's config."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    what = pre.add_mutually_exclusive_group()
-    what.add_argument("--model", dest="model_file")
-    what.add_argument("--checkpoint")
-    what.add_argument("--run")
-    known, rest = _guarded(lambda: pre.parse_known_args(argv))
+
+    def own(pre: argparse.ArgumentParser) -> None:
+        what = pre.add_mutually_exclusive_group()
+        what.add_argument("--model", dest="model_file")
+        what.add_argument("--checkpoint")
+        what.add_argument("--run")
+
     doc = (f"{description}\nWhat to evaluate: --model FILE.keras | --checkpoint DIR | --run DIR. The flags below "
            "override the run's data settings.")
-    config = _guarded(lambda: _parse(doc, rest, build_config(None, {}), EVALUATE_FIELDS))
-    if "-h" not in argv and "--help" not in argv and not (known.model_file or known.checkpoint or known.run):
-        _guarded(lambda: (_ for _ in ()).throw(UserError("give one of --model FILE.keras, --checkpoint DIR, --run DIR")))
-    overrides = {k: getattr(config, k) for k in _typed(rest, EVALUATE_FIELDS)}
+    known, overrides = _own_and_config(argv, own, doc, EVALUATE_FIELDS)
+    _require(bool(known.model_file or known.checkpoint or known.run),
+             "give one of --model FILE.keras, --checkpoint DIR, --run DIR")
     return EvaluateArgs(known.model_file, known.checkpoint, known.run, overrides)
 
 
