@@ -80,7 +80,12 @@ class RaySession:
             val = lambda _: tf_input.eval_batches_from_arrays(  # noqa: E731
                 val_split, config.per_replica_batch, 1, self.rank, self.world
             )
-        return iter(strategy.distribute_datasets_from_function(train)), strategy.distribute_datasets_from_function(val)
+        inputs = iter(strategy.distribute_datasets_from_function(train)), strategy.distribute_datasets_from_function(val)
+        # Never destroyed before the process ends: a tf.data iterator's destructor waits for
+        # tf.data's autotuning thread to wake (gdb, session 4: 7-60 s after the last report).
+        # The worker process is ended by Ray Train right after the function returns.
+        _KEPT_UNTIL_EXIT.extend(inputs)
+        return inputs
 
     def placement(self, strategy) -> list[str]:
         import ray
@@ -99,6 +104,9 @@ class RaySession:
                 ckpt = Checkpoint.from_directory(tmp)
             # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
             ray.train.report(metrics, checkpoint=ckpt)
+
+
+_KEPT_UNTIL_EXIT: list[Any] = []
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
