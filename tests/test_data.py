@@ -264,7 +264,9 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
     }
     for i, (match, arrays) in enumerate(cases.items()):
         np.savez(tmp_path / f"{i}.npz", **arrays)
-        config = build_config(None, {"output": str(tmp_path / "o"), "dataset": str(tmp_path / f"{i}.npz")})
+        # Float labels are a regression target under --task auto: a classification run refuses them.
+        config = build_config(None, {"output": str(tmp_path / "o"), "dataset": str(tmp_path / f"{i}.npz"),
+                                     "task": "classification"})
         with pytest.raises(UserError, match=match):
             memory.load_source(config)
 
