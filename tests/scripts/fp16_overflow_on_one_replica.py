@@ -10,18 +10,22 @@ import sys
 
 import numpy as np
 
-from app import models, scaling
-from app import strategy as strategy_lib
 from app.config import build_config
-from app.loop import Loop
+from app.data.arrays import DataFacts
+from app.train import optim
+from app.train import strategy as strategy_lib
+from app.train.model import build_model
+from app.train.objective import Objective
+from app.train.step import make_train_steps
 
 strategy, _ = strategy_lib.local_strategy("mirrored", 2, 1)
 config = build_config(None, {"backend": "local", "mixed_precision": "fp16", "output": sys.argv[1], "hidden_units": [8]})
-lr_plan = scaling.plan_lr(config, global_batch=8, steps_per_epoch=1)
+lr_plan = optim.plan_lr(config, global_batch=8, steps_per_epoch=1)
 with strategy.scope():
-    model = models.build_model(config, (4,), 3)
-    optimizer = scaling.make_optimizer(config, lr_plan)
-loop = Loop(strategy, model, optimizer, global_batch_size=8)
+    model = build_model(config, DataFacts((4,), "classification", 3, 8, 0))
+    optimizer = optim.make_optimizer(config, lr_plan)
+steps = make_train_steps(strategy, model, optimizer, Objective("classification", "sparse_categorical_crossentropy", True),
+                         global_batch=8)
 
 import tensorflow as tf  # noqa: E402
 
@@ -33,7 +37,7 @@ batches = tf.data.Dataset.from_tensor_slices((x, y, ids)).batch(4)  # per-replic
 iterator = iter(strategy.distribute_datasets_from_function(lambda _: batches))
 before = [w.copy() for w in model.get_weights()]
 scale_before = float(optimizer.dynamic_scale.numpy())
-loop._train_step(next(iterator))
+steps.one(next(iterator))
 after = model.get_weights()
 print(json.dumps({
     "finite": bool(all(np.isfinite(w).all() for w in after)),
