@@ -1,43 +1,35 @@
-"""Throughput measurements for jobs/benchmark.py, each run in a process of its own.
+"""Throughput measurements for the throughput suite (app.bench.scaling), each run in a process of its own.
 
-    python -m app.benchmark plain '<TrainConfig JSON>'   # (a) plain TF loop: no Ray, no strategy
-    python -m app.benchmark input '<TrainConfig JSON>'   # Ray Data -> tf.data, no model
+    python -m app.bench.throughput plain '<TrainConfig JSON>'   # the baseline: plain TF loop, no Ray, no strategy
+    python -m app.bench.throughput input '<TrainConfig JSON + "input_workers">'   # a worker's input, no model
 
-Each prints one JSON line. A fresh process per measurement means TensorFlow's
-thread pools are set up exactly as in a Ray worker (threads are fixed at
-start-up), and no measurement warms a cache for the next one.
-
-Steady state: the first epoch (tracing, the first shuffle) is reported but
-left out of the samples/s figure, for the baseline and the Ray runs alike.
+Each prints one ``RESULT <json>`` line (app.bench.proc). Steady state: the
+first epoch (tracing, the first shuffle) is reported but left out of the
+samples/s figure, for the baseline and the Ray runs alike.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
-import sys
 import time
 from typing import Any
 
+from app.bench.proc import child_main, steady
 from app.config import TrainConfig
 
 
-def steady(per_epoch: list[float]) -> float:
-    """Samples/s of the epochs after the first (all of them if there is only one)."""
-    return statistics.mean(per_epoch[1:] or per_epoch)
-
-
-def plain_tf(config: TrainConfig) -> dict[str, Any]:
+def plain_tf(payload: dict[str, Any]) -> dict[str, Any]:
     """The baseline: the same model, data and thread count in a minimal single-process tf.function loop."""
-    from app import data, models
-    from app.strategy import set_thread_counts
+    from app.data.memory import load_source
+    from app.train.model import build_model
+    from app.train.strategy import set_thread_counts
 
+    config = TrainConfig(**payload)
     threads = set_thread_counts(config.cpus_per_worker)
     import keras
     import tensorflow as tf
 
-    source = data.load_source(config)
-    model = models.build_model(config, source.feature_shape, source.num_classes)
+    source = load_source(config)
+    model = build_model(config, source.facts)
     optimizer = keras.optimizers.SGD(learning_rate=0.01, momentum=0.9)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     batch = config.per_replica_batch
@@ -66,37 +58,37 @@ def plain_tf(config: TrainConfig) -> dict[str, Any]:
     return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "threads": threads}
 
 
-def input_pipeline(config: TrainConfig) -> dict[str, Any]:
-    """Ray Data -> one worker's shard -> tf.data, exactly the workers' input code, with no model behind it."""
-    import ray
+def input_pipeline(payload: dict[str, Any]) -> dict[str, Any]:
+    """What a Ray worker's input is for in-memory data, with no model behind it.
 
-    from app import data, ray_train
+    The driver puts the arrays in the object store once; each worker, after
+    setting its thread count, takes its slice of a seeded permutation every
+    epoch (``train_batches_from_arrays`` with its rank and the world size).
+    Here: worker rank 0 of ``input_workers``, the arrays loaded in this process.
+    """
+    from app.data.memory import load_source
+    from app.data.plan import EpochPlan
+    from app.data.tf_input import train_batches_from_arrays
+    from app.train.strategy import set_thread_counts
 
-    ray_train.connect(config)
-    try:
-        source = data.load_source(config)
-        datasets = ray_train.build_datasets(config, source)
-        plan = data.EpochPlan(len(source.train), config.num_workers, config.per_replica_batch)
-        # What a worker's get_dataset_shard("train") is: one output of an equal streaming split.
-        shard = datasets["train"].streaming_split(config.num_workers, equal=True)[0]
-        batches = data.train_batches_from_shard(shard, plan, source.feature_shape, config.epochs)
-        iterator = iter(batches)
-        per_epoch = []
-        for _ in range(config.epochs):
-            start = time.perf_counter()
-            for _ in range(plan.steps):
-                x, _, _ = next(iterator)
-            x.numpy()
-            per_epoch.append(plan.steps * config.per_replica_batch / (time.perf_counter() - start))
-    finally:
-        ray.shutdown()
-    return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "workers_sharing": config.num_workers}
+    payload = dict(payload)
+    world = int(payload.pop("input_workers"))
+    config = TrainConfig(**payload)
+    set_thread_counts(config.cpus_per_worker)
+    source = load_source(config)
+    plan = EpochPlan.for_run(config, len(source.train), world)
+    batches = train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs, 0, world)
+    iterator = iter(batches)
+    per_epoch = []
+    for _ in range(config.epochs):
+        start = time.perf_counter()
+        for _ in range(plan.steps):
+            x, _, _ = next(iterator)
+        x.numpy()
+        per_epoch.append(plan.steps * plan.step_batch / (time.perf_counter() - start))
+    return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "rank": 0, "workers_sharing": world,
+            "input": "train_batches_from_arrays (in-memory data on a Ray worker)"}
 
 
 if __name__ == "__main__":
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    kind, payload = sys.argv[1], json.loads(sys.argv[2])
-    measure = {"plain": plain_tf, "input": input_pipeline}[kind]
-    print(json.dumps(measure(TrainConfig(**payload))))
+    child_main({"plain": plain_tf, "input": input_pipeline})

@@ -1,0 +1,110 @@
+"""The breakdown suite: where the 1-worker Ray path loses to the plain loop, strategy and input varied one at a time.
+
+Runs the project's training loop (app.bench.training) in a plain process,
+without Ray Train, for every combination of
+
+- strategy: none (TensorFlow's default strategy, the thread count set as a
+  worker sets it), or MultiWorkerMirroredStrategy with one worker (no
+  TF_CONFIG), as in a 1-worker Ray run;
+- input: ``arrays``, tf.data from the arrays in memory
+  (``train_batches_from_arrays``: what a Ray worker and the local backend
+  read for in-memory data), or ``raydata``, a Ray Data shard of the same rows,
+  reshuffled every epoch, through ``from_generator``
+  (``train_batches_from_shard``: what a worker reads for file data kept in
+  the object store);
+
+each in a fresh process (``python -m app.bench.breakdown one '<json>'``), and
+reports steady-state samples/s (epochs after the first). The throughput suite
+measures the plain baseline and the real Ray run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from app.bench import report
+from app.bench.preset import Preset
+from app.bench.proc import child_main, measure, steady
+from app.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+PARAMS: tuple[str, ...] = ()
+STRATEGIES = ("none", "mwms")
+INPUTS = ("arrays", "raydata")
+
+
+def _strategy(kind: str, config: TrainConfig):
+    if kind == "mwms":  # no TF_CONFIG: a one-worker MWMS, as in a 1-worker Ray run
+        from app.train.strategy import multi_worker_strategy
+
+        return multi_worker_strategy(config.cpus_per_worker)
+    from app.train.strategy import set_thread_counts
+
+    set_thread_counts(config.cpus_per_worker)
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
+def _ray_data_shard(config: TrainConfig, split):
+    """The rows as a Ray Dataset, globally reshuffled every epoch; the one shard of a 1-worker equal split."""
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    from app.data.arrays import ID, X, Y
+    from app.data.ray_input import shuffled_each_epoch
+    from app.run.cluster import connect
+
+    connect(config)
+    ds = ray.data.from_arrow(pa.table({X: ArrowTensorArray.from_numpy(split.x), Y: pa.array(split.y),
+                                       ID: pa.array(split.ids)}))
+    if config.shuffle:
+        ds = shuffled_each_epoch(ds, config.seed)
+    return ds.streaming_split(1, equal=True)[0]
+
+
+def one(payload: dict[str, Any]) -> dict[str, Any]:
+    """One combination, in this process: ``{"workload": {...}, "strategy": ..., "input": ...}``."""
+    from app.bench.training import build_training, distributed
+    from app.data import tf_input
+    from app.data.memory import load_source
+    from app.data.plan import EpochPlan
+
+    config = TrainConfig(**payload["workload"])
+    strategy = _strategy(payload["strategy"], config)
+    source = load_source(config)
+    plan = EpochPlan.for_run(config, len(source.train), 1)
+    training = build_training(config, strategy, source.facts, plan)
+    if payload["input"] == "arrays":
+        batches = tf_input.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs)
+    else:
+        shard = _ray_data_shard(config, source.train)
+        batches = tf_input.train_batches_from_shard(shard, plan, source.facts, config.epochs)
+    iterator = distributed(strategy, batches)
+    per_epoch = []
+    for epoch in range(1, config.epochs + 1):
+        stats = training.epoch(iterator, plan, epoch)
+        per_epoch.append(stats.samples / stats.seconds)
+    return {"strategy": payload["strategy"], "input": payload["input"], "per_epoch": per_epoch,
+            "samples_per_second": steady(per_epoch)}
+
+
+def run(preset: Preset, out: Path, command: str) -> list[Path]:
+    results = []
+    for strategy in STRATEGIES:
+        for kind in INPUTS:
+            log.info("strategy %s, input %s ...", strategy, kind)
+            results.append(measure("app.bench.breakdown", "one",
+                                   {"workload": preset.workload, "strategy": strategy, "input": kind})[0])
+            log.info("    %.0f samples/s", results[-1]["samples_per_second"])
+    print(report.breakdown_table(results))
+    return [report.write_json(out / "breakdown.json",
+                              {"command": command, "preset": preset.as_dict(), "results": results})]
+
+
+if __name__ == "__main__":
+    child_main({"one": one})

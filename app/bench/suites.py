@@ -1,0 +1,39 @@
+"""The benchmark suites behind jobs/benchmark.py: a preset in, the files written out.
+
+- throughput (app.bench.scaling): the Ray path against a plain TF loop, 1..N workers, the N-process
+  ceiling, the input alone, the time to first step -> benchmark.json, scaling.png
+- breakdown (app.bench.breakdown): strategy and input varied one at a time -> breakdown.json
+- checkpoint (app.bench.checkpoint_cost): one checkpoint write against one epoch -> checkpoint.json
+- memory (app.bench.memory): peak memory with streamed parquet at 1x and scale x -> memory.json
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from app.bench import breakdown, checkpoint_cost, memory, scaling
+from app.bench.preset import Preset, load, parse_sets, preset_file
+
+SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory}
+
+
+def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
+                config_file: Optional[str] = None, sets: Iterable[str] = ()) -> Preset:
+    """``suite``'s section of the preset (``--preset``, else quick.yaml or full.yaml), flags and fields applied."""
+    return load(suite, SUITES[suite].PARAMS, preset_file(preset, quick), flags, config_file, parse_sets(sets))
+
+
+def default_output(suite: str) -> Path:
+    # The memory suite keeps its datasets there for the next run (and its phases, one at a time).
+    if suite == "memory":
+        return Path("runs/benchmark-memory")
+    return Path(f"runs/benchmark-{'' if suite == 'throughput' else suite + '-'}{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def run(preset: Preset, output: Optional[str], command: str) -> list[Path]:
+    """Run the preset's suite; the files it wrote (into ``output``, by default under runs/)."""
+    out = (Path(output) if output else default_output(preset.suite)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return SUITES[preset.suite].run(preset, out, command)

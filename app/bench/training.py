@@ -1,0 +1,51 @@
+"""The project's own training loop in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
+
+Model, optimizer, LR plan and compiled train step are built as
+app.train.worker.train_worker builds them, and epochs run through the same
+EpochDriver; there is no evaluation, checkpointing or reporting in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from app.data.arrays import DataFacts
+from app.data.plan import EpochPlan
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
+
+
+@dataclass
+class Training:
+    model: Any
+    optimizer: Any
+    lr_plan: Any
+    driver: Any  # app.train.loop.EpochDriver
+
+    def epoch(self, iterator, plan: EpochPlan, epoch: int = 0):
+        """One epoch of ``plan.steps`` steps; its EpochStats (samples, seconds, ...)."""
+        return self.driver.train_epoch(iterator, plan.steps, epoch)
+
+
+def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: EpochPlan) -> Training:
+    from app.train.loop import EpochDriver
+    from app.train.model import build_model
+    from app.train.objective import objective_for
+    from app.train.optim import make_optimizer, plan_lr
+    from app.train.step import make_train_steps
+
+    lr_plan = plan_lr(config, plan.global_batch, plan.steps)
+    with strategy.scope():
+        model = build_model(config, facts)
+        optimizer = make_optimizer(config, lr_plan)
+    objective = objective_for(config, facts.task, model)
+    steps = make_train_steps(strategy, model, optimizer, objective, plan.global_batch, config.grad_accum)
+    driver = EpochDriver(strategy, optimizer, steps, eval_step=None, steps_per_execution=config.steps_per_execution)
+    return Training(model, optimizer, lr_plan, driver)
+
+
+def distributed(strategy, batches):
+    """An endless iterator of per-replica batches, as a session's ``inputs`` gives the worker."""
+    return iter(strategy.distribute_datasets_from_function(lambda _: batches))
