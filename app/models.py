@@ -2,7 +2,7 @@
 
 Each returns an uncompiled Keras 3 model whose last layer outputs float32
 logits (one per class, or one for binary and regression), so that mixed
-precision never reaches the loss. app.train.model calls them exactly as it
+precision never reaches the loss. app.training.model calls them exactly as it
 calls a user's ``file.py:function``: with the arguments they declare.
 """
 

@@ -7,7 +7,7 @@ import pytest
 from app.config import TrainConfig, build_config
 from app.data.plan import EpochPlan
 from app.errors import UserError
-from app.train.optim import plan_lr, scaled_lr
+from app.training.optim import plan_lr, scaled_lr
 
 
 def test_defaults_are_valid_and_global_batch_is_per_replica_times_replicas():
@@ -72,7 +72,7 @@ def test_lr_scaling_rules(rule, factor):
 def test_warmup_ramps_from_base_to_scaled_lr_then_holds():
     c = TrainConfig(output="x", base_lr=0.1, reference_batch=32, lr_scaling="linear",
                     warmup_epochs=2, lr_decay="constant", epochs=5)
-    from app.train.optim import lr_schedule
+    from app.training.optim import lr_schedule
 
     plan = plan_lr(c, global_batch=128, steps_per_epoch=10)
     assert plan.peak_lr == pytest.approx(0.4) and plan.warmup_steps == 20

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from app.run import ray_train
-from app.train import checkpoint
+from app.training import checkpoint
 from app.config import build_config
 from conftest import REPO, clean_env, run_job
 

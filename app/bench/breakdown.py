@@ -38,10 +38,10 @@ INPUTS = ("arrays", "raydata")
 
 def _strategy(kind: str, config: TrainConfig):
     if kind == "mwms":  # no TF_CONFIG: a one-worker MWMS, as in a 1-worker Ray run
-        from app.train.strategy import multi_worker_strategy
+        from app.training.strategy import multi_worker_strategy
 
         return multi_worker_strategy(config.cpus_per_worker)
-    from app.train.strategy import set_thread_counts
+    from app.training.strategy import set_thread_counts
 
     set_thread_counts(config.cpus_per_worker)
     import tensorflow as tf

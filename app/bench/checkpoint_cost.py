@@ -3,7 +3,7 @@
 In this process, no Ray, one device, the preset's workload (by default
 jobs/train.py's: the mlp on the embedded digits): after one untimed epoch
 (tracing), ``repeats`` epochs, each followed by one checkpoint write as a run
-writes it (app.train.checkpoint.save: tf.train.Checkpoint of model and
+writes it (app.training.checkpoint.save: tf.train.Checkpoint of model and
 optimizer, model.keras, state.json) into a fresh directory. Reports the median
 write, the median epoch, and their ratio. Ray's own part of a report (copying
 the directory into storage, registering it) comes on top and shows in the
@@ -32,7 +32,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     from app.data.memory import load_source
     from app.data.plan import EpochPlan
     from app.data.tf_input import train_batches_from_arrays
-    from app.train import checkpoint
+    from app.training import checkpoint
 
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # its per-epoch dataset notices
     repeats = int(preset.params["repeats"])

@@ -20,8 +20,8 @@ from app.config import TrainConfig
 def plain_tf(payload: dict[str, Any]) -> dict[str, Any]:
     """The baseline: the same model, data and thread count in a minimal single-process tf.function loop."""
     from app.data.memory import load_source
-    from app.train.model import build_model
-    from app.train.strategy import set_thread_counts
+    from app.training.model import build_model
+    from app.training.strategy import set_thread_counts
 
     config = TrainConfig(**payload)
     threads = set_thread_counts(config.cpus_per_worker)
@@ -69,7 +69,7 @@ def input_pipeline(payload: dict[str, Any]) -> dict[str, Any]:
     from app.data.memory import load_source
     from app.data.plan import EpochPlan
     from app.data.tf_input import train_batches_from_arrays
-    from app.train.strategy import set_thread_counts
+    from app.training.strategy import set_thread_counts
 
     payload = dict(payload)
     world = int(payload.pop("input_workers"))

@@ -1,7 +1,7 @@
 """The project's own training loop in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
 
 Model, optimizer, LR plan and compiled train step are built as
-app.train.worker.train_worker builds them, and epochs run through the same
+app.training.worker.train_worker builds them, and epochs run through the same
 EpochDriver; there is no evaluation, checkpointing or reporting in between.
 """
 
@@ -22,7 +22,7 @@ class Training:
     model: Any
     optimizer: Any
     lr_plan: Any
-    driver: Any  # app.train.loop.EpochDriver
+    driver: Any  # app.training.loop.EpochDriver
 
     def epoch(self, iterator, plan: EpochPlan, epoch: int = 0):
         """One epoch of ``plan.steps`` steps; its EpochStats (samples, seconds, ...)."""
@@ -30,11 +30,11 @@ class Training:
 
 
 def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: EpochPlan) -> Training:
-    from app.train.loop import EpochDriver
-    from app.train.model import build_model
-    from app.train.objective import objective_for
-    from app.train.optim import make_optimizer, plan_lr
-    from app.train.step import make_train_steps
+    from app.training.loop import EpochDriver
+    from app.training.model import build_model
+    from app.training.objective import objective_for
+    from app.training.optim import make_optimizer, plan_lr
+    from app.training.step import make_train_steps
 
     lr_plan = plan_lr(config, plan.global_batch, plan.steps)
     with strategy.scope():

@@ -38,7 +38,8 @@ def call_data_function(config: "TrainConfig") -> Any:
 
 
 def is_ray_dataset(value: Any) -> bool:
-    return type(value).__module__.startswith("ray.data") and type(value).__name__ == "Dataset"
+    """A ray.data.Dataset (MaterializedDataset included), told without importing Ray."""
+    return any(c.__name__ == "Dataset" and c.__module__.startswith("ray.data") for c in type(value).__mro__)
 
 
 def _pair(value: Any, what: str) -> tuple[np.ndarray, np.ndarray]:

@@ -174,9 +174,12 @@ def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> 
     return cached
 
 
-def prepare(config: "TrainConfig", num_workers: int) -> Streamed:
-    """Check a file source and build its train/val Ray Datasets (Ray must be running: the checks read data)."""
-    loc = locate(config.dataset, config.data_format)
+def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = None) -> Streamed:
+    """Check a file source (or a given Ray Dataset) and build its train/val Ray Datasets.
+
+    Ray must be running: the checks read the data.
+    """
+    loc = given or locate(config.dataset, config.data_format)
     val_loc = locate(config.val_dataset, config.data_format) if config.val_dataset else None
     if val_loc is not None and val_loc.format != loc.format:
         raise UserError(f"--val-dataset is {val_loc.format} data but --dataset is {loc.format}: use one format")

@@ -10,7 +10,7 @@ from typing import Any
 from app.config import TrainConfig, build_config
 from app.errors import UserError
 from app.run.outputs import CONFIG_FILE
-from app.train import checkpoint
+from app.training import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +21,9 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     import tensorflow as tf
 
     from app.data import tf_input
-    from app.train.loop import evaluate
-    from app.train.objective import objective_for
-    from app.train.step import make_eval_step
+    from app.training.loop import evaluate
+    from app.training.objective import objective_for
+    from app.training.step import make_eval_step
 
     model_path = Path(model_path)
     if not model_path.is_file():

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import outputs
-from app.train import checkpoint
-from app.train.worker import WorkerJob, train_worker
+from app.training import checkpoint
+from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class LocalSession:
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
     from app.run import preflight
-    from app.train.loop import NonFiniteLoss
-    from app.train.tensorboard import logdir_for
+    from app.training.loop import NonFiniteLoss
+    from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()
     strategy, reason = make_strategy(config)
@@ -95,7 +95,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
 def make_strategy(config: TrainConfig):
     """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
-    from app.train import strategy as strategy_lib
+    from app.training import strategy as strategy_lib
 
     try:
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)

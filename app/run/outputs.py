@@ -12,7 +12,7 @@ from typing import Any
 
 from app.config import TrainConfig
 from app.errors import UserError
-from app.train.metrics import metric_of
+from app.training.metrics import metric_of
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from app.errors import UserError
 if TYPE_CHECKING:
     from app.config import TrainConfig
     from app.data.streamed import Streamed
-    from app.train.objective import Objective
+    from app.training.objective import Objective
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streame
 
 def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Objective", dict[str, Any]]:
     """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary."""
-    from app.train.model import build_model, check_output, model_name
-    from app.train.objective import objective_for
+    from app.training.model import build_model, check_output, model_name
+    from app.training.objective import objective_for
 
     name = model_name(config)
     if config.task == "auto" and facts.task == "classification" and facts.num_classes == 2:
@@ -99,7 +99,7 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
                strategy: str) -> list[str]:
     """The plan a --dry-run prints (and a real run logs at its start)."""
-    from app.train.optim import plan_lr
+    from app.training.optim import plan_lr
 
     facts = checked.facts
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker)

@@ -1,7 +1,7 @@
 """The Ray backend: a Ray Train run of the one per-worker function, and the driver that launches it.
 
 Driver:  config -> preflight (data, model, plan) -> Ray cluster (join or start) -> Ray Train fit() -> outputs
-Worker:  RaySession (MWMS, shards or object-store arrays, ray.train.report) -> app.train.worker.train_worker
+Worker:  RaySession (MWMS, shards or object-store arrays, ray.train.report) -> app.training.worker.train_worker
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import cluster, outputs
-from app.train import checkpoint
-from app.train.worker import WorkerJob, train_worker
+from app.training import checkpoint
+from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RaySession:
             self._shards = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
 
     def strategy(self):
-        from app.train.strategy import multi_worker_strategy
+        from app.training.strategy import multi_worker_strategy
 
         return multi_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s)
 
@@ -160,7 +160,7 @@ def fit(
     import ray.train
 
     from app.run import tf_config
-    from app.train.tensorboard import logdir_for
+    from app.training.tensorboard import logdir_for
 
     # Both are propagated by Ray Train V2 from the driver to its controller.
     # Bound the wait for workers to be placed:

@@ -187,7 +187,7 @@ def sweep(
     if metric is None or mode is None:
         # The task's metric (accuracy, or mae for regression), from the data the trials share.
         from app.run import preflight
-        from app.train.objective import metric_mode, metric_name
+        from app.training.objective import metric_mode, metric_name
 
         task = base.task if base.task != "auto" else preflight.load_data(base, base.num_workers).facts.task
         metric = metric or f"val_{metric_name(task)}"

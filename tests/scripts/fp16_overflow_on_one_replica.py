@@ -12,11 +12,11 @@ import numpy as np
 
 from app.config import build_config
 from app.data.arrays import DataFacts
-from app.train import optim
-from app.train import strategy as strategy_lib
-from app.train.model import build_model
-from app.train.objective import Objective
-from app.train.step import make_train_steps
+from app.training import optim
+from app.training import strategy as strategy_lib
+from app.training.model import build_model
+from app.training.objective import Objective
+from app.training.step import make_train_steps
 
 strategy, _ = strategy_lib.local_strategy("mirrored", 2, 1)
 config = build_config(None, {"backend": "local", "mixed_precision": "fp16", "output": sys.argv[1], "hidden_units": [8]})

@@ -1,6 +1,6 @@
 """The epoch driver: ``steps`` train steps from an endless iterator, then evaluation, as one record.
 
-It takes compiled steps (app.train.step) and knows no strategy in particular.
+It takes compiled steps (app.training.step) and knows no strategy in particular.
 The caller passes the same step count on every worker (an all-reduce with a
 missing peer waits forever); counting steps on an endless dataset also avoids
 TF's per-step "does any worker still have data" all-reduce that a finite
@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from app.train.metrics import EpochStats, cross_worker_sum, epoch_metrics, local_sum
-from app.train.step import TrainSteps
+from app.training.metrics import EpochStats, cross_worker_sum, epoch_metrics, local_sum
+from app.training.step import TrainSteps
 
 
 class NonFiniteLoss(Exception):

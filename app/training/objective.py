@@ -1,7 +1,7 @@
 """What is minimised and what is reported, per task: the per-example loss and the metric.
 
 Both are per-example, so that every backend sums them exactly over every
-replica and worker (app.train.metrics) instead of averaging averages:
+replica and worker (app.training.metrics) instead of averaging averages:
 
 | task           | default loss                         | metric                  |
 |----------------|--------------------------------------|-------------------------|
@@ -95,7 +95,7 @@ def objective_for(config, task: str, model) -> Objective:
     """The run's objective: its task, the loss (--loss or the task's default), logits or probabilities."""
     import keras
 
-    from app.train.model import ends_in_probabilities
+    from app.training.model import ends_in_probabilities
 
     loss = config.loss or DEFAULT_LOSS[task]
     try:

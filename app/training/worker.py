@@ -17,8 +17,8 @@ import numpy as np
 
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
-from app.train import checkpoint
-from app.train.objective import Objective
+from app.training import checkpoint
+from app.training.objective import Objective
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -60,12 +60,12 @@ class Session(Protocol):
 
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
-    from app.train.loop import EpochDriver
-    from app.train.metrics import progress_line
-    from app.train.model import build_model
-    from app.train.optim import make_optimizer, plan_lr
-    from app.train.step import make_eval_step, make_replica_state_average, make_train_steps
-    from app.train.tensorboard import TensorBoard
+    from app.training.loop import EpochDriver
+    from app.training.metrics import progress_line
+    from app.training.model import build_model
+    from app.training.optim import make_optimizer, plan_lr
+    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
+    from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
     plan = EpochPlan.for_run(
@@ -122,7 +122,7 @@ def peak_rss_mib() -> float:
 
 def largest_peak_rss(strategy, rank: int, world: int) -> float:
     """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
-    from app.train.metrics import cross_worker_sum
+    from app.training.metrics import cross_worker_sum
 
     mine = np.zeros(world)
     mine[rank] = peak_rss_mib()

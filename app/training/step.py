@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     import keras
 
-    from app.train.objective import Objective
+    from app.training.objective import Objective
 
 
 def _sums(objective_fns, y, out, per_example_loss, weight):
