@@ -258,7 +258,7 @@ def _streaming(config: "TrainConfig"):
       of the store, and every process that wrote or read a block kept those
       shared pages mapped. With both, the blocks in flight, and so the
       memory, are bounded by this setting instead of by the dataset's size
-      (jobs/benchmark_memory.py: the budget alone, with 128 MiB blocks, did
+      (python jobs/benchmark.py memory: the budget alone, with 128 MiB blocks, did
       not hold).
     """
     from ray.data import DataContext
