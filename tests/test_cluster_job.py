@@ -97,7 +97,7 @@ def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray
 
     def submit(*args, timeout=400):
         return subprocess.run([ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-                               "python", "jobs/train.py", "--epochs", "2", *args],
+                               "python", "jobs/train.py", "--epochs", "1", *args],
                               env=env, capture_output=True, text=True, timeout=timeout)
 
     try:
@@ -108,7 +108,7 @@ def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray
             time.sleep(2)
         done = submit("--output", str(tmp_path / "memory"))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert json.loads((tmp_path / "memory" / "result.json").read_text())["epochs_completed"] == 2
+        assert json.loads((tmp_path / "memory" / "result.json").read_text())["epochs_completed"] == 1
 
         import numpy as np
         import pyarrow as pa
@@ -127,7 +127,7 @@ def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray
         assert "Traceback" not in refused.stdout + refused.stderr
         done = submit("--dataset", str(tmp_path / "pq"), "--cpus-per-worker", "0.5", "--output", str(tmp_path / "pq-run"))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert json.loads((tmp_path / "pq-run" / "result.json").read_text())["epochs_completed"] == 2
+        assert json.loads((tmp_path / "pq-run" / "result.json").read_text())["epochs_completed"] == 1
     finally:
         stop_node(head)
         shutil.rmtree(temp_dir, ignore_errors=True)

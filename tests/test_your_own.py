@@ -193,7 +193,7 @@ def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, a
     assert not (tmp_path / "out").exists()
 
 
-def test_dry_run_prints_the_plan_for_every_readme_command(user_file, tmp_path):
+def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp_path):
     import shlex
 
     (tmp_path / "my_run.yaml").write_text("epochs: 2\n")
@@ -206,7 +206,8 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, tmp_path):
         # The first line of a continued command (its own flags), without a trailing comment.
         command = re.split(r"\s#\s", command)[0].rstrip("\\ ").replace("my_example.py", str(user_file))
         args = shlex.split(command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")))[2:]
-        p = run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"), timeout=120)
+        # Joining the session's Ray (as a job would) spares each dry run a Ray start-up of its own.
+        p = run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"), timeout=120, env=joined)
         assert p.returncode == 0, (command, p.stderr[-2000:])
         assert "global batch" in p.stdout and "learning rate" in p.stdout, command
         assert not (tmp_path / "never").exists()
