@@ -63,12 +63,11 @@ def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Ob
     from app.training.objective import objective_for
 
     name = model_name(config)
-    if config.task == "auto" and facts.task == "classification" and facts.num_classes == 2:
-        # Two classes and a one-output model (a sigmoid head) is a binary task.
-        probe = build_model(config, replace(facts, task="binary"))
-        if _outputs(probe, facts) == 1:
-            facts = replace(facts, task="binary")
     model = build_model(config, facts)
+    if config.task == "auto" and facts.task == "classification" and facts.num_classes == 2 \
+            and _outputs(model, facts) == 1:
+        # Two classes and a model with one output whatever it is asked for (a sigmoid head): binary.
+        facts = replace(facts, task="binary")
     shape = check_output(model, facts, name)
     objective = objective_for(config, facts.task, model)
     summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
