@@ -26,10 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from app.config import SECTIONS, DataSection, Plugin, TrainConfig, build_config
+from app.config import CONFIG_FILE, SECTIONS, DataSection, Plugin, TrainConfig, build_config
 from app.errors import RunFailed, UserError
 
-CONFIG_FILE = "config.yaml"  # what every run writes into its output directory
 
 # Section -> --help group title ("<title> options").
 _TITLES = {"RunSection": "run", "DataSection": "data", "ModelSection": "model", "OptimSection": "optimisation",

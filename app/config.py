@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from app import registry
 from app.errors import UserError
 
+CONFIG_FILE = "config.yaml"  # every run writes its config there; --resume reads it back
 LrScaling = Literal["linear", "sqrt", "none"]
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",

@@ -22,6 +22,7 @@ import numpy as np
 from app import registry
 from app.data.arrays import DataFacts, Source, Split, split_holdout
 from app.data.checks import check_finite, check_labels, task_of
+from app.data.numpy_files import reshape
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -125,16 +126,12 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
     y_dtype = np.float32 if task == "regression" else np.int64
     x = np.asarray(x, dtype=np.float32)
     if config.feature_shape:
-        from app.data.numpy_files import reshape
-
         x = reshape(x, tuple(config.feature_shape), "x")
     y = y.astype(y_dtype)
     if val_xy is not None:
         vx, vy = val_xy
         vx = np.asarray(vx, dtype=np.float32)
         if config.feature_shape:
-            from app.data.numpy_files import reshape
-
             vx = reshape(vx, tuple(config.feature_shape), "x")
         if vx.shape[1:] != x.shape[1:]:
             raise UserError(f"validation examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import TrainConfig
+from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
 from app.training.metrics import metric_of
 
@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "result.json"
 HISTORY_FILE = "history.csv"
 MODEL_FILE = "model.keras"
-CONFIG_FILE = "config.yaml"
 CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
