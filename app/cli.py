@@ -91,7 +91,9 @@ def evaluate_args(description: str, argv: list[str] | None = None) -> EvaluateAr
 
 def main(body: Callable[[], Any]) -> None:
     """Run an entry script: user errors become one line on stderr and exit status 2."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Our INFO lines; other libraries' only from WARNING on (a run's log file gets their INFO: app.run.console).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("app").setLevel(logging.INFO)
     try:
         body()
     except UserError as e:

@@ -243,6 +243,10 @@ class OutputSection(_Section):
     audit_sample_ids: bool = Field(
         False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
     )
+    verbose: bool = Field(
+        False, description="Show Ray's and TensorFlow's own log lines on the console too (they always go to "
+        "<output>/train.log)."
+    )
 
 
 SECTIONS: tuple[type[_Section], ...] = (RunSection, DataSection, ModelSection, OptimSection, OutputSection)

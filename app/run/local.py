@@ -8,12 +8,13 @@ same rules as the Ray path. Ray is never imported here.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Callable, Optional
 
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
-from app.run import outputs
+from app.run import console, outputs
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
 
@@ -33,6 +34,11 @@ class LocalSession:
 
     def strategy(self):
         return self._strategy
+
+    def progress_bar(self, total: int, desc: str):
+        import tqdm
+
+        return tqdm.tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         config = self.config
@@ -75,11 +81,15 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     checked = preflight.check(config, 1, replicas)
+    for line in preflight.plan_lines(config, checked, 1, replicas, f"{type(strategy).__name__} ({reason})"):
+        log.info(line)
     out = outputs.prepare_output_dir(config)
-    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name))
+    log.info("output: %s (TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty())
     session = LocalSession(config, strategy, checked.source)
     try:
-        train_worker(config, job, session)
+        with console.routed(out / console.LOG_FILE, config.verbose):
+            train_worker(config, job, session)
     except NonFiniteLoss as e:
         raise RunFailed(str(e)) from None
     latest = session.checkpoints.latest if session.checkpoints else None
@@ -89,7 +99,6 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         config, session.checkpoints.restore_state(), latest + checkpoint.MODEL_SUFFIX,
         strategy=type(strategy).__name__, started_at=started_at, extra={"strategy_reason": reason},
     )
-    log.info("outputs in %s", out)
     return summary
 
 
@@ -101,5 +110,4 @@ def make_strategy(config: TrainConfig):
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:
         raise UserError(str(e)) from None
-    log.info("strategy: %s (%s)", type(strategy).__name__, reason)
     return strategy, reason

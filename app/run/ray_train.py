@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
-from app.run import cluster, outputs
+from app.run import cluster, console, outputs
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
 
@@ -106,29 +106,22 @@ class RaySession:
             ray.train.report(metrics, checkpoint=ckpt)
 
 
+    def progress_bar(self, total: int, desc: str):
+        from ray.experimental import tqdm_ray
+
+        return tqdm_ray.tqdm(total=total, desc=desc, unit="step")
+
+
 _KEPT_UNTIL_EXIT: list[Any] = []
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: the one per-worker function, with a Ray session."""
-    _log_to_stderr("app")
-    # Ray Train's per-report lines and TensorFlow's collective/sharding notices are
-    # for debugging, not for the console every worker's stderr is forwarded to.
-    for noisy in ("ray.train", "ray.data", "tensorflow"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Our lines are marked for the driver's console; the rest of this process's output
+    # (Ray Train's reports, TensorFlow's notices) goes to the run's log file (app.run.console).
+    console.mark_worker_console("app")
     session = RaySession(payload["config"], payload["inputs"])
     train_worker(payload["config"], payload["job"], session)
-
-
-def _log_to_stderr(name: str) -> None:
-    """Show this package's INFO lines (Ray forwards worker stderr to the driver) without Ray's own."""
-    logger = logging.getLogger(name)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 # --------------------------------------------------------------------------- #
@@ -174,7 +167,8 @@ def fit(
     inputs = worker_inputs(source)
     inputs["facts"] = checked.facts
     datasets = {"train": source.train, "val": source.val} if inputs.get("streamed") else None
-    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name))
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
+                    progress_bars=sys.stderr.isatty())
     config = _for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
@@ -203,7 +197,7 @@ def fit(
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
-        raise RunFailed(f"training failed: {summarize(e)}") from None
+        raise RunFailed(f"training failed: {summarize(e)}{_trace_note(e)}") from None
     except (KeyboardInterrupt, SystemExit):
         # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
         raise RunFailed(
@@ -211,10 +205,16 @@ def fit(
             f"python jobs/train.py --output {out} --resume"
         ) from None
     if result.error is not None:
-        raise RunFailed(f"training failed: {summarize(result.error)}")
+        raise RunFailed(f"training failed: {summarize(result.error)}{_trace_note(result.error)}")
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
+
+
+def _trace_note(error: BaseException) -> str:
+    """Every worker's whole traceback to the run's log file; the console's line says where it is."""
+    path = console.write_trace("the workers' errors in full:", str(error))
+    return f" (full traceback in {path})" if path else ""
 
 
 def _for_workers(config: TrainConfig) -> TrainConfig:
@@ -299,6 +299,11 @@ def check(config: TrainConfig, require_fit: bool = True):
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if is_streamed(config) or function:
         cluster.connect(config)
+        from ray.data import DataContext
+
+        # Datasets seal the current context when created: set before any is. Their
+        # progress bars are Ray's internals (read tasks, split coordinators), not ours.
+        DataContext.get_current().enable_progress_bars = config.verbose
     checked = preflight.check(config, config.num_workers)
     if hasattr(checked.source, "shuffle_buffer"):  # streamed: Ray Data's read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
@@ -311,10 +316,16 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     # Everything that can be refused is checked before the output directory exists,
     # and before Ray exists too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
+    from app.run.preflight import plan_lines
+
+    for line in plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy"):
+        log.info(line)
     out = outputs.prepare_output_dir(config)
+    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     name = _ray_run_name(config, out)
     cluster.connect(config)
-    result = fit(config, checked, name=name)
+    with console.routed(out / console.LOG_FILE, config.verbose):
+        result = fit(config, checked, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = outputs.write_outputs(
             config,
@@ -324,5 +335,4 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             started_at=started_at,
             extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"},
         )
-    log.info("outputs in %s", out)
     return summary

@@ -64,8 +64,10 @@ class EpochDriver:
             self.train_steps.one.get_concrete_function(iterator.element_spec)
             return batch.result()
 
-    def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log: Optional[Callable] = None) -> EpochStats:
-        """``steps`` steps; every ``log_every_steps`` optimizer steps, ``on_log(step, scalars)``."""
+    def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log: Optional[Callable] = None,
+                    on_steps: Optional[Callable[[int], None]] = None) -> EpochStats:
+        """``steps`` steps; every ``log_every_steps`` optimizer steps, ``on_log(step, scalars)``; ``on_steps(k)``
+        after every k steps run (a progress bar)."""
         import tensorflow as tf
 
         start = time.perf_counter()
@@ -85,6 +87,8 @@ class EpochDriver:
                 k = min(self.steps_per_execution, steps - done)
                 local = self.train_steps.many(iterator, tf.constant(k))
             done += k
+            if on_steps is not None:
+                on_steps(k)
             step_sums.append((done, local))  # kept as tensors, checked once at the end
             acc += local
             window.after(acc, k)
@@ -104,9 +108,9 @@ class EpochDriver:
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
 
-    def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int, on_log=None):
+    def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int, on_log=None, on_steps=None):
         """Train ``steps`` steps, evaluate, and return (the epoch's metrics record, the train stats)."""
-        train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log)
+        train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log, on_steps=on_steps)
         if self.average_state is not None:
             self.average_state()
         val = evaluate(self.strategy, self.eval_step, val_dataset)
@@ -143,3 +147,29 @@ class _LogWindow:
                 "samples_per_second": stats.samples / (now - self.start),
             })
         self.base, self.start = now_sums, now
+
+
+class EpochBar:
+    """One epoch's progress bar, drawn only once the epoch has run ``DELAY_S``: short epochs need none.
+
+    ``make(total=, desc=)`` builds a tqdm-like bar (tqdm locally; ray.experimental.tqdm_ray
+    in a Ray worker, which the driver draws); ``make=None`` draws nothing.
+    """
+
+    DELAY_S = 3.0
+
+    def __init__(self, make: Optional[Callable], total: int, desc: str):
+        self.make, self.total, self.desc = make, total, desc
+        self.start, self.done, self.bar = time.monotonic(), 0, None
+
+    def update(self, k: int) -> None:
+        self.done += k
+        if self.bar is not None:
+            self.bar.update(k)
+        elif self.make is not None and time.monotonic() - self.start >= self.DELAY_S:
+            self.bar = self.make(total=self.total, desc=self.desc)
+            self.bar.update(self.done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

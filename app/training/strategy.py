@@ -46,7 +46,7 @@ def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None 
     threads = set_thread_counts(cpus_per_worker)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=stall_timeout_s)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    log.info(
+    log.debug(
         "MultiWorkerMirroredStrategy: %d replicas in sync, %d TF threads per worker",
         strategy.num_replicas_in_sync,
         threads,

@@ -35,6 +35,7 @@ class WorkerJob:
     facts: DataFacts
     objective: Objective
     tensorboard_dir: Optional[str]
+    progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
 
 
 class Session(Protocol):
@@ -58,9 +59,12 @@ class Session(Protocol):
     def save_and_report(self, metrics: dict[str, Any], state: dict[str, Any], write: Callable[[str], None]) -> None:
         """Checkpoint the epoch (``state``; ``write(directory)`` writes a whole one) and report its metrics."""
 
+    def progress_bar(self, total: int, desc: str) -> Any:
+        """A tqdm-like bar that reaches the person at the console (only rank 0 asks for one)."""
+
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
-    from app.training.loop import EpochDriver
+    from app.training.loop import EpochBar, EpochDriver
     from app.training.metrics import progress_line
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
@@ -100,9 +104,13 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         audit_sample_ids=config.audit_sample_ids,
     )
     tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
+    make_bar = session.progress_bar if job.progress_bars and session.rank == 0 else None
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
-        metrics, train = driver.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step)
+        bar = EpochBar(make_bar, plan.steps, f"epoch {epoch}/{config.epochs}")
+        metrics, train = driver.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step,
+                                          bar.update)
+        bar.close()
         metrics["worker_peak_rss_mib"] = largest_peak_rss(strategy, session.rank, session.world)
         progress.record(metrics, train.sample_ids)
         tensorboard.epoch(epoch, metrics)

@@ -1,0 +1,168 @@
+"""The console a person reads: the plan, one line per epoch, the result; the chatter goes to <output>/train.log.
+
+During a Ray run the driver's Ray forwards every worker's and actor's output to
+the driver's console, each line prefixed by its process: Ray Train's per-report
+dumps, Ray Data's plans, TensorFlow's notices, from every worker. ``routed``
+sorts those lines while a run trains:
+
+- lines a worker marked for people (``MARK``: the epoch lines, our warnings)
+  are printed as they are, without Ray's prefix, once;
+- Ray's distributed progress bars (``ray.experimental.tqdm_ray``) are drawn by
+  Ray as before;
+- everything else goes to the run's log file, and to the console as well with
+  ``--verbose``.
+
+The driver's own Python logging is split the same way: ``app`` lines and
+errors on the console, everything in the file. A worker's full traceback is
+written to the file too (``write_trace``); the console gets one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+LOG_FILE = "train.log"
+# ASCII "record separator": starts a worker's line meant for the console; invisible if ever printed raw.
+MARK = "\x1e"
+
+_trace_log = logging.getLogger("app.trace")  # full worker tracebacks: the file only
+_trace_log.propagate = False
+_current: Optional[Path] = None
+
+
+class MarkedFormatter(logging.Formatter):
+    """Workers' formatter for their console lines: every line of the message starts with ``MARK``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(MARK + line for line in super().format(record).splitlines())
+
+
+def mark_worker_console(logger_name: str = "app") -> None:
+    """In a worker: this package's INFO lines go to stderr marked for the driver's console."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(h.formatter, MarkedFormatter) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(MarkedFormatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def current_log_file() -> Optional[Path]:
+    """The log file of the run being routed now, or None."""
+    return _current
+
+
+def write_trace(title: str, text: str) -> Optional[Path]:
+    """Write a long error text (every worker's traceback) to the run's log file; returns the file, or None."""
+    if _current is None:
+        return None
+    _trace_log.error("%s\n%s", title, text)
+    return _current
+
+
+class _ConsoleFilter(logging.Filter):
+    """The driver's console, not verbose: our package's lines and anything at ERROR or above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name == "app" or record.name.startswith("app.") or record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def routed(log_file: Path, verbose: bool = False) -> Iterator[Path]:
+    """Route the driver's logging and the Ray workers' output as the module docstring says, while inside."""
+    global _current
+    file_handler = logging.FileHandler(log_file)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root_level = root.level
+    root.setLevel(min(root_level, logging.INFO))  # the file gets every library's INFO lines
+    quieted = [] if verbose else [h for h in _console_handlers() if not any(
+        isinstance(f, _ConsoleFilter) for f in h.filters)]
+    console_filter = _ConsoleFilter()
+    for handler in quieted:
+        handler.addFilter(console_filter)
+    for logger in (root, _trace_log, *_own_handler_loggers()):
+        logger.addHandler(file_handler)
+    restore_ray = _route_worker_output(file_handler, verbose)
+    _current = log_file
+    try:
+        yield log_file
+    finally:
+        _current = None
+        restore_ray()
+        for logger in (root, _trace_log, *_own_handler_loggers()):
+            logger.removeHandler(file_handler)
+        for handler in quieted:
+            handler.removeFilter(console_filter)
+        root.setLevel(root_level)
+        file_handler.close()
+
+
+def _own_handler_loggers() -> list[logging.Logger]:
+    """Loggers that do not propagate to the root (Ray's), so that the file gets their lines too."""
+    return [logging.getLogger(name) for name in ("ray", "ray.data", "ray.train", "ray.tune")
+            if not logging.getLogger(name).propagate]
+
+
+def _console_handlers() -> list[logging.Handler]:
+    """Handlers writing to the terminal: the root's (cli.main's basicConfig) and those of Ray's own loggers."""
+    handlers = []
+    for logger in (logging.getLogger(), *_own_handler_loggers()):
+        handlers += [h for h in logger.handlers
+                     if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                     and getattr(h, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)]
+    return handlers
+
+
+def _route_worker_output(file_handler: logging.FileHandler, verbose: bool):
+    """Replace the driver Ray's printer of worker output with ``_WorkerLines``; returns how to undo it."""
+    if "ray" not in sys.modules:  # the local backend: no Ray, no worker output (and Ray is not imported)
+        return lambda: None
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # another Ray: its printer stays, and the console shows everything
+        return lambda: None
+    ray_printer = dict(dispatcher.handlers).get("ray_print_logs")
+    if ray_printer is None:  # Ray is not running here, or was started with log_to_driver=False
+        return lambda: None
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", _WorkerLines(ray_printer, file_handler, verbose))
+
+    def restore() -> None:
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_print_logs", ray_printer)
+
+    return restore
+
+
+class _WorkerLines:
+    """One batch of a Ray process's output lines (Ray's log batch dict), sorted for the console or the file."""
+
+    def __init__(self, ray_printer, file_handler: logging.FileHandler, verbose: bool):
+        self.ray_printer, self.file, self.verbose = ray_printer, file_handler, verbose
+
+    def __call__(self, data: dict) -> None:
+        from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
+
+        lines = data.get("lines", [])
+        people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
+        bars = [line for line in lines if RAY_TQDM_MAGIC in line]
+        rest = [line for line in lines if not line.startswith(MARK) and RAY_TQDM_MAGIC not in line]
+        if people:
+            out = sys.stderr if data.get("is_err") else sys.stdout
+            print("\n".join(people), file=out, flush=True)
+        if bars:
+            self.ray_printer({**data, "lines": bars})
+        if rest:
+            who = data.get("actor_name") or data.get("task_name")
+            prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}, ip={data.get('ip')}) "
+            with self.file.lock:  # the driver's own records are written to it from other threads
+                self.file.stream.write("".join(f"{prefix}{line}\n" for line in rest))
+                self.file.stream.flush()
+            if self.verbose:
+                self.ray_printer({**data, "lines": rest})
