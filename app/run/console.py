@@ -7,8 +7,8 @@ sorts those lines while a run trains:
 
 - lines a worker marked for people (``MARK``: the epoch lines, our warnings)
   are printed as they are, without Ray's prefix, once;
-- Ray's distributed progress bars (``ray.experimental.tqdm_ray``) are drawn by
-  Ray as before;
+- Ray's distributed progress bars (``ray.experimental.tqdm_ray``: ours, and Ray
+  Data's with --verbose) are drawn;
 - everything else goes to the run's log file, and to the console as well with
   ``--verbose``.
 
@@ -20,6 +20,7 @@ written to the file too (``write_trace``); the console gets one line.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -147,17 +148,27 @@ class _WorkerLines:
         self.ray_printer, self.file, self.verbose = ray_printer, file_handler, verbose
 
     def __call__(self, data: dict) -> None:
+        from ray.experimental import tqdm_ray
         from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
 
         lines = data.get("lines", [])
         people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
         bars = [line for line in lines if RAY_TQDM_MAGIC in line]
         rest = [line for line in lines if not line.startswith(MARK) and RAY_TQDM_MAGIC not in line]
+        bar_manager = tqdm_ray.instance()
         if people:
             out = sys.stderr if data.get("is_err") else sys.stdout
+            bar_manager.hide_bars()  # a line printed over a bar would be redrawn over
             print("\n".join(people), file=out, flush=True)
-        if bars:
-            self.ray_printer({**data, "lines": bars})
+            bar_manager.unhide_bars()
+        for line in bars:
+            # Drawn here, not by Ray's printer: its de-duplication holds back lines that
+            # differ only in numbers, which is every update of a bar.
+            with contextlib.suppress(ValueError):
+                state = json.loads(line)
+                # As if drawn by this process: no "(pid=...)" before the bar (one bar at a time).
+                state.update(ip=bar_manager.ip, pid=bar_manager.pid)
+                bar_manager.process_state_update(state)
         if rest:
             who = data.get("actor_name") or data.get("task_name")
             prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}, ip={data.get('ip')}) "

@@ -109,7 +109,22 @@ class RaySession:
     def progress_bar(self, total: int, desc: str):
         from ray.experimental import tqdm_ray
 
-        return tqdm_ray.tqdm(total=total, desc=desc, unit="step")
+        return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+
+
+class _Flushed:
+    """A tqdm_ray bar whose updates leave this process at once: they are lines on stdout, which is a file here."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def update(self, k: int) -> None:
+        self.bar.update(k)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        sys.stdout.flush()
 
 
 _KEPT_UNTIL_EXIT: list[Any] = []
