@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -78,6 +79,40 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
     assert result["metrics"]["val_accuracy"] >= undisturbed - 0.01
     assert result["metrics"]["val_accuracy"] >= 0.95
     print(f"\nkill -> first step of the new worker group: {float(resumed[0]['first_step_time']) - killed_at:.1f} s")
+
+
+def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_path):
+    """A SIGSTOPped worker (not dead: its peer's all-reduce waits on it) ends the run with one line."""
+    from ray.util.state import list_actors
+
+    out, stall = tmp_path / "frozen", 20
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "50", "--stall-timeout-s", str(stall)]
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = None
+    try:
+        wait_for(lambda: checkpointed_epoch(out / "ray") >= 1 or driver.poll() is not None, 240,
+                 "the checkpoint of epoch 1")
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        assert len(workers) == 2 and driver.poll() is None
+        frozen = workers[1].pid
+        os.kill(frozen, signal.SIGSTOP)  # alive but silent, as a stuck device or a partition would leave it
+        stopped_at = time.time()
+        stdout, stderr = driver.communicate(timeout=stall + 120)
+        took = time.time() - stopped_at
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+    assert driver.returncode == 1, stderr[-3000:]
+    assert took < stall + 60, f"the run took {took:.0f} s to end after a worker froze (--stall-timeout-s {stall})"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stopped answering in the all-reduce" in errors[0], stderr[-3000:]
+    assert "Traceback" not in stdout + stderr and "train.log" in errors[0]
+    assert not (out / "result.json").exists()
+    print(f"\nSIGSTOP -> driver exit: {took:.1f} s (--stall-timeout-s {stall})\n{errors[0]}")
 
 
 def test_stopped_driver_resumes_and_a_diverged_run_keeps_its_last_good_checkpoint(ray_cluster, tmp_path):

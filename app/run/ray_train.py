@@ -269,12 +269,18 @@ def summarize(error: BaseException) -> str:
         raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
         message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
         message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
-        if "DeadlineExceeded" in message or "Collective ops timeout" in message:
-            message = ("a peer did not join the all-reduce within --stall-timeout-s (a frozen, lost or cut-off "
-                       f"worker): {message}")
+        stalled = next((line for line in lines if any(m in line for m in _STALLED)), None)
+        if stalled is not None:
+            message = ("a peer stopped answering in the all-reduce (a frozen, lost or cut-off worker) and the "
+                       f"wait was ended (--stall-timeout-s): {stalled}")
         by_message.setdefault(message, []).append(rank)
     return "; ".join(f"{msg} (rank {', '.join(map(str, ranks))})" for msg, ranks in by_message.items())
 
+
+# What TensorFlow says when a collective's peer is gone or silent: the collective's own
+# timeout (CommunicationOptions), or the coordination service's missed heartbeats.
+_STALLED = ("Collective ops is aborted", "Collective ops timeout", "DeadlineExceeded", "Deadline Exceeded",
+            "stopped sending heartbeats")
 
 # "package.module.SomeError: message" -> group(1) = "SomeError"
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")
