@@ -69,6 +69,14 @@ def returns_three():
 
 def raises():
     raise ValueError("no such bucket")
+
+
+def fails_in_the_workers(input_shape, num_classes):
+    import os
+
+    if os.environ.get("TF_CONFIG"):  # set in the Ray workers, not in the driver's checks
+        raise RuntimeError("out of GPU memory, say")
+    return convnet(input_shape, num_classes)
 '''
 
 FAST = ["--num-workers", "2", "--epochs", "3", "--warmup-epochs", "0"]
@@ -90,7 +98,24 @@ def joined(ray_cluster):
 def train_cli(out, *args, env):
     p = run_job("jobs/train.py", "--output", str(out), *args, timeout=400, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    result = json.loads((out / "result.json").read_text())
+    assert_console_for_people(p, out, result["epochs_completed"])
+    return result
+
+
+def assert_console_for_people(p, out, epochs: int) -> None:
+    """The plan, one line per epoch, the result; Ray's and TensorFlow's lines only in <output>/train.log."""
+    console = p.stdout + p.stderr
+    lines = console.splitlines()
+    assert [line.split(":")[0] for line in lines if line.split(":")[0] in ("data", "model", "run")] == \
+        ["data", "model", "run"], console
+    assert len([line for line in lines if re.match(r"epoch +\d+/\d+ ", line)]) == epochs, console
+    result_lines = p.stdout.splitlines()
+    assert result_lines[-2].startswith("val_") and result_lines[-1].startswith("outputs written to"), console
+    for chatter in ("pid=", "TrainingReport", "Traceback", "tqdm", "absl", "WARNING"):
+        assert chatter not in console, (chatter, console)
+    log = (out / "train.log").read_text()
+    assert "TrainController" in log or "backend local" in console, log[:2000]
 
 
 def test_users_softmax_convnet_from_a_file_matches_its_logits_twin(user_file, joined, tmp_path):
@@ -169,6 +194,18 @@ def test_sweep_and_evaluate_on_parquet(joined, tmp_path):
     evaluated = json.loads((state.parent / "eval.json").read_text())
     trained = json.loads(state.read_text())["history"][-1]
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
+
+
+def test_an_error_in_the_workers_is_one_line_and_its_trace_is_in_the_log(user_file, joined, tmp_path):
+    p = run_job("jobs/train.py", "--output", str(tmp_path / "out"), "--dataset", f"{user_file}:load_data",
+                "--model", f"{user_file}:fails_in_the_workers", *FAST, timeout=300, env=joined)
+    assert p.returncode == 1, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "RuntimeError: out of GPU memory, say (rank 0, 1)" in errors[0], p.stderr[-3000:]
+    assert f"full traceback in {tmp_path / 'out' / 'train.log'}" in errors[0]
+    assert "Traceback" not in p.stdout + p.stderr
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert "Traceback" in log and "fails_in_the_workers" in log
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,8 @@ def connect(config: TrainConfig) -> None:
 
     if ray.is_initialized():  # the caller (a notebook, a test) already chose the cluster
         return
+    # Ray 2.60 warns on every start or join that token authentication is on (its default): not for our console.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(logging_level=logging.WARNING)
@@ -66,9 +68,6 @@ def connect(config: TrainConfig) -> None:
     # One logical CPU beyond the workers' for Ray Data's tasks (streamed files):
     # without it, workers holding every CPU leave Ray Data waiting forever (DESIGN.md).
     # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
-    # Ray 2.60 warns on every start that token authentication is on (its default): not for our console.
-    token_notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    token_notice.setLevel(logging.ERROR)
     ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
 
 

@@ -66,11 +66,35 @@ def write_trace(title: str, text: str) -> Optional[Path]:
     return _current
 
 
+_people = {"active": False, "verbose": False}  # set by ``for_people`` for the duration of a run
+
+
 class _ConsoleFilter(logging.Filter):
-    """The driver's console, not verbose: our package's lines and anything at ERROR or above."""
+    """During a run, not verbose, a console handler shows our package's lines and anything at ERROR or above."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not _people["active"] or _people["verbose"]:
+            return True
         return record.name == "app" or record.name.startswith("app.") or record.levelno >= logging.ERROR
+
+
+def quiet_console_handlers() -> None:
+    """Put the filter on every console handler there is now (Ray Data makes its own on import: call again)."""
+    for handler in _console_handlers():
+        if not any(isinstance(f, _ConsoleFilter) for f in handler.filters):
+            handler.addFilter(_ConsoleFilter())
+
+
+@contextlib.contextmanager
+def for_people(verbose: bool = False) -> Iterator[None]:
+    """A whole run, its checks included: libraries' log lines stay off the console unless ``verbose``."""
+    saved = dict(_people)
+    _people.update(active=True, verbose=verbose)
+    quiet_console_handlers()
+    try:
+        yield
+    finally:
+        _people.update(saved)
 
 
 @contextlib.contextmanager
@@ -82,24 +106,18 @@ def routed(log_file: Path, verbose: bool = False) -> Iterator[Path]:
     root = logging.getLogger()
     root_level = root.level
     root.setLevel(min(root_level, logging.INFO))  # the file gets every library's INFO lines
-    quieted = [] if verbose else [h for h in _console_handlers() if not any(
-        isinstance(f, _ConsoleFilter) for f in h.filters)]
-    console_filter = _ConsoleFilter()
-    for handler in quieted:
-        handler.addFilter(console_filter)
     for logger in (root, _trace_log, *_own_handler_loggers()):
         logger.addHandler(file_handler)
     restore_ray = _route_worker_output(file_handler, verbose)
     _current = log_file
     try:
-        yield log_file
+        with for_people(verbose):
+            yield log_file
     finally:
         _current = None
         restore_ray()
         for logger in (root, _trace_log, *_own_handler_loggers()):
             logger.removeHandler(file_handler)
-        for handler in quieted:
-            handler.removeFilter(console_filter)
         root.setLevel(root_level)
         file_handler.close()
 

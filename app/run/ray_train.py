@@ -325,6 +325,7 @@ def check(config: TrainConfig, require_fit: bool = True):
         # Datasets seal the current context when created: set before any is. Their
         # progress bars are Ray's internals (read tasks, split coordinators), not ours.
         DataContext.get_current().enable_progress_bars = config.verbose
+        console.quiet_console_handlers()  # importing Ray Data made its console handler
     checked = preflight.check(config, config.num_workers)
     if hasattr(checked.source, "shuffle_buffer"):  # streamed: Ray Data's read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
@@ -334,6 +335,11 @@ def check(config: TrainConfig, require_fit: bool = True):
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train, and write the outputs. Returns result.json's content."""
     started_at = started_at or time.time()
+    with console.for_people(config.verbose):
+        return _run(config, started_at)
+
+
+def _run(config: TrainConfig, started_at: float) -> dict[str, Any]:
     # Everything that can be refused is checked before the output directory exists,
     # and before Ray exists too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
