@@ -246,10 +246,10 @@ def test_empty_datasets_are_refused(ray_cluster, tmp_path):
 
 
 def test_labels_out_of_range_are_refused(ray_cluster, tmp_path, good_parquet):
-    refused(tmp_path, r"label column 'label' has values up to 2, but --num-classes is 2 \(class ids must be 0..1\)",
+    refused(tmp_path, r"label column 'label': labels go up to 2, but --num-classes is 2 \(class ids must be 0..1\)",
             dataset=str(good_parquet), num_classes=2)
     negative = write_csv(tmp_path / "n.csv", ["a", "label"], [[1.0, 0], [2.0, -3]] * 20)
-    refused(tmp_path, r"label column 'label' has a negative value \(-3\)", dataset=str(negative))
+    refused(tmp_path, r"label column 'label': a label is negative \(-3\)", dataset=str(negative))
 
 
 def test_bad_numpy_data_is_refused_without_ray(tmp_path):
@@ -260,7 +260,7 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
             x=np.array([np.zeros(2), np.zeros(3)], dtype=object), label=np.arange(2)
         ),
         "is empty: 0 rows": dict(x=np.zeros((0, 2)), label=np.zeros(0, np.int64)),
-        r"label array 'label' has a negative value \(-1\)": dict(x=np.zeros((5, 2)), label=np.arange(5) - 1),
+        r"label array 'label': a label is negative \(-1\)": dict(x=np.zeros((5, 2)), label=np.arange(5) - 1),
     }
     for i, (match, arrays) in enumerate(cases.items()):
         np.savez(tmp_path / f"{i}.npz", **arrays)
@@ -284,3 +284,46 @@ def test_validation_split_is_seeded_and_stable():
     assert abs(a.mean() - 0.2) < 0.01
     b = blocks.in_validation(ids, seed=1, val_fraction=0.2)
     assert 0.1 < (a & b).mean() / 0.2 < 0.3  # another seed: another, independent split
+
+
+def bad_data_cases(d):
+    """(flags, the one line's words) for bad data as a user brings it; files are written under ``d``."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    nan_x = x.copy()
+    nan_x[5, 1], nan_x[7, 2] = np.nan, np.inf
+    write_parquet(d / "nan-pq", nan_x, y, files=1, column="x")
+    np.savez(d / "nan.npz", x=nan_x, label=y)
+    strings = [[float(a), "cat" if b else "dog"] for a, b in zip(x[:, 0], y)]
+    write_csv(d / "strings.csv", ["a", "label"], strings)
+    (d / "broken.csv").write_text("a,b,label\n1,2,0\n3,4\n5,6,1\n")
+    return [
+        (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
+        (["--dataset", str(d / "nan.npz"), "--feature-columns", "x"], "2 of 200 rows hold NaN or infinite values"),
+        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected integers"),
+        (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
+        (["--num-classes", "5"], "labels go up to 9, but --num-classes is 5"),
+        (["--model", "cnn"], "cnn needs images"),
+    ]
+
+
+def test_bad_data_is_one_line_before_training_and_never_touches_an_earlier_run(ray_cluster, tmp_path):
+    """From the command line, joined to a running cluster, each with --overwrite of an earlier run's directory."""
+    import json
+    import time
+
+    from conftest import clean_env, run_job
+
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "result.json").write_text(json.dumps({"epochs_completed": 15}))
+    for args, words in bad_data_cases(tmp_path):
+        started = time.time()
+        p = run_job("jobs/train.py", "--output", str(earlier), "--overwrite", *args, timeout=120, env=env)
+        took = time.time() - started
+        assert p.returncode == 2, (args, p.stderr[-2000:])
+        assert p.stderr.strip().splitlines() == [p.stderr.strip().splitlines()[-1]], (args, p.stderr[-3000:])
+        assert p.stderr.startswith("error: ") and words in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stdout + p.stderr and took < 60, (args, took)
+        assert sorted(q.name for q in earlier.iterdir()) == ["result.json"], args

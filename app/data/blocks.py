@@ -136,17 +136,22 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
 
     n = table.num_rows
     stats: dict[str, Any] = {"rows": n, "val_rows": 0, "label_min": 0, "label_max": 0, "label_nulls": 0}
-    stats.update({"nulls_column": "", "nulls": 0, "len_min": -1, "len_max": -1})
+    stats.update({"nulls_column": "", "nulls": 0, "len_min": -1, "len_max": -1, "nonfinite_column": "",
+                  "nonfinite": 0})
     if spec.kind != "images":
         label = _column(table, spec.label)
         stats["label_nulls"] = label.null_count
+        if _nonfinite(label):  # float targets (regression)
+            stats["nonfinite_column"], stats["nonfinite"] = spec.label, _nonfinite(label)
         if n and label.null_count < n:
             mm = pc.min_max(label)
             stats["label_min"], stats["label_max"] = mm["min"].as_py(), mm["max"].as_py()
     for name in spec.features:
-        nulls = _column(table, name).null_count
-        if nulls and not stats["nulls"]:
-            stats["nulls_column"], stats["nulls"] = name, nulls
+        column = _column(table, name)
+        if column.null_count and not stats["nulls"]:
+            stats["nulls_column"], stats["nulls"] = name, column.null_count
+        if not stats["nonfinite"] and _nonfinite(column):
+            stats["nonfinite_column"], stats["nonfinite"] = name, _nonfinite(column)
     if spec.kind == "list" and n:
         lengths = pc.list_value_length(_column(table, spec.features[0]))
         mm = pc.min_max(lengths)
@@ -159,6 +164,21 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         ids = _row_ids(table, spec, _features(table, spec), y)
         stats["val_rows"] = int(in_validation(ids, spec.seed, spec.val_fraction).sum())
     return pa.table({k: [v] for k, v in stats.items()})
+
+
+def _nonfinite(column) -> int:
+    """How many NaN or infinite values a column holds, inside lists and tensors too (0 if not floating)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column.type, pa.ExtensionType):  # Ray's tensor columns: a list array underneath
+        column = column.storage
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+            or pa.types.is_fixed_size_list(column.type):
+        column = pc.list_flatten(column)
+    if not pa.types.is_floating(column.type):
+        return 0
+    return len(column) - column.null_count - (pc.sum(pc.is_finite(column)).as_py() or 0)
 
 
 def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.Table":

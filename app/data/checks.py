@@ -12,11 +12,11 @@ from app.errors import UserError
 def check_labels(what: str, low: int, high: int, num_classes: Optional[int]) -> None:
     """Class ids must be 0..K-1; ``what`` names them ("label column 'y'")."""
     if low < 0:
-        raise UserError(f"{what} has a negative value ({low}): class ids must be 0..K-1")
+        raise UserError(f"{what}: a label is negative ({low}); class ids must be 0..K-1")
     if num_classes is not None and high >= num_classes:
         raise UserError(
-            f"{what} has values up to {high}, but --num-classes is {num_classes} "
-            f"(class ids must be 0..{num_classes - 1})"
+            f"{what}: labels go up to {high}, but --num-classes is {num_classes} (class ids must be "
+            f"0..{num_classes - 1}): raise --num-classes to {high + 1}, or leave it out to count the classes"
         )
 
 
@@ -30,7 +30,10 @@ def check_finite(values: np.ndarray, what: str) -> None:
         return
     bad = int(np.count_nonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1)))
     if bad:
-        raise UserError(f"{what} has non-finite values (NaN or inf) in {bad} of {len(values)} rows: clean the data")
+        raise UserError(
+            f"{what}: {bad} of {len(values)} rows hold NaN or infinite values (a NaN poisons every weight it "
+            "reaches): drop or fill those rows first"
+        )
 
 
 def task_of(y: np.ndarray, requested: str, what: str) -> str:

@@ -111,7 +111,7 @@ def load_source(config: "TrainConfig", returned: Any = None) -> Source:
             raise UserError(f"{what} returned a ray.data.Dataset: it streams through Ray Data, which this command "
                             "does not use; return (x, y) arrays, or train it with jobs/train.py")
         train_xy, val_xy = arrays_from(value, config, what)
-        labels = f"{what}: the labels"
+        labels = f"{what}, labels"
     if config.val_dataset:
         val_xy = numpy_files.load_numpy(config, config.val_dataset)
     return source_from_arrays(config, train_xy, val_xy, what, labels)
@@ -120,7 +120,7 @@ def load_source(config: "TrainConfig", returned: Any = None) -> Source:
 def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, labels: str) -> Source:
     """(x, y) [+ validation (x, y)] -> checked, typed train/val splits and their facts."""
     x, y = train_xy
-    check_finite(np.asarray(x, dtype=np.float32) if x.dtype.kind != "f" else x, f"{what}: the features")
+    check_finite(np.asarray(x, dtype=np.float32) if x.dtype.kind != "f" else x, f"{what}, features")
     check_finite(y, labels)
     task = task_of(y, config.task, labels)
     y_dtype = np.float32 if task == "regression" else np.int64
@@ -135,9 +135,9 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
             vx = reshape(vx, tuple(config.feature_shape), "x")
         if vx.shape[1:] != x.shape[1:]:
             raise UserError(f"validation examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")
-        check_finite(vx, f"{what}: the validation features")
-        check_finite(vy, f"{what}: the validation labels")
-        task_of(vy, task, f"{what}: the validation labels")
+        check_finite(vx, f"{what}, validation features")
+        check_finite(vy, f"{what}, validation labels")
+        task_of(vy, task, f"{what}, validation labels")
         vy = vy.astype(y_dtype)
         # Validation ids continue after the training ids: still one id per row.
         train = Split(x, y, np.arange(len(y), dtype=np.int64))

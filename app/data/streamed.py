@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import re
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
@@ -89,6 +91,31 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
     raise UserError(f"dataset {loc.uri!r}: format {loc.format!r} is not streamed")
 
 
+# "ValueError: message", "pyarrow.lib.ArrowInvalid: message": the exception lines of a Ray task's error text.
+_RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Invalid): ")
+
+
+def _read_failure(loc: Located, error: Exception) -> str:
+    """The reason a read failed, in a line: the innermost exception's message, not Ray's traceback.
+
+    Ray Data reports a CSV that does not parse as "Failed to read CSV file: <path>";
+    for a local file, pyarrow's own parser then names the row and what is wrong with it.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    message = _RAISED.sub("", raised[-1] if raised else (lines[0] if lines else type(error).__name__))
+    named = re.search(r"Failed to read CSV file: (.+?)\. Please check", message)
+    if loc.format == "csv" and named and os.path.isfile(named.group(1)):
+        import pyarrow as pa
+        import pyarrow.csv
+
+        try:
+            pyarrow.csv.read_csv(named.group(1))
+        except pa.ArrowInvalid as why:
+            return f"{named.group(1)}: {why}"
+    return message
+
+
 def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float]) -> tuple[Spec, dict[str, int]]:
     """Schema checks, then one streaming statistics pass; returns the final spec and the totals."""
     if loc.format == "images":
@@ -98,7 +125,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         try:
             schema = raw.schema()
         except Exception as e:  # noqa: BLE001 - a malformed file surfaces here; say which and why
-            raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {str(e).splitlines()[0]}") from None
+            raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
         if schema is None:
             raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
         spec = schema_spec(loc, config, schema)
@@ -108,7 +135,12 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         per_block = _read(loc, config, spec if loc.format in PROJECTED else None).map_batches(
             block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
         )
-    stats = per_block.take_all()
+    try:
+        stats = per_block.take_all()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a later part of a file that does not parse
+        raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
     total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
@@ -117,6 +149,13 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     if total["nulls"]:
         column = next(s["nulls_column"] for s in stats if s["nulls"])
         raise UserError(f"feature column {column!r} has {total['nulls']} missing values")
+    if any(s["nonfinite"] for s in stats):
+        column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
+        count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
+        raise UserError(
+            f"column {column!r} has {count} NaN or infinite values (a NaN poisons every weight it reaches): "
+            "drop or fill those rows first"
+        )
     if spec.kind == "list":
         lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
         low, high = min(a for a, _ in lengths), max(b for _, b in lengths)

@@ -31,6 +31,13 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
 
 def dry_run(config: TrainConfig) -> list[str]:
     """Validate, inspect the data, build the model once, and return the plan; trains nothing, writes nothing."""
+    from app.run import console
+
+    with console.for_people(config.verbose):
+        return _dry_run(config)
+
+
+def _dry_run(config: TrainConfig) -> list[str]:
     from app.run import preflight
 
     if config.backend == "local":

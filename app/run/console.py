@@ -66,23 +66,40 @@ def write_trace(title: str, text: str) -> Optional[Path]:
     return _current
 
 
-_people = {"active": False, "verbose": False}  # set by ``for_people`` for the duration of a run
+# Set by ``for_people`` for the duration of a run; "sticky": until the process ends (``for_this_process``).
+_people = {"active": False, "verbose": False, "sticky": False}
+
+
+def for_this_process() -> None:
+    """Job scripts: a run's console rules stay until the process ends.
+
+    A failed run's last lines (a Ray Data task's traceback, say) reach the driver
+    after the run has ended, while the script prints its one line and exits.
+    """
+    _people["sticky"] = True
 
 
 class _ConsoleFilter(logging.Filter):
-    """During a run, not verbose, a console handler shows our package's lines and anything at ERROR or above."""
+    """During a run, not verbose, a console handler shows our package's lines only (Ray Data logs its
+    errors with whole tracebacks; the run turns them into one line of its own)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not _people["active"] or _people["verbose"]:
             return True
-        return record.name == "app" or record.name.startswith("app.") or record.levelno >= logging.ERROR
+        return record.name == "app" or record.name.startswith("app.") or record.levelno >= logging.CRITICAL
 
 
-def quiet_console_handlers() -> None:
-    """Put the filter on every console handler there is now (Ray Data makes its own on import: call again)."""
+def quiet_now() -> None:
+    """Apply the run's console rules to what exists now: call again once Ray (or Ray Data) has started.
+
+    Ray Data makes its console handler when imported, and the driver's printer of
+    worker output exists once Ray is initialised.
+    """
     for handler in _console_handlers():
         if not any(isinstance(f, _ConsoleFilter) for f in handler.filters):
             handler.addFilter(_ConsoleFilter())
+    if _people["active"]:
+        _WorkerLines.install()
 
 
 @contextlib.contextmanager
@@ -90,11 +107,14 @@ def for_people(verbose: bool = False) -> Iterator[None]:
     """A whole run, its checks included: libraries' log lines stay off the console unless ``verbose``."""
     saved = dict(_people)
     _people.update(active=True, verbose=verbose)
-    quiet_console_handlers()
+    quiet_now()
     try:
         yield
     finally:
-        _people.update(saved)
+        if not _people["sticky"]:
+            _people.update(saved)
+            if not saved["active"]:
+                _WorkerLines.uninstall()
 
 
 @contextlib.contextmanager
@@ -108,14 +128,13 @@ def routed(log_file: Path, verbose: bool = False) -> Iterator[Path]:
     root.setLevel(min(root_level, logging.INFO))  # the file gets every library's INFO lines
     for logger in (root, _trace_log, *_own_handler_loggers()):
         logger.addHandler(file_handler)
-    restore_ray = _route_worker_output(file_handler, verbose)
     _current = log_file
     try:
         with for_people(verbose):
+            _WorkerLines.file = file_handler
             yield log_file
     finally:
-        _current = None
-        restore_ray()
+        _current = _WorkerLines.file = None
         for logger in (root, _trace_log, *_own_handler_loggers()):
             logger.removeHandler(file_handler)
         root.setLevel(root_level)
@@ -138,32 +157,45 @@ def _console_handlers() -> list[logging.Handler]:
     return handlers
 
 
-def _route_worker_output(file_handler: logging.FileHandler, verbose: bool):
-    """Replace the driver Ray's printer of worker output with ``_WorkerLines``; returns how to undo it."""
+def _dispatcher():
+    """The driver Ray's dispatcher of worker output lines, or None (no Ray here, or another Ray)."""
     if "ray" not in sys.modules:  # the local backend: no Ray, no worker output (and Ray is not imported)
-        return lambda: None
+        return None
     try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
     except ImportError:  # another Ray: its printer stays, and the console shows everything
-        return lambda: None
-    ray_printer = dict(dispatcher.handlers).get("ray_print_logs")
-    if ray_printer is None:  # Ray is not running here, or was started with log_to_driver=False
-        return lambda: None
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", _WorkerLines(ray_printer, file_handler, verbose))
-
-    def restore() -> None:
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("ray_print_logs", ray_printer)
-
-    return restore
+        return None
+    return global_worker_stdstream_dispatcher
 
 
 class _WorkerLines:
-    """One batch of a Ray process's output lines (Ray's log batch dict), sorted for the console or the file."""
+    """Takes the place of Ray's printer of worker output: one batch (Ray's log batch dict) at a time, sorted.
 
-    def __init__(self, ray_printer, file_handler: logging.FileHandler, verbose: bool):
-        self.ray_printer, self.file, self.verbose = ray_printer, file_handler, verbose
+    Marked lines to the console, progress bars drawn, the rest to ``file`` (the
+    run's log, once it exists; dropped before) and, with --verbose, to Ray's printer.
+    """
+
+    file: Optional[logging.FileHandler] = None
+
+    def __init__(self, ray_printer):
+        self.ray_printer = ray_printer
+
+    @classmethod
+    def install(cls) -> None:
+        dispatcher = _dispatcher()
+        printer = dict(dispatcher.handlers).get("ray_print_logs") if dispatcher else None
+        # None: Ray is not started yet, or was started with log_to_driver=False.
+        if printer is not None and not isinstance(printer, cls):
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs", cls(printer))
+
+    @classmethod
+    def uninstall(cls) -> None:
+        dispatcher = _dispatcher()
+        printer = dict(dispatcher.handlers).get("ray_print_logs") if dispatcher else None
+        if isinstance(printer, cls):
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs", printer.ray_printer)
 
     def __call__(self, data: dict) -> None:
         from ray.experimental import tqdm_ray
@@ -187,11 +219,12 @@ class _WorkerLines:
                 # As if drawn by this process: no "(pid=...)" before the bar (one bar at a time).
                 state.update(ip=bar_manager.ip, pid=bar_manager.pid)
                 bar_manager.process_state_update(state)
-        if rest:
+        file = _WorkerLines.file
+        if rest and file is not None:
             who = data.get("actor_name") or data.get("task_name")
             prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}, ip={data.get('ip')}) "
-            with self.file.lock:  # the driver's own records are written to it from other threads
-                self.file.stream.write("".join(f"{prefix}{line}\n" for line in rest))
-                self.file.stream.flush()
-            if self.verbose:
-                self.ray_printer({**data, "lines": rest})
+            with file.lock:  # the driver's own records are written to it from other threads
+                file.stream.write("".join(f"{prefix}{line}\n" for line in rest))
+                file.stream.flush()
+        if rest and _people["verbose"]:
+            self.ray_printer({**data, "lines": rest})

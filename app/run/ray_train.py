@@ -325,7 +325,7 @@ def check(config: TrainConfig, require_fit: bool = True):
         # Datasets seal the current context when created: set before any is. Their
         # progress bars are Ray's internals (read tasks, split coordinators), not ours.
         DataContext.get_current().enable_progress_bars = config.verbose
-        console.quiet_console_handlers()  # importing Ray Data made its console handler
+        console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
     checked = preflight.check(config, config.num_workers)
     if hasattr(checked.source, "shuffle_buffer"):  # streamed: Ray Data's read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
@@ -351,6 +351,7 @@ def _run(config: TrainConfig, started_at: float) -> dict[str, Any]:
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     name = _ray_run_name(config, out)
     cluster.connect(config)
+    console.quiet_now()
     with console.routed(out / console.LOG_FILE, config.verbose):
         result = fit(config, checked, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:
