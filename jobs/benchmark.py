@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint and memory suites, on YAML presets.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory and exit suites, on YAML presets.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~6 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -7,6 +7,7 @@
     python jobs/benchmark.py checkpoint --repeats 10 --set model=cnn            # checkpoint write vs epoch
     python jobs/benchmark.py memory --set stream_buffer_mib=512                 # streamed parquet, 1x vs 10x
     python jobs/benchmark.py memory --only write|1x|scaled                      # one phase at a time
+    python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml, or quick.yaml with --quick, or
 --preset FILE): its parameters (flags override them) and its workload, TrainConfig fields overridden by
@@ -19,7 +20,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--rows-per-file", type=int)
     m.add_argument("--workers", type=int)
     m.add_argument("--only", choices=["write", "1x", "scaled"], help="One phase (results merge into memory.json).")
+    e = add("exit", "The time from a run's last epoch line to its exit, in-memory and streamed.")
+    e.add_argument("--runs", type=int, help="Runs per data path.")
+    e.add_argument("--checkout", help="Run another checkout's jobs/train.py (a worktree of an older commit).")
     return top
 
 
