@@ -114,8 +114,8 @@ def assert_console_for_people(p, out, epochs: int) -> None:
     assert result_lines[-2].startswith("val_") and result_lines[-1].startswith("outputs written to"), console
     for chatter in ("pid=", "TrainingReport", "Traceback", "tqdm", "absl", "WARNING"):
         assert chatter not in console, (chatter, console)
-    log = (out / "train.log").read_text()
-    assert "TrainController" in log or "backend local" in console, log[:2000]
+    log = (out / "train.log").read_text()  # written by every run; a Ray run's holds Ray Train's own lines
+    assert "backend local" in console or "TrainController" in log, log[:2000]
 
 
 def test_users_softmax_convnet_from_a_file_matches_its_logits_twin(user_file, joined, tmp_path):

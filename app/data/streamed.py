@@ -91,6 +91,9 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
     raise UserError(f"dataset {loc.uri!r}: format {loc.format!r} is not streamed")
 
 
+# What Ray Data and pyarrow say of a file they cannot parse.
+_UNREADABLE = ("Failed to read", "ArrowInvalid", "ArrowTypeError", "parse error", "Invalid:")
+
 # "ValueError: message", "pyarrow.lib.ArrowInvalid: message": the exception lines of a Ray task's error text.
 _RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Invalid): ")
 
@@ -106,13 +109,13 @@ def _read_failure(loc: Located, error: Exception) -> str:
     message = _RAISED.sub("", raised[-1] if raised else (lines[0] if lines else type(error).__name__))
     named = re.search(r"Failed to read CSV file: (.+?)\. Please check", message)
     if loc.format == "csv" and named and os.path.isfile(named.group(1)):
-        import pyarrow as pa
         import pyarrow.csv
 
         try:
-            pyarrow.csv.read_csv(named.group(1))
-        except pa.ArrowInvalid as why:
-            return f"{named.group(1)}: {why}"
+            for _ in pyarrow.csv.open_csv(named.group(1)):  # batch by batch: never the whole file in memory
+                pass
+        except Exception as why:  # noqa: BLE001 - pyarrow's own reason; any failure to get it keeps Ray's
+            return f"{named.group(1)}: {why}".splitlines()[0]
     return message
 
 
@@ -137,9 +140,9 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         )
     try:
         stats = per_block.take_all()
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a later part of a file that does not parse
+    except Exception as e:  # noqa: BLE001 - a later part of a file that does not parse; anything else is ours
+        if not any(marker in str(e) for marker in _UNREADABLE):
+            raise
         raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
     total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     if total["rows"] == 0:

@@ -19,16 +19,21 @@ written to the file too (``write_trace``); the console gets one line.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
 LOG_FILE = "train.log"
 # ASCII "record separator": starts a worker's line meant for the console; invisible if ever printed raw.
 MARK = "\x1e"
+BAR_PREFIX = "epoch "  # our progress bars' descriptions start so (app.training.worker)
+
+_EARLY_LINES = 20_000  # worker lines kept from before the run's log file exists (its checks), then written in
 
 _trace_log = logging.getLogger("app.trace")  # full worker tracebacks: the file only
 _trace_log.propagate = False
@@ -106,6 +111,8 @@ def quiet_now() -> None:
 def for_people(verbose: bool = False) -> Iterator[None]:
     """A whole run, its checks included: libraries' log lines stay off the console unless ``verbose``."""
     saved = dict(_people)
+    if not saved["active"]:
+        _WorkerLines.early.clear()  # lines of an earlier run's checks are not this run's
     _people.update(active=True, verbose=verbose)
     quiet_now()
     try:
@@ -131,14 +138,16 @@ def routed(log_file: Path, verbose: bool = False) -> Iterator[Path]:
     _current = log_file
     try:
         with for_people(verbose):
-            _WorkerLines.file = file_handler
+            _WorkerLines.attach(file_handler)
             yield log_file
     finally:
-        _current = _WorkerLines.file = None
-        for logger in (root, _trace_log, *_own_handler_loggers()):
-            logger.removeHandler(file_handler)
-        root.setLevel(root_level)
-        file_handler.close()
+        if not _people["sticky"]:  # a job script keeps its log to the end: a failed run's last lines come late
+            _current = None
+            _WorkerLines.detach()
+            for logger in (root, _trace_log, *_own_handler_loggers()):
+                logger.removeHandler(file_handler)
+            root.setLevel(root_level)
+            file_handler.close()
 
 
 def _own_handler_loggers() -> list[logging.Logger]:
@@ -171,36 +180,76 @@ def _dispatcher():
 class _WorkerLines:
     """Takes the place of Ray's printer of worker output: one batch (Ray's log batch dict) at a time, sorted.
 
-    Marked lines to the console, progress bars drawn, the rest to ``file`` (the
-    run's log, once it exists; dropped before) and, with --verbose, to Ray's printer.
+    Marked lines to the console, progress bars drawn, the rest to the run's log
+    file (kept in memory until it exists) and, with --verbose, to Ray's printer.
+    Ray's own events (the autoscaler's "cannot be scheduled", the raylet's) go to
+    Ray's printer as well: they are what a user waiting on a full cluster needs.
     """
 
     file: Optional[logging.FileHandler] = None
+    early: "collections.deque[str]" = collections.deque(maxlen=_EARLY_LINES)
+    lock = threading.Lock()
 
     def __init__(self, ray_printer):
         self.ray_printer = ray_printer
 
     @classmethod
     def install(cls) -> None:
-        dispatcher = _dispatcher()
-        printer = dict(dispatcher.handlers).get("ray_print_logs") if dispatcher else None
-        # None: Ray is not started yet, or was started with log_to_driver=False.
-        if printer is not None and not isinstance(printer, cls):
-            dispatcher.remove_handler("ray_print_logs")
-            dispatcher.add_handler("ray_print_logs", cls(printer))
+        cls._swap(lambda printer: cls(printer) if not isinstance(printer, cls) else printer)
 
     @classmethod
     def uninstall(cls) -> None:
+        cls._swap(lambda printer: printer.ray_printer if isinstance(printer, cls) else printer)
+
+    @staticmethod
+    def _swap(replace) -> None:
         dispatcher = _dispatcher()
-        printer = dict(dispatcher.handlers).get("ray_print_logs") if dispatcher else None
-        if isinstance(printer, cls):
-            dispatcher.remove_handler("ray_print_logs")
-            dispatcher.add_handler("ray_print_logs", printer.ray_printer)
+        if dispatcher is None:
+            return
+        # In one step under the dispatcher's lock: a batch emitted between a remove and
+        # an add would reach no printer. (No "ray_print_logs": Ray is not started yet,
+        # or was started with log_to_driver=False.)
+        with dispatcher._lock:
+            dispatcher.handlers = [(name, replace(h) if name == "ray_print_logs" else h)
+                                   for name, h in dispatcher.handlers]
+
+    @classmethod
+    def attach(cls, file_handler: logging.FileHandler) -> None:
+        with cls.lock:
+            cls.file = file_handler
+            cls._write(list(cls.early))
+            cls.early.clear()
+
+    @classmethod
+    def detach(cls) -> None:
+        with cls.lock:
+            cls.file = None
+
+    @classmethod
+    def _write(cls, lines: list[str]) -> None:
+        file = cls.file
+        if file is None:
+            cls.early.extend(lines)
+            return
+        with file.lock:  # the driver's own records are written to it from other threads
+            if file.stream is not None:
+                file.stream.write("".join(f"{line}\n" for line in lines))
+                file.stream.flush()
 
     def __call__(self, data: dict) -> None:
+        # This runs on Ray's log thread, which ends on an unexpected exception (and
+        # with it every worker line for the rest of the process): never raise.
+        try:
+            self._sort(data)
+        except Exception:  # noqa: BLE001
+            self.ray_printer(data)
+
+    def _sort(self, data: dict) -> None:
         from ray.experimental import tqdm_ray
         from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
 
+        if data.get("pid") in ("autoscaler", "raylet"):
+            self.ray_printer(data)  # Ray filters these down to its events itself
         lines = data.get("lines", [])
         people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
         bars = [line for line in lines if RAY_TQDM_MAGIC in line]
@@ -214,17 +263,15 @@ class _WorkerLines:
         for line in bars:
             # Drawn here, not by Ray's printer: its de-duplication holds back lines that
             # differ only in numbers, which is every update of a bar.
-            with contextlib.suppress(ValueError):
-                state = json.loads(line)
-                # As if drawn by this process: no "(pid=...)" before the bar (one bar at a time).
+            state = json.loads(line)
+            if str(state.get("desc", "")).startswith(BAR_PREFIX):
+                # Our one bar, as if drawn by this process: no "(pid=...)" before it.
                 state.update(ip=bar_manager.ip, pid=bar_manager.pid)
-                bar_manager.process_state_update(state)
-        file = _WorkerLines.file
-        if rest and file is not None:
+            bar_manager.process_state_update(state)
+        if rest:
             who = data.get("actor_name") or data.get("task_name")
             prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}, ip={data.get('ip')}) "
-            with file.lock:  # the driver's own records are written to it from other threads
-                file.stream.write("".join(f"{prefix}{line}\n" for line in rest))
-                file.stream.flush()
-        if rest and _people["verbose"]:
-            self.ray_printer({**data, "lines": rest})
+            with _WorkerLines.lock:
+                _WorkerLines._write([prefix + line for line in rest])
+            if _people["verbose"] and data.get("pid") not in ("autoscaler", "raylet"):
+                self.ray_printer({**data, "lines": rest})

@@ -269,7 +269,8 @@ def summarize(error: BaseException) -> str:
         raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
         message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
         message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
-        stalled = next((line for line in lines if any(m in line for m in _STALLED)), None)
+        # TensorFlow's collective errors; "Deadline Exceeded" alone could be any RPC (an upload, say).
+        stalled = next((line for marker in _STALLED for line in lines if marker in line), None)
         if stalled is not None:
             message = ("a peer stopped answering in the all-reduce (a frozen, lost or cut-off worker) and the "
                        f"wait was ended (--stall-timeout-s): {stalled}")
@@ -277,10 +278,10 @@ def summarize(error: BaseException) -> str:
     return "; ".join(f"{msg} (rank {', '.join(map(str, ranks))})" for msg, ranks in by_message.items())
 
 
-# What TensorFlow says when a collective's peer is gone or silent: the collective's own
-# timeout (CommunicationOptions), or the coordination service's missed heartbeats.
-_STALLED = ("Collective ops is aborted", "Collective ops timeout", "DeadlineExceeded", "Deadline Exceeded",
-            "stopped sending heartbeats")
+# What TensorFlow says when a collective's peer is gone or silent (the collective's own timeout,
+# CommunicationOptions, or the coordination service's missed heartbeats), the clearest first.
+_STALLED = ("Collective ops is aborted", "Collective ops timeout", "stopped sending heartbeats",
+            "CollectiveReduce", "CollectiveGather", "CollectiveBcast")
 
 # "package.module.SomeError: message" -> group(1) = "SomeError"
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")

@@ -108,9 +108,11 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         bar = EpochBar(make_bar, plan.steps, f"epoch {epoch}/{config.epochs}")
-        metrics, train = driver.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped, tensorboard.step,
-                                          bar.update)
-        bar.close()
+        try:
+            metrics, train = driver.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped,
+                                              tensorboard.step, bar.update)
+        finally:
+            bar.close()
         metrics["worker_peak_rss_mib"] = largest_peak_rss(strategy, session.rank, session.world)
         progress.record(metrics, train.sample_ids)
         tensorboard.epoch(epoch, metrics)
