@@ -133,9 +133,10 @@ def test_an_epoch_bar_appears_only_after_its_delay(monkeypatch):
     assert (total, desc, bar.n, bar.closed) == (10, "epoch 2/2", 5, True)
 
 
-def test_tensorflows_absl_info_lines_stay_off_a_job_scripts_stderr():
+def test_tensorflows_absl_info_lines_stay_off_a_job_scripts_stderr(tmp_path):
     script = ("import sys; sys.path.insert(0, 'jobs'); import _bootstrap; import tensorflow as tf; "
               "print('after', file=sys.stderr)")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(REPO)}  # no TF_CPP_MIN_LOG_LEVEL from the tests' environment
+    # No TF_CPP_MIN_LOG_LEVEL from the tests' environment; a HOME of its own for Keras's and matplotlib's caches.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stderr == "after\n", p.stderr
