@@ -141,8 +141,9 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     if spec.kind != "images":
         label = _column(table, spec.label)
         stats["label_nulls"] = label.null_count
-        if _nonfinite(label):  # float targets (regression)
-            stats["nonfinite_column"], stats["nonfinite"] = spec.label, _nonfinite(label)
+        bad = _nonfinite(label)  # float targets (regression)
+        if bad:
+            stats["nonfinite_column"], stats["nonfinite"] = spec.label, bad
         if n and label.null_count < n:
             mm = pc.min_max(label)
             stats["label_min"], stats["label_max"] = mm["min"].as_py(), mm["max"].as_py()
@@ -150,8 +151,9 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         column = _column(table, name)
         if column.null_count and not stats["nulls"]:
             stats["nulls_column"], stats["nulls"] = name, column.null_count
-        if not stats["nonfinite"] and _nonfinite(column):
-            stats["nonfinite_column"], stats["nonfinite"] = name, _nonfinite(column)
+        bad = 0 if stats["nonfinite"] else _nonfinite(column)
+        if bad:
+            stats["nonfinite_column"], stats["nonfinite"] = name, bad
     if spec.kind == "list" and n:
         lengths = pc.list_value_length(_column(table, spec.features[0]))
         mm = pc.min_max(lengths)

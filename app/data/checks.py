@@ -24,6 +24,10 @@ def missing(kind: str, name: str, uri: str, existing: list[str]) -> UserError:
     return UserError(f"{kind} {name!r} not found in dataset {uri!r}: it has {', '.join(existing) or 'nothing'}")
 
 
+# How a NaN/inf refusal ends, for every source.
+NONFINITE_FIX = "(a NaN poisons every weight it reaches): drop or fill those rows first"
+
+
 def check_finite(values: np.ndarray, what: str) -> None:
     """NaN or inf in features or targets: refused with a count (a NaN poisons every weight it touches)."""
     if values.dtype.kind != "f":
@@ -31,8 +35,7 @@ def check_finite(values: np.ndarray, what: str) -> None:
     bad = int(np.count_nonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1)))
     if bad:
         raise UserError(
-            f"{what}: {bad} of {len(values)} rows hold NaN or infinite values (a NaN poisons every weight it "
-            "reaches): drop or fill those rows first"
+            f"{what}: {bad} of {len(values)} rows hold NaN or infinite values {NONFINITE_FIX}"
         )
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from app.data.arrays import DataFacts
 from app.data.blocks import block_stats, preprocess
-from app.data.checks import check_labels
+from app.data.checks import NONFINITE_FIX, check_labels
 from app.data.files import Located, locate
 from app.data.ray_input import padded, shuffled_each_epoch
 from app.data.schema import Spec, image_spec, schema_spec
@@ -155,10 +155,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     if any(s["nonfinite"] for s in stats):
         column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
         count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
-        raise UserError(
-            f"column {column!r} has {count} NaN or infinite values (a NaN poisons every weight it reaches): "
-            "drop or fill those rows first"
-        )
+        raise UserError(f"column {column!r} has {count} NaN or infinite values {NONFINITE_FIX}")
     if spec.kind == "list":
         lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
         low, high = min(a for a, _ in lengths), max(b for _, b in lengths)

@@ -20,13 +20,17 @@ from app.config import TrainConfig, build_config
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
-    if config.backend == "local":
-        from app.run import local
+    from app.run import console
 
-        return local.run(config, started_at)
-    from app.run import ray_train
+    # The whole run, its checks included: libraries' lines stay off the console (app.run.console).
+    with console.for_people(config.verbose):
+        if config.backend == "local":
+            from app.run import local
 
-    return ray_train.run(config, started_at)
+            return local.run(config, started_at)
+        from app.run import ray_train
+
+        return ray_train.run(config, started_at)
 
 
 def dry_run(config: TrainConfig) -> list[str]:

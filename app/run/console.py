@@ -58,11 +58,6 @@ def mark_worker_console(logger_name: str = "app") -> None:
         logger.propagate = False
 
 
-def current_log_file() -> Optional[Path]:
-    """The log file of the run being routed now, or None."""
-    return _current
-
-
 def write_trace(title: str, text: str) -> Optional[Path]:
     """Write a long error text (every worker's traceback) to the run's log file; returns the file, or None."""
     if _current is None:

@@ -73,15 +73,11 @@ class LocalSession:
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
-    with console.for_people(config.verbose):
-        return _run(config, started_at or time.time())
-
-
-def _run(config: TrainConfig, started_at: float) -> dict[str, Any]:
     from app.run import preflight
     from app.training.loop import NonFiniteLoss
     from app.training.tensorboard import logdir_for
 
+    started_at = started_at or time.time()
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     checked = preflight.check(config, 1, replicas)

@@ -105,7 +105,6 @@ class RaySession:
             # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
             ray.train.report(metrics, checkpoint=ckpt)
 
-
     def progress_bar(self, total: int, desc: str):
         from ray.experimental import tqdm_ray
 
@@ -336,11 +335,6 @@ def check(config: TrainConfig, require_fit: bool = True):
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train, and write the outputs. Returns result.json's content."""
     started_at = started_at or time.time()
-    with console.for_people(config.verbose):
-        return _run(config, started_at)
-
-
-def _run(config: TrainConfig, started_at: float) -> dict[str, Any]:
     # Everything that can be refused is checked before the output directory exists,
     # and before Ray exists too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
@@ -352,7 +346,6 @@ def _run(config: TrainConfig, started_at: float) -> dict[str, Any]:
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     name = _ray_run_name(config, out)
     cluster.connect(config)
-    console.quiet_now()
     with console.routed(out / console.LOG_FILE, config.verbose):
         result = fit(config, checked, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:
