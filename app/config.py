@@ -39,9 +39,11 @@ class RunSection(_Section):
     backend: Literal["ray", "local"] = Field(
         "ray", description="ray: Ray Train workers (MultiWorkerMirroredStrategy). local: no Ray, one process."
     )
-    strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage"] = Field(
+    strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage", "parameter-server"] = Field(
         "auto",
-        description="--backend local only. auto: TPU if found, else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
+        description="--backend ray: auto = MultiWorkerMirroredStrategy (synchronous all-reduce), parameter-server = "
+        "asynchronous updates on --num-ps parameter servers (Ray actors). --backend local: auto = TPU if found, "
+        "else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
     )
     devices: Optional[PositiveInt] = Field(
         None, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
@@ -50,6 +52,10 @@ class RunSection(_Section):
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )
     num_workers: PositiveInt = Field(2, description="Number of Ray Train workers (one replica each).")
+    num_ps: PositiveInt = Field(
+        1, description="--strategy parameter-server: parameter servers (Ray actors) the variables are spread over."
+    )
+    cpus_per_ps: float = Field(1.0, gt=0, description="--strategy parameter-server: CPUs each parameter server reserves.")
     use_gpu: bool = Field(False, description="Give each worker one GPU.")
     cpus_per_worker: float = Field(
         1.0, gt=0, description="CPUs each worker reserves; also its TensorFlow thread count (rounded up)."
@@ -175,6 +181,11 @@ class ModelSection(_Section):
     num_heads: PositiveInt = Field(4, description="transformer: attention heads per block.")
     ff_dim: PositiveInt = Field(128, description="transformer: hidden width of each block's feed-forward layer.")
     num_blocks: PositiveInt = Field(2, description="transformer: number of encoder blocks.")
+    embedding_shards: PositiveInt = Field(
+        1,
+        description="transformer: split the token embedding table into K shards (app.layers.ShardedEmbedding); "
+        "under --strategy parameter-server the shards are spread over the parameter servers.",
+    )
     sync_batch_norm: bool = Field(
         False,
         description="cnn: batch-norm statistics over the global batch (one all-reduce per layer per step) "
@@ -274,8 +285,21 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             )
         if self.embed_dim % self.num_heads:
             problems.append(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
-        if self.backend == "ray" and self.strategy != "auto":
-            problems.append("--strategy picks a local strategy: use it with --backend local (Ray workers use MWMS)")
+        if self.backend == "ray" and self.strategy not in ("auto", "parameter-server"):
+            problems.append(f"--strategy {self.strategy} is a local strategy: use it with --backend local (on Ray: "
+                            "auto = MultiWorkerMirroredStrategy, or parameter-server)")
+        if self.backend == "local" and self.strategy == "parameter-server":
+            problems.append("--strategy parameter-server runs on Ray actors: use it with --backend ray")
+        if self.strategy != "parameter-server" and (self.num_ps != 1 or self.cpus_per_ps != 1.0):
+            problems.append("--num-ps and --cpus-per-ps are for --strategy parameter-server")
+        if self.strategy == "parameter-server" and (self.grad_accum > 1 or self.steps_per_execution > 1):
+            problems.append("--strategy parameter-server applies every step's gradients at once: leave --grad-accum "
+                            "and --steps-per-execution at 1")
+        if self.strategy == "parameter-server" and self.audit_sample_ids:
+            problems.append("--audit-sample-ids gathers ids across synchronous replicas: not with parameter-server")
+        if self.strategy == "parameter-server" and self.mixed_precision == "fp16":
+            problems.append("--strategy parameter-server: use --mixed-precision bf16 or off (fp16's loss scaling "
+                            "needs one decision across replicas per step)")
         if self.backend == "ray" and self.devices is not None:
             problems.append("--devices splits a local CPU: use it with --backend local")
         if self.audit_sample_ids and self.steps_per_execution > 1:

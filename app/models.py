@@ -64,13 +64,15 @@ def build_cnn(
 
 def build_transformer(
     input_shape: tuple[int, ...], num_outputs: int, vocab_size: int = 8192, embed_dim: int = 64, num_heads: int = 4,
-    ff_dim: int = 128, num_blocks: int = 2,
+    ff_dim: int = 128, num_blocks: int = 2, embedding_shards: int = 1,
 ) -> "keras.Model":
     """The seeds' text classifier: token + position embeddings, N post-norm encoder blocks, mean pooling, head.
 
     Inputs are token ids (app.text; 0 = padding) carried as float32 like every
     feature, cast back to int32 here. Padding is masked out of the attention
     keys and out of the pooling, so a short text is not diluted by its padding.
+    With ``embedding_shards`` K > 1 the token table is an app.layers.ShardedEmbedding
+    of K shards (spread over the parameter servers under parameter-server training).
     """
     import keras
 
@@ -80,7 +82,12 @@ def build_transformer(
     inputs = keras.Input(shape=input_shape, name="x")
     ids = keras.ops.cast(inputs, "int32")
     mask = keras.ops.not_equal(ids, 0)
-    tokens = keras.layers.Embedding(vocab_size, embed_dim, name="token_embedding")(ids)
+    if embedding_shards > 1:
+        from app.layers import ShardedEmbedding
+
+        tokens = ShardedEmbedding(vocab_size, embed_dim, embedding_shards, name="token_embedding")(ids)
+    else:
+        tokens = keras.layers.Embedding(vocab_size, embed_dim, name="token_embedding")(ids)
     positions = keras.layers.Embedding(length, embed_dim, name="position_embedding")(
         keras.ops.arange(length, dtype="int32")
     )

@@ -28,6 +28,10 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
             from app.run import local
 
             return local.run(config, started_at)
+        if config.strategy == "parameter-server":
+            from app.run import ps
+
+            return ps.run(config, started_at)
         from app.run import ray_train
 
         return ray_train.run(config, started_at)
@@ -61,7 +65,13 @@ def _dry_run(config: TrainConfig) -> list[str]:
         except UserError as e:  # the plan is still worth seeing: it may be meant for a cluster
             fits = [f"warning: {e}"]
         checked = ray_train.check(config, require_fit=False)
-        lines = preflight.plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy") + fits
+        strategy = "MultiWorkerMirroredStrategy"
+        if config.strategy == "parameter-server":
+            from app.run import ps
+
+            ps.check_data(checked)
+            strategy = ps.strategy_line(config)
+        lines = preflight.plan_lines(config, checked, config.num_workers, 1, strategy) + fits
     return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
 
 

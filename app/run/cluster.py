@@ -17,16 +17,25 @@ def _joining_a_cluster() -> bool:
     return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
 
 
+def cpus_needed(config: TrainConfig) -> float:
+    """CPUs the run's workers (and parameter servers) reserve."""
+    ps = config.num_ps * config.cpus_per_ps if config.strategy == "parameter-server" else 0
+    return config.num_workers * config.cpus_per_worker + ps
+
+
 def check_fits_locally(config: TrainConfig) -> None:
     """Refuse, before anything starts, a run that the local Ray we would start cannot hold."""
     if _joining_a_cluster():
         return  # a real cluster may autoscale: connect() says we are waiting instead
     cpus = os.cpu_count() or 1
-    need_cpus = config.num_workers * config.cpus_per_worker
+    need_cpus = cpus_needed(config)
     if need_cpus > cpus:
+        servers = (f" + {config.num_ps} parameter servers x {config.cpus_per_ps:g}"
+                   if config.strategy == "parameter-server" else "")
         raise UserError(
-            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {need_cpus:g} CPUs, but this "
-            f"machine has {cpus}: lower --num-workers or --cpus-per-worker, or set RAY_ADDRESS to use a cluster"
+            f"{config.num_workers} workers x {config.cpus_per_worker:g}{servers} CPUs need {need_cpus:g} CPUs, but "
+            f"this machine has {cpus}: lower --num-workers or --cpus-per-worker"
+            f"{', --num-ps or --cpus-per-ps' if servers else ''}, or set RAY_ADDRESS to use a cluster"
         )
     if config.use_gpu:
         raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
@@ -54,7 +63,7 @@ def connect(config: TrainConfig) -> None:
                 "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
             ) from None
         free = ray.available_resources()
-        need_cpus = config.num_workers * config.cpus_per_worker
+        need_cpus = cpus_needed(config)
         need_gpus = config.num_workers if config.use_gpu else 0
         if need_cpus > free.get("CPU", 0) or need_gpus > free.get("GPU", 0):
             log.warning(

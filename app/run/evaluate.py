@@ -28,6 +28,8 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     model_path = Path(model_path)
     if not model_path.is_file():
         raise UserError(f"model file {str(model_path)!r} does not exist")
+    import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
+
     model = keras.models.load_model(model_path, compile=False)
     source = _data(config)
     task = source.facts.task

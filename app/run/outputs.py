@@ -131,7 +131,6 @@ def write_outputs(
     result = {
         "strategy": strategy,
         "restarts": history[-1].get("attempt", 0),
-        **(extra or {}),
         "num_replicas": num_replicas,
         "backend": config.backend,
         "per_replica_batch": config.per_replica_batch,
@@ -154,6 +153,7 @@ def write_outputs(
             (h["first_step_time"] - started_at for h in history if h.get("first_step_time", 0) >= started_at), None
         ),
         **({"worker_nodes": state["worker_nodes"]} if "worker_nodes" in state else {}),
+        **(extra or {}),  # what the backend knows better (a parameter-server run's replicas and steps)
         "history_file": HISTORY_FILE,
         "model_file": MODEL_FILE,
         "config": config.model_dump(mode="json"),

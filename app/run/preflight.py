@@ -103,6 +103,12 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     facts = checked.facts
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker)
     lr = plan_lr(config, plan.global_batch, plan.steps)
+    run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
+           f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
+    if config.strategy == "parameter-server":  # asynchronous: every update is one worker's batch
+        updates = plan.steps * num_workers
+        lr = plan_lr(config, plan.step_batch, updates)
+        run = f"batch {plan.step_batch} per update, {updates} updates per epoch over the workers"
     target = f"{facts.num_classes} classes" if facts.num_classes else "a float target"
     m = checked.model
     return [
@@ -112,9 +118,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"model: {m['name']}, {m['parameters']:,} parameters, output shape {tuple(m['output_shape'])} "
         f"({m['outputs']}); loss {checked.objective.loss_name}, metric {checked.objective.metric}",
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
-        f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
-        f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch, "
-        f"{config.epochs} epochs",
+        f"{run}, {config.epochs} epochs",
         f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} at batch "
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]

@@ -108,10 +108,10 @@ class RaySession:
     def progress_bar(self, total: int, desc: str):
         from ray.experimental import tqdm_ray
 
-        return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+        return Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
 
 
-class _Flushed:
+class Flushed:
     """A tqdm_ray bar whose updates leave this process at once: they are lines on stdout, which is a file here."""
 
     def __init__(self, bar):
@@ -183,7 +183,7 @@ def fit(
     datasets = {"train": source.train, "val": source.val} if inputs.get("streamed") else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
                     progress_bars=sys.stderr.isatty())
-    config = _for_workers(config)
+    config = for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={"config": config, "job": job, "inputs": inputs},
@@ -211,7 +211,7 @@ def fit(
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
-        raise RunFailed(f"training failed: {summarize(e)}{_trace_note(e)}") from None
+        raise RunFailed(f"training failed: {summarize(e)}{trace_note(e)}") from None
     except (KeyboardInterrupt, SystemExit):
         # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
         raise RunFailed(
@@ -219,19 +219,19 @@ def fit(
             f"python jobs/train.py --output {out} --resume"
         ) from None
     if result.error is not None:
-        raise RunFailed(f"training failed: {summarize(result.error)}{_trace_note(result.error)}")
+        raise RunFailed(f"training failed: {summarize(result.error)}{trace_note(result.error)}")
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
 
 
-def _trace_note(error: BaseException) -> str:
+def trace_note(error: BaseException) -> str:
     """Every worker's whole traceback to the run's log file; the console's line says where it is."""
     path = console.write_trace("the workers' errors in full:", str(error))
     return f" (full traceback in {path})" if path else ""
 
 
-def _for_workers(config: TrainConfig) -> TrainConfig:
+def for_workers(config: TrainConfig) -> TrainConfig:
     """The config as shipped to the workers: the model function itself, by value; no data function.
 
     Workers get the data from the object store or Ray Data, never from the data

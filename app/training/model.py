@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 PRECISION_POLICIES = {"off": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 # Config fields the built-in models take by name (users' functions may too).
 BUILTIN_OPTIONS = ("hidden_units", "conv_filters", "sync_batch_norm", "vocab_size", "embed_dim", "num_heads",
-                   "ff_dim", "num_blocks")
+                   "ff_dim", "num_blocks", "embedding_shards")
 
 
 def num_outputs(facts: DataFacts) -> int:

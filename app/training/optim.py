@@ -64,10 +64,16 @@ def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedu
     )
 
 
-def make_optimizer(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.Optimizer":
+def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False) -> "keras.optimizers.Optimizer":
+    """The optimizer, its LR following ``plan``'s schedule of ``optimizer.iterations``.
+
+    ``driven_lr``: the LR is a plain variable that the caller sets from its own
+    step count instead (asynchronous parameter-server workers lose increments of
+    ``iterations``, a read-then-write, so the schedule cannot follow it).
+    """
     import keras
 
-    schedule = lr_schedule(config, plan)
+    schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan)
     if config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(learning_rate=schedule)
     else:

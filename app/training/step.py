@@ -143,15 +143,22 @@ def make_train_steps(strategy, model, optimizer, objective, global_batch: int, g
     return TrainSteps(one, many)
 
 
-def make_eval_step(strategy, model, objective):
-    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing."""
-    import tensorflow as tf
-
+def eval_sums(model, objective):
+    """(x, y, weight) -> this replica's sums; weight-0 padding rows count for nothing."""
     fns = (objective.loss_fn(), objective.metric_fn())
 
     def eval_step(x, y, w):
         out = model(x, training=False)
         return _sums(fns, y, out, fns[0](y, out), w)
+
+    return eval_step
+
+
+def make_eval_step(strategy, model, objective):
+    """(x, y, weight) batch -> per-replica sums."""
+    import tensorflow as tf
+
+    eval_step = eval_sums(model, objective)
 
     @tf.function
     def distributed(batch):
