@@ -3,6 +3,9 @@
     from app import train, tune, evaluate
     result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
 
+``app.ShardedEmbedding`` (app.layers) is an embedding table in K shards for your own
+models: spread over the parameter servers under --strategy parameter-server.
+
 The functions are imported on first use, so that ``import app`` stays light.
 """
 
@@ -30,4 +33,13 @@ def evaluate(*args: Any, **kwargs: Any) -> dict:
     return _evaluate(*args, **kwargs)
 
 
-__all__ = ["train", "tune", "evaluate"]
+def __getattr__(name: str) -> Any:
+    # app.ShardedEmbedding for users' own models, imported (with Keras) only when asked for.
+    if name == "ShardedEmbedding":
+        from app.layers import ShardedEmbedding
+
+        return ShardedEmbedding
+    raise AttributeError(f"module 'app' has no attribute {name!r}")
+
+
+__all__ = ["train", "tune", "evaluate", "ShardedEmbedding"]

@@ -8,6 +8,7 @@ asynchrony) the path gives one device's weights exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,7 +47,7 @@ def test_transformer_with_sharded_table_on_two_ps_learns_like_mwms_and_survives_
     killed = None
     try:
         deadline = time.time() + 240
-        while not list((out / "checkpoint").glob("epoch-1.state.json")) and driver.poll() is None:
+        while not (out / "checkpoint" / "checkpoint").exists() and driver.poll() is None:  # the manager's pointer
             assert time.time() < deadline, "no checkpoint of epoch 1 within 240 s"
             time.sleep(0.2)
         workers = list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
@@ -78,6 +79,44 @@ def test_transformer_with_sharded_table_on_two_ps_learns_like_mwms_and_survives_
           f"MWMS {mwms_acc:.4f}")
     assert mwms_acc > 0.6, "the MWMS baseline did not learn: the comparison would mean nothing"
     assert ps_acc >= 0.9 * mwms_acc
+
+
+def test_a_frozen_parameter_server_restarts_the_cluster_from_the_last_checkpoint(ray_cluster, tmp_path):
+    """SIGSTOP a parameter server: no progress for --stall-timeout-s, the cluster restarts from the checkpoint."""
+    from ray.util.state import list_actors
+
+    out, stall = tmp_path / "frozen", 15
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    cmd = [sys.executable, "jobs/train.py", "--strategy", "parameter-server", "--num-workers", "1",
+           "--cpus-per-worker", "0.5", "--cpus-per-ps", "0.5", "--epochs", "4", "--stall-timeout-s", str(stall),
+           "--max-failures", "1", "--output", str(out)]
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = None
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoint" / "checkpoint").exists() and driver.poll() is None:  # the manager's pointer
+            assert time.time() < deadline, "no checkpoint of epoch 1 within 240 s"
+            time.sleep(0.2)
+        frozen = list_actors(filters=[("class_name", "=", "ParameterServer"), ("state", "=", "ALIVE")])[0].pid
+        os.kill(frozen, signal.SIGSTOP)
+        stdout, stderr = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+    assert driver.returncode == 0, stderr[-3000:]
+    console = stdout + stderr
+    assert re.search(rf"no step, evaluation or checkpoint for 1[5-9] s \(--stall-timeout-s\).*restart 1 of 1",
+                     console), console
+    found = re.search(r"resumed from the checkpoint of epoch (\d)", console)
+    assert found, console
+    resumed = int(found.group(1))
+    history = (out / "history.csv").read_text().splitlines()[1:]
+    assert resumed >= 1 and [int(row.split(",")[0]) for row in history] == [1, 2, 3, 4], console
+    assert [row.split(",")[-1] for row in history] == ["0"] * resumed + ["1"] * (4 - resumed)  # the attempt
+    assert json.loads((out / "result.json").read_text())["restarts"] == 1
 
 
 def test_one_worker_parameter_server_gives_one_device_weights(ray_cluster, tmp_path):

@@ -64,13 +64,12 @@ def _dry_run(config: TrainConfig) -> list[str]:
             fits = []
         except UserError as e:  # the plan is still worth seeing: it may be meant for a cluster
             fits = [f"warning: {e}"]
-        checked = ray_train.check(config, require_fit=False)
-        strategy = "MultiWorkerMirroredStrategy"
         if config.strategy == "parameter-server":
             from app.run import ps
 
-            ps.check_data(checked)
-            strategy = ps.strategy_line(config)
+            checked, strategy = ps.check(config, require_fit=False), ps.strategy_line(config)
+        else:
+            checked, strategy = ray_train.check(config, require_fit=False), "MultiWorkerMirroredStrategy"
         lines = preflight.plan_lines(config, checked, config.num_workers, 1, strategy) + fits
     return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
 

@@ -86,13 +86,20 @@ class Worker(_ClusterTask):
 
 
 class Chief:
-    """The coordinator: builds the model under ParameterServerStrategy, schedules steps, evaluates, checkpoints."""
+    """The coordinator: builds the model under ParameterServerStrategy, schedules steps, evaluates, checkpoints.
+
+    Started with ``max_concurrency=2``: ``alive_at`` answers while ``train`` runs.
+    """
 
     def __init__(self):
         self.address = _address()
+        self.last_alive = time.time()
 
     def get_address(self) -> str:
         return self.address
+
+    def alive_at(self) -> float:
+        return self.last_alive
 
     def train(self, config: TrainConfig, job: WorkerJob, spec: dict[str, list[str]], train, val,
               checkpoint_dir: str, restore: bool) -> dict[str, Any]:
@@ -106,9 +113,17 @@ class Chief:
             def bar(total: int, desc: str):
                 return ray_train.Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
 
-        result = train_chief(config, job, spec, train, val, checkpoint_dir, restore, bar)
+        def alive() -> None:
+            self.last_alive = time.time()
+
+        alive()
+        result = train_chief(config, job, spec, train, val, checkpoint_dir, restore, bar, alive)
         return {"latest": result.latest_checkpoint, "optimizer_steps": result.optimizer_steps,
                 "variable_placement": result.variable_placement}
+
+
+class Restartable(Exception):
+    """The cluster lost a parameter server or the chief, or stopped moving: restart it from the last checkpoint."""
 
 
 @dataclass
@@ -120,6 +135,29 @@ class _Cluster:
     parameter_servers: list = field(default_factory=list)
     workers: list = field(default_factory=list)
     chief: Any = None
+
+    def train(self, *args, stall_timeout_s: float) -> dict[str, Any]:
+        """The chief's result; Restartable if a parameter server or the chief is lost or nothing moves for
+        ``stall_timeout_s`` (a frozen task blocks the chief in any wait), RunFailed for any other error."""
+        import ray
+
+        run = self.chief.train.remote(*args)
+        try:
+            while not ray.wait([run], timeout=min(5.0, stall_timeout_s / 4))[0]:
+                quiet = time.time() - ray.get(self.chief.alive_at.remote(), timeout=30)
+                if quiet > stall_timeout_s:
+                    raise Restartable(f"no step, evaluation or checkpoint for {quiet:.0f} s (--stall-timeout-s): "
+                                      "a worker or parameter server froze or became unreachable")
+            return ray.get(run)
+        except ray.exceptions.GetTimeoutError:
+            raise Restartable("the chief stopped answering") from None
+        except ray.exceptions.RayActorError:
+            raise Restartable("the chief was lost") from None
+        except ray.exceptions.RayTaskError as e:
+            lost = self.lost_parameter_servers()
+            if lost:
+                raise Restartable(f"parameter server {', '.join(map(str, lost))} was lost") from None
+            raise RunFailed(f"training failed: {ray_train.summarize(e)}{ray_train.trace_note(e)}") from None
 
     def lost_parameter_servers(self) -> list[int]:
         import ray
@@ -165,7 +203,7 @@ def start_cluster(config: TrainConfig) -> _Cluster:
 
     # The chief writes the checkpoints and outputs: on the driver's node, where the driver reads them.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    chief = ray.remote(Chief).options(num_cpus=0, scheduling_strategy=here).remote()
+    chief = ray.remote(Chief).options(num_cpus=0, max_concurrency=2, scheduling_strategy=here).remote()
     address = ray.remote(num_cpus=0)(_address)
     ports = ray.get([address.options(**in_bundle(i)).remote() for i in range(len(bundles))])
     spec = {"chief": [ray.get(chief.get_address.remote())], "worker": ports[: config.num_workers],
@@ -190,15 +228,29 @@ def start_cluster(config: TrainConfig) -> _Cluster:
     return started
 
 
+STREAMED = (
+    "--strategy parameter-server trains on in-memory data (built-in datasets, .npz/.npy files, data functions "
+    "returning arrays); {what} goes through Ray Data: use the default strategy, or a data function that returns "
+    "(x, y) arrays"
+)
+
+
+def check(config: TrainConfig, require_fit: bool = True):
+    """ray_train's checks, and parquet/CSV/image files refused before Ray Data reads them."""
+    from app.data.files import is_streamed
+
+    if is_streamed(config):
+        raise UserError(STREAMED.format(what=f"--dataset {config.dataset}"))
+    checked = ray_train.check(config, require_fit)
+    check_data(checked)
+    return checked
+
+
 def check_data(checked) -> None:
     """Parameter-server workers take in-memory arrays, shipped inside their dataset function."""
     source = checked.source
-    if hasattr(source, "shuffle_buffer"):  # app.data.streamed.Streamed
-        raise UserError(
-            "--strategy parameter-server trains on in-memory data (built-in datasets, .npz/.npy files, data "
-            "functions returning arrays); this dataset streams through Ray Data: use the default strategy, or load "
-            "it into arrays"
-        )
+    if hasattr(source, "shuffle_buffer"):  # app.data.streamed.Streamed: a data function's ray.data.Dataset
+        raise UserError(STREAMED.format(what="a ray.data.Dataset"))
     mib = (source.train.x.nbytes + source.train.y.nbytes) / 2**20
     if mib > MAX_SHIPPED_MIB:
         raise UserError(
@@ -215,8 +267,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()
-    checked = ray_train.check(config)
-    check_data(checked)
+    checked = check(config)
     for line in plan_lines(config, checked, config.num_workers, 1, strategy_line(config)):
         log.info(line)
     out = outputs.prepare_output_dir(config)
@@ -230,20 +281,16 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         for attempt in range(config.max_failures + 1):
             tf_cluster = start_cluster(config)
             try:
-                done = ray.get(tf_cluster.chief.train.remote(
-                    shipped, job, tf_cluster.spec, train, val, str(out / CHECKPOINT_DIR), restore))
+                done = tf_cluster.train(shipped, job, tf_cluster.spec, train, val, str(out / CHECKPOINT_DIR), restore,
+                                        stall_timeout_s=config.stall_timeout_s)
                 break
-            except ray.exceptions.RayError as e:
-                lost = tf_cluster.lost_parameter_servers()
-                chief_lost = isinstance(e, ray.exceptions.RayActorError)
-                if not (lost or chief_lost) or attempt == config.max_failures:
-                    what = f"parameter server {', '.join(map(str, lost))} was lost; " if lost else ""
-                    raise RunFailed(f"training failed: {what}{ray_train.summarize(e)}{ray_train.trace_note(e)}"
-                                    + (" (raise --max-failures to restart from the last checkpoint)" if lost else "")
-                                    ) from None
-                log.warning("%s was lost: restarting the cluster from the last checkpoint (restart %d of %d, "
-                            "--max-failures)", f"parameter server {lost[0]}" if lost else "the chief",
-                            attempt + 1, config.max_failures)
+            except Restartable as e:
+                if attempt == config.max_failures:
+                    spent = f"after {attempt} restart(s)" if attempt else "raise --max-failures to restart from the " \
+                        "last checkpoint instead"
+                    raise RunFailed(f"training failed: {e} ({spent})") from None
+                log.warning("%s: restarting the cluster from the last checkpoint (restart %d of %d, --max-failures)",
+                            e, attempt + 1, config.max_failures)
                 restore = True
             finally:
                 tf_cluster.stop()

@@ -182,6 +182,9 @@ def sweep(
     # The values every trial shares (flags, and the space's plain values) make the base config.
     base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
     out = Path(output).expanduser().resolve()
+    if base.strategy == "parameter-server" or "strategy" in searched:
+        raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
+                        "it and train parameter-server runs with jobs/train.py")
     cluster.check_fits_locally(base)
     cluster.connect(base)
     if metric is None or mode is None:

@@ -31,7 +31,6 @@ What differs, and why:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -49,13 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Steps scheduled between two waits for them all: bounds every wait by --stall-timeout-s and
-# feeds the progress bar, for one idle moment per worker per chunk.
+# Steps scheduled between two waits for them all: each wait is a sign of life for the driver's
+# stall watch (app.run.ps) and a progress bar update, for one idle moment per worker per chunk.
 STEPS_PER_WORKER_PER_CHUNK = 16
-
-
-class StalledWorkers(Exception):
-    """Scheduled steps did not finish within --stall-timeout-s (a frozen or unreachable worker)."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +74,15 @@ def connect(cluster_spec: dict[str, list[str]]):
 
 
 def train_chief(config: "TrainConfig", job: "WorkerJob", cluster_spec: dict[str, list[str]], train: Split,
-                val: Split, checkpoint_dir: str, restore: bool,
-                progress_bar: Optional[Callable[..., Any]] = None) -> ChiefResult:
-    """Train ``config.epochs`` epochs on the cluster; return where the last checkpoint is and what ran where."""
+                val: Split, checkpoint_dir: str, restore: bool, progress_bar: Optional[Callable[..., Any]] = None,
+                alive: Callable[[], None] = lambda: None) -> ChiefResult:
+    """Train ``config.epochs`` epochs on the cluster; return where the last checkpoint is and what ran where.
+
+    ``alive()`` is called whenever training moves on (steps done, evaluated,
+    saved): the driver ends a run that stops calling it for --stall-timeout-s.
+    Any wait here can hang on a frozen task, not only the steps: even tracing a
+    new function registers it with every worker.
+    """
     import tensorflow as tf
 
     from app.data import tf_input
@@ -124,8 +125,8 @@ def train_chief(config: "TrainConfig", job: "WorkerJob", cluster_spec: dict[str,
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         bar = EpochBar(progress_bar, updates, f"epoch {epoch}/{config.epochs}")
         try:
-            stats = run_updates(coordinator, step, train_iter, steps_done, updates, workers, config.stall_timeout_s,
-                                bar.update)
+            stats = run_updates(coordinator, step, train_iter, steps_done, updates, workers,
+                                lambda k: (bar.update(k), alive()))
         finally:
             bar.close()
         steps_done += updates
@@ -135,6 +136,7 @@ def train_chief(config: "TrainConfig", job: "WorkerJob", cluster_spec: dict[str,
             raise NonFiniteLoss(f"non-finite training loss in epoch {epoch}: check the data for NaN/inf or lower "
                                 "--base-lr; the last good checkpoint is the one from the epoch before")
         val_stats = evaluate_all(evaluate, val_batches)
+        alive()
         lr = float(lr_schedule(config, lr_plan)(steps_done - 1))
         metrics = epoch_metrics(epoch, stats, val_stats, lr, plan.dropped, job.objective.metric)
         metrics["optimizer_steps"] = steps_done
@@ -143,6 +145,7 @@ def train_chief(config: "TrainConfig", job: "WorkerJob", cluster_spec: dict[str,
         log.info(progress_line(metrics, config.epochs, progress.history))
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         checkpoints.save({**state, "optimizer_steps": steps_done})
+        alive()
     tensorboard.close()
     return ChiefResult(checkpoints.latest, steps_done, variable_placement(model))
 
@@ -164,13 +167,12 @@ def scheduled_step(strategy, model, optimizer, objective, batch: int, schedule):
     return step
 
 
-def run_updates(coordinator, step, iterator, first_step: int, count: int, workers: int, stall_timeout_s: float,
+def run_updates(coordinator, step, iterator, first_step: int, count: int, workers: int,
                 on_steps: Callable[[int], None]) -> EpochStats:
     """Schedule ``count`` steps numbered from ``first_step``; their summed [loss, metric, count] as EpochStats.
 
-    Steps go out in chunks; each chunk must finish within ``stall_timeout_s``
-    (a worker that died is replaced by the coordinator and its steps re-run
-    elsewhere; one that froze would otherwise be waited for forever).
+    Steps go out in chunks, ``on_steps(k)`` after each. A step lost with a
+    worker that died is re-run on another by the coordinator.
     """
     import tensorflow as tf
 
@@ -179,33 +181,11 @@ def run_updates(coordinator, step, iterator, first_step: int, count: int, worker
         n = min(chunk, count - begin)
         results += [coordinator.schedule(step, args=(iterator, tf.constant(first_step + begin + i, tf.int64)))
                     for i in range(n)]
-        _join_within(coordinator, stall_timeout_s)
+        coordinator.join()  # raises a step's error, or UnavailableError for a lost parameter server
         first_done = first_done or time.time()
         on_steps(n)
     sums = np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0)
     return EpochStats.from_sums(sums, time.perf_counter() - start, first_step_time=first_done)
-
-
-def _join_within(coordinator, timeout_s: float) -> None:
-    """``coordinator.join()`` with a bound; its errors (a parameter server lost, a failed step) are raised here."""
-    outcome: dict[str, BaseException] = {}
-
-    def join():
-        try:
-            coordinator.join()
-        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
-            outcome["error"] = e
-
-    waiter = threading.Thread(target=join, name="coordinator-join", daemon=True)
-    waiter.start()
-    waiter.join(timeout_s)
-    if waiter.is_alive():
-        raise StalledWorkers(
-            f"scheduled steps did not finish within {timeout_s:g} s (--stall-timeout-s): a worker froze or "
-            "cannot reach a parameter server"
-        )
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def evaluate_all(evaluate, batches) -> EpochStats:
