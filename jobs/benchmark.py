@@ -8,6 +8,7 @@
     python jobs/benchmark.py memory --set stream_buffer_mib=512                 # streamed parquet, 1x vs 10x
     python jobs/benchmark.py memory --only write|1x|scaled                      # one phase at a time
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
+    python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml, or quick.yaml with --quick, or
 --preset FILE): its parameters (flags override them) and its workload, TrainConfig fields overridden by
@@ -20,7 +21,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     e = add("exit", "The time from a run's last epoch line to its exit, in-memory and streamed.")
     e.add_argument("--runs", type=int, help="Runs per data path.")
     e.add_argument("--checkout", help="Run another checkout's jobs/train.py (a worktree of an older commit).")
+    p = add("ps", "Parameter-server training against MWMS: same model, same CPUs reserved.")
+    p.add_argument("--workers", type=int, help="Workers in both runs.")
+    p.add_argument("--num-ps", type=int, help="Parameter servers beside them.")
+    p.add_argument("--cpus", type=float, help="CPUs both runs reserve in all.")
     return top
 
 

@@ -6,6 +6,7 @@
 - checkpoint (app.bench.checkpoint_cost): one checkpoint write against one epoch -> checkpoint.json
 - memory (app.bench.memory): peak memory with streamed parquet at 1x and scale x -> memory.json
 - exit (app.bench.exit_gap): the time from the last epoch line to the end of jobs/train.py -> exit.json
+- ps (app.bench.ps_vs_mwms): parameter-server training against MWMS, same model and CPUs -> ps.json
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from app.bench import breakdown, checkpoint_cost, exit_gap, memory, scaling
+from app.bench import breakdown, checkpoint_cost, exit_gap, memory, ps_vs_mwms, scaling
 from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap}
+          "exit": exit_gap, "ps": ps_vs_mwms}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
