@@ -292,6 +292,9 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
                 log.warning("%s: restarting the cluster from the last checkpoint (restart %d of %d, --max-failures)",
                             e, attempt + 1, config.max_failures)
                 restore = True
+            except KeyboardInterrupt:
+                raise RunFailed(f"interrupted: the run was stopped after its last checkpoint; continue it with "
+                                f"python jobs/train.py --output {out} --resume") from None
             finally:
                 tf_cluster.stop()
     latest = done["latest"]
