@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from app.training.objective import Objective
 
 
-def _sums(objective_fns, y, out, per_example_loss, weight):
+def batch_sums(objective_fns, y, out, per_example_loss, weight):
     import tensorflow as tf
 
     _, metric_fn = objective_fns
@@ -84,7 +84,7 @@ def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", 
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), _sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
+        return tape.gradient(loss, variables), batch_sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
 
     def train_step(x, y):
         if grad_accum == 1:
@@ -151,7 +151,7 @@ def make_eval_step(strategy, model, objective):
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return _sums(fns, y, out, fns[0](y, out), w)
+        return batch_sums(fns, y, out, fns[0](y, out), w)
 
     @tf.function
     def distributed(batch):
