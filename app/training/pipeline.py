@@ -180,11 +180,15 @@ class Pipeline:
         self.model, self.stages, self.devices, self.needs_input = model, stages, devices, needs_input
 
     @classmethod
-    def place(cls, model: "keras.Model", stages: Sequence[dict[str, Any]], name: str = "the model") -> "Pipeline":
+    def place(cls, model: "keras.Model", stages: Sequence[dict[str, Any]], input_shape: Sequence[int] = (),
+              name: str = "the model") -> "Pipeline":
         """Clone ``model`` with each stage's layers (variables and calls) on its device, weights copied in."""
         import keras
+        import numpy as np
         import tensorflow as tf
 
+        if not model.built:  # a Sequential without keras.Input gets its graph on its first call
+            model(np.zeros((1, *input_shape), np.float32))
         source = functional(model, name)
         graph = Graph.of(source)
         cuts = [s["first"] for s in stages[1:]]
@@ -280,6 +284,7 @@ class Pipeline:
                         grads[k][i] = g if grads[k][i] is None else grads[k][i] + g
                 upstream = got[-1] if k else None
 
+        @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
         def step(x, y):
             xs, ys = tf.split(x, microbatches), tf.split(y, microbatches)
             passes = [forward(xm, ym) for xm, ym in zip(xs, ys)]  # all forward, then all backward (GPipe)

@@ -118,11 +118,12 @@ class TrainSteps:
 
 
 def make_train_steps(strategy, model, optimizer, objective, global_batch: int, grad_accum: int = 1,
-                     audit_sample_ids: bool = False) -> TrainSteps:
+                     audit_sample_ids: bool = False, replica_step: Optional[Callable] = None) -> TrainSteps:
+    """``replica_step``: a per-replica (x, y) -> sums step of its own (app.training.pipeline's), else the usual."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_train_step(model, optimizer, objective, global_batch, grad_accum)
+    step = replica_step or replica_train_step(model, optimizer, objective, global_batch, grad_accum)
 
     @tf.function
     def one(batch):
@@ -144,7 +145,10 @@ def make_train_steps(strategy, model, optimizer, objective, global_batch: int, g
 
 
 def make_eval_step(strategy, model, objective):
-    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing."""
+    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing.
+
+    ``model`` is any callable ``(x, training=False) -> outputs``: a Keras model, or a pipeline's stages.
+    """
     import tensorflow as tf
 
     fns = (objective.loss_fn(), objective.metric_fn())
