@@ -1,0 +1,150 @@
+"""--strategy pipeline: one model cut into stages over local devices (2 logical CPUs here), GPipe micro-batches.
+
+Logical CPU devices must be configured before TensorFlow starts, so everything runs in a fresh process:
+the command line as the README writes it, and a script that drives the run's own step factory.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+
+from app import cli
+from conftest import REPO, clean_env, run_job
+
+CNN_ON_DIGITS = ["--model", "cnn", "--feature-shape", "8", "8", "1", "--epochs", "5"]
+
+USER_MODELS = textwrap.dedent("""
+    import keras
+
+
+    def residual(input_shape, num_classes):
+        x = keras.Input(input_shape)
+        h = keras.layers.Dense(32, activation="relu", name="block_1")(x)
+        b = keras.layers.Dense(32, activation="relu", name="block_2")(h)
+        b = keras.layers.Dense(32, name="block_3")(b)
+        h = keras.layers.Add(name="block_4")([h, b])
+        return keras.Model(x, keras.layers.Dense(num_classes, name="head")(h))
+
+
+    def sequential(input_shape, num_classes):
+        return keras.Sequential([
+            keras.Input(input_shape),
+            keras.layers.Dense(64, activation="relu", name="a"),
+            keras.layers.Dense(32, activation="relu", name="b"),
+            keras.layers.Dense(num_classes, name="c"),
+        ])
+""")
+
+
+def run(out, *args, timeout=300):
+    return run_job("jobs/train.py", "--backend", "local", "--output", str(out), *args, timeout=timeout)
+
+
+def result_of(p, out) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches(tmp_path):
+    p = subprocess.run([sys.executable, "tests/scripts/pipeline_equals_one_device.py", str(tmp_path / "o")], cwd=REPO,
+                       env=clean_env(TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [s["device"] for s in out["stages"]] == ["/device:CPU:0", "/device:CPU:1"]
+    loss, correct, count = out["one_device_first_step"]
+    assert count == 1436
+    for m in ("1", "4"):
+        run = out["pipelines"][m]
+        assert run["max_abs_diff"] < 1e-5, (m, run)
+        assert run["moved"] > 1e-2  # the steps really changed the weights
+        assert run["first_step"][1:] == [correct, count]  # exact sums, as the one-device step's
+        assert run["first_step"][0] == pytest.approx(loss, rel=1e-5)
+        # Each stage's variables on its own device, and every gradient op of the step placed on a stage's device.
+        assert run["variable_devices"] == [["CPU:0"], ["CPU:1"]]
+        assert set(run["gradient_ops_per_device"]) == {"CPU:0", "CPU:1"}, run["gradient_ops_per_device"]
+
+
+def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
+    """The README's command: the CNN over 2 stages reaches the one-device val accuracy; the model is one model."""
+    one = result_of(run(tmp_path / "one", "--strategy", "one-device", *CNN_ON_DIGITS), tmp_path / "one")
+    out = tmp_path / "pipe"
+    p = run(out, "--strategy", "pipeline", "--devices", "2", "--pipeline-microbatches", "4", *CNN_ON_DIGITS)
+    pipe = result_of(p, out)
+    assert pipe["strategy"] == "pipeline"
+    assert abs(pipe["metrics"]["val_accuracy"] - one["metrics"]["val_accuracy"]) <= 0.01, (pipe["metrics"], one["metrics"])
+    assert pipe["metrics"]["val_accuracy"] > 0.95
+    stages = pipe["stages"]
+    assert [s["device"] for s in stages] == ["/device:CPU:0", "/device:CPU:1"]
+    assert stages[0]["first"] == "conv_0_0" and stages[1]["last"] == "logits"
+    assert all(s["parameters"] > 0 for s in stages)
+    assert "pipeline: 2 stages, each batch as 4 micro-batches" in p.stderr  # the plan line
+    # The exported model is one ordinary model, scored alike in a plain process.
+    p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["val_accuracy"] == pytest.approx(pipe["metrics"]["val_accuracy"], abs=1e-6)
+    with zipfile.ZipFile(out / "model.keras") as saved:
+        exported = json.loads(saved.read("config.json"))
+    layers = [layer["config"]["name"] for layer in exported["config"]["layers"]]
+    assert exported["class_name"] == "Functional" and "conv_0_0" in layers and "logits" in layers
+    assert not any(name.startswith("stage_") for name in layers)
+
+
+def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):
+    (tmp_path / "my_models.py").write_text(USER_MODELS)
+    out = tmp_path / "seq"
+    result = result_of(run(out, "--strategy", "pipeline", "--devices", "3", "--split-at", "b,c", "--epochs", "2",
+                           "--pipeline-microbatches", "2", "--model", f"{tmp_path / 'my_models.py'}:sequential"), out)
+    assert [(s["first"], s["last"], s["device"]) for s in result["stages"]] == [
+        ("a", "a", "/device:CPU:0"), ("b", "b", "/device:CPU:1"), ("c", "c", "/device:CPU:2")]
+    assert [s["parameters"] for s in result["stages"]] == [64 * 64 + 64, 64 * 32 + 32, 32 * 10 + 10]
+    assert result["metrics"]["val_accuracy"] > 0.8
+
+
+def test_split_at_takes_a_comma_list_or_separate_values():
+    base = ["--backend", "local", "--strategy", "pipeline"]
+    assert cli.train_args("t", [*base, "--split-at", "block_2,block_4,block_6"]).config.split_at == [
+        "block_2", "block_4", "block_6"]
+    assert cli.train_args("t", [*base, "--split-at", "block_2", "block_4"]).config.split_at == ["block_2", "block_4"]
+
+
+def one_error_line(p) -> str:
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--devices", "2", "--split-at", "block_9"], ["--split-at block_9: no layer has that name",
+                                                  "can be cut at: block_2, head"]),
+    (["--devices", "2", "--split-at", "block_3"], ["--split-at block_3: 2 tensors that depend on weights cross there",
+                                                  "can be cut at: block_2, head"]),
+    (["--devices", "1"], ["--strategy pipeline needs 2 or more devices (one per stage), found 0 GPU(s), 1 CPU"]),
+])
+def test_a_cut_that_cannot_be_made_is_one_line_before_training(tmp_path, args, words):
+    (tmp_path / "my_models.py").write_text(USER_MODELS)
+    out = tmp_path / "o"
+    line = one_error_line(run(out, "--strategy", "pipeline", "--model", f"{tmp_path / 'my_models.py'}:residual", *args,
+                              timeout=120))
+    for word in words:
+        assert word in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--split-at", "x"], ["--split-at is for --strategy pipeline"]),
+    (["--strategy", "pipeline", "--per-replica-batch", "30"], ["--per-replica-batch 30 does not split into 4"]),
+])
+def test_pipeline_flags_out_of_place_are_one_line(capsys, args, words):
+    with pytest.raises(SystemExit) as e:
+        cli.train_args("t", ["--backend", "local", *args])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and all(w in line for w in words), line
