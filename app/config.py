@@ -52,7 +52,7 @@ class RunSection(_Section):
     pipeline_microbatches: PositiveInt = Field(
         PIPELINE_MICROBATCHES,
         description="--strategy pipeline: run each batch as N micro-batches, so that stages work at the same time "
-        "(GPipe; idle share (stages-1)/(N+stages-1)). Must divide --per-replica-batch.",
+        "(GPipe; idle share (stages-1)/(N+stages-1)). Must divide the per-replica batch.",
     )
     split_at: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
         None,
