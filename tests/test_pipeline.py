@@ -32,12 +32,12 @@ USER_MODELS = textwrap.dedent("""
         return keras.Model(x, keras.layers.Dense(num_classes, name="head")(h))
 
 
-    def sequential(input_shape, num_classes):
+    def sequential(input_shape, num_classes):  # layers named by Keras: dense, dense_1, ... (new names each build)
         return keras.Sequential([
             keras.Input(input_shape),
-            keras.layers.Dense(64, activation="relu", name="a"),
-            keras.layers.Dense(32, activation="relu", name="b"),
-            keras.layers.Dense(num_classes, name="c"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(num_classes),
         ])
 """)
 
@@ -99,10 +99,12 @@ def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
 def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):
     (tmp_path / "my_models.py").write_text(USER_MODELS)
     out = tmp_path / "seq"
-    result = result_of(run(out, "--strategy", "pipeline", "--devices", "3", "--split-at", "b,c", "--epochs", "2",
-                           "--pipeline-microbatches", "2", "--model", f"{tmp_path / 'my_models.py'}:sequential"), out)
+    result = result_of(run(out, "--strategy", "pipeline", "--devices", "3", "--split-at", "dense_1,dense_2",
+                           "--epochs", "2", "--pipeline-microbatches", "2",
+                           "--model", f"{tmp_path / 'my_models.py'}:sequential"), out)
     assert [(s["first"], s["last"], s["device"]) for s in result["stages"]] == [
-        ("a", "a", "/device:CPU:0"), ("b", "b", "/device:CPU:1"), ("c", "c", "/device:CPU:2")]
+        ("dense", "dense", "/device:CPU:0"), ("dense_1", "dense_1", "/device:CPU:1"),
+        ("dense_2", "dense_2", "/device:CPU:2")]
     assert [s["parameters"] for s in result["stages"]] == [64 * 64 + 64, 64 * 32 + 32, 32 * 10 + 10]
     assert result["metrics"]["val_accuracy"] > 0.8
 

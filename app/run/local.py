@@ -1,8 +1,9 @@
 """The local backend: the same per-worker function in this process, no Ray.
 
 MirroredStrategy over GPUs (or logical CPUs), TPUStrategy, one device,
-CentralStorageStrategy, or the model cut into pipeline stages; the input is tf.data from the same arrays with the
-same rules as the Ray path. Ray is never imported here.
+CentralStorageStrategy, or the model cut into pipeline stages; the input is
+tf.data from the same arrays with the same rules as the Ray path. Ray is
+never imported here.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         log.info(line)
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
-    stages = checked.model.get("stages", [])
+    pipeline = checked.model.get("pipeline")  # --strategy pipeline: the StagePlan
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty(),
-                    stages=stages)
+                    stages=pipeline)
     session = LocalSession(config, strategy, checked.source)
     try:
         with console.routed(out / console.LOG_FILE, config.verbose):
@@ -97,7 +98,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     summary = outputs.write_outputs(
         config, session.checkpoints.restore_state(), latest + checkpoint.MODEL_SUFFIX,
         strategy=name, started_at=started_at,
-        extra={"strategy_reason": reason, **({"stages": stages} if stages else {})},
+        extra={"strategy_reason": reason, **({"stages": list(pipeline.stages)} if pipeline else {})},
     )
     return summary
 

@@ -30,7 +30,7 @@ class Checked:
     source: Union[Source, "Streamed"]
     facts: DataFacts
     objective: "Objective"
-    model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its stages
+    model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
 
 
 def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streamed"]:
@@ -61,7 +61,8 @@ def check_model(config: "TrainConfig", facts: DataFacts,
                 stage_devices: Sequence[str] = ()) -> tuple[DataFacts, "Objective", dict[str, Any]]:
     """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary.
 
-    With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut: one stage per device.
+    With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
+    device (a StagePlan).
     """
     from app.training.model import build_model, check_output, model_name
     from app.training.objective import objective_for
@@ -80,7 +81,7 @@ def check_model(config: "TrainConfig", facts: DataFacts,
     if stage_devices:
         from app.training.pipeline import plan_stages
 
-        summary["stages"] = plan_stages(model, config.split_at, stage_devices, name)
+        summary["pipeline"] = plan_stages(model, config.split_at, stage_devices, name)
     return facts, objective, summary
 
 
@@ -126,10 +127,11 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} at batch "
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]
-    if "stages" in m:
-        stages = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
-                           for s in m["stages"])
-        lines.insert(2, f"pipeline: {len(m['stages'])} stages, each batch as {config.pipeline_microbatches} "
-                        f"micro-batches: {stages}")
+    if "pipeline" in m:
+        stages = m["pipeline"].stages
+        where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
+                          for s in stages)
+        lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
+                        f"{where}")
     return lines
 

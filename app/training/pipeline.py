@@ -109,11 +109,10 @@ class Graph:
     def stage_of(self, cut_positions: Sequence[int], i: int) -> int:
         return bisect.bisect_right(list(cut_positions), i)
 
-    def describe(self, cuts: Sequence[str], devices: Sequence[str]) -> list[dict[str, Any]]:
+    def describe(self, positions: Sequence[int], devices: Sequence[str]) -> list[dict[str, Any]]:
         """Each stage's first and last layer, parameter count and device (result.json's ``stages``)."""
         import keras
 
-        positions = [self.cuts[c] for c in cuts]
         stages = [{"first": None, "last": None, "parameters": 0, "device": d} for d in devices]
         for i, node in enumerate(self.nodes):
             stage = stages[self.stage_of(positions, i)]
@@ -124,14 +123,23 @@ class Graph:
         return stages
 
 
-def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: Sequence[str],
-                name: str) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class StagePlan:
+    """Where the driver cut the model, for the worker to apply to the model it builds."""
+
+    # Node position at which each stage after the first starts: positions, because a model whose layers are
+    # named by Keras gets new names each time it is built in a process (dense, then dense_1).
+    starts: tuple[int, ...]
+    stages: tuple[dict[str, Any], ...]  # each stage's first and last layer, parameters and device (result.json)
+
+
+def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: Sequence[str], name: str) -> StagePlan:
     """One stage per device: cut at ``split_at`` (the layers that start a stage), or where parameters balance.
 
     A request that cannot be met is one UserError line naming the layers the model can be cut at.
     """
     graph = Graph.of(functional(model, name))
-    where = f"{name} can be cut at: {', '.join(graph.cuts) or 'no layer (a skip or a second tensor crosses every point)'}"
+    where = f"{name} can be cut at: {', '.join(graph.cuts) or 'no layer (two tensors cross every point)'}"
     if split_at:
         for layer in split_at:
             if layer not in graph.cuts:
@@ -151,7 +159,8 @@ def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: S
             raise UserError(f"--strategy pipeline: {len(devices)} stages need {len(devices) - 1} cut(s), and {where}: "
                             f"use fewer --devices")
         cuts = _balanced(graph, len(devices))
-    return graph.describe(cuts, devices)
+    starts = tuple(graph.cuts[c] for c in cuts)
+    return StagePlan(starts, tuple(graph.describe(starts, devices)))
 
 
 def _balanced(graph: Graph, stages: int) -> list[str]:
@@ -180,7 +189,7 @@ class Pipeline:
         self.model, self.stages, self.devices, self.needs_input = model, stages, devices, needs_input
 
     @classmethod
-    def place(cls, model: "keras.Model", stages: Sequence[dict[str, Any]], input_shape: Sequence[int] = (),
+    def place(cls, model: "keras.Model", plan: StagePlan, input_shape: Sequence[int] = (),
               name: str = "the model") -> "Pipeline":
         """Clone ``model`` with each stage's layers (variables and calls) on its device, weights copied in."""
         import keras
@@ -191,12 +200,14 @@ class Pipeline:
             model(np.zeros((1, *input_shape), np.float32))
         source = functional(model, name)
         graph = Graph.of(source)
-        cuts = [s["first"] for s in stages[1:]]
-        devices = [s["device"] for s in stages]
-        positions = [graph.cuts[c] for c in cuts]
+        name_at = {position: layer for layer, position in graph.cuts.items()}
+        if not set(plan.starts) <= set(name_at):
+            raise RuntimeError(f"{name} built here is not the model the stages were planned on")
+        cuts = [name_at[p] for p in plan.starts]  # this build's names (the clone keeps them)
+        devices = [s["device"] for s in plan.stages]
         device_of = {}
         for i, node in enumerate(graph.nodes):
-            device_of.setdefault(id(node.operation), devices[graph.stage_of(positions, i)])
+            device_of.setdefault(id(node.operation), devices[graph.stage_of(plan.starts, i)])
         placed_on = {}
 
         def clone(layer):

@@ -10,7 +10,7 @@ steps, metrics, TensorBoard) is here, once, and reads top to bottom.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -19,6 +19,7 @@ from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 from app.training import checkpoint
 from app.training.objective import Objective
+from app.training.pipeline import StagePlan
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -36,7 +37,7 @@ class WorkerJob:
     objective: Objective
     tensorboard_dir: Optional[str]
     progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
-    stages: list[dict[str, Any]] = field(default_factory=list)  # --strategy pipeline: first/last layer, device
+    stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
 
 
 class Session(Protocol):

@@ -47,7 +47,7 @@ def config(microbatches: int, strategy: str):
 strategy, _ = strategy_lib.local_strategy("pipeline", 2, 1)
 devices = strategy_lib.stage_devices()
 checked = preflight.check(config(4, "pipeline"), 1, 1, stage_devices=devices)
-stages, facts, objective = checked.model["stages"], checked.facts, checked.objective
+stages, facts, objective = checked.model["pipeline"], checked.facts, checked.objective
 train = checked.source.train
 batch = (train.x[:BATCH], train.y[:BATCH], train.ids[:BATCH])
 
@@ -71,7 +71,7 @@ def train_steps(microbatches: int | None):
 
 
 reference, ref_first, _, _ = train_steps(None)
-out = {"stages": stages, "one_device_first_step": ref_first, "pipelines": {}}
+out = {"stages": stages.stages, "one_device_first_step": ref_first, "pipelines": {}}
 for m in (1, 4):
     model, first, grad_devices, pipe = train_steps(m)
     out["pipelines"][m] = {
