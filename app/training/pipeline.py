@@ -226,11 +226,16 @@ class Pipeline:
         x = placed.inputs
         bounds = [placed.input] + [cloned.boundary[c] for c in cuts] + [placed.output]
         needs_input = [False] + [cloned.needs_input[c] for c in cuts]
+        history = [t._keras_history for t in x]
         parts = [
             keras.Model(bounds[k] if k == 0 else [bounds[k], *x] if needs_input[k] else bounds[k], bounds[k + 1],
                         name=f"stage_{k}")
             for k in range(len(devices))
         ]
+        # A stage that also takes the model's input re-registers that input tensor with a node of its own
+        # (keras clone_graph_nodes); put it back, or the placed model can no longer be saved.
+        for t, h in zip(x, history):
+            t._keras_history = h
         return cls(placed, parts, devices, needs_input)
 
     def _call(self, k: int, h, x, training: bool):
@@ -240,7 +245,7 @@ class Pipeline:
         """The model's forward pass, stage by stage, each on its device (evaluation)."""
         import tensorflow as tf
 
-        h = x
+        h = x = tf.convert_to_tensor(x)
         for k, device in enumerate(self.devices):
             with tf.device(device):
                 h = self._call(k, h, x, training)
@@ -292,7 +297,7 @@ class Pipeline:
                     got = tape.gradient(targets, variables[k] + ([h] if k else []), output_gradients=seeds)
                     for i, (g, v) in enumerate(zip(got, variables[k])):
                         g = tf.zeros_like(v) if g is None else g
-                        grads[k][i] = g if grads[k][i] is None else grads[k][i] + g
+                        grads[k][i] = g if grads[k][i] is None else _add(grads[k][i], g)
                 upstream = got[-1] if k else None
 
         @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
@@ -306,3 +311,12 @@ class Pipeline:
             return tf.add_n([sums for _, sums in passes])
 
         return step
+
+
+def _add(a, b):
+    """Two gradients of one variable; an embedding's sparse ones (IndexedSlices) stay sparse."""
+    import tensorflow as tf
+
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

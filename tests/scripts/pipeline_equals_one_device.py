@@ -1,11 +1,17 @@
 """Run by tests/test_pipeline.py in a fresh process (logical CPU devices must be set up before TF starts).
 
-A model with a residual block and an L2-regularised layer, trained a few full-batch SGD steps on digits
-three ways from the same initial weights: the usual step on one device, and the pipeline over 2 logical
-CPUs with 1 and with 4 micro-batches (the run's own code path: the strategy, the stage plan, the
-placement and the step factory). Prints, as JSON, each pipeline's largest weight difference from the
-one-device run, each run's summed [loss, correct, count] of the first step, where each stage's variables
-live, and how many of the compiled step's gradient ops each device got ('': unplaced).
+Two models, each trained a few full-batch SGD steps three ways from the same initial weights: the usual
+step on one device, and the pipeline over 2 logical CPUs with 1 and with 4 micro-batches (the run's own
+code path: the strategy, the stage plan, the placement and the step factory):
+
+- a model with a residual block and an L2-regularised layer, on digits;
+- the built-in transformer (small), on synthetic text: its padding mask crosses the cut and is recomputed
+  by the second stage, and its embedding's gradients are sparse.
+
+Prints, as JSON per model: the stages; per pipeline, the largest weight difference from the one-device
+run, how far the weights moved, the summed [loss, correct, count] of the first step (one-device's too),
+where each stage's variables live, and how many of the compiled step's gradient ops (constants aside) each
+device got ('' = unplaced).
 """
 
 import json
@@ -22,7 +28,7 @@ from app.training.model import build_model
 from app.training.pipeline import Pipeline
 from app.training.step import make_train_steps
 
-STEPS, BATCH = 4, 1436  # full batch: digits has 1,438 training rows; 1,436 splits into 4 micro-batches
+STEPS = 3
 
 
 def residual_model(input_shape, num_classes):
@@ -35,51 +41,61 @@ def residual_model(input_shape, num_classes):
     return keras.Model(x, keras.layers.Dense(num_classes, name="logits")(h))
 
 
-def config(microbatches: int, strategy: str):
+CASES = {
+    # digits: 1,438 training rows; a full batch of 1,436 splits into 4 micro-batches
+    "residual": {"model": residual_model, "per_replica_batch": 1436},
+    "transformer": {"model": "transformer", "dataset": "synthetic-text", "synthetic_text_rows": 250,
+                    "per_replica_batch": 200, "sequence_length": 16, "vocab_size": 256, "embed_dim": 16,
+                    "num_heads": 2, "ff_dim": 16, "split_at": ["attention_1"], "base_lr": 0.05},
+}
+
+
+def config(case: dict, microbatches: int | None):
+    pipeline = {"strategy": "pipeline", "pipeline_microbatches": microbatches} if microbatches else {
+        "strategy": "one-device", "split_at": None}
     return build_config(None, {
-        "backend": "local", "strategy": strategy, "model": residual_model, "output": sys.argv[1],
-        "optimizer": "sgd", "momentum": 0.9, "base_lr": 0.3, "lr_scaling": "none", "warmup_epochs": 0,
-        "lr_decay": "constant", "per_replica_batch": BATCH, "seed": 3,
-        **({"pipeline_microbatches": microbatches} if strategy == "pipeline" else {}),
+        "backend": "local", "output": sys.argv[1], "optimizer": "sgd", "momentum": 0.9, "base_lr": 0.3,
+        "lr_scaling": "none", "warmup_epochs": 0, "lr_decay": "constant", "seed": 3, **case, **pipeline,
     })
 
 
-strategy, _ = strategy_lib.local_strategy("pipeline", 2, 1)
-devices = strategy_lib.stage_devices()
-checked = preflight.check(config(4, "pipeline"), 1, 1, stage_devices=devices)
-stages, facts, objective = checked.model["pipeline"], checked.facts, checked.objective
-train = checked.source.train
-batch = (train.x[:BATCH], train.y[:BATCH], train.ids[:BATCH])
-
-
-def train_steps(microbatches: int | None):
-    cfg = config(microbatches or 1, "pipeline" if microbatches else "one-device")
-    lr_plan = optim.plan_lr(cfg, BATCH, STEPS)
+def train(case: dict, checked, microbatches: int | None):
+    cfg, batch_size = config(case, microbatches), case["per_replica_batch"]
+    train = checked.source.train
+    batch = (train.x[:batch_size], train.y[:batch_size], train.ids[:batch_size])
     with strategy.scope():
-        model = build_model(cfg, facts)
-        optimizer = optim.make_optimizer(cfg, lr_plan)
-    pipe = Pipeline.place(model, stages, facts.feature_shape) if microbatches else None
+        model = build_model(cfg, checked.facts)
+        optimizer = optim.make_optimizer(cfg, optim.plan_lr(cfg, batch_size, STEPS))
+    initial = model.get_weights()
+    pipe = Pipeline.place(model, checked.model["pipeline"], checked.facts.feature_shape) if microbatches else None
     model = pipe.model if pipe else model
-    step = pipe.train_step(optimizer, objective, BATCH, microbatches) if pipe else None
-    steps = make_train_steps(strategy, model, optimizer, objective, BATCH, replica_step=step)
+    step = pipe.train_step(optimizer, checked.objective, batch_size, microbatches) if pipe else None
+    steps = make_train_steps(strategy, model, optimizer, checked.objective, batch_size, replica_step=step)
     first = [float(v) for v in steps.one(batch)[0].numpy()]
     for _ in range(STEPS - 1):
         steps.one(batch)
     graph = steps.one.get_concrete_function(batch).graph
-    grad_ops = [op for op in graph.get_operations() if op.name.startswith("gradient_tape/")]
-    return model, first, [op.device.split("/device:")[-1] for op in grad_ops], pipe
+    grad_devices = [op.device.split("/device:")[-1] for op in graph.get_operations()  # constants run nowhere
+                    if op.name.startswith("gradient_tape/") and op.type != "Const"]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), initial))
+    return model.get_weights(), first, moved, grad_devices, pipe
 
 
-reference, ref_first, _, _ = train_steps(None)
-out = {"stages": stages.stages, "one_device_first_step": ref_first, "pipelines": {}}
-for m in (1, 4):
-    model, first, grad_devices, pipe = train_steps(m)
-    out["pipelines"][m] = {
-        "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
-        "moved": max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), build_model(
-            config(1, "one-device"), facts).get_weights())),
-        "first_step": first,
-        "variable_devices": [sorted({v.value.device.split("/device:")[-1] for v in s.variables}) for s in pipe.stages],
-        "gradient_ops_per_device": {d: grad_devices.count(d) for d in sorted(set(grad_devices))},
-    }
+strategy, _ = strategy_lib.local_strategy("pipeline", 2, 1)
+devices = strategy_lib.stage_devices()
+out = {}
+for name, case in CASES.items():
+    checked = preflight.check(config(case, 4), 1, 1, stage_devices=devices)
+    reference, ref_first, _, _, _ = train(case, checked, None)
+    out[name] = {"stages": list(checked.model["pipeline"].stages), "one_device_first_step": ref_first, "pipelines": {}}
+    for m in (1, 4):
+        weights, first, moved, grad_devices, pipe = train(case, checked, m)
+        out[name]["pipelines"][m] = {
+            "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, reference)),
+            "moved": moved,
+            "first_step": first,
+            "variable_devices": [sorted({v.value.device.split("/device:")[-1] for v in s.variables})
+                                 for s in pipe.stages],
+            "gradient_ops_per_device": {d: grad_devices.count(d) for d in sorted(set(grad_devices))},
+        }
 print(json.dumps(out))
