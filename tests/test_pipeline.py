@@ -32,6 +32,19 @@ USER_MODELS = textwrap.dedent("""
         return keras.Model(x, keras.layers.Dense(num_classes, name="head")(h))
 
 
+    class Subclassed(keras.Model):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.hidden, self.head = keras.layers.Dense(16), keras.layers.Dense(num_classes)
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+
+    def subclassed(num_classes):
+        return Subclassed(num_classes)
+
+
     def sequential(input_shape, num_classes):  # layers named by Keras: dense, dense_1, ... (new names each build)
         return keras.Sequential([
             keras.Input(input_shape),
@@ -72,6 +85,8 @@ def test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches(
             # Each stage's variables on its own device, and every gradient op placed on a stage's device.
             assert run["variable_devices"] == [["CPU:0"], ["CPU:1"]]
             assert set(run["gradient_ops_per_device"]) == {"CPU:0", "CPU:1"}, (name, m, run["gradient_ops_per_device"])
+            # Evaluation runs the stages; the exported model (one ordinary model, reloaded) computes the same.
+            assert run["exported_vs_stages"] < 1e-5
 
 
 def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
@@ -89,11 +104,7 @@ def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
     assert stages[0]["first"] == "conv_0_0" and stages[1]["last"] == "logits"
     assert all(s["parameters"] > 0 for s in stages)
     assert "pipeline: 2 stages, each batch as 4 micro-batches" in p.stderr  # the plan line
-    # The exported model is one ordinary model, scored alike in a plain process.
-    p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    scored = json.loads((out / "eval.json").read_text())
-    assert scored["val_accuracy"] == pytest.approx(pipe["metrics"]["val_accuracy"], abs=1e-6)
+    # The exported model is one ordinary model (the equivalence script reloads one and checks its outputs).
     with zipfile.ZipFile(out / "model.keras") as saved:
         exported = json.loads(saved.read("config.json"))
     layers = [layer["config"]["name"] for layer in exported["config"]["layers"]]
@@ -129,8 +140,6 @@ def one_error_line(p) -> str:
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--devices", "2", "--split-at", "block_9"], ["--split-at block_9: no layer has that name",
-                                                  "can be cut at: block_2, head"]),
     (["--devices", "2", "--split-at", "block_3"], ["--split-at block_3: 2 tensors that depend on weights cross there",
                                                   "can be cut at: block_2, head"]),
     (["--devices", "1"], ["--strategy pipeline needs 2 or more devices (one per stage), found 0 GPU(s), 1 CPU"]),
@@ -143,6 +152,31 @@ def test_a_cut_that_cannot_be_made_is_one_line_before_training(tmp_path, args, w
     for word in words:
         assert word in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model, split_at, words", [
+    ("residual", ["block_9"], ["--split-at block_9: no layer has that name; my model can be cut at: block_2, head"]),
+    ("residual", ["block_4"], ["--split-at block_4: 2 tensors that depend on weights cross there"]),
+    ("residual", ["head", "block_2"], ["give each layer once, in the model's order"]),
+    ("residual", ["block_2"], ["makes 2 stages, but there are 3 devices"]),
+    ("subclassed", None, ["--strategy pipeline cuts functional and Sequential models, and my model is a subclassed "
+                          "Subclassed"]),
+])
+def test_what_cannot_be_cut_is_named(tmp_path, model, split_at, words):
+    """The same check the run makes before training (the line above), on more cases, in this process."""
+    import numpy as np
+
+    from app.errors import UserError
+    from app.training.pipeline import plan_stages
+
+    namespace: dict = {}
+    exec(USER_MODELS, namespace)
+    built = namespace[model](**({"input_shape": (64,)} if model != "subclassed" else {}), num_classes=10)
+    built(np.zeros((1, 64), np.float32))
+    with pytest.raises(UserError) as e:
+        plan_stages(built, split_at, ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "my model")
+    for word in words:
+        assert word in str(e.value), e.value
 
 
 @pytest.mark.parametrize("args, words", [

@@ -25,6 +25,7 @@ micro-batch 1 waits only for stage 1 on micro-batch 1, so stage 1 can go on with
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -77,7 +78,7 @@ class Graph:
         for i, node in enumerate(nodes):
             op = node.operation
             weights = getattr(op, "weights", [])  # keras.ops functions (cast, add) have none
-            params.append(0 if id(op) in seen else sum(int(w.numpy().size) for w in weights))
+            params.append(0 if id(op) in seen else sum(math.prod(w.shape) for w in weights))
             seen.add(id(op))
             for t in node.input_tensors:
                 last_use[id(t)] = i
@@ -88,6 +89,10 @@ class Graph:
                     free.add(id(t))
         for t in model.outputs:
             last_use[id(t)] = len(nodes)
+        calls: dict[int, list[int]] = {}  # a layer with weights -> the positions it is called at
+        for i, node in enumerate(nodes):
+            if getattr(node.operation, "weights", None):
+                calls.setdefault(id(node.operation), []).append(i)
         graph = cls(nodes, params)
         for i, node in enumerate(nodes):
             op = node.operation
@@ -95,8 +100,11 @@ class Graph:
                 continue
             crossing = [k for k, p in produced.items() if p < i <= last_use.get(k, -1)]
             weighted = [k for k in crossing if k not in free]
+            split = next((nodes[p[0]].operation.name for p in calls.values() if p[0] < i <= p[-1]), None)
             if len(op._inbound_nodes) != 1:
                 graph.why_not[op.name] = "it is a shared layer (called more than once)"
+            elif split:
+                graph.why_not[op.name] = f"layer {split} is called before and after it (its weights live on one device)"
             elif len(weighted) != 1:
                 graph.why_not[op.name] = (f"{len(weighted)} tensors that depend on weights cross there (inside a "
                                           "residual block?)" if weighted else "no layer before it has weights")
@@ -298,7 +306,7 @@ class Pipeline:
                     for i, (g, v) in enumerate(zip(got, variables[k])):
                         g = tf.zeros_like(v) if g is None else g
                         grads[k][i] = g if grads[k][i] is None else _add(grads[k][i], g)
-                upstream = got[-1] if k else None
+                upstream = (tf.zeros_like(h) if got[-1] is None else got[-1]) if k else None
 
         @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
         def step(x, y):

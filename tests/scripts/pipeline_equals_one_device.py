@@ -10,7 +10,8 @@ code path: the strategy, the stage plan, the placement and the step factory):
 
 Prints, as JSON per model: the stages; per pipeline, the largest weight difference from the one-device
 run, how far the weights moved, the summed [loss, correct, count] of the first step (one-device's too),
-where each stage's variables live, and how many of the compiled step's gradient ops (constants aside) each
+where each stage's variables live, the largest difference between the stages' forward pass and the
+saved-and-reloaded model, and how many of the compiled step's gradient ops (constants aside) each
 device got ('' = unplaced).
 """
 
@@ -78,7 +79,12 @@ def train(case: dict, checked, microbatches: int | None):
     grad_devices = [op.device.split("/device:")[-1] for op in graph.get_operations()  # constants run nowhere
                     if op.name.startswith("gradient_tape/") and op.type != "Const"]
     moved = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), initial))
-    return model.get_weights(), first, moved, grad_devices, pipe
+    exported = None
+    if pipe:  # the stages' forward pass (evaluation) against the saved and reloaded model.keras
+        model.save(f"{sys.argv[1]}.keras")
+        reloaded = keras.models.load_model(f"{sys.argv[1]}.keras")
+        exported = float(np.abs(reloaded(batch[0][:64]).numpy() - pipe(batch[0][:64]).numpy()).max())
+    return model.get_weights(), first, moved, grad_devices, pipe, exported
 
 
 strategy, _ = strategy_lib.local_strategy("pipeline", 2, 1)
@@ -86,10 +92,10 @@ devices = strategy_lib.stage_devices()
 out = {}
 for name, case in CASES.items():
     checked = preflight.check(config(case, 4), 1, 1, stage_devices=devices)
-    reference, ref_first, _, _, _ = train(case, checked, None)
+    reference, ref_first, *_ = train(case, checked, None)
     out[name] = {"stages": list(checked.model["pipeline"].stages), "one_device_first_step": ref_first, "pipelines": {}}
     for m in (1, 4):
-        weights, first, moved, grad_devices, pipe = train(case, checked, m)
+        weights, first, moved, grad_devices, pipe, exported = train(case, checked, m)
         out[name]["pipelines"][m] = {
             "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, reference)),
             "moved": moved,
@@ -97,5 +103,6 @@ for name, case in CASES.items():
             "variable_devices": [sorted({v.value.device.split("/device:")[-1] for v in s.variables})
                                  for s in pipe.stages],
             "gradient_ops_per_device": {d: grad_devices.count(d) for d in sorted(set(grad_devices))},
+            "exported_vs_stages": exported,
         }
 print(json.dumps(out))
