@@ -16,15 +16,14 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_serializer, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_serializer, model_validator
 
 from app import registry
 from app.errors import UserError
 
 CONFIG_FILE = "config.yaml"  # every run writes its config there; --resume reads it back
 LrScaling = Literal["linear", "sqrt", "none"]
-PIPELINE_MICROBATCHES = 4  # with 2 stages a quarter of the batch each: stages idle 1/5 of a step, not 1/2
+PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (README)
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
 # a path/URI (datasets), or, from Python (app.train), the function itself.
@@ -43,22 +42,17 @@ class RunSection(_Section):
     )
     strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage", "pipeline"] = Field(
         "auto",
-        description="--backend local only. auto: TPU if found, else 2+ GPUs Mirrored, 1 GPU one-device, else CPU. "
-        "pipeline: the model's layers cut into one stage per device (GPUs, or --devices N logical CPUs).",
+        description="--backend local only. auto: TPU if found, else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
     )
     devices: Optional[PositiveInt] = Field(
         None, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
     )
     pipeline_microbatches: PositiveInt = Field(
-        PIPELINE_MICROBATCHES,
-        description="--strategy pipeline: run each batch as N micro-batches, so that stages work at the same time "
-        "(GPipe; idle share (stages-1)/(N+stages-1)). Must divide the per-replica batch.",
-    )
+        PIPELINE_MICROBATCHES, description="--strategy pipeline: run each batch as N micro-batches, so that the "
+        "stages overlap (GPipe).")
     split_at: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
-        None,
-        description="--strategy pipeline: the layers that start a new stage, one fewer than the devices "
-        "(block_2,block_4 or block_2 block_4). Default: the cuts that balance the parameters.",
-    )
+        None, description="--strategy pipeline: the layers that start a stage (block_2,block_4 or block_2 block_4); "
+        "default: where the parameters balance.")
     steps_per_execution: PositiveInt = Field(
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )
@@ -291,7 +285,11 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             problems.append("--strategy picks a local strategy: use it with --backend local (Ray workers use MWMS)")
         if self.backend == "ray" and self.devices is not None:
             problems.append("--devices splits a local CPU: use it with --backend local")
-        problems += self._pipeline_problems()
+        if self.strategy != "pipeline" and (self.split_at or self.pipeline_microbatches != PIPELINE_MICROBATCHES):
+            problems.append("--split-at and --pipeline-microbatches are for --strategy pipeline")
+        if self.strategy == "pipeline" and self.per_replica_batch % self.pipeline_microbatches:
+            problems.append(f"--per-replica-batch {self.per_replica_batch} does not split into "
+                            f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if self.resume and self.overwrite:
@@ -300,25 +298,14 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             raise ValueError("; ".join(problems))
         return self
 
-    @field_validator("split_at", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _comma_list(cls, value: Any) -> Any:  # --split-at a,b = --split-at a b (and split_at: "a,b" in YAML)
-        value = [value] if isinstance(value, str) else value
-        return [part for v in value for part in str(v).split(",") if part] if isinstance(value, list) else value
-
-    def _pipeline_problems(self) -> list[str]:
-        if self.strategy != "pipeline":
-            stray = (("--split-at", self.split_at is not None),
-                     ("--pipeline-microbatches", self.pipeline_microbatches != PIPELINE_MICROBATCHES))
-            return [f"{flag} is for --strategy pipeline" for flag, given in stray if given]
-        problems = []
-        if self.per_replica_batch % self.pipeline_microbatches:
-            problems.append(f"--per-replica-batch {self.per_replica_batch} does not split into "
-                            f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
-        if self.grad_accum > 1:
-            problems.append("--grad-accum with --strategy pipeline: raise --per-replica-batch instead (the pipeline "
-                            "already runs each batch as --pipeline-microbatches micro-batches)")
-        return problems
+    def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
+        cut = values.get("split_at") if isinstance(values, dict) else None
+        if isinstance(cut, (str, list)):
+            parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
+            values = {**values, "split_at": parts}
+        return values
 
     @field_serializer("model", "dataset")
     def _plugin_name(self, value: Plugin) -> str:

@@ -180,7 +180,8 @@ def test_what_cannot_be_cut_is_named(tmp_path, model, split_at, words):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--split-at", "x"], ["--split-at is for --strategy pipeline"]),
+    (["--split-at", "x"], ["--split-at and --pipeline-microbatches are for --strategy pipeline"]),
+    (["--pipeline-microbatches", "2"], ["--split-at and --pipeline-microbatches are for --strategy pipeline"]),
     (["--strategy", "pipeline", "--per-replica-batch", "30"], ["--per-replica-batch 30 does not split into 4"]),
 ])
 def test_pipeline_flags_out_of_place_are_one_line(capsys, args, words):
