@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from app.training.objective import Objective
 
 
-def batch_sums(objective_fns, y, out, per_example_loss, weight):
+def _sums(objective_fns, y, out, per_example_loss, weight):
     import tensorflow as tf
 
     _, metric_fn = objective_fns
@@ -84,7 +84,7 @@ def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", 
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), batch_sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
+        return tape.gradient(loss, variables), _sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
 
     def train_step(x, y):
         if grad_accum == 1:
@@ -145,17 +145,14 @@ def make_train_steps(strategy, model, optimizer, objective, global_batch: int, g
 
 
 def make_eval_step(strategy, model, objective):
-    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing.
-
-    ``model`` is any callable ``(x, training=False) -> outputs``: a Keras model, or a pipeline's stages.
-    """
+    """(x, y, weight) batch -> per-replica sums; weight-0 padding rows count for nothing."""
     import tensorflow as tf
 
     fns = (objective.loss_fn(), objective.metric_fn())
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return batch_sums(fns, y, out, fns[0](y, out), w)
+        return _sums(fns, y, out, fns[0](y, out), w)
 
     @tf.function
     def distributed(batch):
