@@ -34,7 +34,8 @@ from app.errors import RunFailed, UserError
 _TITLES = {"RunSection": "run", "DataSection": "data", "ModelSection": "model", "OptimSection": "optimisation",
            "OutputSection": "output"}
 # A sweep chooses its own output; these are per-run/per-machine, not per-trial.
-NOT_FOR_TUNE = frozenset({"output", "overwrite", "resume", "backend", "strategy", "devices", "storage_path"})
+NOT_FOR_TUNE = frozenset({"output", "overwrite", "resume", "backend", "strategy", "devices", "storage_path", "split_at",
+                          "pipeline_microbatches"})
 # Evaluation re-reads the data like the run did: the data fields, the split seed, the batch, how labels are scored.
 EVALUATE_FIELDS = frozenset(DataSection.model_fields) | {"seed", "per_replica_batch", "task", "loss", "from_logits"}
 

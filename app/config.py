@@ -23,6 +23,7 @@ from app.errors import UserError
 
 CONFIG_FILE = "config.yaml"  # every run writes its config there; --resume reads it back
 LrScaling = Literal["linear", "sqrt", "none"]
+PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (README)
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
 # a path/URI (datasets), or, from Python (app.train), the function itself.
@@ -39,15 +40,22 @@ class RunSection(_Section):
     backend: Literal["ray", "local"] = Field(
         "ray", description="ray: Ray Train workers (MultiWorkerMirroredStrategy). local: no Ray, one process."
     )
-    strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage", "parameter-server"] = Field(
+    strategy: Literal["auto", "mirrored", "tpu", "one-device", "central-storage", "pipeline",
+                      "parameter-server"] = Field(
         "auto",
         description="--backend ray: auto = MultiWorkerMirroredStrategy (synchronous all-reduce), parameter-server = "
         "asynchronous updates on --num-ps parameter servers (Ray actors). --backend local: auto = TPU if found, "
-        "else 2+ GPUs Mirrored, 1 GPU one-device, else CPU.",
+        "else 2+ GPUs Mirrored, 1 GPU one-device, else CPU; pipeline = the model cut into stages over --devices.",
     )
     devices: Optional[PositiveInt] = Field(
         None, description="--backend local on CPU: split the CPU into N logical devices (Mirrored replicas)."
     )
+    pipeline_microbatches: PositiveInt = Field(
+        PIPELINE_MICROBATCHES, description="--strategy pipeline: run each batch as N micro-batches, so that the "
+        "stages overlap (GPipe).")
+    split_at: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
+        None, description="--strategy pipeline: the layers that start a stage (block_2,block_4 or block_2 block_4); "
+        "default: where the parameters balance.")
     steps_per_execution: PositiveInt = Field(
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )
@@ -302,6 +310,11 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                             "needs one decision across replicas per step)")
         if self.backend == "ray" and self.devices is not None:
             problems.append("--devices splits a local CPU: use it with --backend local")
+        if self.strategy != "pipeline" and (self.split_at or self.pipeline_microbatches != PIPELINE_MICROBATCHES):
+            problems.append("--split-at and --pipeline-microbatches are for --strategy pipeline")
+        if self.strategy == "pipeline" and self.per_replica_batch % self.pipeline_microbatches:
+            problems.append(f"--per-replica-batch {self.per_replica_batch} does not split into "
+                            f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if self.resume and self.overwrite:
@@ -309,6 +322,15 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
+        cut = values.get("split_at") if isinstance(values, dict) else None
+        if isinstance(cut, (str, list)):
+            parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
+            values = {**values, "split_at": parts}
+        return values
 
     @field_serializer("model", "dataset")
     def _plugin_name(self, value: Plugin) -> str:

@@ -51,10 +51,7 @@ def _dry_run(config: TrainConfig) -> list[str]:
     if config.backend == "local":
         from app.run import local
 
-        strategy, reason = local.make_strategy(config)
-        replicas = strategy.num_replicas_in_sync
-        checked = preflight.check(config, 1, replicas)
-        lines = preflight.plan_lines(config, checked, 1, replicas, f"{type(strategy).__name__} ({reason})")
+        lines = local.plan(config)[-1]
     else:
         from app.errors import UserError
         from app.run import cluster, ray_train

@@ -1,8 +1,9 @@
 """The local backend: the same per-worker function in this process, no Ray.
 
-MirroredStrategy over GPUs (or logical CPUs), TPUStrategy, one device, or
-CentralStorageStrategy; the input is tf.data from the same arrays with the
-same rules as the Ray path. Ray is never imported here.
+MirroredStrategy over GPUs (or logical CPUs), TPUStrategy, one device,
+CentralStorageStrategy, or the model cut into pipeline stages; the input is
+tf.data from the same arrays with the same rules as the Ray path. Ray is
+never imported here.
 """
 
 from __future__ import annotations
@@ -73,19 +74,18 @@ class LocalSession:
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
-    from app.run import preflight
     from app.training.loop import NonFiniteLoss
     from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()
-    strategy, reason = make_strategy(config)
-    replicas = strategy.num_replicas_in_sync
-    checked = preflight.check(config, 1, replicas)
-    for line in preflight.plan_lines(config, checked, 1, replicas, f"{type(strategy).__name__} ({reason})"):
+    strategy, name, reason, checked, lines = plan(config)
+    for line in lines:
         log.info(line)
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
-    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty())
+    pipeline = checked.model.get("pipeline")  # --strategy pipeline: the StagePlan
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty(),
+                    stages=pipeline)
     session = LocalSession(config, strategy, checked.source)
     try:
         with console.routed(out / console.LOG_FILE, config.verbose):
@@ -97,9 +97,23 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         raise UserError(f"no checkpoint in {out / CHECKPOINT_DIR} to export")
     summary = outputs.write_outputs(
         config, session.checkpoints.restore_state(), latest + checkpoint.MODEL_SUFFIX,
-        strategy=type(strategy).__name__, started_at=started_at, extra={"strategy_reason": reason},
+        strategy=name, started_at=started_at,
+        extra={"strategy_reason": reason, **({"stages": list(pipeline.stages)} if pipeline else {})},
     )
     return summary
+
+
+def plan(config: TrainConfig):
+    """(strategy, its name, why, the checks, the plan lines): what a run logs first and --dry-run prints."""
+    from app.run import preflight
+    from app.training.strategy import stage_devices
+
+    strategy, reason = make_strategy(config)
+    replicas = strategy.num_replicas_in_sync
+    devices = stage_devices() if config.strategy == "pipeline" else []
+    checked = preflight.check(config, 1, replicas, stage_devices=devices)
+    name = "pipeline" if devices else type(strategy).__name__
+    return strategy, name, reason, checked, preflight.plan_lines(config, checked, 1, replicas, f"{name} ({reason})")
 
 
 def make_strategy(config: TrainConfig):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
@@ -30,7 +30,7 @@ class Checked:
     source: Union[Source, "Streamed"]
     facts: DataFacts
     objective: "Objective"
-    model: dict[str, Any]  # name, parameters, output shape
+    model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
 
 
 def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streamed"]:
@@ -57,8 +57,13 @@ def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streame
     return memory.load_source(config, value)
 
 
-def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Objective", dict[str, Any]]:
-    """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary."""
+def check_model(config: "TrainConfig", facts: DataFacts,
+                stage_devices: Sequence[str] = ()) -> tuple[DataFacts, "Objective", dict[str, Any]]:
+    """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary.
+
+    With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
+    device (a StagePlan).
+    """
     from app.training.model import build_model, check_output, model_name
     from app.training.objective import objective_for
 
@@ -73,6 +78,10 @@ def check_model(config: "TrainConfig", facts: DataFacts) -> tuple[DataFacts, "Ob
     summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities")}
+    if stage_devices:
+        from app.training.pipeline import plan_stages
+
+        summary["pipeline"] = plan_stages(model, config.split_at, stage_devices, name)
     return facts, objective, summary
 
 
@@ -87,10 +96,10 @@ def _outputs(model, facts: DataFacts) -> int:
 
 
 def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
-          source: Union[Source, "Streamed", None] = None) -> Checked:
-    """Data, model and epoch plan, checked; the streamed path needs Ray connected first."""
+          source: Union[Source, "Streamed", None] = None, stage_devices: Sequence[str] = ()) -> Checked:
+    """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
     source = source if source is not None else load_data(config, num_workers)
-    facts, objective, summary = check_model(config, source.facts)
+    facts, objective, summary = check_model(config, source.facts, stage_devices)
     EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
     return Checked(source, facts, objective, summary)
 
@@ -111,7 +120,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         run = f"batch {plan.step_batch} per update, {updates} updates per epoch over the workers"
     target = f"{facts.num_classes} classes" if facts.num_classes else "a float target"
     m = checked.model
-    return [
+    lines = [
         f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
         f"{tuple(facts.feature_shape)}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
         "(whole batches on every replica)",
@@ -122,4 +131,11 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} at batch "
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]
+    if "pipeline" in m:
+        stages = m["pipeline"].stages
+        where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
+                          for s in stages)
+        lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
+                        f"{where}")
+    return lines
 

@@ -118,11 +118,12 @@ class TrainSteps:
 
 
 def make_train_steps(strategy, model, optimizer, objective, global_batch: int, grad_accum: int = 1,
-                     audit_sample_ids: bool = False) -> TrainSteps:
+                     audit_sample_ids: bool = False, replica_step: Optional[Callable] = None) -> TrainSteps:
+    """``replica_step``: a per-replica (x, y) -> sums step of its own (app.training.pipeline's), else the usual."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_train_step(model, optimizer, objective, global_batch, grad_accum)
+    step = replica_step or replica_train_step(model, optimizer, objective, global_batch, grad_accum)
 
     @tf.function
     def one(batch):

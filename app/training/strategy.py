@@ -55,7 +55,7 @@ def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None 
 
 
 # --------------------------------------------------------------------------- #
-# Local (no Ray): MirroredStrategy, TPUStrategy, one device, central storage   #
+# Local (no Ray): Mirrored, TPU, one device, central storage, pipeline stages   #
 # --------------------------------------------------------------------------- #
 
 
@@ -144,4 +144,19 @@ def local_strategy(name: str, devices: int | None, cpus: float | None = None) ->
             tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=cpu_devices[0]),
             f"requested; variables on {cpu_devices[0]}, compute on {len(compute)} devices",
         )
+    if name == "pipeline":
+        # Not a tf.distribute strategy: the default one feeds the data; app.training.pipeline places the stages.
+        if len(compute) < 2:
+            raise StrategyUnavailable(
+                f"--strategy pipeline needs 2 or more devices (one per stage), found {found}: "
+                "use --devices N to split the CPU"
+            )
+        return tf.distribute.get_strategy(), f"requested; {len(compute)} stages, one per device"
     raise StrategyUnavailable(f"unknown strategy {name!r}")
+
+
+def stage_devices() -> list[str]:
+    """One device per pipeline stage: every GPU, else every logical CPU (after ``local_strategy``)."""
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")]

@@ -19,6 +19,7 @@ from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 from app.training import checkpoint
 from app.training.objective import Objective
+from app.training.pipeline import StagePlan
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -36,6 +37,7 @@ class WorkerJob:
     objective: Objective
     tensorboard_dir: Optional[str]
     progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
+    stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
 
 
 class Session(Protocol):
@@ -68,6 +70,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.metrics import progress_line
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
+    from app.training.pipeline import Pipeline
     from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
     from app.training.tensorboard import TensorBoard
 
@@ -79,6 +82,10 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     with strategy.scope():
         model = build_model(config, job.facts)
         optimizer = make_optimizer(config, lr_plan)
+    # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
+    # on its own device; `model` stays one ordinary model (checkpoints, export), `forward` runs the stages.
+    pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
+    model, forward = (pipe.model, pipe) if pipe else (model, model)
 
     # A restarted worker group (a worker died) or a resumed run starts from the
     # last checkpoint: weights, optimizer (hence the LR schedule position),
@@ -94,8 +101,10 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     driver = EpochDriver(
         strategy, optimizer,
         make_train_steps(strategy, model, optimizer, job.objective, plan.global_batch, config.grad_accum,
-                         config.audit_sample_ids),
-        make_eval_step(strategy, model, job.objective),
+                         config.audit_sample_ids,
+                         pipe.train_step(optimizer, job.objective, plan.global_batch, config.pipeline_microbatches)
+                         if pipe else None),
+        make_eval_step(strategy, forward, job.objective),
         make_replica_state_average(strategy, model),
         metric=job.objective.metric,
         steps_per_execution=config.steps_per_execution,

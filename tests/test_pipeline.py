@@ -1,0 +1,192 @@
+"""--strategy pipeline: one model cut into stages over local devices (2 logical CPUs here), GPipe micro-batches.
+
+Logical CPU devices must be configured before TensorFlow starts, so everything runs in a fresh process:
+the command line as the README writes it, and a script that drives the run's own step factory.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+
+from app import cli
+from conftest import REPO, clean_env, run_job
+
+CNN_ON_DIGITS = ["--model", "cnn", "--feature-shape", "8", "8", "1", "--epochs", "5"]
+
+USER_MODELS = textwrap.dedent("""
+    import keras
+
+
+    def residual(input_shape, num_classes):
+        x = keras.Input(input_shape)
+        h = keras.layers.Dense(32, activation="relu", name="block_1")(x)
+        b = keras.layers.Dense(32, activation="relu", name="block_2")(h)
+        b = keras.layers.Dense(32, name="block_3")(b)
+        h = keras.layers.Add(name="block_4")([h, b])
+        return keras.Model(x, keras.layers.Dense(num_classes, name="head")(h))
+
+
+    class Subclassed(keras.Model):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.hidden, self.head = keras.layers.Dense(16), keras.layers.Dense(num_classes)
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+
+    def subclassed(num_classes):
+        return Subclassed(num_classes)
+
+
+    def sequential(input_shape, num_classes):  # layers named by Keras: dense, dense_1, ... (new names each build)
+        return keras.Sequential([
+            keras.Input(input_shape),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(num_classes),
+        ])
+""")
+
+
+def run(out, *args, timeout=300):
+    return run_job("jobs/train.py", "--backend", "local", "--output", str(out), *args, timeout=timeout)
+
+
+def result_of(p, out) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches(tmp_path):
+    """A residual model (digits) and the transformer (its mask recomputed past the cut; sparse embedding grads)."""
+    p = subprocess.run([sys.executable, "tests/scripts/pipeline_equals_one_device.py", str(tmp_path / "o")], cwd=REPO,
+                       env=clean_env(TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    models = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(models) == {"residual", "transformer"}
+    assert models["residual"]["stages"][1]["first"] == "branch_a"  # balanced; inside the residual block there is no cut
+    assert models["transformer"]["stages"][1]["first"] == "attention_1"
+    for name, out in models.items():
+        assert [s["device"] for s in out["stages"]] == ["/device:CPU:0", "/device:CPU:1"]
+        loss, correct, count = out["one_device_first_step"]
+        for m in ("1", "4"):
+            run = out["pipelines"][m]
+            assert run["max_abs_diff"] < 1e-5, (name, m, run)
+            assert run["moved"] > 1e-2  # the steps really changed the weights
+            assert run["first_step"][1:] == [correct, count]  # exact sums, as the one-device step's
+            assert run["first_step"][0] == pytest.approx(loss, rel=1e-5)
+            # Each stage's variables on its own device, and every gradient op placed on a stage's device.
+            assert run["variable_devices"] == [["CPU:0"], ["CPU:1"]]
+            assert set(run["gradient_ops_per_device"]) == {"CPU:0", "CPU:1"}, (name, m, run["gradient_ops_per_device"])
+            # Evaluation runs the stages; the exported model (one ordinary model, reloaded) computes the same.
+            assert run["exported_vs_stages"] < 1e-5
+
+
+def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
+    """The README's command: the CNN over 2 stages reaches the one-device val accuracy; the model is one model."""
+    one = result_of(run(tmp_path / "one", "--strategy", "one-device", *CNN_ON_DIGITS), tmp_path / "one")
+    out = tmp_path / "pipe"
+    p = run(out, "--strategy", "pipeline", "--devices", "2", "--pipeline-microbatches", "4", *CNN_ON_DIGITS)
+    pipe = result_of(p, out)
+    assert pipe["strategy"] == "pipeline"
+    accuracy = pipe["metrics"]["val_accuracy"]
+    assert abs(accuracy - one["metrics"]["val_accuracy"]) <= 0.01, (pipe["metrics"], one["metrics"])
+    assert accuracy > 0.95
+    stages = pipe["stages"]
+    assert [s["device"] for s in stages] == ["/device:CPU:0", "/device:CPU:1"]
+    assert stages[0]["first"] == "conv_0_0" and stages[1]["last"] == "logits"
+    assert all(s["parameters"] > 0 for s in stages)
+    assert "pipeline: 2 stages, each batch as 4 micro-batches" in p.stderr  # the plan line
+    # The exported model is one ordinary model (the equivalence script reloads one and checks its outputs).
+    with zipfile.ZipFile(out / "model.keras") as saved:
+        exported = json.loads(saved.read("config.json"))
+    layers = [layer["config"]["name"] for layer in exported["config"]["layers"]]
+    assert exported["class_name"] == "Functional" and "conv_0_0" in layers and "logits" in layers
+    assert not any(name.startswith("stage_") for name in layers)
+
+
+def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):
+    (tmp_path / "my_models.py").write_text(USER_MODELS)
+    out = tmp_path / "seq"
+    result = result_of(run(out, "--strategy", "pipeline", "--devices", "3", "--split-at", "dense_1,dense_2",
+                           "--epochs", "2", "--pipeline-microbatches", "2",
+                           "--model", f"{tmp_path / 'my_models.py'}:sequential"), out)
+    assert [(s["first"], s["last"], s["device"]) for s in result["stages"]] == [
+        ("dense", "dense", "/device:CPU:0"), ("dense_1", "dense_1", "/device:CPU:1"),
+        ("dense_2", "dense_2", "/device:CPU:2")]
+    assert [s["parameters"] for s in result["stages"]] == [64 * 64 + 64, 64 * 32 + 32, 32 * 10 + 10]
+    assert result["metrics"]["val_accuracy"] > 0.8
+
+
+def test_split_at_takes_a_comma_list_or_separate_values():
+    base = ["--backend", "local", "--strategy", "pipeline"]
+    assert cli.train_args("t", [*base, "--split-at", "block_2,block_4,block_6"]).config.split_at == [
+        "block_2", "block_4", "block_6"]
+    assert cli.train_args("t", [*base, "--split-at", "block_2", "block_4"]).config.split_at == ["block_2", "block_4"]
+
+
+def one_error_line(p) -> str:
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--devices", "2", "--split-at", "block_3"], ["--split-at block_3: 2 tensors that depend on weights cross there",
+                                                  "can be cut at: block_2, head"]),
+    (["--devices", "1"], ["--strategy pipeline needs 2 or more devices (one per stage), found 0 GPU(s), 1 CPU"]),
+])
+def test_a_cut_that_cannot_be_made_is_one_line_before_training(tmp_path, args, words):
+    (tmp_path / "my_models.py").write_text(USER_MODELS)
+    out = tmp_path / "o"
+    line = one_error_line(run(out, "--strategy", "pipeline", "--model", f"{tmp_path / 'my_models.py'}:residual", *args,
+                              timeout=120))
+    for word in words:
+        assert word in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model, split_at, words", [
+    ("residual", ["block_9"], ["--split-at block_9: no layer has that name; my model can be cut at: block_2, head"]),
+    ("residual", ["block_4"], ["--split-at block_4: 2 tensors that depend on weights cross there"]),
+    ("residual", ["head", "block_2"], ["give each layer once, in the model's order"]),
+    ("residual", ["block_2"], ["makes 2 stages, but there are 3 devices"]),
+    ("subclassed", None, ["--strategy pipeline cuts functional and Sequential models, and my model is a subclassed "
+                          "Subclassed"]),
+])
+def test_what_cannot_be_cut_is_named(tmp_path, model, split_at, words):
+    """The same check the run makes before training (the line above), on more cases, in this process."""
+    import numpy as np
+
+    from app.errors import UserError
+    from app.training.pipeline import plan_stages
+
+    namespace: dict = {}
+    exec(USER_MODELS, namespace)
+    built = namespace[model](**({"input_shape": (64,)} if model != "subclassed" else {}), num_classes=10)
+    built(np.zeros((1, 64), np.float32))
+    with pytest.raises(UserError) as e:
+        plan_stages(built, split_at, ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "my model")
+    for word in words:
+        assert word in str(e.value), e.value
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--split-at", "x"], ["--split-at and --pipeline-microbatches are for --strategy pipeline"]),
+    (["--pipeline-microbatches", "2"], ["--split-at and --pipeline-microbatches are for --strategy pipeline"]),
+    (["--strategy", "pipeline", "--per-replica-batch", "30"], ["--per-replica-batch 30 does not split into 4"]),
+])
+def test_pipeline_flags_out_of_place_are_one_line(capsys, args, words):
+    with pytest.raises(SystemExit) as e:
+        cli.train_args("t", ["--backend", "local", *args])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and all(w in line for w in words), line
