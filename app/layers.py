@@ -66,3 +66,32 @@ class ShardedEmbedding(keras.layers.Layer):
             "num_shards": self.num_shards,
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
         }
+
+
+@keras.saving.register_keras_serializable(package="app")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position to a (batch, length, dim) sequence.
+
+    A layer of its own because ``keras.layers.Embedding(length, dim)(keras.ops.arange(length))``
+    in a functional model runs once, eagerly, while the model is built: its
+    table becomes a constant of the graph, never trained and not in the model's
+    weights (the transformer had exactly that until 2026-11-23).
+    """
+
+    def __init__(self, embeddings_initializer="uniform", **kwargs):
+        super().__init__(**kwargs)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=tuple(input_shape[-2:]), initializer=self.embeddings_initializer,
+                                          name="embeddings")
+
+    def call(self, x):
+        return x + keras.ops.cast(self.embeddings, x.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(),
+                "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer)}

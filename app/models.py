@@ -78,20 +78,16 @@ def build_transformer(
 
     if len(input_shape) != 1:
         raise ValueError(f"transformer needs token id sequences (length,), got examples of shape {tuple(input_shape)}")
-    length = input_shape[0]
+    from app.layers import PositionEmbedding, ShardedEmbedding
+
     inputs = keras.Input(shape=input_shape, name="x")
     ids = keras.ops.cast(inputs, "int32")
     mask = keras.ops.not_equal(ids, 0)
     if embedding_shards > 1:
-        from app.layers import ShardedEmbedding
-
         tokens = ShardedEmbedding(vocab_size, embed_dim, embedding_shards, name="token_embedding")(ids)
     else:
         tokens = keras.layers.Embedding(vocab_size, embed_dim, name="token_embedding")(ids)
-    positions = keras.layers.Embedding(length, embed_dim, name="position_embedding")(
-        keras.ops.arange(length, dtype="int32")
-    )
-    h = tokens + positions
+    h = PositionEmbedding(name="position_embedding")(tokens)
     for i in range(num_blocks):
         attn = keras.layers.MultiHeadAttention(
             num_heads, embed_dim // num_heads, name=f"attention_{i}"
