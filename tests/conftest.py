@@ -89,6 +89,15 @@ def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
     )
 
 
+def run_jobs_at_once(*commands: list[str], timeout: float = 600,
+                     env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Independent job runs side by side (two local trainings a test compares): their start-ups overlap."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_job(*args, timeout=timeout, env=env), commands))
+
+
 # --- clusters a test starts itself (ray start, ray up) -----------------------
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

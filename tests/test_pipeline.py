@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 from app import cli
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 CNN_ON_DIGITS = ["--model", "cnn", "--feature-shape", "8", "8", "1", "--epochs", "5"]
 
@@ -91,10 +91,12 @@ def test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches(
 
 def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
     """The README's command: the CNN over 2 stages reaches the one-device val accuracy; the model is one model."""
-    one = result_of(run(tmp_path / "one", "--strategy", "one-device", *CNN_ON_DIGITS), tmp_path / "one")
     out = tmp_path / "pipe"
-    p = run(out, "--strategy", "pipeline", "--devices", "2", "--pipeline-microbatches", "4", *CNN_ON_DIGITS)
-    pipe = result_of(p, out)
+    local = ["jobs/train.py", "--backend", "local", *CNN_ON_DIGITS]
+    q, p = run_jobs_at_once([*local, "--output", str(tmp_path / "one"), "--strategy", "one-device"],
+                            [*local, "--output", str(out), "--strategy", "pipeline", "--devices", "2",
+                             "--pipeline-microbatches", "4"], timeout=300)
+    one, pipe = result_of(q, tmp_path / "one"), result_of(p, out)
     assert pipe["strategy"] == "pipeline"
     accuracy = pipe["metrics"]["val_accuracy"]
     assert abs(accuracy - one["metrics"]["val_accuracy"]) <= 0.01, (pipe["metrics"], one["metrics"])

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -13,28 +16,50 @@ from app.errors import UserError
 from conftest import REPO, clean_env, run_job
 
 
-def test_smoke_sweep_and_its_best_config_feeds_back_into_train(ray_cluster, tmp_path):
+def test_smoke_sweep_on_parquet_from_the_command_line_then_its_best_config_trains_and_evaluates(
+        ray_cluster, tmp_path):
+    """jobs/tune.py as a user runs it, on streamed parquet (Ray Data inside every trial), joined to a cluster;
+    its best config fed back into jobs/train.py; a trial's checkpoint scored by jobs/evaluate.py."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = rng.normal(size=(300, 8)) + 2 * rng.normal(size=(3, 8))[y]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"pixels": pa.array(list(x.astype("float32")), type=pa.list_(pa.float32())),
+                             "label": y}), tmp_path / "pq" / "part-0.parquet")
     out = tmp_path / "sweep"
-    summary = tune.sweep(REPO / "tune_spaces" / "smoke.yaml", {}, out)
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/tune.py", "--space", str(REPO / "tune_spaces" / "smoke.yaml"), "--dataset", str(tmp_path / "pq"),
+                "--scheduler", "fifo", "--output", str(out), timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "best val_accuracy" in p.stdout
 
     table = pd.read_csv(out / tune.RESULTS_FILE)
-    assert len(table) == summary["trials"] >= 2
+    assert len(table) == 2
     assert set(table["config/lr_scaling"]) == {"linear", "sqrt"}
     assert (table["epochs_run"] == 1).all() and table["val_accuracy"].notna().all()
-    assert (table["error"].fillna("") == "").all()
+    assert (table["error"].fillna("").astype(str) == "").all()
     # Each trial was a real multi-worker Train run: its own Train storage with checkpoints.
-    assert len(list(out.glob("run_trial_*/train/checkpoint_*/state.json"))) >= 2
+    states = list(out.glob("run_trial_*/train/checkpoint_*/state.json"))
+    assert len(states) >= 2
     assert (out / tune.PLOT_FILE).stat().st_size > 10_000
 
     best_file = out / tune.BEST_CONFIG_FILE
     best = yaml.safe_load(best_file.read_text())
-    assert best["lr_scaling"] == summary["best"]["config"]["lr_scaling"]
-    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    best_acc = table["val_accuracy"].max()
     p = run_job("jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again"), env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
     assert again["config"]["lr_scaling"] == best["lr_scaling"] and again["epochs_completed"] == 1
-    assert again["metrics"]["val_accuracy"] == pytest.approx(summary["best"]["val_accuracy"], abs=0.03)
+    assert again["config"]["dataset"] == str(tmp_path / "pq")
+    assert again["metrics"]["val_accuracy"] == pytest.approx(best_acc, abs=0.05)
+
+    # A trial's checkpoint, evaluated on the parquet validation split in a separate process.
+    state = states[0]
+    p = run_job("jobs/evaluate.py", "--checkpoint", str(state.parent), timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evaluated = json.loads((state.parent / "eval.json").read_text())
+    trained = json.loads(state.read_text())["history"][-1]
+    assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,14 @@ Each run joins the session's Ray (as `ray job submit` would) and trains on 2 wor
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 USER_FILE = '''
 import keras
@@ -126,9 +126,11 @@ def test_users_softmax_convnet_from_a_file_matches_its_logits_twin(user_file, jo
     # The loss takes probabilities from the softmax model and logits from its twin: the same training
     # (compared in one process, where the runs are cheap: the loss is the same code on every backend).
     local = ["--backend", "local", "--dataset", f"{user_file}:load_data", "--epochs", "3", "--warmup-epochs", "0"]
-    soft = train_cli(tmp_path / "soft-local", "--model", f"{user_file}:convnet", *local, env=clean_env())
-    twin = train_cli(tmp_path / "logits-local", "--model", f"{user_file}:convnet", "--model-args",
-                     '{"head": "logits"}', *local, env=clean_env())
+    runs = {"soft-local": [], "logits-local": ["--model-args", '{"head": "logits"}']}
+    for p in run_jobs_at_once(*(["jobs/train.py", "--output", str(tmp_path / name), "--model", f"{user_file}:convnet",
+                                 *extra, *local] for name, extra in runs.items()), timeout=400, env=clean_env()):
+        assert p.returncode == 0, p.stderr[-3000:]
+    soft, twin = (json.loads((tmp_path / name / "result.json").read_text()) for name in runs)
     assert soft["metrics"]["val_accuracy"] == pytest.approx(twin["metrics"]["val_accuracy"], abs=0.02)
 
 
@@ -174,28 +176,6 @@ def test_python_api_with_functions_defined_here(ray_cluster, tmp_path):
     assert result["config"]["model"].endswith("build_model")
 
 
-def test_sweep_and_evaluate_on_parquet(joined, tmp_path):
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, 3, 300)
-    x = rng.normal(size=(300, 8)) + 2 * rng.normal(size=(3, 8))[y]
-    (tmp_path / "pq").mkdir()
-    pq.write_table(pa.table({"pixels": pa.array(list(x.astype("float32")), type=pa.list_(pa.float32())),
-                             "label": y}), tmp_path / "pq" / "part-0.parquet")
-    space = tmp_path / "one.yaml"
-    space.write_text("epochs: 1\nlr_scaling: {grid: [sqrt]}\n")  # one trial: the sweep path, not a search
-    p = run_job("jobs/tune.py", "--space", str(space), "--dataset", str(tmp_path / "pq"), "--scheduler", "fifo",
-                "--output", str(tmp_path / "sweep"), timeout=600, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "best val_accuracy" in p.stdout
-    # The trial's checkpoint, evaluated on the parquet validation split in a separate process.
-    (state,) = (tmp_path / "sweep").glob("**/checkpoint_*/state.json")
-    p = run_job("jobs/evaluate.py", "--checkpoint", str(state.parent), timeout=300, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    evaluated = json.loads((state.parent / "eval.json").read_text())
-    trained = json.loads(state.read_text())["history"][-1]
-    assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
-
-
 def test_an_error_in_the_workers_is_one_line_and_its_trace_is_in_the_log(user_file, joined, tmp_path):
     p = run_job("jobs/train.py", "--output", str(tmp_path / "out"), "--dataset", f"{user_file}:load_data",
                 "--model", f"{user_file}:fails_in_the_workers", *FAST, timeout=300, env=joined)
@@ -239,12 +219,18 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
                 # No TPU here: tests/test_local.py checks that request's one-line refusal.
                 and "--strategy tpu" not in line]
     assert len(commands) >= 5
-    for command in commands:
+
+    def dry_run(command: str):
         # The first line of a continued command (its own flags), without a trailing comment.
         command = re.split(r"\s#\s", command)[0].rstrip("\\ ").replace("my_example.py", str(user_file))
         args = shlex.split(command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")))[2:]
         # Joining the session's Ray (as a job would) spares each dry run a Ray start-up of its own.
-        p = run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"), timeout=120, env=joined)
-        assert p.returncode == 0, (command, p.stderr[-2000:])
-        assert "global batch" in p.stdout and "learning rate" in p.stdout, command
-        assert not (tmp_path / "never").exists()
+        return command, run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"),
+                                timeout=180, env=joined)
+
+    # Three at a time: each is mostly a process importing TensorFlow and waiting on Ray.
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        for command, p in pool.map(dry_run, commands):
+            assert p.returncode == 0, (command, p.stderr[-2000:])
+            assert "global batch" in p.stdout and "learning rate" in p.stdout, command
+    assert not (tmp_path / "never").exists()

@@ -117,7 +117,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     if config.strategy == "parameter-server":  # asynchronous: every update is one worker's batch
         updates = plan.steps * num_workers
         lr = plan_lr(config, plan.step_batch, updates)
-        run = f"batch {plan.step_batch} per update, {updates} updates per epoch over the workers"
+        run = f"global batch {plan.step_batch} per update (one worker's batch), {updates} updates per epoch"
     target = f"{facts.num_classes} classes" if facts.num_classes else "a float target"
     m = checked.model
     lines = [
