@@ -223,8 +223,14 @@ def start_cluster(config: TrainConfig) -> _Cluster:
             .remote(spec, "worker", i, config.cpus_per_worker)
         )
     # Servers up before the chief connects (its connection would otherwise retry blindly).
-    ray.get([a.pid.remote() for a in [*started.parameter_servers, *started.workers]],
-            timeout=config.worker_start_timeout_s)
+    try:
+        ray.get([a.pid.remote() for a in [*started.parameter_servers, *started.workers]],
+                timeout=config.worker_start_timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        started.stop()
+        why = "did not start" if isinstance(e, ray.exceptions.GetTimeoutError) else "failed to start"
+        raise RunFailed(f"the parameter servers and workers {why} within {config.worker_start_timeout_s:g} s "
+                        f"(--worker-start-timeout-s): {str(e).splitlines()[0]}") from None
     return started
 
 
