@@ -228,8 +228,8 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
         return command, run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"),
                                 timeout=180, env=joined)
 
-    # Three at a time: each is mostly a process importing TensorFlow and waiting on Ray.
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    # Four at a time: each is mostly a process importing TensorFlow and waiting on Ray.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for command, p in pool.map(dry_run, commands):
             assert p.returncode == 0, (command, p.stderr[-2000:])
             assert "global batch" in p.stdout and "learning rate" in p.stdout, command

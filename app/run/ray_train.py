@@ -326,8 +326,10 @@ def check(config: TrainConfig, require_fit: bool = True):
         # progress bars are Ray's internals (read tasks, split coordinators), not ours.
         DataContext.get_current().enable_progress_bars = config.verbose
         console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
+    if is_streamed(config):  # before Ray Data reads a byte: its read tasks need CPUs of their own
+        cluster.check_room_for_reads(config)
     checked = preflight.check(config, config.num_workers)
-    if hasattr(checked.source, "shuffle_buffer"):  # streamed: Ray Data's read tasks need CPUs of their own
+    if hasattr(checked.source, "shuffle_buffer") and not is_streamed(config):  # a data function's ray.data.Dataset
         cluster.check_room_for_reads(config)
     return checked
 
