@@ -115,7 +115,7 @@ def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_
     print(f"\nSIGSTOP -> driver exit: {took:.1f} s (--stall-timeout-s {stall})\n{errors[0]}")
 
 
-def test_stopped_driver_resumes_and_a_diverged_run_keeps_its_last_good_checkpoint(ray_cluster, tmp_path):
+def test_stopped_driver_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
     out = tmp_path / "stopped"
     # A second driver joins the session's cluster, as `ray job submit` would.
     # The session's cluster has token auth on (ray.init's default); its token is in ~/.ray/auth_token.
@@ -132,13 +132,10 @@ def test_stopped_driver_resumes_and_a_diverged_run_keeps_its_last_good_checkpoin
     assert driver.returncode != 0 and not (out / "result.json").exists(), log[-3000:]
     assert "--resume" in log, (driver.returncode, log[-2500:])
 
-    # Without --resume the directory is refused; with it, a bad LR makes the next epoch diverge.
+    # Without --resume the directory is refused. (A diverging run's one line and its kept checkpoint:
+    # test_local_non_finite_loss_names_epoch_and_step, the same loop without Ray's start-up.)
     p = run_job("jobs/train.py", "--output", str(out), env=env)
     assert p.returncode == 2 and "--resume" in p.stderr
-    p = run_job("jobs/train.py", "--output", str(out), "--resume", "--base-lr", "1e12", env=env)
-    assert p.returncode == 1, p.stderr[-3000:]
-    error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "non-finite training loss in epoch" in error[0] and "step" in error[0], p.stderr[-3000:]
 
     # The last good checkpoint is still there (tests/test_tune.py evaluates a checkpoint with jobs/evaluate.py).
     good = max(out.glob("ray/**/checkpoint_*/state.json"), key=lambda s: json.loads(s.read_text())["epoch"]).parent
