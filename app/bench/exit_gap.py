@@ -42,7 +42,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     gaps: dict[str, list[float]] = {}
     for name, flags in paths.items():
         for i in range(runs):
-            gap = _one_run(checkout, out / f"{name}-{i}", [*_flags(preset.workload), *flags])
+            gap = _one_run(checkout, out / f"{name}-{i}", [*workload_flags(preset.workload), *flags])
             gaps.setdefault(name, []).append(gap)
             print(f"{name} run {i + 1}/{runs}: {gap:.1f} s from the last epoch line to exit", flush=True)
     result = {
@@ -76,7 +76,7 @@ def _one_run(checkout: Path, output: Path, flags: list[str]) -> float:
     return ended - last_epoch
 
 
-def _flags(workload: dict[str, Any]) -> list[str]:
+def workload_flags(workload: dict[str, Any]) -> list[str]:
     flags = []
     for key, value in workload.items():
         values = value if isinstance(value, list) else [value]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.exit_gap import _flags
+from app.bench.exit_gap import workload_flags
 from app.bench.preset import Preset
 from app.bench.proc import run_script
 
@@ -37,13 +37,13 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     rows: dict[str, dict[str, Any]] = {}
     for name, flags in runs.items():
         output = out / name
-        run_script([sys.executable, "jobs/train.py", "--output", str(output), *_flags(preset.workload), *flags],
-                   timeout=1800)
+        run_script([sys.executable, "jobs/train.py", "--output", str(output), *workload_flags(preset.workload),
+                    *flags], timeout=1800)
         rows[name] = _summary(output)
         print(f"{name}: {rows[name]}", flush=True)
     result = {
         "command": command,
-        "runs": {name: " ".join(["python jobs/train.py", *_flags(preset.workload), *flags])
+        "runs": {name: " ".join(["python jobs/train.py", *workload_flags(preset.workload), *flags])
                  for name, flags in runs.items()},
         "results": rows,
         "ps_over_mwms_steady": rows["parameter-server"]["steady_samples_per_s"] / rows["mwms"]["steady_samples_per_s"],

@@ -106,12 +106,7 @@ class Chief:
         from app.training.parameter_server import train_chief
 
         console.mark_worker_console("app")
-        bar = None
-        if job.progress_bars:
-            from ray.experimental import tqdm_ray
-
-            def bar(total: int, desc: str):
-                return ray_train.Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+        bar = ray_train.progress_bar if job.progress_bars else None
 
         def alive() -> None:
             self.last_alive = time.time()

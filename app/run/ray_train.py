@@ -106,12 +106,17 @@ class RaySession:
             ray.train.report(metrics, checkpoint=ckpt)
 
     def progress_bar(self, total: int, desc: str):
-        from ray.experimental import tqdm_ray
-
-        return Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+        return progress_bar(total, desc)
 
 
-class Flushed:
+def progress_bar(total: int, desc: str) -> "_Flushed":
+    """A bar for a Ray actor's epoch, drawn by the driver (app.run.console): ray.experimental.tqdm_ray."""
+    from ray.experimental import tqdm_ray
+
+    return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+
+
+class _Flushed:
     """A tqdm_ray bar whose updates leave this process at once: they are lines on stdout, which is a file here."""
 
     def __init__(self, bar):
