@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from app.config import TrainConfig
 from app.errors import UserError
@@ -50,10 +51,10 @@ def connect(config: TrainConfig) -> None:
     """
     import ray
 
+    _wait_for_early_start()
     if ray.is_initialized():  # the caller (a notebook, a test) already chose the cluster
         return
-    # Ray 2.60 warns on every start or join that token authentication is on (its default): not for our console.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    _quiet_token_notice()
     if os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(logging_level=logging.WARNING)
@@ -72,12 +73,79 @@ def connect(config: TrainConfig) -> None:
                 free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
             )
         return
+    _start_local()
+
+
+def _quiet_token_notice() -> None:
+    # Ray 2.60 warns on every start or join that token authentication is on (its default): not for our console.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+def _start_local() -> None:
+    import ray
+
     # address="local": always a new local Ray, never a stale `ray start` cluster
     # found through /tmp/ray (joining is what RAY_ADDRESS is for).
     # One logical CPU beyond the workers' for Ray Data's tasks (streamed files):
     # without it, workers holding every CPU leave Ray Data waiting forever (DESIGN.md).
     # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
     ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
+    # Nothing preempts the nodes of a Ray this process started (Ray Train V2's watcher
+    # is one more process, and its polls, on the critical path): read by fit().
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+
+_early: dict[str, object] = {}
+
+
+def start_local_early(config: TrainConfig) -> None:
+    """Start the local Ray on a thread, while this process checks the data and builds the model.
+
+    Both take seconds of CPU (Ray's daemons start, TensorFlow imports): side by
+    side they overlap on a machine with spare cores. Only the local Ray that
+    connect() would start anyway, and only when the run fits this machine. A
+    refusal from the checks still comes at once, and the process exits at once
+    too: the thread is a daemon, Ray's exit handler stops what has started, and
+    Ray's daemons end with this process (Linux fate-sharing; measured: exit
+    1-3 s after a refusal, no Ray process left behind).
+    """
+    if _joining_a_cluster() or "thread" in _early:
+        return
+    check_fits_locally(config)
+    _quiet_token_notice()
+
+    def start() -> None:
+        try:
+            _start_local()
+        except BaseException as e:  # re-raised by connect(), in the main thread
+            _early["error"] = e
+        finally:
+            _early["started"].set()
+        # Ray's daemons were forked by this thread with Linux's parent-death signal, which
+        # fires when the forking *thread* ends: it lives as long as the process.
+        threading.Event().wait()
+
+    # Ray sets its SIGTERM handler (exit, so that its shutdown runs) only from the main
+    # thread, and warns from any other: the same handler, set here, and no warning.
+    if threading.current_thread() is threading.main_thread():
+        import signal
+        import sys
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        logging.getLogger("ray._private.worker").addFilter(
+            lambda record: not record.getMessage().startswith("SIGTERM handler is not set"))
+    _early["started"] = threading.Event()
+    _early["thread"] = threading.Thread(target=start, name="ray-start", daemon=True)
+    _early["thread"].start()
+
+
+def _wait_for_early_start() -> None:
+    if "started" not in _early:
+        return
+    _early["started"].wait()  # bounded by ray.init's own start-up timeouts
+    error = _early.pop("error", None)
+    if error is not None:
+        raise error
 
 
 # Ray Data's read and preprocessing tasks each take one CPU; with none free

@@ -322,6 +322,8 @@ def check(config: TrainConfig, require_fit: bool = True):
 
     if require_fit:
         cluster.check_fits_locally(config)
+        # A run: the local Ray starts beside the checks (they import TensorFlow, build the model).
+        cluster.start_local_early(config)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if is_streamed(config) or function:
         cluster.connect(config)
@@ -343,7 +345,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train, and write the outputs. Returns result.json's content."""
     started_at = started_at or time.time()
     # Everything that can be refused is checked before the output directory exists,
-    # and before Ray exists too, except for file datasets: Ray Data reads them to check them.
+    # and before Ray is used too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
     from app.run.preflight import plan_lines
 
