@@ -1,14 +1,14 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory and exit suites, on YAML presets.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps and sweep suites, on presets.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~6 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
     python jobs/benchmark.py throughput --workers 1 2 4 --set synthetic_rows=16384 --set epochs=5
     python jobs/benchmark.py breakdown --config runs/benchmark-.../ray-1.yaml   # strategy x input, 1 process
     python jobs/benchmark.py checkpoint --repeats 10 --set model=cnn            # checkpoint write vs epoch
-    python jobs/benchmark.py memory --set stream_buffer_mib=512                 # streamed parquet, 1x vs 10x
-    python jobs/benchmark.py memory --only write|1x|scaled                      # one phase at a time
+    python jobs/benchmark.py memory --only 1x --set stream_buffer_mib=512       # streamed parquet, 1x vs 10x
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
+    python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml, or quick.yaml with --quick, or
 --preset FILE): its parameters (flags override them) and its workload, TrainConfig fields overridden by
@@ -21,7 +21,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="Workers in both runs.")
     p.add_argument("--num-ps", type=int, help="Parameter servers beside them.")
     p.add_argument("--cpus", type=float, help="CPUs both runs reserve in all.")
+    add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
+        "--space", help="The search space YAML (jobs/tune.py --space).")
     return top
 
 

@@ -19,10 +19,12 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     config fed back into jobs/train.py; a trial's checkpoint scored by jobs/evaluate.py in another process."""
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    # A list-valued field fixed for every trial (--hidden-units) once crashed the summary after the whole sweep.
     p = run_job("jobs/tune.py", "--space", str(REPO / "tune_spaces" / "smoke.yaml"), "--cpus-per-worker", "0.5",
-                "--scheduler", "fifo", "--output", str(out), timeout=600, env=env)
+                "--hidden-units", "32", "16", "--scheduler", "fifo", "--output", str(out), timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "best val_accuracy" in p.stdout
+    assert yaml.safe_load((out / tune.SUMMARY_FILE).read_text())["trials"] == 2
 
     table = pd.read_csv(out / tune.RESULTS_FILE)
     assert len(table) == 2
@@ -40,6 +42,7 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert p.returncode == 0, p.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
     assert again["config"]["lr_scaling"] == best["lr_scaling"] and again["epochs_completed"] == 1
+    assert best["hidden_units"] == again["config"]["hidden_units"] == [32, 16]
     assert again["metrics"]["val_accuracy"] == pytest.approx(table["val_accuracy"].max(), abs=0.03)
 
     # A trial's checkpoint, evaluated on the validation split in a separate process.

@@ -33,9 +33,12 @@ def local_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
-def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """A command (e.g. jobs/train.py) from the repository's root; RunFailed with its stderr's tail on failure."""
-    p = subprocess.run(cmd, cwd=REPO, env=local_env(), capture_output=True, text=True, timeout=timeout)
+def run_script(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A command (e.g. jobs/train.py) from the repository's root; RunFailed with its stderr's tail on failure.
+
+    ``env``: by default this environment without RAY_ADDRESS (a local Ray of its own).
+    """
+    p = subprocess.run(cmd, cwd=REPO, env=env or local_env(), capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RunFailed(f"{' '.join(cmd[:4])} ... failed:\n{p.stderr[-3000:]}")
     return p

@@ -29,10 +29,11 @@ def throughput_summary(report: dict[str, Any]) -> str:
         throughput_table(report["table"]),
         f"input pipeline alone (rank 0 of {pipeline['workers_sharing']}): {pipeline['samples_per_second']:,.0f} "
         f"samples/s ({pipeline['vs_one_worker_consumption']:.1f}x what one worker consumes)",
-        f"time to first step ({startup['source']}): {startup['time_to_first_step_seconds']:.1f} s",
     ]
+    lines += [f"time to first step, {where} ({s['source']}): median {s['time_to_first_step_seconds']:.1f} s of "
+              f"{', '.join(f'{x:.1f}' for x in s['runs'])}" for where, s in startup.items()]
     for goal, value in report["goals"].items():
-        lines.append(f"  {goal:<36} {'n/a' if value is None else f'{value:.3g}'}")
+        lines.append(f"  {goal:<58} {'n/a' if value is None else f'{value:.3g}'}")
     return "\n".join(lines)
 
 

@@ -18,11 +18,20 @@ from app.config import TrainConfig
 
 
 def plain_tf(payload: dict[str, Any]) -> dict[str, Any]:
-    """The baseline: the same model, data and thread count in a minimal single-process tf.function loop."""
+    """The baseline: the same model, data and thread count in a minimal single-process tf.function loop.
+
+    With ``together`` ({"processes": N, "barrier": DIR, "window_s": T}), one of N
+    such processes started at once: after its first epoch it waits for the others
+    at a file barrier, then all train for the same T seconds. Their rates add up to
+    what N processes reach together; per-epoch rates would count the time one ran
+    alone after the other had finished (they do not finish together).
+    """
     from app.data.memory import load_source
     from app.training.model import build_model
     from app.training.strategy import set_thread_counts
 
+    payload = dict(payload)
+    together = payload.pop("together", None)
     config = TrainConfig(**payload)
     threads = set_thread_counts(config.cpus_per_worker)
     import keras
@@ -48,14 +57,38 @@ def plain_tf(payload: dict[str, Any]) -> dict[str, Any]:
         return loss
 
     per_epoch = []
-    for _ in range(config.epochs):
+    for _ in range(1 if together else config.epochs):
         start, n, loss = time.perf_counter(), 0, None
         for x, y in train:
             loss = step(x, y)
             n += batch
         float(loss)  # wait for the last step
         per_epoch.append(n / (time.perf_counter() - start))
+    if together:
+        return {"samples_per_second": _window(step, train.repeat(), batch, **together), "first_epoch": per_epoch[0],
+                "threads": threads}
     return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "threads": threads}
+
+
+def _window(step, batches, batch: int, processes: int, barrier: str, window_s: float) -> float:
+    """Samples/s over ``window_s`` seconds, started when all ``processes`` have reached the barrier."""
+    import os
+    from pathlib import Path
+
+    Path(barrier, str(os.getpid())).touch()
+    deadline = time.time() + 600
+    while len(os.listdir(barrier)) < processes:
+        if time.time() > deadline:
+            raise TimeoutError(f"the other processes did not reach {barrier} in 600 s")
+        time.sleep(0.01)
+    start, n, loss = time.perf_counter(), 0, None
+    for x, y in batches:
+        loss = step(x, y)
+        n += batch
+        if time.perf_counter() - start >= window_s:
+            break
+    float(loss)
+    return n / (time.perf_counter() - start)
 
 
 def input_pipeline(payload: dict[str, Any]) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def start_local_early(config: TrainConfig) -> None:
     refusal from the checks still comes at once, and the process exits at once
     too: the thread is a daemon, Ray's exit handler stops what has started, and
     Ray's daemons end with this process (Linux fate-sharing; measured: exit
-    1-3 s after a refusal, no Ray process left behind).
+    1-4 s after a refusal, no Ray process left behind).
     """
     if _joining_a_cluster() or "thread" in _early:
         return

@@ -275,7 +275,8 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
         "worker_seconds_if_all_ran_to_the_end": float(full),
     }
     (out / SUMMARY_FILE).write_text(yaml.safe_dump(summary, sort_keys=False))
-    shown = [c for c in table.columns if c.startswith("config/") and table[c].nunique() > 1]
+    # The searched columns; as text, because fixed values may be lists (--hidden-units 64 32), which do not hash.
+    shown = [c for c in table.columns if c.startswith("config/") and table[c].astype(str).nunique() > 1]
     log.info("\n%s", table[shown + ["global_batch", "epochs_run", metric, "wall_seconds"]].to_string(index=False))
     return summary
 
