@@ -1,6 +1,6 @@
 """Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps and sweep suites, on presets.
 
-    python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~6 min here)
+    python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
     python jobs/benchmark.py throughput --workers 1 2 4 --set synthetic_rows=16384 --set epochs=5
     python jobs/benchmark.py breakdown --config runs/benchmark-.../ray-1.yaml   # strategy x input, 1 process

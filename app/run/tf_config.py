@@ -8,8 +8,8 @@ and the Train controller unpickles that backend: so the controller process,
 which never runs a TensorFlow op, imported TensorFlow (~4 s on 2 cores) on the
 critical path to the first step, and so did the driver. This module is that
 backend with only Ray imports (the same TF_CONFIG, built the same way as
-ray/train/tensorflow/config.py in ray 2.60); the workers import TensorFlow when
-the training function builds its strategy.
+ray/train/tensorflow/config.py in ray 2.60); the workers start importing TensorFlow
+as soon as they have their TF_CONFIG, on a thread, ahead of the training function.
 
 It leaves out ``TF_USE_LEGACY_KERAS=1``, which TensorflowTrainer sets: this
 project uses Keras 3 (``import keras``), and tf_keras is not installed. It
