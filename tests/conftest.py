@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# `ray start` heads in a process group of their own; the benchmark starts its heads the same way.
+from app.bench.node import assert_process_group_gone, free_port, ray_cli, start_node, stop_node  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -96,9 +99,6 @@ def run_jobs_at_once(*commands: list[str], timeout: float = 600,
 
 
 # --- clusters a test starts itself (ray start, ray up) -----------------------
-
-# The benchmark starts `ray start` heads the same way (app/bench/startup.py).
-from app.bench.node import assert_process_group_gone, free_port, ray_cli, start_node, stop_node  # noqa: E402,F401
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 SSH_TOOLS_MISSING = (

@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,8 +64,6 @@ def running_cluster(flags: list[str], runs: int, out: Path, cpus: int) -> dict[s
 
 
 def _wait_until_up(head, address: str, env: dict[str, str], timeout: float = 120) -> None:
-    import subprocess
-
     deadline = time.time() + timeout
     while subprocess.run([ray_cli(), "status", "--address", address], env=env, capture_output=True).returncode != 0:
         if head.poll() is not None:
