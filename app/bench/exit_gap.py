@@ -22,10 +22,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from app.bench.preset import Preset
-from app.bench.proc import REPO, local_env
+from app.bench.proc import REPO, local_env, workload_flags
 
 PARAMS = ("runs", "rows", "checkout")
 
@@ -74,14 +73,6 @@ def _one_run(checkout: Path, output: Path, flags: list[str]) -> float:
     if proc.returncode != 0 or last_epoch is None:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{''.join(tail)}")
     return ended - last_epoch
-
-
-def workload_flags(workload: dict[str, Any]) -> list[str]:
-    flags = []
-    for key, value in workload.items():
-        values = value if isinstance(value, list) else [value]
-        flags += [f"--{key.replace('_', '-')}", *map(str, values)]
-    return flags
 
 
 def _parquet(directory: Path, rows: int) -> Path:

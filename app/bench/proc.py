@@ -33,6 +33,15 @@ def local_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
+def workload_flags(workload: dict[str, Any]) -> list[str]:
+    """TrainConfig fields as jobs/train.py flags: {"hidden_units": [32, 16]} -> --hidden-units 32 16."""
+    flags = []
+    for key, value in workload.items():
+        values = value if isinstance(value, list) else [value]
+        flags += [f"--{key.replace('_', '-')}", *map(str, values)]
+    return flags
+
+
 def run_script(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A command (e.g. jobs/train.py) from the repository's root; RunFailed with its stderr's tail on failure.
 

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.exit_gap import workload_flags
+from app.bench import report
 from app.bench.preset import Preset
-from app.bench.proc import run_script
+from app.bench.proc import run_script, workload_flags
 
 PARAMS = ("workers", "num_ps", "cpus")
 
@@ -49,8 +49,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "ps_over_mwms_steady": rows["parameter-server"]["steady_samples_per_s"] / rows["mwms"]["steady_samples_per_s"],
         "ps_over_mwms_whole_run": rows["parameter-server"]["samples_per_s"] / rows["mwms"]["samples_per_s"],
     }
-    path = out / "ps.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = report.write_json(out / "ps.json", result)
     print(f"parameter-server / MWMS samples/s: steady {result['ps_over_mwms_steady']:.2f}, "
           f"whole run {result['ps_over_mwms_whole_run']:.2f}")
     return [path]

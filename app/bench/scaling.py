@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from app.bench import report, startup
 from app.bench.preset import Preset
-from app.bench.proc import measure, run_script, steady
+from app.bench.proc import measure, run_script, steady, workload_flags
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _first_steps(params: dict[str, Any], runs: dict[int, dict], out: Path) -> di
         return {"own Ray": {"time_to_first_step_seconds": runs[largest]["time_to_first_step_seconds"],
                             "runs": [runs[largest]["time_to_first_step_seconds"]],
                             "source": f"the {largest}-worker run above"}}
-    flags = [arg for k, v in params["startup"].items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    flags = workload_flags(params["startup"])
     count = int(params["startup_runs"])
     log.info("start-up: python jobs/train.py %s, %d times ...", " ".join(flags), count)
     found = {"own Ray": startup.fresh(flags, count, out / "startup")}

@@ -13,15 +13,15 @@ long. -> sweep.json
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from app.bench import report
 from app.bench.preset import Preset
-from app.bench.proc import run_script
+from app.bench.proc import run_script, workload_flags
 
 PARAMS = ("space",)
 SCHEDULERS = ("fifo", "asha")
@@ -29,7 +29,7 @@ SCHEDULERS = ("fifo", "asha")
 
 def run(preset: Preset, out: Path, command: str) -> list[Path]:
     space = str(preset.params["space"])
-    fixed = [arg for k, v in preset.workload.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    fixed = workload_flags(preset.workload)
     runs, commands = {}, {}
     for scheduler in SCHEDULERS:
         output = out / scheduler
@@ -46,8 +46,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "asha_worker_seconds_over_grid": asha["worker_seconds"] / grid["worker_seconds"],
         "asha_best_minus_grid_best": asha["best"] - grid["best"],
     }
-    path = out / "sweep.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = report.write_json(out / "sweep.json", result)
     print(f"ASHA / grid worker-seconds: {result['asha_worker_seconds_over_grid']:.2f}; best {asha['metric']}: "
           f"ASHA {asha['best']:.4f}, grid {grid['best']:.4f} ({result['asha_best_minus_grid_best']:+.4f})")
     return [path]

@@ -109,7 +109,7 @@ def start_local_early(config: TrainConfig) -> None:
     Ray's daemons end with this process (Linux fate-sharing; measured: exit
     1-4 s after a refusal, no Ray process left behind).
     """
-    if _joining_a_cluster() or "thread" in _early:
+    if _joining_a_cluster() or "started" in _early:
         return
     check_fits_locally(config)
     _quiet_token_notice()
@@ -135,8 +135,7 @@ def start_local_early(config: TrainConfig) -> None:
         logging.getLogger("ray._private.worker").addFilter(
             lambda record: not record.getMessage().startswith("SIGTERM handler is not set"))
     _early["started"] = threading.Event()
-    _early["thread"] = threading.Thread(target=start, name="ray-start", daemon=True)
-    _early["thread"].start()
+    threading.Thread(target=start, name="ray-start", daemon=True).start()
 
 
 def _wait_for_early_start() -> None:
