@@ -171,7 +171,7 @@ def fit(
     """
     import ray.train
 
-    from app.run import tf_config
+    from app.run import start_guard, tf_config
     from app.training.tensorboard import logdir_for
 
     # Both are propagated by Ray Train V2 from the driver to its controller.
@@ -181,6 +181,9 @@ def fit(
     # and the controller looks every 2 s by default: that throttles short epochs
     # to one per 2 s. Polling every 0.5 s costs one small actor call per worker.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # A worker lost while the group starts must not leave its placement group holding the CPUs
+    # that the restarted group waits for (app.run.start_guard).
+    start_guard.install()
     out = config.output_dir()
     source = checked.source
     inputs = worker_inputs(source)
@@ -209,14 +212,18 @@ def fit(
                 checkpoint_score_attribute=f"val_{checked.objective.metric}",
                 checkpoint_score_order="min" if checked.objective.metric == "mae" else "max",
             ),
-            failure_config=ray.train.FailureConfig(max_failures=config.max_failures),
+            # Start failures (a worker lost while the group starts, placement timed out) are the
+            # controller's, retried without limit by default: they get the same budget as the rest.
+            failure_config=ray.train.FailureConfig(max_failures=config.max_failures,
+                                                   controller_failure_limit=config.max_failures),
             worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
         ),
     )
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
-        raise RunFailed(f"training failed: {summarize(e)}{trace_note(e)}") from None
+        line = start_failure(e, config) or f"training failed: {summarize(e)}{restart_hint(e, config)}"
+        raise RunFailed(f"{line}{trace_note(e)}") from None
     except (KeyboardInterrupt, SystemExit):
         # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
         raise RunFailed(
@@ -228,6 +235,39 @@ def fit(
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
+
+
+def start_failure(error: BaseException, config: TrainConfig) -> str | None:
+    """The line for a run whose worker group could not start (Ray's own message is a paragraph), or None."""
+    import ray
+
+    failure = getattr(error, "controller_failure", None)  # ray.train.ControllerError
+    kind = type(failure).__name__
+    retries = (f"after {config.max_failures} restarts (--max-failures)" if config.max_failures
+               else "(--max-failures 0: not restarted)")
+    if kind == "WorkerGroupStartupTimeoutError":
+        per_worker = f"{{CPU: {config.cpus_per_worker:g}{', GPU: 1' if config.use_gpu else ''}}}"
+        free = ray.available_resources() if ray.is_initialized() else {}
+        return (
+            f"the workers could not be placed within --worker-start-timeout-s ({config.worker_start_timeout_s:g} s) "
+            f"{retries}: Ray was waiting for {config.num_workers} x {per_worker} ({config.placement_strategy}), and "
+            f"the cluster has {free.get('CPU', 0):g} CPUs / {free.get('GPU', 0):g} GPUs free now: lower "
+            "--num-workers or --cpus-per-worker, free the cluster, or raise --worker-start-timeout-s while nodes are added"
+        )
+    if kind == "WorkerGroupStartupFailedError":
+        fix = "; rerun with --max-failures 2 to restart the group when this happens" if not config.max_failures else ""
+        return f"a worker was lost while Ray Train started the worker group {retries}: {summarize(failure)}{fix}"
+    return None
+
+
+def restart_hint(error: BaseException, config: TrainConfig) -> str:
+    """For a worker lost mid-run with no restart budget: how to get one."""
+    import ray
+
+    failures = getattr(error, "worker_failures", None) or {}
+    if config.max_failures or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
+        return ""
+    return "; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from the last checkpoint"
 
 
 def trace_note(error: BaseException) -> str:
