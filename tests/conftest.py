@@ -89,13 +89,16 @@ def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
     )
 
 
-def run_jobs_at_once(*commands: list[str], timeout: float = 600,
-                     env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Independent job runs side by side (two local trainings a test compares): their start-ups overlap."""
+def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+                     envs: list[dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """Independent job runs side by side (two local trainings a test compares): their start-ups overlap.
+
+    ``envs`` gives each command its own environment (else all get ``env``)."""
     import concurrent.futures
 
+    envs = envs or [env] * len(commands)
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda args: run_job(*args, timeout=timeout, env=env), commands))
+        return list(pool.map(lambda args, e: run_job(*args, timeout=timeout, env=e), commands, envs))
 
 
 # --- clusters a test starts itself (ray start, ray up) -----------------------

@@ -1,4 +1,5 @@
-"""Faults while a run starts: a worker killed while Ray Train starts its group (at several moments)."""
+"""Faults while a run starts: a worker killed while Ray Train starts its group (at several moments); a token
+cluster joined without its token."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import psutil
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, run_jobs_at_once
 
 
 def train_workers() -> set[int]:
@@ -94,3 +95,20 @@ def test_a_worker_killed_at_start_without_max_failures_ends_in_one_line(ray_clus
     assert len(errors) == 1, stderr[-3000:]
     assert "--max-failures" in errors[0] and "Traceback" not in stdout + stderr
     assert not (out / "result.json").exists()
+
+
+def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_line(ray_cluster):
+    """The session's Ray has token authentication on (ray.init's default), as a `ray start` head does
+    once ~/.ray/auth_token exists: a driver joining it with no token, or a wrong one, gets one line."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    cmd = ["jobs/train.py", "--epochs", "1"]
+    no_token, wrong_token = run_jobs_at_once(
+        cmd, cmd, envs=[clean_env(RAY_ADDRESS=address),
+                        clean_env(RAY_ADDRESS=address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)],
+        timeout=120,
+    )
+    for p, given in ((no_token, "no token"), (wrong_token, "a token that it does not accept")):
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
+        assert f"requires token authentication and we sent {given}" in errors[0] and "RAY_AUTH_MODE=token" in errors[0]
+        assert "Traceback" not in p.stdout + p.stderr

@@ -58,10 +58,14 @@ def connect(config: TrainConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(logging_level=logging.WARNING)
-        except ray.exceptions.AuthenticationError:
+        except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+            if not _refused_authentication(e):
+                raise
+            given = "a token that it does not accept" if os.environ.get("RAY_AUTH_MODE") == "token" else "no token"
             raise UserError(
-                f"the Ray cluster at {os.environ['RAY_ADDRESS']} refused our authentication token: set "
-                "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+                f"the Ray cluster at {os.environ['RAY_ADDRESS']} requires token authentication and we sent {given}: "
+                "set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                "~/.ray/auth_token, as on the head)"
             ) from None
         free = ray.available_resources()
         need_cpus = cpus_needed(config)
@@ -74,6 +78,22 @@ def connect(config: TrainConfig) -> None:
             )
         return
     _start_local()
+
+
+def _refused_authentication(error: BaseException | None) -> bool:
+    """Whether a failed ray.init() was the cluster refusing our token (or the lack of one).
+
+    Ray 2.60 raises ConnectionError("Failed to connect to Ray cluster at ...") from a
+    RuntimeError("Failed to connect to GCS") whose *message* holds the traceback of the
+    AuthenticationError (InvalidAuthToken): the type is lost on the way, its text is not.
+    """
+    import ray
+
+    while error is not None:
+        if isinstance(error, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _quiet_token_notice() -> None:
