@@ -52,7 +52,9 @@ class TrainArgs:
 def train_args(description: str, argv: list[str] | None = None) -> TrainArgs:
     """Every TrainConfig field as a flag, plus --config FILE and --dry-run."""
     own, typed = _guarded(lambda: _parse(description, argv, "train", _train_flags(), set(TrainConfig.model_fields)))
-    return TrainArgs(_guarded(lambda: build_config(_base_file(own["config"], typed), typed)), own["dry_run"])
+    config = _guarded(lambda: build_config(_base_file(own["config"], typed), typed))
+    _parsed["verbose"] = config.verbose
+    return TrainArgs(config, own["dry_run"])
 
 
 @dataclasses.dataclass
@@ -98,7 +100,8 @@ def main(body: Callable[[], Any]) -> None:
     try:
         body()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        trace = getattr(e, "trace", None)  # app.errors.UserCodeError: the user's own code raised
+        print(f"error: {e}{_kept(trace) if trace else ''}", file=sys.stderr)
         sys.exit(2)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
@@ -106,6 +109,20 @@ def main(body: Callable[[], Any]) -> None:
     except KeyboardInterrupt:
         print("interrupted: continue the run with --output <dir> --resume", file=sys.stderr)
         sys.exit(130)
+
+
+_parsed = {"verbose": False}  # the parsed config's --verbose (it may come from a --config file)
+
+
+def _kept(trace: str) -> str:
+    """Keep the user's traceback where the one line says (no run directory exists yet); --verbose prints it."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="ray-tf-train-error-", suffix=".txt", delete=False) as f:
+        f.write(trace)
+    if "--verbose" in sys.argv[1:] or _parsed["verbose"]:
+        print(trace, file=sys.stderr, end="")
+    return f" (traceback in {f.name})"
 
 
 # --- each script's own flags (tyro is imported on first use: `import app.cli` stays light) -------------------
@@ -391,7 +408,8 @@ def _guarded(parse: Callable[[], Any]) -> Any:
     try:
         return parse()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        trace = getattr(e, "trace", None)  # app.errors.UserCodeError: the user's own code raised
+        print(f"error: {e}{_kept(trace) if trace else ''}", file=sys.stderr)
         sys.exit(2)
 
 

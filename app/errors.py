@@ -14,3 +14,17 @@ class RunFailed(Exception):
 
     Entry scripts print it as one line and exit with status 1.
     """
+
+
+class UserCodeError(UserError):
+    """The user's own code (a model or data function, their file's import) raised.
+
+    The message is the one line; ``trace`` keeps the user's whole traceback, which
+    the entry scripts write to a file the line names (and print with --verbose).
+    """
+
+    def __init__(self, message: str, error: BaseException):
+        import traceback
+
+        super().__init__(message)
+        self.trace = "".join(traceback.format_exception(error))

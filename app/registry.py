@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from app.errors import UserError
+from app.errors import UserCodeError, UserError
 
 MODELS = {
     "mlp": "app.models:build_mlp",
@@ -112,7 +112,7 @@ def _import_file(path: str, value: str):
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's file: say what it raised, in one line
         del sys.modules[module_name]
-        raise UserError(f"{value}: importing {path} raised {type(e).__name__}: {e}") from None
+        raise UserCodeError(f"{value}: importing {path} raised {type(e).__name__}: {e}", e) from e
     return module
 
 
@@ -152,4 +152,4 @@ def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: 
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: one line naming it and what it raised
-        raise UserError(f"{what} raised {type(e).__name__}: {e}") from None
+        raise UserCodeError(f"{what} raised {type(e).__name__}: {e}", e) from e

@@ -157,7 +157,7 @@ def test_binary_sigmoid_model_on_a_users_ray_dataset(user_file, joined, tmp_path
 def test_python_api_with_functions_defined_here(ray_cluster, tmp_path):
     import keras
 
-    from app import train
+    from app import evaluate, train
 
     def load_data():
         rng = np.random.default_rng(0)
@@ -172,6 +172,11 @@ def test_python_api_with_functions_defined_here(ray_cluster, tmp_path):
     assert result["metrics"]["val_accuracy"] > 0.9 and result["num_replicas"] == 2
     assert (tmp_path / "api" / "model.keras").is_file()
     assert result["config"]["model"].endswith("build_model")
+
+    # Re-scored in this process, as the README shows it, with the same data function.
+    scored = evaluate(str(tmp_path / "api" / "model.keras"), data=load_data)
+    assert abs(scored["val_accuracy"] - result["metrics"]["val_accuracy"]) < 1e-6
+    assert json.loads((tmp_path / "api" / "eval.json").read_text())["dataset"].endswith("load_data")
 
 
 def test_an_error_in_the_workers_is_one_line_and_its_trace_is_in_the_log(user_file, joined, tmp_path):
@@ -206,6 +211,10 @@ def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, a
     assert message in p.stderr and "Traceback" not in p.stderr
     assert len([line for line in p.stderr.splitlines() if line.startswith("error:")]) == 1, p.stderr
     assert not (tmp_path / "out").exists()
+    if " raised " in message:  # the user's own traceback is kept where the line says
+        trace = re.search(r"\(traceback in (\S+)\)", p.stderr)
+        assert trace, p.stderr
+        assert 'raise ValueError("no such bucket")' in open(trace.group(1)).read()
 
 
 def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp_path):

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.config import TrainConfig, build_config
+from app.config import TrainConfig, build_config, read_yaml
 from app.errors import UserError
 from app.run.outputs import CONFIG_FILE
 from app.training import checkpoint
@@ -64,13 +64,17 @@ def _data(config: TrainConfig):
 def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
     """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
     candidate = model_path.parent / CONFIG_FILE
-    return build_config(candidate if candidate.is_file() else None, {"output": str(model_path.parent), **overrides})
+    saved = read_yaml(candidate) if candidate.is_file() else {}
+    # The model comes from the file: the recorded builder is not needed, and one defined in a
+    # script or a notebook ("__main__:build_model") could not be loaded here anyway.
+    saved.pop("model", None)
+    return build_config(None, {**saved, "output": str(model_path.parent), **overrides})
 
 
 def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path) -> dict[str, Any]:
     metrics = evaluate_model(model_path, config)
     metrics["model"] = str(model_path)
-    metrics["dataset"] = config.dataset
+    metrics["dataset"] = config.model_dump(mode="json")["dataset"]  # a function as "module:name"
     Path(out_file).write_text(json.dumps(metrics, indent=2))
     return metrics
 
