@@ -68,6 +68,23 @@ def ray_up_validate_config(config: dict[str, Any]) -> None:
     validate_config(config)
 
 
+# --- Ray Train V2: controller callbacks (app.run.start_guard) -------------------------------------------------
+#
+# A worker group whose start fails half-way is shut down only by a callback on the Train
+# controller. Ray Train's callback classes (ray/train/v2/_internal/execution/callback.py) are
+# DeveloperAPI, reached only through the private package; extra ones are named in the
+# environment variable ``RAY_TRAIN_CALLBACKS`` (ray/train/v2/_internal/constants.py), read by fit().
+
+TRAIN_CALLBACKS_ENV_VAR = "RAY_TRAIN_CALLBACKS"
+
+
+def train_callback_bases() -> tuple[type, type]:
+    """Ray Train V2's ``(WorkerGroupCallback, ControllerCallback)``, the bases of a controller-side callback."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    return WorkerGroupCallback, ControllerCallback
+
+
 # --- Keras: a functional model's graph (app.training.pipeline) -----------------------------------------------
 #
 # Cutting a model into stages needs its call graph: which layer calls consume which
