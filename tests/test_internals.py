@@ -17,6 +17,7 @@ import time
 import keras
 import pytest
 import ray
+from ray.train._internal.base_worker_group import BaseWorkerGroup
 
 from app import internals
 from app.cluster_config import load_cluster_config
@@ -26,49 +27,43 @@ from conftest import REPO
 # --- Ray Train: the TF_CONFIG backend ----------------------------------------------------------------------
 
 
-class InProcessWorkers:
+class InProcessWorkers(BaseWorkerGroup):
     """A worker group of ``n`` workers that runs each function here, and records each worker's TF variables.
 
     A subclass of Ray's own abstract worker group: a method Ray adds to the backend contract
     makes it abstract, and this test fails at once.
     """
 
-    def __new__(cls, n: int):
-        from ray.train._internal.base_worker_group import BaseWorkerGroup
+    def __init__(self, n: int):
+        self.n, self.env = n, {}
 
-        class Workers(BaseWorkerGroup):
-            def __init__(self):
-                self.env: dict[int, dict[str, str]] = {}
+    def execute(self, func, *args, **kwargs):
+        return [func(*args, **kwargs) for _ in range(self.n)]
 
-            def execute(self, func, *args, **kwargs):
-                return [func(*args, **kwargs) for _ in range(n)]
+    def execute_async(self, func, *args, **kwargs):
+        return self.execute(func, *args, **kwargs)
 
-            def execute_async(self, func, *args, **kwargs):
-                return self.execute(func, *args, **kwargs)
+    def execute_single(self, worker_index, func, *args, **kwargs):
+        keys = ("TF_CONFIG", "TF_USE_LEGACY_KERAS")
+        saved = {k: os.environ.pop(k, None) for k in keys}
+        try:
+            out = func(*args, **kwargs)
+            self.env[worker_index] = {k: os.environ[k] for k in keys if k in os.environ}
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        return out
 
-            def execute_single(self, worker_index, func, *args, **kwargs):
-                keys = ("TF_CONFIG", "TF_USE_LEGACY_KERAS")
-                saved = {k: os.environ.pop(k, None) for k in keys}
-                try:
-                    out = func(*args, **kwargs)
-                    self.env[worker_index] = {k: os.environ[k] for k in keys if k in os.environ}
-                finally:
-                    for k, v in saved.items():
-                        os.environ.pop(k, None)
-                        if v is not None:
-                            os.environ[k] = v
-                return out
+    def execute_single_async(self, worker_index, func, *args, **kwargs):
+        return self.execute_single(worker_index, func, *args, **kwargs)
 
-            def execute_single_async(self, worker_index, func, *args, **kwargs):
-                return self.execute_single(worker_index, func, *args, **kwargs)
+    def __len__(self):
+        return self.n
 
-            def __len__(self):
-                return n
-
-            def get_resources_per_worker(self):
-                return {"CPU": 1}
-
-        return Workers()
+    def get_resources_per_worker(self):
+        return {"CPU": 1}
 
 
 def without_ports(tf_config_json: str) -> dict:
@@ -86,8 +81,6 @@ def test_our_tf_config_backend_writes_what_rays_tensorflow_backend_writes(monkey
     """Same TF_CONFIG for the same workers (ports aside: each asks for a free one); no TF_USE_LEGACY_KERAS."""
     from ray.train.tensorflow.config import TensorflowConfig, _TensorflowBackend
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
-
-    from ray.train._internal.base_worker_group import BaseWorkerGroup
 
     assert issubclass(WorkerGroup, BaseWorkerGroup)  # what on_start is given in a real run
     monkeypatch.setattr(ray, "get", lambda refs: refs)  # the in-process group returns values, not refs
