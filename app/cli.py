@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from app import internals
 from app.config import CONFIG_FILE, SECTIONS, DataSection, Plugin, TrainConfig, build_config
 from app.errors import RunFailed, UserError
 
@@ -321,11 +322,11 @@ def _base_file(config: str | None, typed: dict[str, Any]) -> str | Path | None:
 def _one_line_errors(argv: list[str], known: list[str]):
     """tyro reports a parse error as a multi-line box; its error hook lets us word it as one line instead.
 
-    ``tyro._errors`` is marked experimental (hence the exact pin); without it, _collapse folds the box.
+    tyro's error events are marked experimental and not exported (app.internals reaches them; hence the
+    exact pin); without them, _collapse folds the box.
     """
-    try:
-        from tyro import _errors as events
-    except ImportError:  # pragma: no cover - a tyro without the hook
+    events = internals.tyro_error_events()
+    if events is None:  # pragma: no cover - a tyro without the hook
         yield
         return
 

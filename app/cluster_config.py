@@ -17,8 +17,9 @@ two mistakes that Ray lets through without a word:
 - a top-level min_workers on a cloud provider (fillout_defaults drops it: only the
   node types' min_workers count there).
 
-Both Ray functions live in a private module (ray.autoscaler._private.util): one
-more reason Ray is pinned in pyproject.toml.
+Both Ray functions live in a private module: app.internals reaches them (one
+more reason Ray is pinned in pyproject.toml), and tests/test_internals.py checks
+that `ray up` still runs them.
 
     python -m app.cluster_config cluster.yaml cluster_ssh.yaml
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from app import internals
 from app.errors import UserError
 
 
@@ -57,7 +59,6 @@ def check_cluster_config(config: dict[str, Any], source: str = "cluster config")
     """Return the config as `ray up` would complete it, or raise ClusterConfigError naming the problem."""
     import click
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
 
     raw = copy.deepcopy(config)
     provider = raw.get("provider")
@@ -65,14 +66,14 @@ def check_cluster_config(config: dict[str, Any], source: str = "cluster config")
         raise ClusterConfigError(f"{source}: provider.type is missing (e.g. provider: {{type: aws, region: us-west-2}})")
 
     try:
-        prepared = prepare_config(copy.deepcopy(raw))
+        prepared = internals.ray_up_prepare_config(copy.deepcopy(raw))
         if provider["type"] == "aws":
             # `ray up` fills a missing `resources` from EC2 before validating; offline, start
             # from what that fill starts from. (Our configs always state `resources`.)
             for node_type in prepared.get("available_node_types", {}).values():
                 if isinstance(node_type, dict):
                     node_type.setdefault("resources", {})
-        validate_config(prepared)
+        internals.ray_up_validate_config(prepared)
     except jsonschema.ValidationError as e:
         where = "/".join(str(part) for part in e.absolute_path) or "top level"
         raise ClusterConfigError(f"{source}: {where}: {e.message}") from None

@@ -1,9 +1,11 @@
 """The house rules, checked on the source: imports only point down (no cycle, lazy imports included),
-no module in app/ over 400 lines, every job script at most 80 lines."""
+no module in app/ over 400 lines, every job script at most 80 lines, no library's private module imported
+outside app/internals.py."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import REPO
@@ -77,3 +79,67 @@ def test_modules_stay_small():
     jobs = {str(p.relative_to(REPO)): n for p in (REPO / "jobs").glob("*.py")
             if (n := len(p.read_text().splitlines())) > 80}
     assert not jobs
+
+
+# A library's private module: a dotted segment starting with "_" (ray._private, ray.train._internal,
+# tyro._errors; not a dunder such as __future__), or a tree its library keeps private.
+_PRIVATE_SEGMENT = re.compile(r"^_(?!_.*__$)")
+_PRIVATE_TREES = ("keras.src", "tensorflow.python", "tf_keras.src")
+INTERNALS = APP / "internals.py"
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each import of a library's private module or name: statements, lazy ones, importlib calls."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in
+              ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [str(node.args[0].value)]
+        private = [name for name in names if name.split(".")[0] != "app" and (  # our own names are ours to use
+            any(_PRIVATE_SEGMENT.match(part) for part in name.split("."))
+            or any(name == tree or name.startswith(tree + ".") for tree in _PRIVATE_TREES))]
+        if private:
+            found.append((node.lineno, private[0]))
+    return found
+
+
+def test_no_private_module_of_a_library_is_imported_outside_app_internals():
+    found = [f"{p.relative_to(REPO)}:{line}: {name}" for p in sorted(APP.rglob("*.py")) if p != INTERNALS
+             for line, name in private_imports(p.read_text())]
+    assert not found, "private imports belong in app/internals.py:\n" + "\n".join(found)
+
+
+def test_the_private_import_finder_finds_each_kind():
+    source = (
+        "from __future__ import annotations\nimport ray.util\nfrom app.training.step import _sums\n"
+        "import ray._private.worker\nfrom ray.train._internal.utils import get_address_and_port\n"
+        "from tyro import _errors\nfrom keras.src.models.functional import Functional\n"
+        "def f():\n    import tensorflow.python.ops\n    importlib.import_module('ray._common.network_utils')\n"
+    )
+    assert [name for _, name in sorted(private_imports(source))] == [
+        "ray._private.worker", "ray.train._internal.utils", "tyro._errors",
+        "keras.src.models.functional", "tensorflow.python.ops", "ray._common.network_utils"]
+    assert len(private_imports(INTERNALS.read_text())) >= 4  # the one module allowed to hold them
+
+
+def test_app_internals_is_a_leaf_that_imports_libraries_only_inside_functions():
+    tree = ast.parse(INTERNALS.read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert {a.name for n in top for a in n.names} <= {"annotations", "sys", "typing", "Any", "Callable", "Optional"}
+    assert not imports_of(INTERNALS, set(app_graph()))
+
+
+def test_every_markdown_file_the_repository_cites_is_in_it():
+    """The repository stands alone: a comment or doc names a file that is here (docs/design.md), not notes elsewhere."""
+    sources = [*APP.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "jobs").glob("*.py"),
+               *(REPO / "docs").glob("*.md"), *REPO.glob("*.md"), REPO / "pyproject.toml"]
+    missing = [f"{path.relative_to(REPO)}:{i}: {name}"
+               for path in sources for i, line in enumerate(path.read_text().splitlines(), 1)
+               for name in re.findall(r"[\w./-]*\w\.md\b", line)
+               if not (REPO / name).exists() and not (path.parent / name).exists()]
+    assert not missing, "\n".join(missing)

@@ -56,7 +56,7 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
 
     # Epoch 2's checkpoint in storage means epoch 1's report was registered by the controller
     # (a report waits until the previous one is taken); a kill within the ~0.5 s before
-    # registration would lose that checkpoint, as DESIGN.md measured.
+    # registration would lose that checkpoint (measured: docs/design.md, "A lost worker restarts the whole group").
     wait_for(lambda: checkpointed_epoch(out / "ray") >= 2, 180, "the checkpoint of epoch 2")
     workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     assert len(workers) == 2

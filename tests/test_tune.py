@@ -1,4 +1,4 @@
-"""Ray Tune sweeps: every trial a real TensorflowTrainer run; bad spaces refused before any trial."""
+"""Ray Tune sweeps: every trial a real Ray Train run (app.run.ray_train); bad spaces refused before any trial."""
 
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
+from app import internals
+
 LOG_FILE = "train.log"
 # ASCII "record separator": starts a worker's line meant for the console; invisible if ever printed raw.
 MARK = "\x1e"
@@ -161,17 +163,6 @@ def _console_handlers() -> list[logging.Handler]:
     return handlers
 
 
-def _dispatcher():
-    """The driver Ray's dispatcher of worker output lines, or None (no Ray here, or another Ray)."""
-    if "ray" not in sys.modules:  # the local backend: no Ray, no worker output (and Ray is not imported)
-        return None
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher
-    except ImportError:  # another Ray: its printer stays, and the console shows everything
-        return None
-    return global_worker_stdstream_dispatcher
-
-
 class _WorkerLines:
     """Takes the place of Ray's printer of worker output: one batch (Ray's log batch dict) at a time, sorted.
 
@@ -190,23 +181,11 @@ class _WorkerLines:
 
     @classmethod
     def install(cls) -> None:
-        cls._swap(lambda printer: cls(printer) if not isinstance(printer, cls) else printer)
+        internals.swap_worker_line_printer(lambda printer: cls(printer) if not isinstance(printer, cls) else printer)
 
     @classmethod
     def uninstall(cls) -> None:
-        cls._swap(lambda printer: printer.ray_printer if isinstance(printer, cls) else printer)
-
-    @staticmethod
-    def _swap(replace) -> None:
-        dispatcher = _dispatcher()
-        if dispatcher is None:
-            return
-        # In one step under the dispatcher's lock: a batch emitted between a remove and
-        # an add would reach no printer. (No "ray_print_logs": Ray is not started yet,
-        # or was started with log_to_driver=False.)
-        with dispatcher._lock:
-            dispatcher.handlers = [(name, replace(h) if name == "ray_print_logs" else h)
-                                   for name, h in dispatcher.handlers]
+        internals.swap_worker_line_printer(lambda printer: printer.ray_printer if isinstance(printer, cls) else printer)
 
     @classmethod
     def attach(cls, file_handler: logging.FileHandler) -> None:

@@ -19,8 +19,9 @@ next start or when the controller shuts down.
 Ray Train takes extra controller callbacks, ahead of its own, from the
 ``RAY_TRAIN_CALLBACKS`` environment variable, read by ``fit()`` in the driver;
 ``install()`` adds this one there. Ray Train's callback classes are internal
-(DeveloperAPI): tests/test_recovery.py kills workers at several moments of the
-start and fails if this stops working on a new Ray.
+(DeveloperAPI), reached through app.internals: tests/test_start_faults.py kills
+workers at several moments of the start and fails if this stops working on a new
+Ray, and tests/test_internals.py checks the hooks used here still exist.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import contextlib
 import logging
 import os
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from app import internals
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "RAY_TRAIN_CALLBACKS"
+ENV_VAR = internals.TRAIN_CALLBACKS_ENV_VAR
+WorkerGroupCallback, ControllerCallback = internals.train_callback_bases()
 
 
 class ReleaseFailedStart(WorkerGroupCallback, ControllerCallback):

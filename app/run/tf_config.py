@@ -19,13 +19,16 @@ the named framework's modules to record their versions.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
 import ray
+import ray.util
 from ray.train.backend import Backend, BackendConfig
 
 
@@ -47,14 +50,24 @@ def _import_tensorflow() -> None:
         pass
 
 
+def worker_address() -> str:
+    """This node's IP and a free port there, where MWMS's gRPC server will listen: "ip:port", "[ipv6]:port".
+
+    What Ray's own TF backend computes (its private get_address_and_port and
+    build_address), from public pieces; tests/test_internals.py compares the two.
+    """
+    host = ray.util.get_node_ip_address()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.closing(socket.socket(family, socket.SOCK_STREAM)) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
 class _TFConfigBackend(Backend):
     def on_start(self, worker_group, backend_config: "TFConfig") -> None:
-        # Ray's own helpers (ray.train.tensorflow's backend calls the same ones): the
-        # node's IP and a free port there, where MWMS's gRPC server will listen.
-        from ray._common.network_utils import build_address
-        from ray.train._internal.utils import get_address_and_port
-
-        addresses = worker_group.execute(lambda: build_address(*get_address_and_port()))
+        # Backend.on_start's contract: run functions on the workers (execute, execute_single_async).
+        addresses = worker_group.execute(worker_address)
         ray.get([
             worker_group.execute_single_async(i, _set_tf_config, worker_addresses=addresses, index=i)
             for i in range(len(worker_group))

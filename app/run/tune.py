@@ -1,9 +1,10 @@
-"""Ray Tune over TensorflowTrainer runs: sweep the hyperparameters that change with scale.
+"""Ray Tune over Ray Train runs: sweep the hyperparameters that change with scale.
 
-Each trial is a Tune *function* trainable that builds and fits a
-TensorflowTrainer for its sampled config and forwards every Train report to
-Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a Trainer to the
-Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
+Each trial is a Tune *function* trainable that builds and fits the run's Ray
+Train trainer (app.run.ray_train: a DataParallelTrainer with the TF_CONFIG
+backend of app.run.tf_config) for its sampled config and forwards every Train
+report to Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a Trainer
+to the Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
 field names, so the best trial's config feeds straight back into
 ``jobs/train.py --config``.
 """
@@ -100,7 +101,7 @@ def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trial(params: dict[str, Any]) -> None:
-    """One Tune trial: a full TensorflowTrainer run of the sampled config."""
+    """One Tune trial: a full Ray Train run (app.run.ray_train) of the sampled config."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from app import internals
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,11 +41,10 @@ if TYPE_CHECKING:
 def functional(model: "keras.Model", name: str) -> "keras.Model":
     """The model as a functional graph (a Sequential's own layers, not copies); a subclassed model is refused."""
     import keras
-    from keras.src.models.functional import Functional
 
     if isinstance(model, keras.Sequential):
         model = keras.Model(model.inputs, model.outputs, name=model.name)
-    if not isinstance(model, Functional):
+    if not internals.is_functional(model):
         raise UserError(
             f"--strategy pipeline cuts functional and Sequential models, and {name} is a subclassed "
             f"{type(model).__name__} (its call() is Python, there is no graph to cut): build it with "
@@ -68,7 +68,7 @@ class Graph:
     def of(cls, model: "keras.Model") -> "Graph":
         import keras
 
-        by_depth = model._nodes_by_depth  # deeper = further from the outputs: inputs come first
+        by_depth = internals.nodes_by_depth(model)  # deeper = further from the outputs: inputs come first
         nodes = [n for d in sorted(by_depth, reverse=True) for n in by_depth[d] if n.operation and not n.is_input]
         produced = {id(t): -1 for t in model.inputs}
         last_use: dict[int, int] = {}
@@ -101,7 +101,7 @@ class Graph:
             crossing = [k for k, p in produced.items() if p < i <= last_use.get(k, -1)]
             weighted = [k for k in crossing if k not in free]
             split = next((nodes[p[0]].operation.name for p in calls.values() if p[0] < i <= p[-1]), None)
-            if len(op._inbound_nodes) != 1:
+            if internals.times_called(op) != 1:
                 graph.why_not[op.name] = "it is a shared layer (called more than once)"
             elif split:
                 graph.why_not[op.name] = f"layer {split} is called before and after it (its weights live on one device)"
@@ -234,7 +234,7 @@ class Pipeline:
         x = placed.inputs
         bounds = [placed.input] + [cloned.boundary[c] for c in cuts] + [placed.output]
         needs_input = [False] + [cloned.needs_input[c] for c in cuts]
-        history = [t._keras_history for t in x]
+        history = [internals.keras_history(t) for t in x]
         parts = [
             keras.Model(bounds[k] if k == 0 else [bounds[k], *x] if needs_input[k] else bounds[k], bounds[k + 1],
                         name=f"stage_{k}")
@@ -243,7 +243,7 @@ class Pipeline:
         # A stage that also takes the model's input re-registers that input tensor with a node of its own
         # (keras clone_graph_nodes); put it back, or the placed model can no longer be saved.
         for t, h in zip(x, history):
-            t._keras_history = h
+            internals.set_keras_history(t, h)
         return cls(placed, parts, devices, needs_input)
 
     def _call(self, k: int, h, x, training: bool):

@@ -1,0 +1,140 @@
+"""Every use of a library's private API in app/, behind one door.
+
+Pinned in pyproject.toml: ray 2.60.0, keras 3.15.1, tyro 1.0.17. Each function
+below is the only place app/ touches a name the library does not publish, and
+says why no public API does the job. tests/test_internals.py checks each one
+against the installed version (the names exist, and they still mean what the
+callers rely on), so an upgrade that moves them fails there, loudly, instead of
+in a run. tests/test_architecture.py refuses a private import anywhere else in app/.
+
+A leaf: nothing from app/, and every library is imported inside the function
+that needs it (importing this module costs nothing; the local backend never
+imports Ray).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+# --- Ray: the driver's printer of worker output (app.run.console) --------------------------------------------
+#
+# Ray prints every worker's stdout/stderr lines on the driver through one dispatcher
+# (ray/_private/ray_logging/__init__.py, ``global_worker_stdstream_dispatcher``), to which
+# ray.init(log_to_driver=True) adds its printer under the name "ray_print_logs"
+# (ray/_private/worker.py). Ray has no public hook for those lines: the console replaces
+# that printer with its own sorter (which keeps Ray's printer and calls it).
+
+RAY_PRINTER = "ray_print_logs"  # the name ray.init gives its printer of worker lines
+
+
+def swap_worker_line_printer(replace: Callable[[Callable[[dict], None]], Callable[[dict], None]]) -> None:
+    """Replace the driver Ray's printer of worker lines by ``replace(printer)``, atomically.
+
+    A no-op without Ray in this process (the local backend), with a Ray that has
+    no such dispatcher, or before ray.init (or with log_to_driver=False): then
+    there is no printer to replace, and the console shows what Ray prints.
+    """
+    if "ray" not in sys.modules:  # not imported here: the local backend stays without Ray
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    # Under the dispatcher's own lock, in one step: a batch emitted between a remove
+    # and an add would reach no printer.
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, replace(h) if name == RAY_PRINTER else h) for name, h in dispatcher.handlers]
+
+
+# --- Ray: `ray up`'s offline checks (app.cluster_config) ----------------------------------------------------
+#
+# `ray up` has no dry run. Before it touches a cloud it runs prepare_config and
+# validate_config (ray/autoscaler/_private/commands.py, _bootstrap_config), both in
+# ray.autoscaler._private.util; Ray publishes no other way to run them.
+
+
+def ray_up_prepare_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`ray up`'s first offline step: the provider's defaults merged in, node types' min/max filled."""
+    from ray.autoscaler._private.util import prepare_config
+
+    return prepare_config(config)
+
+
+def ray_up_validate_config(config: dict[str, Any]) -> None:
+    """`ray up`'s schema and consistency check (ray-schema.json, head_node_type, min_workers <= max_workers)."""
+    from ray.autoscaler._private.util import validate_config
+
+    validate_config(config)
+
+
+# --- Ray Train V2: controller callbacks (app.run.start_guard) -------------------------------------------------
+#
+# A worker group whose start fails half-way is shut down only by a callback on the Train
+# controller. Ray Train's callback classes (ray/train/v2/_internal/execution/callback.py) are
+# DeveloperAPI, reached only through the private package; extra ones are named in the
+# environment variable ``RAY_TRAIN_CALLBACKS`` (ray/train/v2/_internal/constants.py), read by fit().
+
+TRAIN_CALLBACKS_ENV_VAR = "RAY_TRAIN_CALLBACKS"
+
+
+def train_callback_bases() -> tuple[type, type]:
+    """Ray Train V2's ``(WorkerGroupCallback, ControllerCallback)``, the bases of a controller-side callback."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    return WorkerGroupCallback, ControllerCallback
+
+
+# --- Keras: a functional model's graph (app.training.pipeline) -----------------------------------------------
+#
+# Cutting a model into stages needs its call graph: which layer calls consume which
+# tensors. Keras 3 publishes the layers (model.layers, model.operations) but not the
+# nodes (one per call) that connect them, nor the class of a functional model.
+
+
+def is_functional(model: Any) -> bool:
+    """Whether ``model`` is a functional model (``keras.Model(inputs, outputs)``), with a graph of nodes.
+
+    A Sequential is not one (convert it first); a subclassed model is not one.
+    """
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
+
+
+def nodes_by_depth(model: Any) -> dict[int, list[Any]]:
+    """A functional model's nodes (one per layer call) by depth: 0 holds the outputs' nodes, the deepest the inputs'.
+
+    Each node has ``operation`` (the layer or op called), ``is_input``,
+    ``input_tensors`` and ``outputs`` (its KerasTensors).
+    """
+    return model._nodes_by_depth
+
+
+def times_called(layer: Any) -> int:
+    """How many times ``layer`` was called on symbolic tensors (more than one: a shared layer)."""
+    return len(layer._inbound_nodes)
+
+
+def keras_history(tensor: Any) -> Any:
+    """The record of which node produced a KerasTensor (Keras rewrites it when a model re-registers the tensor)."""
+    return tensor._keras_history
+
+
+def set_keras_history(tensor: Any, history: Any) -> None:
+    tensor._keras_history = history
+
+
+# --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
+#
+# tyro reports a parse error as a multi-line box; ``tyro._errors.on_parse_error`` (marked
+# experimental in tyro 1.0.17, not exported) hands the error over as an event instead.
+
+
+def tyro_error_events() -> Optional[Any]:
+    """tyro's module of parse-error events (``on_parse_error``, ``InvalidChoice``, ...), or None without it."""
+    try:
+        from tyro import _errors
+    except ImportError:
+        return None
+    return _errors

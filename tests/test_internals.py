@@ -1,0 +1,279 @@
+"""The private APIs app/ relies on (app/internals.py), checked against the pinned versions.
+
+Each test fails when an upgrade moves or changes a private name the code uses, or
+when a public stand-in stops matching what the library does itself. Tests may import
+the private modules to compare; app/ may not (tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import time
+
+import keras
+import pytest
+import ray
+from ray.train._internal.base_worker_group import BaseWorkerGroup
+
+from app import internals
+from app.cluster_config import load_cluster_config
+from app.run import console, tf_config
+from conftest import REPO
+
+# --- Ray Train: the TF_CONFIG backend ----------------------------------------------------------------------
+
+
+class InProcessWorkers(BaseWorkerGroup):
+    """A worker group of ``n`` workers that runs each function here, and records each worker's TF variables.
+
+    A subclass of Ray's own abstract worker group: a method Ray adds to the backend contract
+    makes it abstract, and this test fails at once.
+    """
+
+    def __init__(self, n: int):
+        self.n, self.env = n, {}
+
+    def execute(self, func, *args, **kwargs):
+        return [func(*args, **kwargs) for _ in range(self.n)]
+
+    def execute_async(self, func, *args, **kwargs):
+        return self.execute(func, *args, **kwargs)
+
+    def execute_single(self, worker_index, func, *args, **kwargs):
+        keys = ("TF_CONFIG", "TF_USE_LEGACY_KERAS")
+        saved = {k: os.environ.pop(k, None) for k in keys}
+        try:
+            out = func(*args, **kwargs)
+            self.env[worker_index] = {k: os.environ[k] for k in keys if k in os.environ}
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        return out
+
+    def execute_single_async(self, worker_index, func, *args, **kwargs):
+        return self.execute_single(worker_index, func, *args, **kwargs)
+
+    def __len__(self):
+        return self.n
+
+    def get_resources_per_worker(self):
+        return {"CPU": 1}
+
+
+def without_ports(tf_config_json: str) -> dict:
+    config = json.loads(tf_config_json)
+    hosts = []
+    for address in config["cluster"]["worker"]:
+        host, port = address.rsplit(":", 1)
+        assert 0 < int(port) < 65536
+        hosts.append(host)
+    config["cluster"]["worker"] = hosts
+    return config
+
+
+def test_our_tf_config_backend_writes_what_rays_tensorflow_backend_writes(monkeypatch):
+    """Same TF_CONFIG for the same workers (ports aside: each asks for a free one); no TF_USE_LEGACY_KERAS."""
+    from ray.train.tensorflow.config import TensorflowConfig, _TensorflowBackend
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert issubclass(WorkerGroup, BaseWorkerGroup)  # what on_start is given in a real run
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # the in-process group returns values, not refs
+    theirs, ours = InProcessWorkers(3), InProcessWorkers(3)
+    _TensorflowBackend().on_start(theirs, TensorflowConfig())
+    tf_config.TFConfig().backend_cls().on_start(ours, tf_config.TFConfig())
+    for i in range(3):
+        assert without_ports(ours.env[i]["TF_CONFIG"]) == without_ports(theirs.env[i]["TF_CONFIG"])
+        assert json.loads(ours.env[i]["TF_CONFIG"])["task"] == {"type": "worker", "index": i}
+        # Ray's sets TF_USE_LEGACY_KERAS=1 (tf.keras -> tf_keras, not installed); ours must not.
+        assert theirs.env[i]["TF_USE_LEGACY_KERAS"] == "1" and "TF_USE_LEGACY_KERAS" not in ours.env[i]
+
+
+@pytest.mark.parametrize("ip", ["192.0.2.7", "2001:db8::7"])
+def test_worker_address_is_rays_own_address_format(monkeypatch, ip):
+    import socket
+
+    from ray._common.network_utils import build_address
+
+    if ":" in ip and not socket.has_ipv6:
+        pytest.skip("no IPv6 sockets here")
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: ip)
+    try:
+        address = tf_config.worker_address()
+    except OSError:
+        pytest.skip("cannot bind a socket of that family here")
+    port = int(address.rsplit(":", 1)[1])
+    assert address == build_address(ip, port)
+
+
+def test_rays_tensorflow_backend_still_takes_the_address_from_the_helpers_ours_copies():
+    from ray.train._internal.utils import get_address_and_port
+    from ray.train.tensorflow import config
+
+    assert "get_address_and_port" in inspect.getsource(config._TensorflowBackend.on_start)
+    assert "ray.util.get_node_ip_address()" in inspect.getsource(get_address_and_port)
+
+
+# --- Ray: the driver's printer of worker lines (app.run.console) ---------------------------------------------
+
+
+def test_ray_init_registers_its_printer_of_worker_lines_under_the_name_the_console_replaces():
+    from ray._private import worker
+
+    assert f'"{internals.RAY_PRINTER}"' in inspect.getsource(worker.connect)
+
+
+def test_the_console_takes_the_place_of_rays_printer_and_gives_it_back(capsys):
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printed: list[dict] = []
+    dispatcher.add_handler(internals.RAY_PRINTER, printed.append)  # what ray.init(log_to_driver=True) does
+    try:
+        with console.for_people(verbose=False):
+            batch = {"lines": [console.MARK + "epoch   1/2", "a TensorFlow notice"], "pid": 7, "ip": "10.0.0.1",
+                     "actor_name": "RayTrainWorker", "is_err": False}
+            dispatcher.emit(batch)
+            assert capsys.readouterr().out == "epoch   1/2\n"
+            assert "(RayTrainWorker pid=7, ip=10.0.0.1) a TensorFlow notice" in console._WorkerLines.early
+            assert printed == []  # not verbose: the chatter waits for the log file
+        dispatcher.emit({"lines": ["after the run"], "pid": 7, "ip": "10.0.0.1"})
+        assert [b["lines"] for b in printed] == [["after the run"]]  # Ray's printer is back
+    finally:
+        dispatcher.remove_handler(internals.RAY_PRINTER)
+        console._WorkerLines.early.clear()
+
+
+def test_a_real_workers_marked_line_reaches_the_console(ray_cluster, capsys):
+    @ray.remote(num_cpus=0)
+    def say():
+        print(console.MARK + "a line for people", flush=True)
+        print("chatter", flush=True)
+
+    with console.for_people(verbose=False):
+        ray.get(say.remote())
+        deadline, out = time.time() + 20, ""
+        while "a line for people" not in out and time.time() < deadline:
+            time.sleep(0.2)
+            out += capsys.readouterr().out
+    assert "a line for people\n" in out and "chatter" not in out and console.MARK not in out
+    console._WorkerLines.early.clear()
+
+
+# --- Ray: `ray up`'s offline checks (app.cluster_config) -----------------------------------------------------
+
+
+def test_ray_up_still_prepares_then_validates_with_the_functions_we_call():
+    from ray.autoscaler._private import commands
+
+    source = inspect.getsource(commands._bootstrap_config)
+    assert source.index("prepare_config(") < source.index("validate_config(")
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster_ssh.yaml"])
+def test_prepare_and_validate_accept_the_shipped_cluster_configs(name):
+    prepared = internals.ray_up_prepare_config(load_cluster_config(REPO / name))
+    if prepared["provider"]["type"] == "aws":  # as app.cluster_config does: EC2 would fill these
+        for node_type in prepared["available_node_types"].values():
+            node_type.setdefault("resources", {})
+    internals.ray_up_validate_config(prepared)
+    for node_type in prepared["available_node_types"].values():  # what cluster_config reads after
+        assert isinstance(node_type["min_workers"], int) and isinstance(node_type["max_workers"], int)
+
+
+# --- Ray Train V2: controller callbacks (app.run.start_guard) ------------------------------------------------
+
+
+def test_train_callback_bases_still_have_the_hooks_start_guard_uses():
+    from ray.train.v2._internal.callbacks.env_callback import _initialize_env_callbacks
+    from ray.train.v2._internal.constants import RAY_TRAIN_CALLBACKS_ENV_VAR
+
+    workers, controller = internals.train_callback_bases()
+    for hook in ("before_worker_group_start", "on_worker_group_start", "after_worker_group_start",
+                 "after_worker_group_training_start"):
+        assert callable(getattr(workers, hook)), hook
+    assert inspect.iscoroutinefunction(controller.before_controller_shutdown)
+    assert internals.TRAIN_CALLBACKS_ENV_VAR == RAY_TRAIN_CALLBACKS_ENV_VAR
+    assert "RAY_TRAIN_CALLBACKS_ENV_VAR" in inspect.getsource(_initialize_env_callbacks)  # read by fit()
+
+
+# --- Ray: the loggers app.run.cluster quiets by name ---------------------------------------------------------
+
+
+def test_the_ray_loggers_app_run_cluster_names_are_still_ray_modules():
+    from ray._private import worker
+
+    assert importlib.util.find_spec("ray._private.authentication.authentication_token_setup") is not None
+    assert "SIGTERM handler is not set" in inspect.getsource(worker)
+
+
+# --- Keras: a functional model's graph (app.training.pipeline) -----------------------------------------------
+
+
+def residual_model():
+    x = keras.Input((4,), name="x")
+    shared = keras.layers.Dense(4, name="shared")
+    h = keras.layers.Dense(4, name="first")(x)
+    y = keras.layers.Add(name="add")([shared(h), shared(x)])
+    return keras.Model(x, keras.layers.Dense(1, name="out")(y)), shared
+
+
+def test_is_functional_tells_functional_from_sequential_and_subclassed():
+    model, _ = residual_model()
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    assert internals.is_functional(model)
+    assert not internals.is_functional(sequential) and not internals.is_functional(Subclassed())
+    assert internals.is_functional(keras.Model(sequential.inputs, sequential.outputs))
+
+
+def test_nodes_by_depth_holds_one_node_per_call_with_the_attributes_the_pipeline_reads():
+    model, shared = residual_model()
+    by_depth = internals.nodes_by_depth(model)
+    deepest = by_depth[max(by_depth)]
+    assert [n.is_input for n in deepest] == [True] and deepest[0].outputs == list(model.inputs)
+    assert [n.operation.name for n in by_depth[0]] == ["out"] and by_depth[0][0].outputs == list(model.outputs)
+    calls = [n.operation.name for d in sorted(by_depth, reverse=True) for n in by_depth[d] if not n.is_input]
+    assert sorted(calls) == ["add", "first", "out", "shared", "shared"]
+    add = next(n for nodes in by_depth.values() for n in nodes if n.operation.name == "add")
+    assert len(add.input_tensors) == 2  # the two branches, as KerasTensors
+    assert internals.times_called(shared) == 2 and internals.times_called(model.get_layer("first")) == 1
+
+
+def test_keras_history_names_the_layer_that_made_a_tensor_and_can_be_put_back():
+    model, _ = residual_model()
+    history = internals.keras_history(model.outputs[0])
+    assert history.operation is model.get_layer("out") and (history.node_index, history.tensor_index) == (0, 0)
+    x = model.inputs[0]
+    saved = internals.keras_history(x)
+    internals.set_keras_history(x, history)
+    assert internals.keras_history(x) is history
+    internals.set_keras_history(x, saved)  # what Pipeline.place does after building its stages
+    assert internals.keras_history(x).operation is model.get_layer("x")
+
+
+# --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
+
+
+def test_tyros_error_events_have_the_fields_the_cli_reads():
+    events = internals.tyro_error_events()
+    assert events is not None and callable(events.on_parse_error)
+    fields = {
+        "InvalidChoice": {"argument", "value", "choices"},
+        "InstantiationFailure": {"argument", "message"},
+        "UnrecognizedArgs": {"tokens"},
+        "BadValue": {"argument", "offending_value"},
+        "MissingArgs": {"missing_arguments"},
+        "MissingMutexGroup": {"groups"},
+        "MutexConflict": {"first_token", "second_token"},
+    }
+    for name, needed in fields.items():
+        assert needed <= {f.name for f in dataclasses.fields(getattr(events, name))}, name
