@@ -14,11 +14,9 @@ JSON object) and the plug-in fields ``--model``/``--dataset`` are parsed as stri
 
 import contextlib
 import dataclasses
-import difflib
 import io
 import json
 import logging
-import re
 import sys
 import types
 import typing
@@ -26,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from app import internals
+from app import cli_errors
 from app.config import CONFIG_FILE, SECTIONS, DataSection, Plugin, TrainConfig, build_config
 from app.errors import RunFailed, UserError
 
@@ -52,8 +50,8 @@ class TrainArgs:
 
 def train_args(description: str, argv: list[str] | None = None) -> TrainArgs:
     """Every TrainConfig field as a flag, plus --config FILE and --dry-run."""
-    own, typed = _guarded(lambda: _parse(description, argv, "train", _train_flags(), set(TrainConfig.model_fields)))
-    config = _guarded(lambda: build_config(_base_file(own["config"], typed), typed))
+    own, typed = cli_errors.guarded(lambda: _parse(description, argv, "train", _train_flags(), set(TrainConfig.model_fields)))
+    config = cli_errors.guarded(lambda: build_config(_base_file(own["config"], typed), typed))
     _parsed["verbose"] = config.verbose
     return TrainArgs(config, own["dry_run"])
 
@@ -73,9 +71,9 @@ class TuneArgs:
 def tune_args(description: str, argv: list[str] | None = None) -> TuneArgs:
     """The sweep's own flags, and the config flags (but NOT_FOR_TUNE) fixed for every trial."""
 
-    own, typed = _guarded(lambda: _parse(description, argv, "sweep", _tune_flags(),
+    own, typed = cli_errors.guarded(lambda: _parse(description, argv, "sweep", _tune_flags(),
                                          set(TrainConfig.model_fields) - NOT_FOR_TUNE))
-    return TuneArgs(**own, fixed=_guarded(lambda: _checked(typed)))
+    return TuneArgs(**own, fixed=cli_errors.guarded(lambda: _checked(typed)))
 
 
 @dataclasses.dataclass
@@ -89,8 +87,8 @@ class EvaluateArgs:
 def evaluate_args(description: str, argv: list[str] | None = None) -> EvaluateArgs:
     """Exactly one of --model FILE.keras, --checkpoint DIR, --run DIR; data flags override the run's config."""
 
-    own, typed = _guarded(lambda: _parse(description, argv, "evaluate", _evaluate_flags(), set(EVALUATE_FIELDS)))
-    return EvaluateArgs(**own, overrides=_guarded(lambda: _checked(typed)))
+    own, typed = cli_errors.guarded(lambda: _parse(description, argv, "evaluate", _evaluate_flags(), set(EVALUATE_FIELDS)))
+    return EvaluateArgs(**own, overrides=cli_errors.guarded(lambda: _checked(typed)))
 
 
 def main(body: Callable[[], Any]) -> None:
@@ -266,12 +264,12 @@ def _parse(description: str, argv: list[str] | None, title: str, own: type,
     known = [_flag(f.name) for f in dataclasses.fields(own)] + [_flag(n) for n in fields] + ["--help"]
     stderr = io.StringIO()
     try:
-        with _one_line_errors(argv, known), contextlib.redirect_stderr(stderr):
+        with cli_errors.one_line_errors(argv, known), contextlib.redirect_stderr(stderr):
             parsed = tyro.cli(tyro.conf.OmitArgPrefixes[options], args=argv, prog=Path(sys.argv[0]).name,
                               description=description)
     except SystemExit as e:
         if e.code:  # an error tyro reported itself (the hook words the known kinds): its box as one line
-            raise UserError(_collapse(stderr.getvalue())) from None
+            raise UserError(cli_errors.collapse(stderr.getvalue())) from None
         raise  # --help
     sys.stderr.write(stderr.getvalue())  # warnings, if any, still reach the user
     typed: dict[str, Any] = {}
@@ -313,105 +311,6 @@ def _base_file(config: str | None, typed: dict[str, Any]) -> str | Path | None:
     if not file.is_file():
         raise UserError(f"nothing to resume: {output!r} holds no {CONFIG_FILE}")
     return file
-
-
-# --- one line per error ----------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _one_line_errors(argv: list[str], known: list[str]):
-    """tyro reports a parse error as a multi-line box; its error hook lets us word it as one line instead.
-
-    tyro's error events are marked experimental and not exported (app.internals reaches them; hence the
-    exact pin); without them, _collapse folds the box.
-    """
-    events = internals.tyro_error_events()
-    if events is None:  # pragma: no cover - a tyro without the hook
-        yield
-        return
-
-    def flag_of(argument: Any) -> str:
-        flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None) or ()
-        return flags[0] if flags else "an option"
-
-    def metavar_of(argument: Any) -> str:
-        return getattr(getattr(argument, "lowered", None), "metavar", None) or "a value"
-
-    def hook(event: Any) -> None:
-        if isinstance(event, events.InvalidChoice):
-            raise UserError(f"{flag_of(event.argument)}: invalid choice {event.value!r} "
-                            f"(choose from {', '.join(event.choices)})")
-        if isinstance(event, events.InstantiationFailure):
-            if event.argument is None:
-                raise UserError(event.message)
-            flag = flag_of(event.argument)
-            given = _values_after(argv, flag)
-            raise UserError(f"{flag} expects {metavar_of(event.argument)}, got {given!r}" if given is not None
-                            else f"{flag}: {event.message}")
-        if isinstance(event, events.UnrecognizedArgs):
-            options = [t for t in event.tokens if t.startswith("-")]  # the values after them are noise here
-            words = []
-            for token in options or event.tokens:
-                close = difflib.get_close_matches(token.split("=", 1)[0], known, n=1, cutoff=0.7) if options else []
-                words.append(f"{token} (did you mean {close[0]}?)" if close else token)
-            what = "unknown option" if options else "unexpected argument"
-            raise UserError(f"{what}{'s' if len(words) > 1 else ''} {', '.join(words)}; see --help")
-        if isinstance(event, events.BadValue):
-            raise UserError(f"{flag_of(event.argument)} expects {metavar_of(event.argument)}"
-                            + (f", got {event.offending_value!r}" if event.offending_value else ""))
-        if isinstance(event, events.MissingArgs):
-            missing = [f"{flag_of(a.arg)} {metavar_of(a.arg)}" for a in event.missing_arguments]
-            raise UserError(f"missing {', '.join(missing)} (required)")
-        if isinstance(event, events.MissingMutexGroup):
-            raise UserError("; ".join("give one of " + ", ".join(flag_of(a.arg) for a in group)
-                                      for group in event.groups))
-        if isinstance(event, events.MutexConflict):
-            raise UserError(f"{event.first_token} and {event.second_token} exclude each other: give one")
-        # Any other kind: tyro prints its box and exits 2; _collapse makes it one line.
-
-    with events.on_parse_error(hook):  # raising from the hook takes over tyro's error report
-        yield
-
-
-def _values_after(argv: list[str], flag: str) -> str | None:
-    """What the user typed after ``flag`` (its last occurrence), for error messages."""
-    for i in reversed(range(len(argv))):
-        if argv[i].startswith(flag + "="):
-            return argv[i].split("=", 1)[1]
-        if argv[i] == flag:
-            values = []
-            for token in argv[i + 1:]:
-                if token.startswith("--"):
-                    break
-                values.append(token)
-            return " ".join(values)
-    return None
-
-
-_BOX = re.compile(r"[╭╮╰╯│─]+")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _collapse(text: str) -> str:
-    """tyro's boxed error -> one line (the box's title and body; no usage, no help pointers)."""
-    kept = []
-    for raw in _ANSI.sub("", text).splitlines():
-        line = _BOX.sub(" ", raw).strip()
-        if line.startswith(("For full helptext", "Argument helptext", "usage:")):
-            break
-        if line:
-            kept.append(line)
-    return re.sub(r"\s+", " ", " ".join(kept)).strip() or "invalid command line (see --help)"
-
-
-def _guarded(parse: Callable[[], Any]) -> Any:
-    """A bad command line is a user error: one line, exit 2 (as main() does for the run itself)."""
-    try:
-        return parse()
-    except UserError as e:
-        trace = getattr(e, "trace", None)  # app.errors.UserCodeError: the user's own code raised
-        print(f"error: {e}{_kept(trace) if trace else ''}", file=sys.stderr)
-        sys.exit(2)
 
 
 __all__ = ["CONFIG_FILE", "EvaluateArgs", "TrainArgs", "TuneArgs", "evaluate_args", "main", "train_args", "tune_args"]

@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import run_job
 
-from app import cli
+from app import cli, cli_errors
 
 
 def train(*argv: str):
@@ -206,7 +206,7 @@ def test_evaluate_args_model_is_the_keras_file(capsys):
 def test_an_error_box_the_hook_does_not_word_still_becomes_one_line():
     box = ("╭─ Value error ──────────────╮\n│ Error parsing --n: invalid │\n│ literal for int(): 'q'     │\n"
            "│ ────────────────────────── │\n│ For full helptext, run p -h │\n╰────────────────────────────╯\n")
-    assert cli._collapse(box) == "Value error Error parsing --n: invalid literal for int(): 'q'"
+    assert cli_errors.collapse(box) == "Value error Error parsing --n: invalid literal for int(): 'q'"
 
 
 def test_importing_cli_stays_light():

@@ -6,18 +6,16 @@ tests/test_your_own.py; a frozen worker's line in tests/test_recovery.py; bad da
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
 from app.data import blocks, streamed
 from app.data.files import Located
-from app.run import console, ray_train
+from app.run import console, failures
 from app.training.loop import EpochBar
 from conftest import REPO
 
@@ -78,10 +76,10 @@ def test_a_frozen_peer_is_named_and_an_unrelated_deadline_is_not():
         "Traceback (most recent call last):\n  ...\ntensorflow.python.framework.errors_impl.UnavailableError: "
         "Graph execution error:\n\nCollective ops is aborted by: Deadline Exceeded\n\n"
         "RPC: /tensorflow.CoordinationService/Heartbeat\n [[{{node sgd/CollectiveReduceV2}}]]")})
-    line = ray_train.summarize(frozen)
+    line = failures.summarize(frozen)
     assert "stopped answering in the all-reduce" in line and "Collective ops is aborted" in line and "(rank 1)" in line
     upload = Failed({0: Exception("Traceback ...\nOSError: upload to gs://bucket failed: Deadline Exceeded")})
-    assert ray_train.summarize(upload) == "OSError: upload to gs://bucket failed: Deadline Exceeded (rank 0)"
+    assert failures.summarize(upload) == "OSError: upload to gs://bucket failed: Deadline Exceeded (rank 0)"
 
 
 def test_nonfinite_values_are_counted_in_every_column_kind():

@@ -30,7 +30,7 @@ from typing import Any
 
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
-from app.run import cluster, console, outputs, ray_train
+from app.run import cluster, console, failures, outputs, ray_train
 from app.training import checkpoint
 from app.training.worker import WorkerJob
 
@@ -152,7 +152,7 @@ class _Cluster:
             lost = self.lost_parameter_servers()
             if lost:
                 raise Restartable(f"parameter server {', '.join(map(str, lost))} was lost") from None
-            raise RunFailed(f"training failed: {ray_train.summarize(e)}{ray_train.trace_note(e)}") from None
+            raise RunFailed(f"training failed: {failures.summarize(e)}{failures.trace_note(e)}") from None
 
     def lost_parameter_servers(self) -> list[int]:
         import ray

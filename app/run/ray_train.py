@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
@@ -17,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
-from app.run import cluster, console, outputs
+from app.run import cluster, console, failures, outputs
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
 
@@ -82,7 +81,7 @@ class RaySession:
             )
         inputs = iter(strategy.distribute_datasets_from_function(train)), strategy.distribute_datasets_from_function(val)
         # Never destroyed before the process ends: a tf.data iterator's destructor waits for
-        # tf.data's autotuning thread to wake (gdb, session 4: 7-60 s after the last report).
+        # tf.data's autotuning thread to wake (7-60 s after the last report; the gdb stack is in docs/design.md).
         # The worker process is ended by Ray Train right after the function returns.
         _KEPT_UNTIL_EXIT.extend(inputs)
         return inputs
@@ -222,8 +221,7 @@ def fit(
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
-        line = start_failure(e, config) or f"training failed: {summarize(e)}{restart_hint(e, config)}"
-        raise RunFailed(f"{line}{trace_note(e)}") from None
+        raise RunFailed(failures.one_line(e, config)) from None
     except (KeyboardInterrupt, SystemExit):
         # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
         raise RunFailed(
@@ -231,49 +229,10 @@ def fit(
             f"python jobs/train.py --output {out} --resume"
         ) from None
     if result.error is not None:
-        raise RunFailed(f"training failed: {summarize(result.error)}{trace_note(result.error)}")
+        raise RunFailed(f"training failed: {failures.summarize(result.error)}{failures.trace_note(result.error)}")
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
-
-
-def start_failure(error: BaseException, config: TrainConfig) -> str | None:
-    """The line for a run whose worker group could not start (Ray's own message is a paragraph), or None."""
-    import ray
-
-    failure = getattr(error, "controller_failure", None)  # ray.train.ControllerError
-    kind = type(failure).__name__
-    retries = (f"after {config.max_failures} restarts (--max-failures)" if config.max_failures
-               else "(--max-failures 0: not restarted)")
-    if kind == "WorkerGroupStartupTimeoutError":
-        per_worker = f"{{CPU: {config.cpus_per_worker:g}{', GPU: 1' if config.use_gpu else ''}}}"
-        free = ray.available_resources() if ray.is_initialized() else {}
-        return (
-            f"the workers could not be placed within --worker-start-timeout-s ({config.worker_start_timeout_s:g} s) "
-            f"{retries}: Ray was waiting for {config.num_workers} x {per_worker} ({config.placement_strategy}), and "
-            f"the cluster has {free.get('CPU', 0):g} CPUs / {free.get('GPU', 0):g} GPUs free now: lower "
-            "--num-workers or --cpus-per-worker, free the cluster, or raise --worker-start-timeout-s while nodes are added"
-        )
-    if kind == "WorkerGroupStartupFailedError":
-        fix = "; rerun with --max-failures 2 to restart the group when this happens" if not config.max_failures else ""
-        return f"a worker was lost while Ray Train started the worker group {retries}: {summarize(failure)}{fix}"
-    return None
-
-
-def restart_hint(error: BaseException, config: TrainConfig) -> str:
-    """For a worker lost mid-run with no restart budget: how to get one."""
-    import ray
-
-    failures = getattr(error, "worker_failures", None) or {}
-    if config.max_failures or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
-        return ""
-    return "; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from the last checkpoint"
-
-
-def trace_note(error: BaseException) -> str:
-    """Every worker's whole traceback to the run's log file; the console's line says where it is."""
-    path = console.write_trace("the workers' errors in full:", str(error))
-    return f" (full traceback in {path})" if path else ""
 
 
 def for_workers(config: TrainConfig) -> TrainConfig:
@@ -303,32 +262,6 @@ def _data_config(source, datasets):
 
     return data_config(datasets, source.cached)
 
-
-def summarize(error: BaseException) -> str:
-    """The last exception line of each worker's error, deduplicated (Ray's message holds whole tracebacks)."""
-    failures = getattr(error, "worker_failures", None) or {0: error}
-    by_message: dict[str, list[int]] = {}
-    for rank, exc in sorted(failures.items()):
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
-        message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
-        message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
-        # TensorFlow's collective errors; "Deadline Exceeded" alone could be any RPC (an upload, say).
-        stalled = next((line for marker in _STALLED for line in lines if marker in line), None)
-        if stalled is not None:
-            message = ("a peer stopped answering in the all-reduce (a frozen, lost or cut-off worker) and the "
-                       f"wait was ended (--stall-timeout-s): {stalled}")
-        by_message.setdefault(message, []).append(rank)
-    return "; ".join(f"{msg} (rank {', '.join(map(str, ranks))})" for msg, ranks in by_message.items())
-
-
-# What TensorFlow says when a collective's peer is gone or silent (the collective's own timeout,
-# CommunicationOptions, or the coordination service's missed heartbeats), the clearest first.
-_STALLED = ("Collective ops is aborted", "Collective ops timeout", "stopped sending heartbeats",
-            "CollectiveReduce", "CollectiveGather", "CollectiveBcast")
-
-# "package.module.SomeError: message" -> group(1) = "SomeError"
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")
 
 RUN_NAME_FILE = "ray_run_name"
 
