@@ -56,3 +56,10 @@ def test_help_explains_every_flag():
                  "--lr-scaling", "--warmup-epochs", "--model", "--dataset", "--seed", "--output", "--overwrite",
                  "--config"]:
         assert flag in p.stdout
+
+
+def test_the_cnn_takes_the_builtin_digits_as_they_come():
+    """digits carries its image shape (8, 8, 1): no --feature-shape needed for a convolutional model."""
+    p = run_job("jobs/train.py", "--model", "cnn", "--backend", "local", "--dry-run", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "examples of shape (8, 8, 1)" in p.stdout and "model: cnn" in p.stdout
