@@ -5,6 +5,7 @@ before an output directory or a worker exists."""
 from __future__ import annotations
 
 import csv
+import json
 import re
 
 import numpy as np
@@ -16,6 +17,7 @@ from app.data import blocks, memory, streamed, text
 from app.run import ray_train
 from app.config import build_config
 from app.errors import UserError
+from conftest import clean_env, run_job
 
 ROWS, CLASSES, LENGTH = 320, 3, 16
 # Tiny model and one epoch: these tests check the data path, not accuracy.
@@ -139,6 +141,37 @@ def test_csv_trains_with_a_separate_validation_file(ray_cluster, tmp_path):
     check_one_epoch(out, result, 250, 70)
 
 
+def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluate_agrees(ray_cluster, tmp_path):
+    """--task regression on CSV (streamed: read block by block every epoch) from the command line, scored again
+    by jobs/evaluate.py; binary labels in parquet (cached) from Python."""
+    x, _ = learnable(length=4)
+    target = x @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)
+    table = write_csv(tmp_path / "reg.csv", ["f0", "f1", "f2", "f3", "target"],
+                      [[*map(float, r), float(t)] for r, t in zip(x, target)])
+    out = tmp_path / "reg"
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/train.py", "--output", str(out), "--dataset", str(table), "--label-column", "target",
+                "--task", "regression", "--data-cache", "stream", "--num-workers", "2", "--epochs", "2",
+                "--per-replica-batch", "16", "--warmup-epochs", "0", "--cpus-per-worker", "0.5", "--base-lr", "0.005",
+                env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["task"] == "regression" and "val_mae" in result["metrics"]
+    losses = history(out, "train_loss")
+    assert np.isfinite(history(out, "val_mae")).all() and losses[1] < losses[0]
+    p = run_job("jobs/evaluate.py", "--run", str(out), env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scored = json.loads((out / "eval.json").read_text())
+    assert abs(scored["val_mae"] - result["metrics"]["val_mae"]) < 1e-5
+
+    binary = write_parquet(tmp_path / "bin", x, (target > 0).astype(np.int64))
+    out, result = train(tmp_path, "bin-run", dataset=str(binary), task="binary", model="mlp")
+    assert result["task"] == "binary"
+    # Every row once: validated, trained on, or dropped (parquet splits rows by a hash of their content).
+    trained = result["steps_per_epoch"] * 32
+    assert history(out, "val_samples")[0] + trained + result["dropped_samples_per_epoch"] == len(target)
+
+
 def test_image_folder_trains_with_two_workers(ray_cluster, tmp_path):
     from PIL import Image
 
@@ -218,9 +251,10 @@ def test_missing_columns_are_named_with_the_columns_that_exist(ray_cluster, tmp_
 
 def test_wrong_dtypes_are_refused(ray_cluster, tmp_path):
     strings = write_csv(tmp_path / "s.csv", ["a", "label"], [[1.0, "cat"], [2.0, "dog"]] * 20)
-    refused(tmp_path, r"label column 'label' has type string, expected integers", dataset=str(strings))
+    refused(tmp_path, r"label column 'label' has type string, expected numbers", dataset=str(strings))
     floats = write_csv(tmp_path / "f.csv", ["a", "label"], [[1.0, 0.5], [2.0, 1.5]] * 20)
-    refused(tmp_path, r"label column 'label' has type double, expected integers", dataset=str(floats))
+    refused(tmp_path, r"label column 'label' has type double, but --task classification needs integer class ids",
+            dataset=str(floats), task="classification")
     text_features = write_csv(tmp_path / "t.csv", ["name", "label"], [["x y", 0], ["z", 1]] * 20)
     refused(tmp_path, r"feature column 'name' has type string, expected numbers", dataset=str(text_features))
 

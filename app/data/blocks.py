@@ -9,7 +9,7 @@ Two paths, chosen by the format:
   (``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths
   and ``s3://`` / ``gs://`` URIs through pyarrow's filesystems) and
   ``map_batches`` turns each block into the columns every worker consumes:
-  ``x`` (float32 features), ``y`` (int64 label), ``id`` (int64), plus ``w``
+  ``x`` (float32 features), ``y`` (int64 class id, or float32 target for regression), ``id`` (int64), plus ``w``
   (weight) for validation. The driver never holds the data: it sees the
   schema, a few numbers per block from one statistics pass, and file names.
 
@@ -85,7 +85,8 @@ def _labels(table: "pa.Table", spec: Spec) -> np.ndarray:
         index = {name: i for i, name in enumerate(spec.classes)}
         paths = _column(table, "path").to_pylist()
         return np.array([index[class_of(p, spec.root)] for p in paths], dtype=np.int64)
-    return _column(table, spec.label).to_numpy(zero_copy_only=False).astype(np.int64)
+    return _column(table, spec.label).to_numpy(zero_copy_only=False).astype(
+        np.float32 if spec.task == "regression" else np.int64)
 
 
 

@@ -31,6 +31,7 @@ class Spec:
     root: str = ""  # image folders: the root the class folders sit under
     val_fraction: Optional[float] = None  # None: no split (a separate validation source)
     seed: int = 0
+    task: str = "classification"  # from the label column's type and --task, decided once here
 
 
 
@@ -65,11 +66,7 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
     )
     if config.label_column not in types:
         raise missing("label column", config.label_column, loc.uri, names)
-    label_type = types[config.label_column]
-    if not pa.types.is_integer(label_type):
-        raise UserError(
-            f"label column {config.label_column!r} has type {label_type}, expected integers (class ids 0..K-1)"
-        )
+    common["task"] = _task(config, types[config.label_column])
     if config.text_column:
         if config.text_column not in types:
             raise missing("text column", config.text_column, loc.uri, names)
@@ -103,6 +100,23 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
     (name,) = features
     shape = tuple(types[name].shape) if kinds[name] == "tensor" else ()  # lists: length from the data
     return Spec(kind=kinds[name], features=(name,), stored_shape=shape, **common)
+
+
+def _task(config: "TrainConfig", label_type: "pa.DataType") -> str:
+    """As for arrays (app.data.checks.task_of), from the label column's type: integers are classes, floats
+    targets; an explicit --task must fit it."""
+    import pyarrow as pa
+
+    integral = pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)
+    if not integral and not pa.types.is_floating(label_type):
+        raise UserError(f"label column {config.label_column!r} has type {label_type}, expected numbers "
+                        "(class ids 0..K-1, or float targets with --task regression)")
+    if config.task == "auto":
+        return "classification" if integral else "regression"
+    if config.task in ("classification", "binary") and not integral:
+        raise UserError(f"label column {config.label_column!r} has type {label_type}, but --task {config.task} "
+                        "needs integer class ids: use --task regression for continuous targets")
+    return config.task
 
 
 def image_spec(loc: Located, config: "TrainConfig") -> Spec:

@@ -178,7 +178,11 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         real = [s for s in stats if s["rows"]]
         total["label_min"] = min(s["label_min"] for s in real)
         total["label_max"] = max(s["label_max"] for s in real)
-    check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
+    if spec.task != "regression":
+        check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
+    if spec.task == "binary" and total["label_max"] > 1:
+        raise UserError(f"label column {spec.label!r} has values {total['label_min']}..{total['label_max']}, "
+                        "but --task binary needs labels 0 or 1")
     return spec, total
 
 
@@ -244,7 +248,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
             )
         n_train, n_val = stats["rows"], val_stats["rows"]
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
-    num_classes = config.num_classes or stats["label_max"] + 1
+    num_classes = {"regression": None, "binary": 2}.get(spec.task, config.num_classes or int(stats["label_max"]) + 1)
     if spec.kind == "images":
         num_classes = config.num_classes or len(spec.classes)
 
@@ -274,11 +278,12 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None, not cached["val"])
     if cached["val"]:
         val = val.materialize()
-    facts = DataFacts(spec.feature_shape, "classification", num_classes, n_train, n_val)
+    facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val)
     val = padded(val, n_val, num_workers, facts)
     log.info(
-        "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %d classes",
-        loc.uri, loc.format, n_train, n_val, spec.feature_shape, num_classes,
+        "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",
+        loc.uri, loc.format, n_train, n_val, spec.feature_shape,
+        f"{num_classes} classes" if num_classes else "float targets",
     )
     return Streamed(train, val, facts, shuffle_buffer, cached)
 
