@@ -26,8 +26,9 @@ What differs, and why:
   with that batch;
 - Keras 3's ``optimizer.iterations.assign_add`` is a read-then-write that
   concurrent workers race on (16 of 20 increments survived in a test), so the
-  coordinator counts the steps it schedules, passes each step its number, and
-  the step sets the LR from it; the true count is in state.json and result.json;
+  epoch driver counts the steps on the chief, each is scheduled with its number,
+  and the step sets the LR from it (``driven_lr``); the true count is in
+  state.json and result.json;
 - each worker reads its own slice of a seeded per-epoch permutation (its
   index comes from the coordinator at run time); a faster worker goes through
   its slice faster, so "every row once per epoch" holds only on average.
