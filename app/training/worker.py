@@ -110,7 +110,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     driver = EpochDriver(
         step_runner(config, job, session, strategy, model, optimizer, plan, lr_plan, pipe, progress.history),
         metric=job.objective.metric,
-        # Log points are collectives: every worker must agree on them.
+        # Log points are collectives on synchronous replicas: every worker must agree on them.
         log_every_steps=config.log_every_steps if config.tensorboard else 0,
     )
     tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
