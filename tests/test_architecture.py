@@ -143,3 +143,21 @@ def test_every_markdown_file_the_repository_cites_is_in_it():
                for name in re.findall(r"[\w./-]*\w\.md\b", line)
                if not (REPO / name).exists() and not (path.parent / name).exists()]
     assert not missing, "\n".join(missing)
+
+
+def epoch_loops(path: Path) -> list[int]:
+    """Lines of the ``for epoch in ...`` loops in a file: a loop over epochs, whatever it iterates."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.target, ast.Name)
+            and node.target.id == "epoch"]
+
+
+def test_one_training_loop_for_every_strategy():
+    """One epoch loop (train_worker's) and one epoch record (the epoch driver's) for every backend and strategy:
+    a strategy that schedules its steps otherwise (parameter servers) plugs in as a session and a step runner."""
+    files = [p for folder in ("training", "run") for p in (APP / folder).rglob("*.py")]
+    loops = {str(p.relative_to(REPO)): lines for p in files if (lines := epoch_loops(p))}
+    assert loops == {"app/training/worker.py": loops.get("app/training/worker.py")}, loops
+    assert len(loops["app/training/worker.py"]) == 1, loops
+    records = [str(p.relative_to(REPO)) for p in files if "epoch_metrics(" in p.read_text()]
+    assert sorted(records) == ["app/training/loop.py", "app/training/metrics.py"], records

@@ -143,3 +143,49 @@ def test_cnn_batch_norm_state_is_one_value_across_replicas(tmp_path):
     scored = json.loads((out / "eval.json").read_text())
     assert scored["val_loss"] == pytest.approx(result["metrics"]["val_loss"], rel=1e-5)
     assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
+
+
+class ChunkedSteps:
+    """A StepRunner that runs its steps in chunks of 16, as the parameter servers' ScheduledSteps does."""
+
+    def __init__(self, bad_step=None):
+        self.bad_step, self.numbers = bad_step, []
+
+    def steps_taken(self):
+        return 100
+
+    def run(self, iterator, first_step, remaining):
+        n = min(16, remaining)
+        self.numbers += range(first_step, first_step + n)
+        loss = np.nan if self.bad_step in self.numbers[-n:] else 0.5 * n
+        return np.array([loss, n / 2, n], dtype=np.float64), n, None
+
+    def total(self, local):
+        return local
+
+    def evaluate(self, val):
+        from app.training.metrics import EpochStats
+
+        return EpochStats.from_sums(np.array([1.0, 4.0, 8.0]), 0.1)
+
+    def learning_rate(self, global_step):
+        return 1.0 / global_step
+
+    def extra_metrics(self):
+        return {}
+
+
+def test_the_epoch_driver_numbers_chunked_steps_and_names_a_non_finite_chunk():
+    """The one epoch driver under a runner that schedules numbered steps in chunks (parameter servers): the steps
+    are numbered on from the restored count, the record carries optimizer_steps, a NaN names its chunk."""
+    from app.training.loop import EpochDriver, NonFiniteLoss
+
+    runner = ChunkedSteps()
+    driver = EpochDriver(runner)
+    metrics, train = driver.run_epoch(1, None, 40, None, dropped=0)
+    assert runner.numbers == list(range(100, 140)) and train.samples == 40
+    assert metrics["optimizer_steps"] == 140 and metrics["learning_rate"] == 1 / 140
+    assert metrics["train_loss"] == 0.5 and metrics["val_accuracy"] == 0.5
+
+    with pytest.raises(NonFiniteLoss, match=r"non-finite training loss in epoch 2, steps 17-32 of 40"):
+        EpochDriver(ChunkedSteps(bad_step=120)).train_epoch(None, 40, epoch=2)

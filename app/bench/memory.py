@@ -108,7 +108,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     from app.bench.sampler import ProcessPeaks
     from app.config import build_config
     from app.run import cluster, ray_train
-    from app.training.worker import peak_rss_mib
+    from app.training.metrics import peak_rss_mib
 
     config = build_config(None, {**payload["workload"], "dataset": payload["data"], "output": payload["out"],
                                  "overwrite": True, "num_workers": payload["workers"]})

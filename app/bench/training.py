@@ -30,7 +30,7 @@ class Training:
 
 
 def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: EpochPlan) -> Training:
-    from app.training.loop import EpochDriver
+    from app.training.loop import EpochDriver, ReplicaSteps
     from app.training.model import build_model
     from app.training.objective import objective_for
     from app.training.optim import make_optimizer, plan_lr
@@ -42,7 +42,7 @@ def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: Epoc
         optimizer = make_optimizer(config, lr_plan)
     objective = objective_for(config, facts.task, model)
     steps = make_train_steps(strategy, model, optimizer, objective, plan.global_batch, config.grad_accum)
-    driver = EpochDriver(strategy, optimizer, steps, eval_step=None, steps_per_execution=config.steps_per_execution)
+    driver = EpochDriver(ReplicaSteps(strategy, optimizer, steps, steps_per_execution=config.steps_per_execution))
     return Training(model, optimizer, lr_plan, driver)
 
 

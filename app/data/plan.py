@@ -23,10 +23,14 @@ class EpochPlan:
     per_replica_batch: int
     replicas_per_worker: int = 1
     grad_accum: int = 1  # micro-batches per optimizer step
+    # Parameter servers: every worker applies its own batches, each one optimizer update, without waiting.
+    asynchronous: bool = False
 
     @classmethod
-    def for_run(cls, config, num_rows: int, num_workers: int, replicas_per_worker: int = 1) -> "EpochPlan":
-        return cls(num_rows, num_workers, config.per_replica_batch, replicas_per_worker, config.grad_accum)
+    def for_run(cls, config, num_rows: int, num_workers: int, replicas_per_worker: int = 1,
+                asynchronous: bool = False) -> "EpochPlan":
+        return cls(num_rows, num_workers, config.per_replica_batch, replicas_per_worker, config.grad_accum,
+                   asynchronous)
 
     @property
     def step_batch(self) -> int:
@@ -37,6 +41,16 @@ class EpochPlan:
     def global_batch(self) -> int:
         """The effective global batch: rows behind one optimizer step, over every replica."""
         return self.num_workers * self.replicas_per_worker * self.step_batch
+
+    @property
+    def update_batch(self) -> int:
+        """Rows behind one optimizer update (what the LR rule scales with)."""
+        return self.step_batch if self.asynchronous else self.global_batch
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per epoch: one per global step, or one per worker's step when asynchronous."""
+        return self.steps * self.num_workers if self.asynchronous else self.steps
 
     @property
     def steps(self) -> int:

@@ -28,6 +28,7 @@ class LocalSession:
     """One process, every local device: a tf.distribute strategy and tf.train.CheckpointManager checkpoints."""
 
     rank, world = 0, 1
+    coordinator = None  # synchronous replicas
 
     def __init__(self, config: TrainConfig, strategy, source):
         self.config, self._strategy, self.source = config, strategy, source
@@ -70,6 +71,9 @@ class LocalSession:
 
     def save_and_report(self, metrics, state, write: Callable[[str], None]) -> None:
         self.checkpoints.save(state)
+
+    def alive(self) -> None:
+        """Nobody watches a local run for stalls."""
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:

@@ -110,14 +110,13 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     from app.training.optim import plan_lr
 
     facts = checked.facts
-    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker)
-    lr = plan_lr(config, plan.global_batch, plan.steps)
+    asynchronous = config.strategy == "parameter-server"
+    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous)
+    lr = plan_lr(config, plan.update_batch, plan.updates)
     run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
-    if config.strategy == "parameter-server":  # asynchronous: every update is one worker's batch
-        updates = plan.steps * num_workers
-        lr = plan_lr(config, plan.step_batch, updates)
-        run = f"global batch {plan.step_batch} per update (one worker's batch), {updates} updates per epoch"
+    if asynchronous:
+        run = f"global batch {plan.update_batch} per update (one worker's batch), {plan.updates} updates per epoch"
     target = f"{facts.num_classes} classes" if facts.num_classes else "a float target"
     m = checked.model
     lines = [

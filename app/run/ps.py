@@ -5,7 +5,8 @@ so this is built on Ray Core, as ray-project/ray#41089 suggests:
 
     driver: preflight -> placement group (workers + parameter servers) -> one free port per task
             -> ParameterServer and Worker actors (a tf.distribute.Server each) -> Chief actor -> outputs
-    Chief:  app.training.parameter_server.train_chief (ParameterServerStrategy + ClusterCoordinator)
+    Chief:  app.training.worker.train_worker with a ParameterServerSession (ParameterServerStrategy +
+            ClusterCoordinator, app.training.parameter_server)
 
 Failures: a Worker actor that dies is restarted by Ray in its bundle with the
 same arguments, so its server comes back at the same address, and the
@@ -32,7 +33,7 @@ from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import cluster, console, failures, outputs, ray_train
 from app.training import checkpoint
-from app.training.worker import WorkerJob
+from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +104,18 @@ class Chief:
 
     def train(self, config: TrainConfig, job: WorkerJob, spec: dict[str, list[str]], train, val,
               checkpoint_dir: str, restore: bool) -> dict[str, Any]:
-        from app.training.parameter_server import train_chief
+        from app.training.parameter_server import ParameterServerSession
 
         console.mark_worker_console("app")
-        bar = ray_train.progress_bar if job.progress_bars else None
 
         def alive() -> None:
             self.last_alive = time.time()
 
         alive()
-        result = train_chief(config, job, spec, train, val, checkpoint_dir, restore, bar, alive)
-        return {"latest": result.latest_checkpoint, "optimizer_steps": result.optimizer_steps,
-                "variable_placement": result.variable_placement}
+        session = ParameterServerSession(config, spec, train, val, checkpoint_dir, restore,
+                                         ray_train.progress_bar, alive)
+        train_worker(config, job, session)
+        return session.result()
 
 
 class Restartable(Exception):

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 class RaySession:
     """A Ray Train worker's side of ``train_worker``: MWMS, its input, ray.train checkpoints and reports."""
 
+    coordinator = None  # synchronous replicas
+
     def __init__(self, config: TrainConfig, inputs: dict[str, Any]):
         import ray.train
 
@@ -106,6 +108,9 @@ class RaySession:
 
     def progress_bar(self, total: int, desc: str):
         return progress_bar(total, desc)
+
+    def alive(self) -> None:
+        """Nothing to tell: a frozen peer fails the collectives (--stall-timeout-s, app.training.strategy)."""
 
 
 def progress_bar(total: int, desc: str) -> "_Flushed":

@@ -1,6 +1,12 @@
 """The epoch driver: ``steps`` train steps from an endless iterator, then evaluation, as one record.
 
-It takes compiled steps (app.training.step) and knows no strategy in particular.
+How a step runs is a ``StepRunner``'s business: ``ReplicaSteps`` here runs
+``strategy.run`` on synchronous replicas (MWMS, Mirrored, TPU, one device, the
+pipeline); app.training.parameter_server's ``ScheduledSteps`` schedules
+numbered steps on parameter-server workers. The driver keeps what is the same
+for both: the host-side step count, the log window, the non-finite check, the
+epoch record.
+
 The caller passes the same step count on every worker (an all-reduce with a
 missing peer waits forever); counting steps on an endless dataset also avoids
 TF's per-step "does any worker still have data" all-reduce that a finite
@@ -11,16 +17,39 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from app.training.metrics import EpochStats, cross_worker_sum, epoch_metrics, local_sum
+from app.training.metrics import EpochStats, cross_worker_sum, epoch_metrics, largest_peak_rss, local_sum
 from app.training.step import TrainSteps
 
 
 class NonFiniteLoss(Exception):
     """The training loss became NaN or infinite."""
+
+
+class StepRunner(Protocol):
+    """How train steps run, how an epoch is evaluated, and what the driver cannot see from outside."""
+
+    def steps_taken(self) -> int:
+        """Optimizer steps taken before this process's first epoch (a restored run's count)."""
+
+    def run(self, iterator, first_step: int, remaining: int) -> tuple[Any, int, Optional[np.ndarray]]:
+        """Run the next steps (at most ``remaining``, numbered from ``first_step``): (this worker's sums
+        [loss, metric, count] over them, how many ran, their sample ids or None)."""
+
+    def total(self, local: np.ndarray) -> np.ndarray:
+        """Sums of this worker -> the sums over every worker (every worker calls it at the same point)."""
+
+    def evaluate(self, val) -> EpochStats:
+        """Every validation row once, exact sums."""
+
+    def learning_rate(self, global_step: int) -> float:
+        """The LR of the last step run, ``global_step`` steps in."""
+
+    def extra_metrics(self) -> dict[str, Any]:
+        """What this kind of run adds to each epoch's record."""
 
 
 def evaluate(strategy, eval_step, dist_dataset) -> EpochStats:
@@ -34,20 +63,20 @@ def evaluate(strategy, eval_step, dist_dataset) -> EpochStats:
     return EpochStats.from_sums(cross_worker_sum(strategy, acc.numpy()), time.perf_counter() - start)
 
 
-class EpochDriver:
-    """Runs epochs of a (strategy, train steps, eval step); keeps the host-side step count and log window."""
+class ReplicaSteps:
+    """Synchronous replicas: ``strategy.run`` of the compiled steps (app.training.step), sums all-reduced."""
 
-    def __init__(self, strategy, optimizer, train_steps: TrainSteps, eval_step, average_state=None, *,
-                 metric: str = "accuracy", steps_per_execution: int = 1, log_every_steps: int = 0,
-                 audit_sample_ids: bool = False):
+    def __init__(self, strategy, optimizer, train_steps: TrainSteps, eval_step=None, average_state=None, *,
+                 steps_per_execution: int = 1, audit_sample_ids: bool = False, rank: int = 0, world: int = 1):
         self.strategy, self.optimizer = strategy, optimizer
         self.train_steps, self.eval_step, self.average_state = train_steps, eval_step, average_state
-        self.metric = metric
         self.steps_per_execution = steps_per_execution
-        self.log_every_steps = log_every_steps
         self.audit_sample_ids = audit_sample_ids
-        self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
+        self.rank, self.world = rank, world
         self._traced = False
+
+    def steps_taken(self) -> int:
+        return int(self.optimizer.iterations.numpy())
 
     def _first_batch(self, iterator):
         """The next batch; the first time, trace the train step while that batch is on its way.
@@ -64,41 +93,68 @@ class EpochDriver:
             self.train_steps.one.get_concrete_function(iterator.element_spec)
             return batch.result()
 
+    def run(self, iterator, first_step: int, remaining: int):
+        import tensorflow as tf
+
+        if self.steps_per_execution == 1:
+            per_replica, ids = self.train_steps.one(self._first_batch(iterator))
+            return local_sum(self.strategy, per_replica), 1, ids.numpy() if self.audit_sample_ids else None
+        k = min(self.steps_per_execution, remaining)
+        return self.train_steps.many(iterator, tf.constant(k)), k, None
+
+    def total(self, local: np.ndarray) -> np.ndarray:
+        return cross_worker_sum(self.strategy, local)
+
+    def evaluate(self, val) -> EpochStats:
+        # Each replica moved its own batch-norm statistics: they agree before they are evaluated and saved.
+        if self.average_state is not None:
+            self.average_state()
+        return evaluate(self.strategy, self.eval_step, val)
+
+    def learning_rate(self, global_step: int) -> float:
+        return float(self.optimizer.learning_rate.numpy())
+
+    def extra_metrics(self) -> dict[str, Any]:
+        return {"worker_peak_rss_mib": largest_peak_rss(self.strategy, self.rank, self.world)}
+
+
+class EpochDriver:
+    """Runs epochs through a StepRunner; keeps the host-side step count and the log window."""
+
+    def __init__(self, runner: StepRunner, *, metric: str = "accuracy", log_every_steps: int = 0):
+        self.runner, self.metric, self.log_every_steps = runner, metric, log_every_steps
+        self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
+
     def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log: Optional[Callable] = None,
                     on_steps: Optional[Callable[[int], None]] = None) -> EpochStats:
         """``steps`` steps; every ``log_every_steps`` optimizer steps, ``on_log(step, scalars)``; ``on_steps(k)``
-        after every k steps run (a progress bar)."""
+        after every k steps run (a progress bar, a sign of life)."""
         import tensorflow as tf
 
         start = time.perf_counter()
         acc = tf.zeros((3,), tf.float64)
-        if self.global_step is None:  # first epoch of this process: continue a restored optimizer's count
-            self.global_step = int(self.optimizer.iterations.numpy())
+        if self.global_step is None:  # first epoch of this process: continue a restored run's count
+            self.global_step = self.runner.steps_taken()
         window = _LogWindow(self, on_log, start)
         first_step_time, id_chunks, step_sums, done = None, [], [], 0
         while done < steps:
-            if self.steps_per_execution == 1:
-                batch = self._first_batch(iterator) if done == 0 else next(iterator)
-                per_replica, ids = self.train_steps.one(batch)
-                local, k = local_sum(self.strategy, per_replica), 1
-                if self.audit_sample_ids:
-                    id_chunks.append(ids.numpy())
-            else:
-                k = min(self.steps_per_execution, steps - done)
-                local = self.train_steps.many(iterator, tf.constant(k))
+            local, k, ids = self.runner.run(iterator, self.global_step, steps - done)
+            if ids is not None:
+                id_chunks.append(ids)
             done += k
             if on_steps is not None:
                 on_steps(k)
-            step_sums.append((done, local))  # kept as tensors, checked once at the end
+            step_sums.append((done, k, local))  # kept as tensors, checked once at the end
             acc += local
             window.after(acc, k)
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
                 first_step_time = time.time()
-        sums = cross_worker_sum(self.strategy, acc.numpy())
+        sums = self.runner.total(acc.numpy())
         if not np.isfinite(sums[0]):
-            bad = next((s for s, local in step_sums if not np.isfinite(local.numpy()[0])), None)
-            where = f"step {bad} of {steps}" if bad is not None else f"a step of {steps} on another worker"
+            bad = next(((s, k) for s, k, local in step_sums if not np.isfinite(np.asarray(local)[0])), None)
+            where = (f"a step of {steps} on another worker" if bad is None else f"step {bad[0]} of {steps}"
+                     if bad[1] == 1 else f"steps {bad[0] - bad[1] + 1}-{bad[0]} of {steps}")
             raise NonFiniteLoss(
                 f"non-finite training loss in epoch {epoch}, {where}: check the data for NaN/inf or lower "
                 "--base-lr; the last good checkpoint is the one from the epoch before"
@@ -108,14 +164,15 @@ class EpochDriver:
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
 
-    def run_epoch(self, epoch: int, train_iter, steps: int, val_dataset, dropped: int, on_log=None, on_steps=None):
+    def run_epoch(self, epoch: int, train_iter, steps: int, val, dropped: int, on_log=None, on_steps=None):
         """Train ``steps`` steps, evaluate, and return (the epoch's metrics record, the train stats)."""
         train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log, on_steps=on_steps)
-        if self.average_state is not None:
-            self.average_state()
-        val = evaluate(self.strategy, self.eval_step, val_dataset)
-        lr = self.optimizer.learning_rate.numpy()
-        return epoch_metrics(epoch, train, val, lr, dropped, self.metric), train
+        val_stats = self.runner.evaluate(val)
+        lr = self.runner.learning_rate(self.global_step)
+        metrics = epoch_metrics(epoch, train, val_stats, lr, dropped, self.metric)
+        metrics["optimizer_steps"] = self.global_step
+        metrics.update(self.runner.extra_metrics())
+        return metrics, train
 
 
 class _LogWindow:
@@ -137,13 +194,13 @@ class _LogWindow:
             return
         # Every worker gets here at the same step (same config, same step count): a collective is safe.
         now_sums = epoch_sums.numpy()
-        stats = EpochStats.from_sums(cross_worker_sum(d.strategy, now_sums - self.base), 0.0)
+        stats = EpochStats.from_sums(d.runner.total(now_sums - self.base), 0.0)
         now = time.perf_counter()
         if self.on_log is not None:
             self.on_log(d.global_step, {
                 "train_loss": stats.loss,
                 f"train_{d.metric}": stats.metric,
-                "learning_rate": float(d.optimizer.learning_rate.numpy()),
+                "learning_rate": d.runner.learning_rate(d.global_step),
                 "samples_per_second": stats.samples / (now - self.start),
             })
         self.base, self.start = now_sums, now

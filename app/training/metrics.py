@@ -51,6 +51,20 @@ def cross_worker_sum(strategy, local: np.ndarray) -> np.ndarray:
     return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def largest_peak_rss(strategy, rank: int, world: int) -> float:
+    """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
+    mine = np.zeros(world)
+    mine[rank] = peak_rss_mib()
+    return float(cross_worker_sum(strategy, mine).max())
+
+
 def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int,
                   metric: str = "accuracy") -> dict:
     """The per-epoch record shared by every backend (history.csv, Ray reports, TensorBoard)."""

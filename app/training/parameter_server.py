@@ -10,10 +10,15 @@ waiting for any other worker (no all-reduce, no barrier). A slow or lost
 worker slows nobody down; the price is staleness: a step's gradients may be
 computed from weights that other workers have moved since.
 
-What stays as on every other path: the per-replica step (app.training.step),
-the LR plan, exact validation over the whole validation set (the chief
-evaluates it itself after every epoch), the epoch record, checkpoints of
-model + optimizer + state.json (written by the chief only).
+The chief runs the one per-worker function, app.training.worker.train_worker,
+with a ``ParameterServerSession``: the epoch loop, the per-replica step
+(app.training.step), the LR plan, the epoch record, TensorBoard and checkpoints
+of model + optimizer + state.json (written by the chief only) are those of
+every other path. What the session brings: the strategy and its coordinator,
+the workers' datasets, ``LocalCheckpoints`` and the driver's heartbeat. The
+epoch driver runs steps through ``ScheduledSteps``: numbered steps scheduled
+through the coordinator in chunks, and exact validation over the whole
+validation set, evaluated by the chief itself.
 
 What differs, and why:
 - one optimizer update is one worker's batch: an epoch is ``rows // batch``
@@ -21,8 +26,9 @@ What differs, and why:
   with that batch;
 - Keras 3's ``optimizer.iterations.assign_add`` is a read-then-write that
   concurrent workers race on (16 of 20 increments survived in a test), so the
-  coordinator counts the steps it schedules, passes each step its number, and
-  the step sets the LR from it; the true count is in state.json and result.json;
+  epoch driver counts the steps on the chief, each is scheduled with its number,
+  and the step sets the LR from it (``driven_lr``); the true count is in
+  state.json and result.json;
 - each worker reads its own slice of a seeded per-epoch permutation (its
   index comes from the coordinator at run time); a faster worker goes through
   its slice faster, so "every row once per epoch" holds only on average.
@@ -30,9 +36,7 @@ What differs, and why:
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -44,20 +48,11 @@ from app.training.metrics import EpochStats
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
-    from app.training.worker import WorkerJob
-
-log = logging.getLogger(__name__)
+    from app.training.objective import Objective
 
 # Steps scheduled between two waits for them all: each wait is a sign of life for the driver's
 # stall watch (app.run.ps) and a progress bar update, for one idle moment per worker per chunk.
 STEPS_PER_WORKER_PER_CHUNK = 16
-
-
-@dataclass(frozen=True)
-class ChiefResult:
-    latest_checkpoint: str
-    optimizer_steps: int
-    variable_placement: dict[str, str]
 
 
 def connect(cluster_spec: dict[str, list[str]]):
@@ -73,84 +68,83 @@ def connect(cluster_spec: dict[str, list[str]]):
     return strategy, tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 
-def train_chief(config: "TrainConfig", job: "WorkerJob", cluster_spec: dict[str, list[str]], train: Split,
-                val: Split, checkpoint_dir: str, restore: bool, progress_bar: Optional[Callable[..., Any]] = None,
-                alive: Callable[[], None] = lambda: None) -> ChiefResult:
-    """Train ``config.epochs`` epochs on the cluster; return where the last checkpoint is and what ran where.
+class ParameterServerSession:
+    """The chief's side of ``train_worker``: ParameterServerStrategy + ClusterCoordinator, LocalCheckpoints.
 
     ``alive()`` is called whenever training moves on (steps done, evaluated,
     saved): the driver ends a run that stops calling it for --stall-timeout-s.
     Any wait here can hang on a frozen task, not only the steps: even tracing a
     new function registers it with every worker.
     """
-    import tensorflow as tf
 
-    from app.data import tf_input
-    from app.training.loop import EpochBar
-    from app.training.metrics import epoch_metrics, progress_line
-    from app.training.model import build_model
-    from app.training.optim import lr_schedule, make_optimizer, plan_lr
-    from app.training.step import eval_sums
-    from app.training.tensorboard import TensorBoard
+    rank = 0
 
-    strategy, coordinator = connect(cluster_spec)
-    workers = len(cluster_spec["worker"])
-    plan = EpochPlan.for_run(config, job.facts.num_train_rows, workers)  # each worker's slice of an epoch
-    updates = plan.steps * workers  # optimizer updates per epoch, one worker's batch each
-    lr_plan = plan_lr(config, plan.step_batch, updates)
-    with strategy.scope():
-        model = build_model(config, job.facts)
-        optimizer = make_optimizer(config, lr_plan, driven_lr=True)
-        optimizer.build(model.trainable_variables)
+    def __init__(self, config: "TrainConfig", cluster_spec: dict[str, list[str]], train: Split, val: Split,
+                 checkpoint_dir: str, restore: bool, progress_bar: Callable[..., Any],
+                 alive: Callable[[], None] = lambda: None):
+        self.config, self.cluster_spec, self.train, self.val = config, cluster_spec, train, val
+        self.checkpoint_dir, self.resume, self._progress_bar, self._alive = checkpoint_dir, restore, progress_bar, alive
+        self.world = len(cluster_spec["worker"])
+        self._strategy = self.coordinator = None  # both made by strategy(), before any other TensorFlow op
+        self.checkpoints: Optional[checkpoint.LocalCheckpoints] = None
+        self.model, self.optimizer_steps = None, 0
 
-    checkpoints = checkpoint.LocalCheckpoints(checkpoint_dir, model, optimizer, keep=config.keep_checkpoints)
-    progress, steps_done = checkpoint.Progress(), 0
-    state = checkpoints.restore() if restore else None
-    if state is not None:
-        progress, steps_done = checkpoint.Progress.resumed_from(state), state["optimizer_steps"]
-        log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
+    def strategy(self):
+        self._strategy, self.coordinator = connect(self.cluster_spec)
+        return self._strategy
 
-    def worker_batches(_):
-        index = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return tf_input.train_batches_from_arrays(
-            train, plan, config.seed, config.shuffle, progress.epoch, config.epochs, index, workers
-        ).repeat()  # endless: a fast worker may run past its slice of the last epoch
+    def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
+        from app.training.step import build_optimizer_slots
 
-    train_iter = iter(coordinator.create_per_worker_dataset(strategy.distribute_datasets_from_function(worker_batches)))
-    step = scheduled_step(strategy, model, optimizer, job.objective, plan.step_batch, lr_schedule(config, lr_plan))
-    evaluate = tf.function(eval_sums(model, job.objective))
-    val_batches = tf_input.eval_batches_from_arrays(val, config.per_replica_batch)
-    tensorboard = TensorBoard(job.tensorboard_dir)
+        # Every variable, the optimizer's slots too, exists on the servers before it is restored into.
+        build_optimizer_slots(self._strategy, model, optimizer)
+        self.model = model
+        self.checkpoints = checkpoint.LocalCheckpoints(self.checkpoint_dir, model, optimizer,
+                                                       keep=self.config.keep_checkpoints)
+        state = self.checkpoints.restore() if self.resume else None
+        if state is not None:
+            self.optimizer_steps = state["optimizer_steps"]
+        return state
 
-    for epoch in range(progress.epoch + 1, config.epochs + 1):
-        bar = EpochBar(progress_bar, updates, f"epoch {epoch}/{config.epochs}")
-        try:
-            stats = run_updates(coordinator, step, train_iter, steps_done, updates, workers,
-                                lambda k: (bar.update(k), alive()))
-        finally:
-            bar.close()
-        steps_done += updates
-        if not np.isfinite(stats.loss):
-            from app.training.loop import NonFiniteLoss
+    def inputs(self, strategy, plan: EpochPlan, start_epoch: int):
+        import tensorflow as tf
 
-            raise NonFiniteLoss(f"non-finite training loss in epoch {epoch}: check the data for NaN/inf or lower "
-                                "--base-lr; the last good checkpoint is the one from the epoch before")
-        val_stats = evaluate_all(evaluate, val_batches)
-        alive()
-        lr = float(lr_schedule(config, lr_plan)(steps_done - 1))
-        metrics = epoch_metrics(epoch, stats, val_stats, lr, plan.dropped, job.objective.metric)
-        metrics["optimizer_steps"] = steps_done
-        progress.record(metrics)
-        tensorboard.epoch(epoch, metrics)
-        log.info(progress_line(metrics, config.epochs, progress.history))
-        state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
-        checkpoints.save({**state, "optimizer_steps": steps_done})
-        alive()
-    tensorboard.close()
-    return ChiefResult(checkpoints.latest, steps_done, variable_placement(model))
+        from app.data import tf_input
+
+        config, train, workers = self.config, self.train, self.world
+
+        def worker_batches(_):
+            # Runs inside each remote worker; its index comes from the coordinator at run time.
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return tf_input.train_batches_from_arrays(
+                train, plan, config.seed, config.shuffle, start_epoch, config.epochs, index, workers
+            ).repeat()  # endless: a fast worker may run past its slice of the last epoch
+
+        per_worker = self.coordinator.create_per_worker_dataset(strategy.distribute_datasets_from_function(worker_batches))
+        # The chief evaluates the whole validation set itself, batch by batch.
+        return iter(per_worker), tf_input.eval_batches_from_arrays(self.val, config.per_replica_batch)
+
+    def placement(self, strategy) -> list[str]:
+        return []
+
+    def save_and_report(self, metrics: dict[str, Any], state: dict[str, Any], write: Callable[[str], None]) -> None:
+        self.optimizer_steps = metrics["optimizer_steps"]
+        self.checkpoints.save({**state, "optimizer_steps": self.optimizer_steps})
+        self.alive()
+
+    def progress_bar(self, total: int, desc: str):
+        return self._progress_bar(total=total, desc=desc)
+
+    def alive(self) -> None:
+        self._alive()
+
+    def result(self) -> dict[str, Any]:
+        """Where the last checkpoint is, the optimizer steps taken, and where each variable lives."""
+        return {"latest": self.checkpoints.latest, "optimizer_steps": self.optimizer_steps,
+                "variable_placement": variable_placement(self.model)}
 
 
-def scheduled_step(strategy, model, optimizer, objective, batch: int, schedule):
+def scheduled_step(strategy, model, optimizer, objective: "Objective", batch: int, schedule):
     """The function each scheduled step runs on a worker: set the LR of step ``n``, take a batch, train on it."""
     import tensorflow as tf
 
@@ -167,35 +161,58 @@ def scheduled_step(strategy, model, optimizer, objective, batch: int, schedule):
     return step
 
 
-def run_updates(coordinator, step, iterator, first_step: int, count: int, workers: int,
-                on_steps: Callable[[int], None]) -> EpochStats:
-    """Schedule ``count`` steps numbered from ``first_step``; their summed [loss, metric, count] as EpochStats.
+class ScheduledSteps:
+    """The epoch driver's step runner for parameter servers (app.training.loop.StepRunner).
 
-    Steps go out in chunks, ``on_steps(k)`` after each. A step lost with a
-    worker that died is re-run on another by the coordinator.
+    Steps go out through the coordinator in chunks, each a wait for them all:
+    the driver's ``on_steps`` after each (a progress bar update, a sign of
+    life). A step lost with a worker that died is re-run on another by the
+    coordinator. The sums come back to the chief, which alone holds them: no
+    cross-worker sum.
     """
-    import tensorflow as tf
 
-    start, results, chunk, first_done = time.perf_counter(), [], STEPS_PER_WORKER_PER_CHUNK * workers, None
-    for begin in range(0, count, chunk):
-        n = min(chunk, count - begin)
-        results += [coordinator.schedule(step, args=(iterator, tf.constant(first_step + begin + i, tf.int64)))
-                    for i in range(n)]
-        coordinator.join()  # raises a step's error, or UnavailableError for a lost parameter server
-        first_done = first_done or time.time()
-        on_steps(n)
-    sums = np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0)
-    return EpochStats.from_sums(sums, time.perf_counter() - start, first_step_time=first_done)
+    def __init__(self, coordinator, strategy, model, optimizer, objective: "Objective", plan: EpochPlan, schedule,
+                 steps_taken: int):
+        import tensorflow as tf
 
+        from app.training.step import eval_sums
 
-def evaluate_all(evaluate, batches) -> EpochStats:
-    """Every validation row once, on the chief: the same sums as the synchronous paths, so the same metrics."""
-    import tensorflow as tf
+        self.coordinator, self.schedule, self._steps_taken = coordinator, schedule, steps_taken
+        self.step = scheduled_step(strategy, model, optimizer, objective, plan.update_batch, schedule)
+        self.eval_step = tf.function(eval_sums(model, objective))
+        self.chunk = STEPS_PER_WORKER_PER_CHUNK * plan.num_workers
 
-    start, acc = time.perf_counter(), tf.zeros((3,), tf.float64)
-    for x, y, w in batches:
-        acc += evaluate(x, y, w)
-    return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start)
+    def steps_taken(self) -> int:
+        return self._steps_taken
+
+    def run(self, iterator, first_step: int, remaining: int):
+        """Schedule the next chunk of steps, numbered from ``first_step``: each sets the LR of its number."""
+        import tensorflow as tf
+
+        n = min(self.chunk, remaining)
+        results = [self.coordinator.schedule(self.step, args=(iterator, tf.constant(first_step + i, tf.int64)))
+                   for i in range(n)]
+        self.coordinator.join()  # raises a step's error, or UnavailableError for a lost parameter server
+        return np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0), n, None
+
+    def total(self, local: np.ndarray) -> np.ndarray:
+        return local
+
+    def evaluate(self, val) -> EpochStats:
+        """Every validation row once, on the chief: the same sums as the synchronous paths, so the same metrics."""
+        import tensorflow as tf
+
+        start, acc = time.perf_counter(), tf.zeros((3,), tf.float64)
+        for x, y, w in val:
+            acc += self.eval_step(x, y, w)
+        return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start)
+
+    def learning_rate(self, global_step: int) -> float:
+        # The LR variable holds whichever step ran last, in no set order: the schedule's LR of the last number.
+        return float(self.schedule(global_step - 1))
+
+    def extra_metrics(self) -> dict[str, Any]:
+        return {}
 
 
 def variable_placement(model) -> dict[str, str]:

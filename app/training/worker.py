@@ -3,8 +3,11 @@
 What differs between backends hides behind a small ``Session``: which
 strategy, where the input comes from, where checkpoints go and how an epoch
 is reported (``ray.train.report`` with a checkpoint, or a local
-``tf.train.CheckpointManager``). Everything else (model, optimizer, LR plan,
-steps, metrics, TensorBoard) is here, once, and reads top to bottom.
+``tf.train.CheckpointManager``). Parameter servers are one more session
+(app.training.parameter_server): its coordinator schedules the steps on remote
+workers, which the epoch driver reaches through a step runner. Everything else
+(model, optimizer, LR plan, the epoch loop, metrics, TensorBoard) is here,
+once, and reads top to bottom.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
-
-import numpy as np
 
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
     from app.config import TrainConfig
+    from app.training.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,10 @@ class Session(Protocol):
     """What a backend provides to ``train_worker``."""
 
     rank: int
-    world: int
+    world: int  # workers that each take a slice of every epoch's rows
+    # ParameterServerStrategy's ClusterCoordinator: steps are scheduled on remote workers, asynchronously.
+    # None: synchronous replicas (strategy.run, gradients all-reduced).
+    coordinator: Optional[Any]
 
     def strategy(self) -> "tf.distribute.Strategy":
         """The strategy; created before any other TensorFlow op of this process."""
@@ -64,6 +69,9 @@ class Session(Protocol):
     def progress_bar(self, total: int, desc: str) -> Any:
         """A tqdm-like bar that reaches the person at the console (only rank 0 asks for one)."""
 
+    def alive(self) -> None:
+        """Training moved on (steps ran, an evaluation ended): a sign of life for a driver that watches for stalls."""
+
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
     from app.training.loop import EpochBar, EpochDriver
@@ -71,21 +79,22 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
     from app.training.pipeline import Pipeline
-    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
-    plan = EpochPlan.for_run(
-        config, job.facts.num_train_rows, session.world, strategy.num_replicas_in_sync // session.world
-    )
-    lr_plan = plan_lr(config, plan.global_batch, plan.steps)
+    # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
+    # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
+    asynchronous = session.coordinator is not None
+    replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
+    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
+    lr_plan = plan_lr(config, plan.update_batch, plan.updates)
     with strategy.scope():
         model = build_model(config, job.facts)
-        optimizer = make_optimizer(config, lr_plan)
+        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous)
     # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
-    # on its own device; `model` stays one ordinary model (checkpoints, export), `forward` runs the stages.
+    # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
     pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
-    model, forward = (pipe.model, pipe) if pipe else (model, model)
+    model = pipe.model if pipe else model
 
     # A restarted worker group (a worker died) or a resumed run starts from the
     # last checkpoint: weights, optimizer (hence the LR schedule position),
@@ -97,32 +106,24 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         if session.rank == 0:
             log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
 
-    train_iter, val_dataset = session.inputs(strategy, plan, progress.epoch)
+    train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
-        strategy, optimizer,
-        make_train_steps(strategy, model, optimizer, job.objective, plan.global_batch, config.grad_accum,
-                         config.audit_sample_ids,
-                         pipe.train_step(optimizer, job.objective, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None),
-        make_eval_step(strategy, forward, job.objective),
-        make_replica_state_average(strategy, model),
+        step_runner(config, job, session, strategy, model, optimizer, plan, lr_plan, pipe, progress.history),
         metric=job.objective.metric,
-        steps_per_execution=config.steps_per_execution,
-        # Log points are collectives: every worker must agree on them.
+        # Log points are collectives on synchronous replicas: every worker must agree on them.
         log_every_steps=config.log_every_steps if config.tensorboard else 0,
-        audit_sample_ids=config.audit_sample_ids,
     )
     tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
     make_bar = session.progress_bar if job.progress_bars and session.rank == 0 else None
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
-        bar = EpochBar(make_bar, plan.steps, f"epoch {epoch}/{config.epochs}")
+        bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
         try:
-            metrics, train = driver.run_epoch(epoch, train_iter, plan.steps, val_dataset, plan.dropped,
-                                              tensorboard.step, bar.update)
+            metrics, train = driver.run_epoch(epoch, train_iter, plan.updates, val, plan.dropped,
+                                              tensorboard.step, lambda k: (bar.update(k), session.alive()))
         finally:
             bar.close()
-        metrics["worker_peak_rss_mib"] = largest_peak_rss(strategy, session.rank, session.world)
+        session.alive()
         progress.record(metrics, train.sample_ids)
         tensorboard.epoch(epoch, metrics)
         if session.rank == 0:
@@ -132,17 +133,29 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     tensorboard.close()
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    import resource
+def step_runner(config: "TrainConfig", job: WorkerJob, session: Session, strategy, model, optimizer,
+                plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]]):
+    """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``."""
+    from app.training.loop import ReplicaSteps
+    from app.training.optim import lr_schedule
+    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if session.coordinator is not None:
+        from app.training.parameter_server import ScheduledSteps
 
-
-def largest_peak_rss(strategy, rank: int, world: int) -> float:
-    """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
-    from app.training.metrics import cross_worker_sum
-
-    mine = np.zeros(world)
-    mine[rank] = peak_rss_mib()
-    return float(cross_worker_sum(strategy, mine).max())
+        # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
+        done = history[-1]["optimizer_steps"] if history else 0
+        return ScheduledSteps(session.coordinator, strategy, model, optimizer, job.objective, plan,
+                              lr_schedule(config, lr_plan), steps_taken=done)
+    return ReplicaSteps(
+        strategy, optimizer,
+        make_train_steps(strategy, model, optimizer, job.objective, plan.global_batch, config.grad_accum,
+                         config.audit_sample_ids,
+                         pipe.train_step(optimizer, job.objective, plan.global_batch, config.pipeline_microbatches)
+                         if pipe else None),
+        make_eval_step(strategy, pipe if pipe is not None else model, job.objective),
+        make_replica_state_average(strategy, model),
+        steps_per_execution=config.steps_per_execution,
+        audit_sample_ids=config.audit_sample_ids,
+        rank=session.rank, world=session.world,
+    )
