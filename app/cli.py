@@ -28,7 +28,6 @@ from app import cli_errors
 from app.config import CONFIG_FILE, SECTIONS, DataSection, Plugin, TrainConfig, build_config
 from app.errors import RunFailed, UserError
 
-
 # Section -> --help group title ("<title> options").
 _TITLES = {"RunSection": "run", "DataSection": "data", "ModelSection": "model", "OptimSection": "optimisation",
            "OutputSection": "output"}

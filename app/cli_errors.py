@@ -12,7 +12,6 @@ from typing import Any
 from app import internals
 from app.errors import UserError
 
-
 # --- one line per error ----------------------------------------------------------------------------------------
 
 

@@ -110,7 +110,7 @@ def _import_file(path: str, value: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: say what it raised, in one line
+    except Exception as e:
         del sys.modules[module_name]
         raise UserCodeError(f"{value}: importing {path} raised {type(e).__name__}: {e}", e) from e
     return module
@@ -151,5 +151,5 @@ def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: 
         return fn(**kwargs)
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's code: one line naming it and what it raised
+    except Exception as e:
         raise UserCodeError(f"{what} raised {type(e).__name__}: {e}", e) from e

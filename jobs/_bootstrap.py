@@ -11,8 +11,8 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ INFO/WARNING chatter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app import tf_import  # noqa: E402
-from app.run import console  # noqa: E402
+from app import tf_import
+from app.run import console
 
 tf_import.install()  # the INFO lines TF_CPP_MIN_LOG_LEVEL does not stop (see there)
 console.for_this_process()  # the console stays for people until the script ends

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+
 from app import cli
 
 

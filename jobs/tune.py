@@ -12,6 +12,7 @@ import datetime
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+
 from app import cli
 
 

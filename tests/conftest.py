@@ -40,8 +40,8 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def two_worker_run(ray_cluster, tmp_path_factory):
     """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it."""
-    from app.run import ray_train
     from app.config import build_config
+    from app.run import ray_train
 
     out = tmp_path_factory.mktemp("runs") / "w2"
     result = ray_train.run(

@@ -9,9 +9,9 @@ output directory and starts no Ray.
 import json
 
 import pytest
-from conftest import run_job
 
 from app import cli, cli_errors
+from conftest import run_job
 
 
 def train(*argv: str):

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import blocks, memory, streamed, text
-from app.run import ray_train
 from app.config import build_config
+from app.data import blocks, memory, streamed, text
 from app.errors import UserError
+from app.run import ray_train
 from conftest import clean_env, run_job
 
 ROWS, CLASSES, LENGTH = 320, 3, 16
@@ -186,7 +186,7 @@ def test_image_folder_trains_with_two_workers(ray_cluster, tmp_path):
     prepared = streamed.prepare(config, 2)
     assert prepared.feature_shape == (8, 8, 3) and prepared.num_classes == 3
     pixels = np.stack([r["x"] for r in prepared.train.take(20)])
-    assert 0.0 <= pixels.min() and pixels.max() <= 1.0  # decoded, resized, normalised in Ray Data
+    assert pixels.min() >= 0.0 and pixels.max() <= 1.0  # decoded, resized, normalised in Ray Data
     # The cnn under 2 MWMS workers: batch norm, and its moving statistics averaged across workers.
     out, result = train(tmp_path, "run", dataset=str(tmp_path / "img"), image_size=[8, 8], model="cnn",
                         conv_filters=[4, 8])
@@ -307,7 +307,8 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
 
 def test_local_backend_refuses_streamed_formats_clearly(tmp_path, good_parquet):
     config = build_config(None, {"output": str(tmp_path / "o"), "backend": "local", "dataset": str(good_parquet)})
-    with pytest.raises(UserError, match=re.escape("is parquet data, which streams through Ray Data: train on it with jobs/train.py --backend ray")):
+    refusal = "is parquet data, which streams through Ray Data: train on it with jobs/train.py --backend ray"
+    with pytest.raises(UserError, match=re.escape(refusal)):
         memory.load_source(config)
 
 

@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 import pytest
+from test_local import FULL_BATCH_SGD, local_run
 
 from conftest import REPO, clean_env
-from test_local import FULL_BATCH_SGD, local_run
 
 
 def weights(path):

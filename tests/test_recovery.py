@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.config import build_config
 from app.run import ray_train
 from app.training import checkpoint
-from app.config import build_config
 from conftest import REPO, clean_env, run_job
 
 
@@ -31,10 +31,8 @@ def checkpointed_epoch(storage: Path) -> int:
     """The highest epoch among the complete checkpoints Ray Train has written under ``storage``."""
     epochs = [0]
     for state in storage.glob("**/checkpoint_*/state.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # being written
             epochs.append(json.loads(state.read_text())["epoch"])
-        except (OSError, ValueError):
-            pass  # being written
     return max(epochs)
 
 

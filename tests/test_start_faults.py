@@ -3,6 +3,7 @@ cluster joined without its token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,10 +44,8 @@ def kill_during_starts(driver: subprocess.Popen, delays: list[float], timeout: f
         appeared = time.time()
         time.sleep(max(0.0, appeared + delay - time.time()))
         pid = min(new)
-        try:
-            os.kill(pid, signal.SIGKILL)  # by PID, a process of the Ray this test session started
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):  # by PID, a process of the Ray this test session started
+            os.kill(pid, signal.SIGKILL)
         killed.append(time.time())
         # The other worker(s) of that start die with the group: none of them counts as "new" next time.
         time.sleep(0.5)

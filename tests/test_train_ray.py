@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from app.run import ray_train
 from app.config import build_config
+from app.run import ray_train
 from conftest import run_job, tensorboard_scalars
 
 

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from app.run import tune
 from app.errors import UserError
+from app.run import tune
 from conftest import REPO, clean_env, run_job
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,7 +215,7 @@ def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, a
     if " raised " in message:  # the user's own traceback is kept where the line says
         trace = re.search(r"\(traceback in (\S+)\)", p.stderr)
         assert trace, p.stderr
-        assert 'raise ValueError("no such bucket")' in open(trace.group(1)).read()
+        assert 'raise ValueError("no such bucket")' in Path(trace.group(1)).read_text()
 
 
 def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp_path):

@@ -72,7 +72,7 @@ def measure(module: str, kind: str, payload: dict[str, Any], processes: int = 1,
                 p.wait(timeout=timeout)
                 out.seek(0)
                 err.seek(0)
-                line = next((l for l in reversed(out.read().splitlines()) if l.startswith(RESULT)), None)
+                line = next((x for x in reversed(out.read().splitlines()) if x.startswith(RESULT)), None)
                 if p.returncode != 0 or line is None:
                     raise RunFailed(f"{module} {kind} failed:\n{err.read()[-3000:]}")
                 results.append(json.loads(line[len(RESULT):]))

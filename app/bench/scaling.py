@@ -185,8 +185,8 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "startup": first_steps,
         "goals": {
             "1 worker vs plain loop, steady >= 0.97": sps[1] / b if 1 in sps else None,
-            **{"1 worker vs local one device, whole run >= 0.97": whole[1] / r["whole_run_samples_per_second"]
-               for w, r in local.items() if w == 1 and 1 in whole},
+            **({"1 worker vs local one device, whole run >= 0.97": whole[1] / local[1]["whole_run_samples_per_second"]}
+               if 1 in local and 1 in whole else {}),
             **{f"{w} workers vs {w} plain processes, steady >= 0.90": sps[w] / c for w, c in ceiling.items()},
             **{f"{w} workers vs {w} local runs at once, whole run >= 0.90": whole[w] / r["whole_run_samples_per_second"]
                for w, r in local.items() if w > 1 and w in whole},

@@ -32,8 +32,6 @@ hashing costs one pass over each row's bytes per preprocessing run.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import hashlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.data.arrays import ID, W, X, Y, DataFacts, Split, padded_with_zero_weight, zero_weight_padding
+from app.data.arrays import ID, DataFacts, Split, W, X, Y, padded_with_zero_weight, zero_weight_padding
 
 if TYPE_CHECKING:
     import ray.data

@@ -56,7 +56,6 @@ def _type_kind(t: "pa.DataType") -> str:
 
 def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
     """Columns and dtypes from the schema alone (no data read): the cheap checks first."""
-    import pyarrow as pa
 
     names = list(schema.names)
     types = dict(zip(names, schema.types))

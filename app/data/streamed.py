@@ -114,7 +114,7 @@ def _read_failure(loc: Located, error: Exception) -> str:
         try:
             for _ in pyarrow.csv.open_csv(named.group(1)):  # batch by batch: never the whole file in memory
                 pass
-        except Exception as why:  # noqa: BLE001 - pyarrow's own reason; any failure to get it keeps Ray's
+        except Exception as why:
             return f"{named.group(1)}: {why}".splitlines()[0]
     return message
 
@@ -127,7 +127,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         raw = _read(loc, config)
         try:
             schema = raw.schema()
-        except Exception as e:  # noqa: BLE001 - a malformed file surfaces here; say which and why
+        except Exception as e:
             raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
         if schema is None:
             raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
@@ -140,7 +140,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         )
     try:
         stats = per_block.take_all()
-    except Exception as e:  # noqa: BLE001 - a later part of a file that does not parse; anything else is ours
+    except Exception as e:
         if not any(marker in str(e) for marker in _UNREADABLE):
             raise
         raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None

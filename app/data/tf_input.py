@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from app.data.arrays import ID, W, X, Y, DataFacts, Split, padded_with_zero_weight
+from app.data.arrays import ID, DataFacts, Split, W, X, Y, padded_with_zero_weight
 from app.data.plan import EpochPlan
 
 if TYPE_CHECKING:

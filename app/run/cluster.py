@@ -107,7 +107,8 @@ def _start_local() -> None:
     # address="local": always a new local Ray, never a stale `ray start` cluster
     # found through /tmp/ray (joining is what RAY_ADDRESS is for).
     # One logical CPU beyond the workers' for Ray Data's tasks (streamed files):
-    # without it, workers holding every CPU leave Ray Data waiting forever (docs/design.md, "Ray Data needs a CPU beside the workers").
+    # without it, workers holding every CPU leave Ray Data waiting forever
+    # (docs/design.md, "Ray Data needs a CPU beside the workers").
     # The dashboard stays on: Train V2's placement-group cleaner uses its state API.
     ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, logging_level=logging.WARNING)
     # Nothing preempts the nodes of a Ray this process started (Ray Train V2's watcher

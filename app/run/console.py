@@ -215,7 +215,7 @@ class _WorkerLines:
         # with it every worker line for the rest of the process): never raise.
         try:
             self._sort(data)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.ray_printer(data)
 
     def _sort(self, data: dict) -> None:

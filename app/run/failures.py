@@ -44,7 +44,8 @@ def restart_hint(error: BaseException, config: TrainConfig) -> str:
     failures = getattr(error, "worker_failures", None) or {}
     if config.max_failures or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
         return ""
-    return "; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from the last checkpoint"
+    return ("; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from "
+            "the last checkpoint")
 
 
 def trace_note(error: BaseException) -> str:

@@ -90,7 +90,7 @@ def _outputs(model, facts: DataFacts) -> int:
 
     try:
         out = model(np.zeros((1, *facts.feature_shape), np.float32), training=False)
-    except Exception:  # noqa: BLE001 - check_output reports it properly
+    except Exception:
         return -1
     return int(np.prod(out.shape[1:])) if len(out.shape) > 1 else 1
 

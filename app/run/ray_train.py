@@ -66,21 +66,27 @@ class RaySession:
         config, facts = self.config, self._inputs["facts"]
         if self._inputs.get("streamed"):
             train_shard, val_shard = self._shards
-            train = lambda _: tf_input.train_batches_from_shard(  # noqa: E731
-                train_shard, plan, facts, config.epochs - start_epoch,
-                shuffle_buffer=self._inputs["shuffle_buffer"], seed=config.seed,
-            )
-            val = lambda _: tf_input.eval_batches_from_shard(val_shard, config.per_replica_batch, facts)  # noqa: E731
+
+            def train(_):
+                return tf_input.train_batches_from_shard(
+                    train_shard, plan, facts, config.epochs - start_epoch,
+                    shuffle_buffer=self._inputs["shuffle_buffer"], seed=config.seed,
+                )
+
+            def val(_):
+                return tf_input.eval_batches_from_shard(val_shard, config.per_replica_batch, facts)
         else:
             # Put in the object store once by the driver; each worker takes its slice of a
             # seeded permutation every epoch: no Ray task per epoch, exactly once by construction.
             train_split, val_split = ray.get([self._inputs["train"], self._inputs["val"]])
-            train = lambda _: tf_input.train_batches_from_arrays(  # noqa: E731
-                train_split, plan, config.seed, config.shuffle, start_epoch, config.epochs, self.rank, self.world
-            )
-            val = lambda _: tf_input.eval_batches_from_arrays(  # noqa: E731
-                val_split, config.per_replica_batch, 1, self.rank, self.world
-            )
+
+            def train(_):
+                return tf_input.train_batches_from_arrays(
+                    train_split, plan, config.seed, config.shuffle, start_epoch, config.epochs, self.rank, self.world
+                )
+
+            def val(_):
+                return tf_input.eval_batches_from_arrays(val_split, config.per_replica_batch, 1, self.rank, self.world)
         inputs = iter(strategy.distribute_datasets_from_function(train)), strategy.distribute_datasets_from_function(val)
         # Never destroyed before the process ends: a tf.data iterator's destructor waits for
         # tf.data's autotuning thread to wake (7-60 s after the last report; the gdb stack is in docs/design.md).

@@ -46,7 +46,7 @@ def _import_tensorflow() -> None:
     try:
         importlib.import_module("tensorflow")
         importlib.import_module("keras")
-    except Exception:  # noqa: BLE001  the training function's own import raises it where it is seen
+    except Exception:
         pass
 
 

@@ -263,8 +263,8 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
 
     # Worker-seconds had every trial run all its epochs: what it spent, plus its
     # remaining epochs at its own last epoch time (start-up is not paid again).
-    epochs = table["config/epochs"] if "config/epochs" in table else base.epochs
-    workers = table["config/num_workers"] if "config/num_workers" in table else base.num_workers
+    epochs = table.get("config/epochs", base.epochs)
+    workers = table.get("config/num_workers", base.num_workers)
     remaining = (epochs - table["epochs_run"]).clip(lower=0) * table["epoch_seconds"].fillna(0) * workers
     full = (table["worker_seconds"] + remaining).sum()
     summary = {

@@ -65,7 +65,7 @@ def check_output(model: "keras.Model", facts: DataFacts, name: str) -> tuple[int
 
     try:
         out = model(np.zeros((2, *facts.feature_shape), np.float32), training=False)
-    except Exception as e:  # noqa: BLE001 - the user's model on the data's shape: one line
+    except Exception as e:
         raise UserError(
             f"{name} does not accept examples of shape {tuple(facts.feature_shape)}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

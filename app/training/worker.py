@@ -120,7 +120,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
         try:
             metrics, train = driver.run_epoch(epoch, train_iter, plan.updates, val, plan.dropped,
-                                              tensorboard.step, lambda k: (bar.update(k), session.alive()))
+                                              tensorboard.step, lambda k, bar=bar: (bar.update(k), session.alive()))
         finally:
             bar.close()
         session.alive()
