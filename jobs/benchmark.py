@@ -19,7 +19,6 @@ import argparse
 import sys
 
 import _bootstrap  # noqa: F401
-
 from app import cli
 
 SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
-
 from app import cli
 
 

@@ -11,7 +11,6 @@ import time
 STARTED_AT = time.time()  # for time-to-first-step, before the heavy imports
 
 import _bootstrap  # noqa: E402,F401
-
 from app import cli  # noqa: E402
 
 

@@ -12,7 +12,6 @@ import datetime
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
-
 from app import cli
 
 

@@ -52,6 +52,7 @@ class Source:
     train: Split
     val: Split
     facts: DataFacts
+    streamed = False  # app.data.streamed.Streamed: True; read where the input path differs
 
 
 def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import UserError
 from app.registry import FILE_EXTENSIONS
@@ -68,12 +68,21 @@ def given_dataset(name: str, dataset: Any) -> Located:
     return Located(name, "ray-dataset", None, "", (), dataset)
 
 
-def is_streamed(config: "TrainConfig") -> bool:
-    """True when --dataset is parquet, CSV or an image folder: the Ray Data path (data functions: app.run.preflight)."""
+def located(config: "TrainConfig") -> Optional[Located]:
+    """Where --dataset's files are, or None for a built-in name or a function.
+
+    This lists the files (a round trip per prefix on an object store): a run calls it
+    once and hands the answer on (to ``streams`` and ``streamed.prepare``).
+    """
     from app.registry import is_dataset_name, looks_like_path
 
     dataset = config.dataset
     if not isinstance(dataset, str) or not looks_like_path(dataset):
-        return False
+        return None
     assert is_dataset_name(dataset)
-    return locate(dataset, config.data_format).format != "numpy"
+    return locate(dataset, config.data_format)
+
+
+def streams(loc: Optional[Located]) -> bool:
+    """Parquet, CSV, image folders (and a function's Ray Dataset) go through Ray Data; numpy files load in memory."""
+    return loc is not None and loc.format != "numpy"

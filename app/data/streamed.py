@@ -56,6 +56,7 @@ class Streamed:
     facts: DataFacts
     shuffle_buffer: int  # rows of each worker's local shuffle buffer (0: the dataset is shuffled globally)
     cached: dict[str, bool] = field(default_factory=dict)
+    streamed = True  # as opposed to app.data.arrays.Source
 
     # The facts, by name (as in-memory data's Split lengths and shapes read).
     feature_shape = property(lambda self: self.facts.feature_shape)

@@ -72,8 +72,10 @@ def _dry_run(config: TrainConfig) -> list[str]:
 
 
 def result_line(result: dict[str, Any]) -> str:
+    from app.training.objective import metric_in
+
     m = result["metrics"]
-    metric = "mae" if "val_mae" in m else "accuracy"
+    metric = metric_in(m)
     return (
         f"val_{metric} {m[f'val_{metric}']:.4f}  val_loss {m['val_loss']:.4f}  "
         f"{result['samples_per_second']:,.0f} samples/s  {result['wall_seconds']:.1f} s wall"

@@ -37,7 +37,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
         task = "binary"
     objective = objective_for(config, task, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
-    if hasattr(source, "shuffle_buffer"):  # streamed (app.data.streamed): read by Ray Data in this process
+    if source.streamed:  # read by Ray Data in this process
         batches = tf_input.eval_batches_from_shard(source.val, config.per_replica_batch, source.facts)
     else:
         batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
@@ -54,11 +54,12 @@ def _data(config: TrainConfig):
     from app.run import preflight
 
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
-    if files.is_streamed(config) or function:
+    loc = files.located(config)
+    if files.streams(loc) or function:
         from app.run import cluster
 
         cluster.connect(config.model_copy(update={"num_workers": 1}))
-    return preflight.load_data(config, 1)
+    return preflight.load_data(config, 1, loc)
 
 
 def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:

@@ -12,7 +12,7 @@ from typing import Any
 
 from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
-from app.training.metrics import metric_of
+from app.training.objective import metric_in, metric_mode
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
-    metric = metric_of(history[-1])
-    lower_is_better = metric == "mae"
-    best = (min if lower_is_better else max)(history, key=lambda h: h[f"val_{metric}"])
+    metric = metric_in(history[-1])
+    higher_is_better = metric_mode(metric) == "max"
+    best = (max if higher_is_better else min)(history, key=lambda h: h[f"val_{metric}"])
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, metric, metric)):
         ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label} (mean over epoch)")
@@ -87,7 +87,7 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     loss_ax.set_yscale("log")
     loss_ax.set_title("loss (log scale)")
     acc_ax.set_title(f"{metric}; best val {best[f'val_{metric}']:.4f} at epoch {best['epoch']} (dotted)")
-    if not lower_is_better:
+    if higher_is_better:  # accuracy: a fraction
         acc_ax.set_ylim(top=1.0)
     last = history[-1]
     title = f"val {metric} {last[f'val_{metric}']:.4f} after {last['epoch']} epochs"
@@ -110,7 +110,7 @@ def write_outputs(
     out = config.output_dir()
     history = state["history"]
     last = history[-1]
-    metric = metric_of(last)
+    metric = metric_in(last)
     shutil.copyfile(model_file, out / MODEL_FILE)
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]

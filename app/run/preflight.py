@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
@@ -19,6 +19,7 @@ from app.errors import UserError
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
+    from app.data.files import Located
     from app.data.streamed import Streamed
     from app.training.objective import Objective
 
@@ -33,15 +34,19 @@ class Checked:
     model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
 
 
-def load_data(config: "TrainConfig", num_workers: int) -> Union[Source, "Streamed"]:
-    """In-memory data (built-in, numpy, data functions) or, for file formats that stream, Ray Datasets."""
+def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] = None) -> Union[Source, "Streamed"]:
+    """In-memory data (built-in, numpy, data functions) or, for file formats that stream, Ray Datasets.
+
+    ``loc``: the run's listing of --dataset (app.data.files.located), if it has one already.
+    """
     from app import registry
     from app.data import files, memory
 
-    if files.is_streamed(config):
+    loc = loc or files.located(config)
+    if files.streams(loc):
         from app.data import streamed
 
-        return streamed.prepare(config, num_workers)
+        return streamed.prepare(config, num_workers, loc)
     if isinstance(config.dataset, str) and registry.looks_like_path(config.dataset):
         return memory.load_source(config)
     # A data function: arrays, a DataFrame, or a ray.data.Dataset (streamed like parquet).
@@ -96,9 +101,10 @@ def _outputs(model, facts: DataFacts) -> int:
 
 
 def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
-          source: Union[Source, "Streamed", None] = None, stage_devices: Sequence[str] = ()) -> Checked:
+          source: Union[Source, "Streamed", None] = None, stage_devices: Sequence[str] = (),
+          loc: Optional["Located"] = None) -> Checked:
     """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
-    source = source if source is not None else load_data(config, num_workers)
+    source = source if source is not None else load_data(config, num_workers, loc)
     facts, objective, summary = check_model(config, source.facts, stage_devices)
     EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
     return Checked(source, facts, objective, summary)

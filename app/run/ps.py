@@ -239,11 +239,12 @@ STREAMED = (
 
 def check(config: TrainConfig, require_fit: bool = True):
     """ray_train's checks, and parquet/CSV/image files refused before Ray Data reads them."""
-    from app.data.files import is_streamed
+    from app.data import files
 
-    if is_streamed(config):
+    loc = files.located(config)
+    if files.streams(loc):
         raise UserError(STREAMED.format(what=f"--dataset {config.dataset}"))
-    checked = ray_train.check(config, require_fit)
+    checked = ray_train.check(config, require_fit, loc)
     check_data(checked)
     return checked
 
@@ -251,7 +252,7 @@ def check(config: TrainConfig, require_fit: bool = True):
 def check_data(checked) -> None:
     """Parameter-server workers take in-memory arrays, shipped inside their dataset function."""
     source = checked.source
-    if hasattr(source, "shuffle_buffer"):  # app.data.streamed.Streamed: a data function's ray.data.Dataset
+    if source.streamed:  # a data function's ray.data.Dataset
         raise UserError(STREAMED.format(what="a ray.data.Dataset"))
     mib = (source.train.x.nbytes + source.train.y.nbytes) / 2**20
     if mib > MAX_SHIPPED_MIB:

@@ -162,7 +162,7 @@ def worker_inputs(source) -> dict[str, Any]:
     """What each worker reads its data from: Ray Datasets (streamed) or arrays put in the object store once."""
     import ray
 
-    if hasattr(source, "shuffle_buffer"):  # app.data.streamed.Streamed
+    if source.streamed:
         return {"streamed": True, "facts": source.facts, "shuffle_buffer": source.shuffle_buffer}
     return {"facts": source.facts, "train": ray.put(source.train), "val": ray.put(source.val)}
 
@@ -198,7 +198,7 @@ def fit(
     source = checked.source
     inputs = worker_inputs(source)
     inputs["facts"] = checked.facts
-    datasets = {"train": source.train, "val": source.val} if inputs.get("streamed") else None
+    datasets = {"train": source.train, "val": source.val} if source.streamed else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
                     progress_bars=sys.stderr.isatty())
     config = for_workers(config)
@@ -220,7 +220,7 @@ def fit(
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.keep_checkpoints,
                 checkpoint_score_attribute=f"val_{checked.objective.metric}",
-                checkpoint_score_order="min" if checked.objective.metric == "mae" else "max",
+                checkpoint_score_order=checked.objective.mode,
             ),
             # Start failures (a worker lost while the group starts, placement timed out) are the
             # controller's, retried without limit by default: they get the same budget as the rest.
@@ -294,22 +294,26 @@ def _ray_run_name(config: TrainConfig, out: Path) -> str:
     return name
 
 
-def check(config: TrainConfig, require_fit: bool = True):
+def check(config: TrainConfig, require_fit: bool = True, loc=None):
     """Preflight for a Ray run: streamed data needs Ray (its checks read the files), in-memory data does not.
 
     A data function may build a ray.data.Dataset: Ray is started first (sized
-    here) so that Ray Data does not start one of its own.
+    here) so that Ray Data does not start one of its own. ``loc``: the listing
+    of --dataset if the caller made it (app.data.files.located), made here else.
     """
     from app import registry
-    from app.data.files import is_streamed
+    from app.data import files
     from app.run import preflight
+
+    loc = loc or files.located(config)  # listed once for the whole run
+    streamed_files = files.streams(loc)
 
     if require_fit:
         cluster.check_fits_locally(config)
         # A run: the local Ray starts beside the checks (they import TensorFlow, build the model).
         cluster.start_local_early(config)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
-    if is_streamed(config) or function:
+    if streamed_files or function:
         cluster.connect(config)
         from ray.data import DataContext
 
@@ -317,10 +321,10 @@ def check(config: TrainConfig, require_fit: bool = True):
         # progress bars are Ray's internals (read tasks, split coordinators), not ours.
         DataContext.get_current().enable_progress_bars = config.verbose
         console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
-    if is_streamed(config):  # before Ray Data reads a byte: its read tasks need CPUs of their own
+    if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
-    checked = preflight.check(config, config.num_workers)
-    if hasattr(checked.source, "shuffle_buffer") and not is_streamed(config):  # a data function's ray.data.Dataset
+    checked = preflight.check(config, config.num_workers, loc=loc)
+    if checked.source.streamed and not streamed_files:  # a data function's ray.data.Dataset
         cluster.check_room_for_reads(config)
     return checked
 

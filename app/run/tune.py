@@ -195,7 +195,7 @@ def sweep(
 
         task = base.task if base.task != "auto" else preflight.load_data(base, base.num_workers).facts.task
         metric = metric or f"val_{metric_name(task)}"
-        mode = mode or metric_mode(task)
+        mode = mode or metric_mode(metric)
 
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU

@@ -12,6 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from app.training.objective import metric_in
+
 
 @dataclass
 class EpochStats:
@@ -90,15 +92,10 @@ def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate:
     return metrics
 
 
-def metric_of(m: dict) -> str:
-    """Which metric a record carries (accuracy or mae)."""
-    return "mae" if "val_mae" in m else "accuracy"
-
-
 def progress_line(m: dict, epochs: int, history: list[dict]) -> str:
     mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
     eta = mean_epoch * (epochs - m["epoch"])
-    metric = metric_of(m)
+    metric = metric_in(m)
     short = {"accuracy": "val_acc", "mae": "val_mae"}[metric]
     return (
         f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "

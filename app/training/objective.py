@@ -33,13 +33,23 @@ DEFAULT_LOSS = {
 }
 
 
+# Each metric the product reports, and which way is better: decided here only.
+MODES = {"accuracy": "max", "mae": "min"}
+
+
 def metric_name(task: str) -> str:
     """The metric's key in reports: train_<name>, val_<name>."""
     return "mae" if task == "regression" else "accuracy"
 
 
-def metric_mode(task: str) -> str:
-    return "min" if task == "regression" else "max"
+def metric_mode(metric: str) -> str:
+    """"max" or "min": which way ``metric`` (a name in MODES, or val_/train_<name>) is better."""
+    return MODES[metric.split("_", 1)[1] if metric.startswith(("val_", "train_")) else metric]
+
+
+def metric_in(record: dict) -> str:
+    """Which metric an epoch record or result's metrics carry (their keys are val_<name>)."""
+    return next(name for name in MODES if f"val_{name}" in record)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class Objective:
     @property
     def metric(self) -> str:
         return metric_name(self.task)
+
+    @property
+    def mode(self) -> str:
+        return metric_mode(self.metric)
 
     def loss_fn(self) -> Callable[["tf.Tensor", "tf.Tensor"], "tf.Tensor"]:
         """(y, outputs) -> per-example loss (no reduction: the caller divides by the global batch)."""
