@@ -93,6 +93,31 @@ def test_two_workers_equal_one_worker_with_the_same_global_batch(ray_cluster, tm
     assert history_column(tmp_path / "one", "train_loss")[-1] < history_column(tmp_path / "one", "train_loss")[0]
 
 
+def regression_rows():
+    """A float target: the regression path (mean squared error, a one-output model)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(800, 6)).astype("float32")
+    return x, (x @ np.array([1.5, -2.0, 0.5, 0.0, 1.0, 3.0]) + 0.1 * rng.normal(size=800)).astype("float32")
+
+
+def test_two_workers_equal_one_worker_on_a_regression(ray_cluster, tmp_path):
+    """The same equivalence for a regression model: 2 x 320 and 1 x 640 rows, full-batch SGD."""
+    import keras
+
+    common = dict(
+        epochs=5, optimizer="sgd", momentum=0.0, base_lr=0.02, lr_scaling="none", warmup_epochs=0,
+        lr_decay="constant", shuffle=False, seed=7, dataset=regression_rows, hidden_units=[16],
+    )
+    _, two, _ = train(tmp_path, "two", num_workers=2, per_replica_batch=320, **common)
+    train(tmp_path, "one", num_workers=1, per_replica_batch=640, **common)
+    assert two["task"] == "regression"
+    w2 = keras.models.load_model(tmp_path / "two" / "model.keras").get_weights()
+    w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert history_column(tmp_path / "one", "train_loss")[-1] < history_column(tmp_path / "one", "train_loss")[0]
+
+
 def test_every_sample_is_seen_once_per_epoch(ray_cluster, tmp_path):
     from app.data import memory
 
