@@ -55,15 +55,14 @@ def kill_during_starts(driver: subprocess.Popen, delays: list[float], timeout: f
 
 def driver_for(ray_cluster, out, *flags: str) -> subprocess.Popen:
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "2", "--worker-start-timeout-s", "30",
-           *flags]
+    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "2", *flags]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_workers_killed_while_the_group_starts_are_replaced_under_max_failures(ray_cluster, tmp_path):
     """Kills 0.2 s, 0.9 s and 1.4 s after a start's worker appears (Ray 2.60 hung 3 times in 13 at 1-1.5 s)."""
     out = tmp_path / "killed-at-start"
-    driver = driver_for(ray_cluster, out, "--max-failures", "3")
+    driver = driver_for(ray_cluster, out, "--max-failures", "3", "--worker-start-timeout-s", "30")
     try:
         killed = kill_during_starts(driver, [0.2, 0.9, 1.4])
         # Bounded: three restarts (a few seconds each) and two short epochs, not a wait for CPUs never freed.
@@ -81,7 +80,7 @@ def test_workers_killed_while_the_group_starts_are_replaced_under_max_failures(r
 
 def test_a_worker_killed_at_start_without_max_failures_ends_in_one_line(ray_cluster, tmp_path):
     out = tmp_path / "killed-once"
-    driver = driver_for(ray_cluster, out)
+    driver = driver_for(ray_cluster, out, "--worker-start-timeout-s", "30")
     try:
         killed = kill_during_starts(driver, [0.5])
         stdout, stderr = driver.communicate(timeout=120)
@@ -111,3 +110,25 @@ def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_lin
         assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
         assert f"requires token authentication and we sent {given}" in errors[0] and "RAY_AUTH_MODE=token" in errors[0]
         assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_workers_that_cannot_be_placed_end_within_the_start_timeout_in_one_line(ray_cluster, tmp_path):
+    """The cluster is busy (a placement group of ours holds 2 of its 3 CPUs): each start waits at most
+    --worker-start-timeout-s, is retried under --max-failures, and the run ends with one line saying what
+    Ray was waiting for, instead of waiting for CPUs forever."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    busy = placement_group([{"CPU": 2}])
+    ray_cluster.get(busy.ready(), timeout=30)
+    started = time.time()
+    try:
+        driver = driver_for(ray_cluster, tmp_path / "unplaced", "--worker-start-timeout-s", "5", "--max-failures", "1")
+        stdout, stderr = driver.communicate(timeout=180)
+    finally:
+        remove_placement_group(busy)
+    took = time.time() - started
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert driver.returncode == 1 and len(errors) == 1, stderr[-3000:]
+    assert "could not be placed within --worker-start-timeout-s (5 s) after 1 restarts" in errors[0], errors[0]
+    assert "2 x {CPU: 1} (PACK)" in errors[0] and "Traceback" not in stdout + stderr
+    assert took < 120, f"{took:.0f} s for two starts of at most 5 s each"
