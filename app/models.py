@@ -8,7 +8,8 @@ calls a user's ``file.py:function``: with the arguments they declare.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     import keras
@@ -27,7 +28,7 @@ def build_mlp(input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequ
 
 def build_cnn(
     input_shape: tuple[int, ...], num_outputs: int, conv_filters: Sequence[int] = (32, 64, 128),
-    sync_batch_norm: bool = False,
+    sync_batch_norm: bool = False, image_shape: Optional[tuple[int, ...]] = None,
 ) -> "keras.Model":
     """The seeds' CIFAR-style conv net: stages of two 3x3 conv + batch norm + ReLU, 2x2 max pooling between.
 
@@ -40,16 +41,21 @@ def build_cnn(
     The moving averages used at inference are updated by each replica from its
     own batch and averaged over all replicas at the end of every epoch
     (``Loop``), so evaluation and the exported model use one value.
+
+    ``image_shape``: rows that are flattened images (the built-in digits) are reshaped to it inside the model,
+    so the data and the exported model keep their flat rows.
     """
     import keras
 
-    if len(input_shape) not in (2, 3):
+    flat = len(input_shape) == 1 and image_shape is not None and math.prod(image_shape) == input_shape[0]
+    if len(input_shape) not in (2, 3) and not flat:
         raise ValueError(
             f"cnn needs images (height, width[, channels]), got examples of shape {tuple(input_shape)}: "
             "use --model mlp for tabular data, or --feature-shape H W C"
         )
     inputs = keras.Input(shape=input_shape, name="x")
-    h = keras.layers.Reshape((*input_shape, 1), name="channels")(inputs) if len(input_shape) == 2 else inputs
+    h = keras.layers.Reshape(tuple(image_shape), name="image")(inputs) if flat else inputs
+    h = keras.layers.Reshape((*h.shape[1:], 1), name="channels")(h) if len(h.shape) == 3 else h
     for stage, filters in enumerate(conv_filters):
         if stage > 0 and min(h.shape[1], h.shape[2]) >= 2:
             h = keras.layers.MaxPooling2D(name=f"pool_{stage}")(h)

@@ -39,6 +39,8 @@ class DataFacts:
     num_classes: Optional[int]  # None for regression
     num_train_rows: int
     num_val_rows: int
+    # Rows that are flattened images (the built-in digits): the image shape, for models that want one.
+    image_shape: Optional[tuple[int, ...]] = None
 
     @property
     def label_dtype(self) -> str:

@@ -13,13 +13,17 @@ import numpy as np
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 1,797 8x8 handwritten digits, shipped inside its wheel: no download.
 
-    As images (8, 8, 1): the shape travels with the data, so ``--model cnn`` takes them as
-    they are, and ``mlp`` flattens them to the same 64 features as before.
+    64 features per row, as scikit-learn gives them (a Dense model takes them as they are); their
+    image shape travels with the data (IMAGE_SHAPES -> DataFacts.image_shape) for image models.
     """
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    return (d.images / 16.0)[..., None].astype(np.float32), d.target.astype(np.int64)
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+
+
+# Built-in datasets whose rows are flattened images: the shape an image model (cnn) sees them in.
+IMAGE_SHAPES = {"digits": (8, 8, 1)}
 
 
 def synthetic(

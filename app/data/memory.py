@@ -15,11 +15,13 @@ the task and ``--num-classes``) before anything starts.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app import registry
+from app.data import builtin
 from app.data.arrays import DataFacts, Source, Split, split_holdout
 from app.data.checks import check_finite, check_labels, task_of
 from app.data.numpy_files import reshape
@@ -114,7 +116,11 @@ def load_source(config: "TrainConfig", returned: Any = None) -> Source:
         labels = f"{what}, labels"
     if config.val_dataset:
         val_xy = numpy_files.load_numpy(config, config.val_dataset)
-    return source_from_arrays(config, train_xy, val_xy, what, labels)
+    source = source_from_arrays(config, train_xy, val_xy, what, labels)
+    image_shape = builtin.IMAGE_SHAPES.get(config.dataset) if isinstance(config.dataset, str) else None
+    if image_shape and not config.feature_shape:  # carried with the data: a cnn takes the digits as they come
+        source = replace(source, facts=replace(source.facts, image_shape=image_shape))
+    return source
 
 
 def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, labels: str) -> Source:

@@ -47,6 +47,8 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     fn = registry.resolve(config.model, registry.MODELS)
     available: dict[str, Any] = {
         "input_shape": tuple(facts.feature_shape),
+        # Images stored as flat rows (the built-in digits) say their shape; image models reshape to it.
+        **({"image_shape": facts.image_shape} if facts.image_shape else {}),
         "num_outputs": num_outputs(facts),
         **({"num_classes": facts.num_classes} if facts.num_classes else {}),
         **{k: getattr(config, k) for k in BUILTIN_OPTIONS},
