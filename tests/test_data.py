@@ -329,16 +329,17 @@ def bad_data_cases(d):
     nan_x[5, 1], nan_x[7, 2] = np.nan, np.inf
     write_parquet(d / "nan-pq", nan_x, y, files=1, column="x")
     np.savez(d / "nan.npz", x=nan_x, label=y)
+    np.savez(d / "tabular.npz", x=x, label=y)
     strings = [[float(a), "cat" if b else "dog"] for a, b in zip(x[:, 0], y)]
     write_csv(d / "strings.csv", ["a", "label"], strings)
     (d / "broken.csv").write_text("a,b,label\n1,2,0\n3,4\n5,6,1\n")
     return [
         (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
         (["--dataset", str(d / "nan.npz"), "--feature-columns", "x"], "2 of 200 rows hold NaN or infinite values"),
-        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected integers"),
+        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected numbers"),
         (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
         (["--num-classes", "5"], "labels go up to 9, but --num-classes is 5"),
-        (["--model", "cnn"], "cnn needs images"),
+        (["--model", "cnn", "--dataset", str(d / "tabular.npz"), "--feature-columns", "x"], "cnn needs images"),
     ]
 
 
