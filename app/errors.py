@@ -21,10 +21,15 @@ class UserCodeError(UserError):
 
     The message is the one line; ``trace`` keeps the user's whole traceback, which
     the entry scripts write to a file the line names (and print with --verbose).
+    It crosses processes (a model function that raises in a Ray worker): pickled as
+    the message and the trace.
     """
 
-    def __init__(self, message: str, error: BaseException):
+    def __init__(self, message: str, error: BaseException | None = None, trace: str = ""):
         import traceback
 
         super().__init__(message)
-        self.trace = "".join(traceback.format_exception(error))
+        self.trace = "".join(traceback.format_exception(error)) if error is not None else trace
+
+    def __reduce__(self):
+        return type(self), (str(self), None, self.trace)

@@ -132,7 +132,9 @@ def test_the_console_takes_the_place_of_rays_printer_and_gives_it_back(capsys):
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     printed: list[dict] = []
-    dispatcher.add_handler(internals.RAY_PRINTER, printed.append)  # what ray.init(log_to_driver=True) does
+    # Only the printer ray.init(log_to_driver=True) registers, recording what it is handed (the session's Ray,
+    # if a test before this one started it, has its own: put back afterwards).
+    saved, dispatcher.handlers = dispatcher.handlers, [(internals.RAY_PRINTER, printed.append)]
     try:
         with console.for_people(verbose=False):
             batch = {"lines": [console.MARK + "epoch   1/2", "a TensorFlow notice"], "pid": 7, "ip": "10.0.0.1",
@@ -144,7 +146,7 @@ def test_the_console_takes_the_place_of_rays_printer_and_gives_it_back(capsys):
         dispatcher.emit({"lines": ["after the run"], "pid": 7, "ip": "10.0.0.1"})
         assert [b["lines"] for b in printed] == [["after the run"]]  # Ray's printer is back
     finally:
-        dispatcher.remove_handler(internals.RAY_PRINTER)
+        dispatcher.handlers = saved
         console._WorkerLines.early.clear()
 
 

@@ -95,13 +95,13 @@ def test_a_worker_killed_at_start_without_max_failures_ends_in_one_line(ray_clus
     assert not (out / "result.json").exists()
 
 
-def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_line(ray_cluster):
+def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_line(ray_cluster, tmp_path):
     """The session's Ray has token authentication on (ray.init's default), as a `ray start` head does
     once ~/.ray/auth_token exists: a driver joining it with no token, or a wrong one, gets one line."""
     address = ray_cluster.get_runtime_context().gcs_address
-    cmd = ["jobs/train.py", "--epochs", "1"]
+    cmd = ["jobs/train.py", "--epochs", "1", "--output"]
     no_token, wrong_token = run_jobs_at_once(
-        cmd, cmd, envs=[clean_env(RAY_ADDRESS=address),
+        [*cmd, str(tmp_path / "a")], [*cmd, str(tmp_path / "b")], envs=[clean_env(RAY_ADDRESS=address),
                         clean_env(RAY_ADDRESS=address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)],
         timeout=120,
     )
@@ -110,6 +110,7 @@ def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_lin
         assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
         assert f"requires token authentication and we sent {given}" in errors[0] and "RAY_AUTH_MODE=token" in errors[0]
         assert "Traceback" not in p.stdout + p.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
 
 
 def test_workers_that_cannot_be_placed_end_within_the_start_timeout_in_one_line(ray_cluster, tmp_path):

@@ -339,10 +339,10 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
     for line in plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy"):
         log.info(line)
+    cluster.connect(config)  # a cluster that refuses us (its token) is refused before anything is written
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     name = _ray_run_name(config, out)
-    cluster.connect(config)
     with console.routed(out / console.LOG_FILE, config.verbose):
         result = fit(config, checked, name=name)
     with result.checkpoint.as_directory() as ckpt_dir:
