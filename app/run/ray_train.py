@@ -312,6 +312,8 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
         cluster.check_fits_locally(config)
         # A run: the local Ray starts beside the checks (they import TensorFlow, build the model).
         cluster.start_local_early(config)
+        if os.environ.get("RAY_ADDRESS"):  # joining: a cluster that refuses us (its token) is said first
+            cluster.connect(config)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if streamed_files or function:
         cluster.connect(config)
