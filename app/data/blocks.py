@@ -1,11 +1,14 @@
 """Per-block transforms, run inside Ray Data tasks: raw rows -> x / y / id (/ w), and block statistics.
 
-Two paths, chosen by the format:
+Three paths, chosen by the format and the backend:
 
 - ``.npz`` / a directory of ``.npy`` files: read with numpy (``.npy`` memory-
   mapped) into the in-memory ``data.Source``, the fast path for small data
   that the local backend uses too.
-- parquet, CSV, image folders: Ray Data reads them block by block
+- parquet, CSV, image folders with ``--backend local``: read in the process
+  with pyarrow / Pillow (app.data.local_files), batch by batch through the
+  same ``block_stats`` and ``rows`` as below, into the in-memory ``data.Source``.
+- parquet, CSV, image folders on Ray: Ray Data reads them block by block
   (``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths
   and ``s3://`` / ``gs://`` URIs through pyarrow's filesystems) and
   ``map_batches`` turns each block into the columns every worker consumes:
