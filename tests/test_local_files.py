@@ -176,3 +176,20 @@ def test_data_larger_than_memory_is_refused_naming_the_ray_backend(tmp_path, mon
                                  "dataset": str(tmp_path / "d.parquet")})
     with pytest.raises(UserError, match="does not fit in memory for --backend local.*train on it with --backend ray"):
         preflight.load_data(config, 1)
+
+
+def test_a_tensor_column_ray_data_wrote_keeps_its_shape_locally(tmp_path):
+    """pyarrow alone reads Ray Data's tensor type as flat lists: the shape comes from the column's metadata."""
+    from ray.data.extensions import ArrowTensorArray  # only to write the file: nothing of Ray runs
+
+    from app.config import build_config
+    from app.run import preflight
+
+    x, y = learnable()
+    pq.write_table(pa.table({"t": ArrowTensorArray.from_numpy(x.reshape(-1, 4, 4)), "label": y}),
+                   tmp_path / "d.parquet")
+    config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": str(tmp_path / "d.parquet")})
+    source = preflight.load_data(config, 1)
+    assert source.facts.feature_shape == (4, 4) and source.train.x.shape[1:] == (4, 4)
+    flat = preflight.load_data(config.model_copy(update={"feature_shape": [16]}), 1)
+    assert flat.facts.feature_shape == (16,)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
@@ -122,7 +123,26 @@ def _spec(loc: Located, config: "TrainConfig") -> Spec:
                 schema = reader.schema
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise _unreadable(loc, e) from None
-    return schema_spec(loc, config, schema)
+    spec = schema_spec(loc, config, schema)
+    shape = _ray_tensor_shape(schema, spec)
+    if shape and not config.feature_shape:  # the examples' shape a Ray run reads (Ray's type is not loaded here)
+        spec = replace(spec, feature_shape=shape)
+    return spec
+
+
+def _ray_tensor_shape(schema, spec: Spec) -> tuple[int, ...]:
+    """A tensor column Ray Data wrote: pyarrow without Ray reads it as flat lists; its field keeps the shape."""
+    import json
+
+    if spec.kind != "list":
+        return ()
+    meta = schema.field(spec.features[0]).metadata or {}
+    if not meta.get(b"ARROW:extension:name", b"").startswith(b"ray.data.arrow_tensor"):
+        return ()
+    try:
+        return tuple(int(n) for n in json.loads(meta[b"ARROW:extension:metadata"]))
+    except (KeyError, ValueError, TypeError):
+        return ()
 
 
 def _row_count(loc: Located) -> Optional[int]:

@@ -164,7 +164,8 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
                 "(every example must have the same shape)"
             )
         spec = replace(spec, stored_shape=(low,))
-    shape = tuple(config.feature_shape) if config.feature_shape else spec.stored_shape
+    # A shape the spec already knows: a Ray Data tensor column read by pyarrow alone (app.data.local_files).
+    shape = tuple(config.feature_shape) if config.feature_shape else (spec.feature_shape or spec.stored_shape)
     if math.prod(shape) != math.prod(spec.stored_shape):
         raise UserError(
             f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
