@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 
 import numpy as np
 import pyarrow as pa
@@ -304,11 +303,19 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
             memory.load_source(config)
 
 
-def test_local_backend_refuses_streamed_formats_clearly(tmp_path, good_parquet):
-    config = build_config(None, {"output": str(tmp_path / "o"), "backend": "local", "dataset": str(good_parquet)})
-    refusal = "is parquet data, which streams through Ray Data: train on it with jobs/train.py --backend ray"
-    with pytest.raises(UserError, match=re.escape(refusal)):
-        memory.load_source(config)
+def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_path, good_parquet):
+    """The local backend reads parquet in its process (tests/test_local_files.py); its split is the Ray path's."""
+    from app.run import preflight
+
+    local = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
+                                                    "dataset": str(good_parquet)}), 1)
+    on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY,
+                                                  "dataset": str(good_parquet)}), 2)
+    assert not local.streamed and local.facts == on_ray.facts
+    assert sorted(local.train.ids.tolist()) == sorted(r["id"] for r in on_ray.train.take_all())
+    assert sorted(local.val.ids.tolist()) == sorted(r["id"] for r in on_ray.val.take_all() if r["w"] > 0)
+    by_id = {r["id"]: r["x"] for r in on_ray.val.take_all() if r["w"] > 0}
+    assert all(np.array_equal(by_id[i], x) for i, x in zip(local.val.ids.tolist(), local.val.x))
 
 
 def test_validation_split_is_seeded_and_stable():

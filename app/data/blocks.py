@@ -1,11 +1,14 @@
 """Per-block transforms, run inside Ray Data tasks: raw rows -> x / y / id (/ w), and block statistics.
 
-Two paths, chosen by the format:
+Three paths, chosen by the format and the backend:
 
 - ``.npz`` / a directory of ``.npy`` files: read with numpy (``.npy`` memory-
   mapped) into the in-memory ``data.Source``, the fast path for small data
   that the local backend uses too.
-- parquet, CSV, image folders: Ray Data reads them block by block
+- parquet, CSV, image folders with ``--backend local``: read in the process
+  with pyarrow / Pillow (app.data.local_files), batch by batch through the
+  same ``block_stats`` and ``rows`` as below, into the in-memory ``data.Source``.
+- parquet, CSV, image folders on Ray: Ray Data reads them block by block
   (``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths
   and ``s3://`` / ``gs://`` URIs through pyarrow's filesystems) and
   ``map_batches`` turns each block into the columns every worker consumes:
@@ -33,6 +36,7 @@ hashing costs one pass over each row's bytes per preprocessing run.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +72,10 @@ def _features(table: "pa.Table", spec: Spec) -> np.ndarray:
         values = pc.list_flatten(_column(table, spec.features[0])).to_numpy(zero_copy_only=False)
         x = values.astype(np.float32, copy=False).reshape(n, *spec.stored_shape)
     elif spec.kind in ("tensor", "images"):
-        x = np.asarray(_column(table, spec.features[0]).to_numpy(), dtype=np.float32).reshape(n, *spec.stored_shape)
+        column = _column(table, spec.features[0])
+        # pyarrow's own tensor columns (local image reads, parquet written by pyarrow) / Ray Data's
+        values = column.to_numpy_ndarray() if hasattr(column, "to_numpy_ndarray") else column.to_numpy()
+        x = np.asarray(values, dtype=np.float32).reshape(n, *spec.stored_shape)
         if spec.kind == "images":
             x /= 255.0  # normalisation: pixels to [0, 1]
     elif spec.kind == "text":
@@ -182,11 +189,12 @@ def _nonfinite(column) -> int:
     return len(column) - column.null_count - (pc.sum(pc.is_finite(column)).as_py() or 0)
 
 
-def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.Table":
-    """A raw block -> x / y / id (/ w): decode, normalise, tokenize, hash, and keep one side of the split."""
-    import pyarrow as pa
-    from ray.data.extensions import ArrowTensorArray
+def rows(table: "pa.Table", spec: Spec, keep: str = "all") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A raw block -> (x, y, ids) arrays: decode, normalise, tokenize, hash, and keep one side of the split.
 
+    The Ray path calls it inside Ray Data tasks (``preprocess``), the local backend on pyarrow's batches
+    (app.data.local_files): both get the same rows with the same ids.
+    """
     x, y = _features(table, spec), _labels(table, spec)
     ids = _row_ids(table, spec, x, y)
     if spec.val_fraction is not None and keep != "all":
@@ -194,8 +202,26 @@ def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.T
         if keep == "train":
             chosen = ~chosen
         x, y, ids = x[chosen], y[chosen], ids[chosen]
+    return x, y, ids
+
+
+def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.Table":
+    """A raw block -> x / y / id (/ w) columns of a Ray Dataset (``rows``, as Ray Data's tensor columns)."""
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    x, y, ids = rows(table, spec, keep)
     columns = {X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids)}
     if weights:
         columns[W] = pa.array(np.ones(len(y), dtype=np.float32))
     return pa.table(columns)
 
+
+def batch_rows(spec: Spec) -> int:
+    """Rows per preprocessing call: ~16 MiB of float32 features, whatever the size of the blocks read.
+
+    A block can hold a whole file (or more): preprocessing it in one call would
+    make a task's memory grow with the files, not with this bound.
+    """
+    row_bytes = 4 * math.prod(spec.stored_shape or (1024,))
+    return max(16, (16 << 20) // row_bytes)

@@ -83,6 +83,7 @@ def located(config: "TrainConfig") -> Optional[Located]:
     return locate(dataset, config.data_format)
 
 
-def streams(loc: Optional[Located]) -> bool:
-    """Parquet, CSV, image folders (and a function's Ray Dataset) go through Ray Data; numpy files load in memory."""
-    return loc is not None and loc.format != "numpy"
+def streams(loc: Optional[Located], backend: str) -> bool:
+    """On the Ray backend, parquet, CSV and image folders (and a function's Ray Dataset) go through Ray Data;
+    the local backend reads them in its own process (app.data.local_files); numpy files load in memory."""
+    return loc is not None and loc.format != "numpy" and backend == "ray"

@@ -59,9 +59,8 @@ def load_numpy(config: "TrainConfig", uri: str) -> tuple[np.ndarray, np.ndarray]
     loc = locate(uri, config.data_format)
     if loc.format != "numpy":
         raise UserError(
-            f"dataset {uri!r} is {loc.format} data, which streams through Ray Data: train on it with "
-            "jobs/train.py --backend ray (the local backend, evaluate and tune read in-memory data only: "
-            "digits, synthetic, synthetic-text, .npz, .npy)"
+            f"dataset {uri!r} is {loc.format} data, not numpy arrays (.npz, .npy): give --dataset and "
+            "--val-dataset in one format"
         )
     if config.text_column:
         raise UserError("--text-column needs a parquet or CSV dataset (numpy arrays hold numbers)")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from app.data.checks import missing
+from app.data.checks import NONFINITE_FIX, check_labels, missing
 from app.data.files import Located
 from app.errors import UserError
 
@@ -138,3 +139,68 @@ def image_spec(loc: Located, config: "TrainConfig") -> Spec:
 def class_of(path: str, root: str) -> str:
     return os.path.relpath(path, root).split(os.sep)[0]
 
+
+def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -> tuple[Spec, dict[str, int]]:
+    """The checks over every block's statistics (app.data.blocks.block_stats), and the spec they complete
+    (a list column's length, --feature-shape): the same for Ray Data's blocks and the local backend's batches."""
+    total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
+    if total["rows"] == 0:
+        raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
+    if total["label_nulls"]:
+        raise UserError(f"label column {spec.label!r} has {total['label_nulls']} missing values")
+    if total["nulls"]:
+        column = next(s["nulls_column"] for s in stats if s["nulls"])
+        raise UserError(f"feature column {column!r} has {total['nulls']} missing values")
+    if any(s["nonfinite"] for s in stats):
+        column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
+        count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
+        raise UserError(f"column {column!r} has {count} NaN or infinite values {NONFINITE_FIX}")
+    if spec.kind == "list":
+        lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
+        low, high = min(a for a, _ in lengths), max(b for _, b in lengths)
+        if low != high:
+            raise UserError(
+                f"feature column {spec.features[0]!r} has ragged feature shapes: lists of length {low} to {high} "
+                "(every example must have the same shape)"
+            )
+        spec = replace(spec, stored_shape=(low,))
+    # A shape the spec already knows: a Ray Data tensor column read by pyarrow alone (app.data.local_files).
+    shape = tuple(config.feature_shape) if config.feature_shape else (spec.feature_shape or spec.stored_shape)
+    if math.prod(shape) != math.prod(spec.stored_shape):
+        raise UserError(
+            f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
+            f"{spec.features[0]!r} has {math.prod(spec.stored_shape)} per example"
+        )
+    spec = replace(spec, feature_shape=shape)
+    if spec.kind == "images":
+        total["label_min"], total["label_max"] = 0, len(spec.classes) - 1
+    else:
+        real = [s for s in stats if s["rows"]]
+        total["label_min"] = min(s["label_min"] for s in real)
+        total["label_max"] = max(s["label_max"] for s in real)
+    if spec.task != "regression":
+        check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
+    if spec.task == "binary" and total["label_max"] > 1:
+        raise UserError(f"label column {spec.label!r} has values {total['label_min']}..{total['label_max']}, "
+                        "but --task binary needs labels 0 or 1")
+    return spec, total
+
+
+def check_val_spec(spec: Spec, val_spec: Spec) -> None:
+    """--val-dataset's examples must look like the training data's."""
+    if val_spec.feature_shape != spec.feature_shape:
+        raise UserError(
+            f"--val-dataset examples have shape {val_spec.feature_shape}, the training data {spec.feature_shape}"
+        )
+    if spec.kind == "images" and val_spec.classes != spec.classes:
+        raise UserError(
+            f"--val-dataset has class folders {', '.join(val_spec.classes)}, the training data "
+            f"{', '.join(spec.classes)}"
+        )
+
+
+def num_classes_of(config: "TrainConfig", spec: Spec, label_max: int) -> Optional[int]:
+    """None for regression; image folders have one class per folder; else --num-classes or the largest label + 1."""
+    if spec.kind == "images":
+        return config.num_classes or len(spec.classes)
+    return {"regression": None, "binary": 2}.get(spec.task, config.num_classes or int(label_max) + 1)

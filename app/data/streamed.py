@@ -20,11 +20,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.data.arrays import DataFacts
-from app.data.blocks import block_stats, preprocess
-from app.data.checks import NONFINITE_FIX, check_labels
+from app.data.blocks import batch_rows, block_stats, preprocess
 from app.data.files import Located, locate
 from app.data.ray_input import padded, shuffled_each_epoch
-from app.data.schema import Spec, image_spec, schema_spec
+from app.data.schema import Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -137,7 +136,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
 
     with _streaming(config):
         per_block = _read(loc, config, spec if loc.format in PROJECTED else None).map_batches(
-            block_stats, batch_format="pyarrow", batch_size=_batch_rows(spec), fn_kwargs={"spec": spec}
+            block_stats, batch_format="pyarrow", batch_size=batch_rows(spec), fn_kwargs={"spec": spec}
         )
     try:
         stats = per_block.take_all()
@@ -145,56 +144,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         if not any(marker in str(e) for marker in _UNREADABLE):
             raise
         raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
-    total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
-    if total["rows"] == 0:
-        raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
-    if total["label_nulls"]:
-        raise UserError(f"label column {spec.label!r} has {total['label_nulls']} missing values")
-    if total["nulls"]:
-        column = next(s["nulls_column"] for s in stats if s["nulls"])
-        raise UserError(f"feature column {column!r} has {total['nulls']} missing values")
-    if any(s["nonfinite"] for s in stats):
-        column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
-        count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
-        raise UserError(f"column {column!r} has {count} NaN or infinite values {NONFINITE_FIX}")
-    if spec.kind == "list":
-        lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
-        low, high = min(a for a, _ in lengths), max(b for _, b in lengths)
-        if low != high:
-            raise UserError(
-                f"feature column {spec.features[0]!r} has ragged feature shapes: lists of length {low} to {high} "
-                "(every example must have the same shape)"
-            )
-        spec = replace(spec, stored_shape=(low,))
-    shape = tuple(config.feature_shape) if config.feature_shape else spec.stored_shape
-    if math.prod(shape) != math.prod(spec.stored_shape):
-        raise UserError(
-            f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
-            f"{spec.features[0]!r} has {math.prod(spec.stored_shape)} per example"
-        )
-    spec = replace(spec, feature_shape=shape)
-    if spec.kind == "images":
-        total["label_min"], total["label_max"] = 0, len(spec.classes) - 1
-    else:
-        real = [s for s in stats if s["rows"]]
-        total["label_min"] = min(s["label_min"] for s in real)
-        total["label_max"] = max(s["label_max"] for s in real)
-    if spec.task != "regression":
-        check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
-    if spec.task == "binary" and total["label_max"] > 1:
-        raise UserError(f"label column {spec.label!r} has values {total['label_min']}..{total['label_max']}, "
-                        "but --task binary needs labels 0 or 1")
-    return spec, total
-
-
-def _batch_rows(spec: Spec) -> int:
-    """Rows per preprocessing call: ~16 MiB of float32 features, whatever the size of Ray Data's blocks.
-
-    A block can hold a whole file (or more): preprocessing it in one call would
-    make a task's memory grow with the files, not with this bound.
-    """
-    row_bytes = 4 * math.prod(spec.stored_shape or (1024,))
-    return max(16, (16 << 20) // row_bytes)
+    return totals(loc, config, spec, stats)
 
 
 def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> bool:
@@ -238,26 +188,16 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
             )
     else:
         val_spec, val_stats = _inspect(val_loc, config, None)
-        if val_spec.feature_shape != spec.feature_shape:
-            raise UserError(
-                f"--val-dataset examples have shape {val_spec.feature_shape}, the training data {spec.feature_shape}"
-            )
-        if spec.kind == "images" and val_spec.classes != spec.classes:
-            raise UserError(
-                f"--val-dataset has class folders {', '.join(val_spec.classes)}, the training data "
-                f"{', '.join(spec.classes)}"
-            )
+        check_val_spec(spec, val_spec)
         n_train, n_val = stats["rows"], val_stats["rows"]
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
-    num_classes = {"regression": None, "binary": 2}.get(spec.task, config.num_classes or int(stats["label_max"]) + 1)
-    if spec.kind == "images":
-        num_classes = config.num_classes or len(spec.classes)
+    num_classes = num_classes_of(config, spec, stats["label_max"])
 
     def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int], streamed: bool):
         with _streaming(config) if streamed else nullcontext():
             raw = _read(source, config, s if source.format in PROJECTED else None, shuffle_seed)
             return raw.map_batches(
-                preprocess, batch_format="pyarrow", batch_size=_batch_rows(s),
+                preprocess, batch_format="pyarrow", batch_size=batch_rows(s),
                 fn_kwargs={"spec": s, "keep": keep, "weights": weights},
             )
 

@@ -37,7 +37,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
         task = "binary"
     objective = objective_for(config, task, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
-    if source.streamed:  # read by Ray Data in this process
+    if source.streamed:  # read by Ray Data in this process (a Ray run's files)
         batches = tf_input.eval_batches_from_shard(source.val, config.per_replica_batch, source.facts)
     else:
         batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
@@ -47,15 +47,16 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
 
 
 def _data(config: TrainConfig):
-    """The validation data: in memory without Ray; files that stream (and data functions' Ray Datasets) on a
-    local Ray of one CPU that this process starts, or the cluster RAY_ADDRESS names."""
+    """The validation data: in memory without Ray (files too when the run's backend is local); files that
+    stream (and data functions' Ray Datasets) on a local Ray of one CPU that this process starts, or the
+    cluster RAY_ADDRESS names."""
     from app import registry
     from app.data import files
     from app.run import preflight
 
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     loc = files.located(config)
-    if files.streams(loc) or function:
+    if files.streams(loc, config.backend) or function:
         from app.run import cluster
 
         cluster.connect(config.model_copy(update={"num_workers": 1}))

@@ -35,7 +35,8 @@ class Checked:
 
 
 def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] = None) -> Union[Source, "Streamed"]:
-    """In-memory data (built-in, numpy, data functions) or, for file formats that stream, Ray Datasets.
+    """In-memory data (built-in, numpy, data functions; parquet, CSV and images on the local backend) or, for
+    file formats that stream (on the Ray backend), Ray Datasets.
 
     ``loc``: the run's listing of --dataset (app.data.files.located), if it has one already.
     """
@@ -43,10 +44,14 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     from app.data import files, memory
 
     loc = loc or files.located(config)
-    if files.streams(loc):
+    if files.streams(loc, config.backend):
         from app.data import streamed
 
         return streamed.prepare(config, num_workers, loc)
+    if loc is not None and loc.format != "numpy":  # --backend local: read in this process
+        from app.data import local_files
+
+        return local_files.load(config, loc)
     if isinstance(config.dataset, str) and registry.looks_like_path(config.dataset):
         return memory.load_source(config)
     # A data function: arrays, a DataFrame, or a ray.data.Dataset (streamed like parquet).

@@ -242,7 +242,7 @@ def check(config: TrainConfig, require_fit: bool = True):
     from app.data import files
 
     loc = files.located(config)
-    if files.streams(loc):
+    if files.streams(loc, config.backend):
         raise UserError(STREAMED.format(what=f"--dataset {config.dataset}"))
     checked = ray_train.check(config, require_fit, loc)
     check_data(checked)

@@ -306,7 +306,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     from app.run import preflight
 
     loc = loc or files.located(config)  # listed once for the whole run
-    streamed_files = files.streams(loc)
+    streamed_files = files.streams(loc, config.backend)
 
     if require_fit:
         cluster.check_fits_locally(config)

@@ -1,0 +1,195 @@
+"""--backend local on parquet, CSV and image folders: read in the training process, no Ray imported, no raylet
+started; the same checks and validation rows as the Ray path; evaluate of such a run without Ray either."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, clean_env
+
+ROWS, CLASSES, LENGTH = 300, 3, 16
+FAST = ["--optimizer", "adam", "--base-lr", "0.01", "--lr-scaling", "none", "--warmup-epochs", "0",
+        "--per-replica-batch", "16"]
+
+# Runs a job script as a user types it, then checks that Ray never came near the process.
+WITHOUT_RAY = """
+import runpy, sys
+import psutil
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, "jobs")
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+ray = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
+ray_processes = [p.name() for p in psutil.Process().children(recursive=True)
+                 if any(n in p.name() for n in ("raylet", "gcs_server"))]
+assert not ray and not ray_processes, (ray[:5], ray_processes)
+print("no ray")
+"""
+
+
+def without_ray(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, *args], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(p: subprocess.Popen) -> str:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and "no ray" in out, err[-3000:]
+    return out
+
+
+def learnable(rows=ROWS, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, CLASSES, rows)
+    x = rng.normal(size=(rows, LENGTH)) + 2 * rng.normal(size=(CLASSES, LENGTH))[y]
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def write_data(d):
+    """A parquet directory (a list column), a CSV of scalar columns, a float-target CSV, an image folder."""
+    from PIL import Image
+
+    x, y = learnable()
+    (d / "pq").mkdir()
+    for i, part in enumerate(np.array_split(np.arange(ROWS), 2)):
+        table = pa.table({"pixels": pa.array(list(x[part]), type=pa.list_(pa.float32())), "label": y[part]})
+        pq.write_table(table, d / "pq" / f"part-{i}.parquet")
+    with open(d / "c.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*(f"f{i}" for i in range(LENGTH)), "label"])
+        w.writerows([*map(float, row), int(label)] for row, label in zip(x, y))
+    target = x[:, :4] @ np.array([0.5, -1.0, 0.25, 1.0]) + 0.1
+    with open(d / "r.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["a", "b", "c", "d", "target"])
+        w.writerows([*map(float, row), float(t)] for row, t in zip(x[:, :4], target))
+    rng = np.random.default_rng(1)
+    for c, name in enumerate(["cat", "dog", "eel"]):  # each class bright in its own colour
+        (d / "img" / name).mkdir(parents=True)
+        for i in range(40):
+            pixels = rng.normal(60, 20, size=(10, 10, 3))
+            pixels[..., c] += 140
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(d / "img" / name / f"{i}.png")
+    return float(np.var(target))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The four local runs side by side, as a user types them: {name: (output dir, result.json)}."""
+    d = tmp_path_factory.mktemp("local-files")
+    variance = write_data(d)
+    flags = {
+        "parquet": ["--dataset", str(d / "pq"), "--epochs", "3"],
+        "csv": ["--dataset", str(d / "c.csv"), "--epochs", "3"],
+        "images": ["--dataset", str(d / "img"), "--image-size", "8", "8", "--epochs", "3"],
+        "regression": ["--dataset", str(d / "r.csv"), "--label-column", "target", "--epochs", "5"],
+    }
+    started = {name: without_ray("jobs/train.py", "--backend", "local", "--output", str(d / name), *FAST, *args)
+               for name, args in flags.items()}
+    for p in started.values():
+        finished(p)
+    return {name: (d / name, json.loads((d / name / "result.json").read_text())) for name in flags} | \
+        {"variance": variance}
+
+
+def history(out, column):
+    with open(out / "history.csv") as f:
+        return [float(row[column]) for row in csv.DictReader(f)]
+
+
+def every_row_once(out, result, rows):
+    """Each row validated, trained on or dropped, once (parquet and CSV split rows by a hash of their content)."""
+    val = history(out, "val_samples")[-1]
+    trained = result["steps_per_epoch"] * result["global_batch_size"]
+    assert val + trained + result["dropped_samples_per_epoch"] == rows
+    assert 0.1 * rows < val < 0.3 * rows  # --val-fraction 0.2, in expectation
+
+
+@pytest.mark.parametrize("name", ["parquet", "csv"])
+def test_parquet_and_csv_train_locally_without_ray(runs, name):
+    out, result = runs[name]
+    assert result["backend"] == "local" and result["task"] == "classification"
+    every_row_once(out, result, ROWS)
+    assert result["metrics"]["val_accuracy"] > 0.8  # chance: 1/3
+
+
+def test_image_folder_trains_locally_without_ray(runs):
+    out, result = runs["images"]
+    assert result["task"] == "classification" and result["config"]["image_size"] == [8, 8]
+    every_row_once(out, result, 120)
+    assert result["metrics"]["val_accuracy"] > 0.8
+
+
+def test_float_target_csv_is_a_local_regression(runs):
+    out, result = runs["regression"]
+    assert result["task"] == "regression"
+    assert result["metrics"]["val_loss"] < 0.2 * runs["variance"]  # far below predicting the mean
+
+
+def test_evaluate_of_a_local_parquet_run_needs_no_ray(runs):
+    out, result = runs["parquet"]
+    finished(without_ray("jobs/evaluate.py", "--run", str(out)))
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
+    assert scored["val_samples"] == history(out, "val_samples")[-1]
+
+
+def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):
+    from test_data import bad_data_cases
+
+    from app.config import build_config
+    from app.errors import UserError
+    from app.run import preflight
+
+    for args, words in bad_data_cases(tmp_path)[:4]:  # the file cases
+        config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1]})
+        with pytest.raises(UserError) as info:
+            preflight.load_data(config, 1)
+        assert words in str(info.value) and "\n" not in str(info.value), (args, str(info.value))
+
+
+def test_data_larger_than_memory_is_refused_naming_the_ray_backend(tmp_path, monkeypatch):
+    import psutil
+
+    from app.config import build_config
+    from app.errors import UserError
+    from app.run import preflight
+
+    x, y = learnable()
+    pq.write_table(pa.table({"pixels": pa.array(list(x), type=pa.list_(pa.float32())), "label": y}),
+                   tmp_path / "d.parquet")
+    memory = psutil.virtual_memory()._replace(available=50_000)  # ~300 rows x (64 B + 4 x 80 B) will not fit
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"),
+                                 "dataset": str(tmp_path / "d.parquet")})
+    with pytest.raises(UserError, match="does not fit in memory for --backend local.*train on it with --backend ray"):
+        preflight.load_data(config, 1)
+
+
+def test_a_tensor_column_ray_data_wrote_keeps_its_shape_locally(tmp_path):
+    """pyarrow alone reads Ray Data's tensor type as flat lists: the shape comes from the column's metadata."""
+    from ray.data.extensions import ArrowTensorArray  # only to write the file: nothing of Ray runs
+
+    from app.config import build_config
+    from app.run import preflight
+
+    x, y = learnable()
+    pq.write_table(pa.table({"t": ArrowTensorArray.from_numpy(x.reshape(-1, 4, 4)), "label": y}),
+                   tmp_path / "d.parquet")
+    config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": str(tmp_path / "d.parquet")})
+    source = preflight.load_data(config, 1)
+    assert source.facts.feature_shape == (4, 4) and source.train.x.shape[1:] == (4, 4)
+    flat = preflight.load_data(config.model_copy(update={"feature_shape": [16]}), 1)
+    assert flat.facts.feature_shape == (16,)
