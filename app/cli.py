@@ -184,7 +184,9 @@ def _evaluate_flags() -> type:
             metavar="FILE", help="An exported model (model.keras); its run's config.yaml gives the data.",
             help_behavior_hint="")] = None
         checkpoint: Annotated[str | None, what, none, tyro.conf.arg(
-            metavar="DIR", help="A Ray Train checkpoint directory (checkpoint_...).", help_behavior_hint="")] = None
+            metavar="DIR", help="A checkpoint: a Ray Train checkpoint directory (checkpoint_...); a local or "
+            "parameter-server run's <output>/checkpoint (its latest) or one of its checkpoints (.../epoch-N); or that "
+            "run's output directory.", help_behavior_hint="")] = None
         run: Annotated[str | None, what, none, tyro.conf.arg(
             metavar="DIR", help="A run's output directory (its model.keras).", help_behavior_hint="")] = None
 

@@ -80,12 +80,23 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
     return metrics
 
 
-def evaluate_checkpoint(ckpt_dir: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """A training checkpoint directory carries its own config in state.json."""
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / checkpoint.STATE_FILE).is_file():
-        raise UserError(f"{str(ckpt_dir)!r} is not a checkpoint directory (no {checkpoint.STATE_FILE})")
-    saved = checkpoint.load_state(ckpt_dir)["config"]
-    config = build_config(None, {**saved, "output": str(ckpt_dir), **overrides})
-    out_file = ckpt_dir / "eval.json"
-    return evaluate_and_write(ckpt_dir / checkpoint.MODEL_FILE, config, out_file), out_file
+def evaluate_checkpoint(ckpt: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """A checkpoint of any backend (app.training.checkpoint.located) carries its own config in its state.
+
+    The metrics go to eval.json in a Ray Train checkpoint's directory, or to ``epoch-N.eval.json``
+    beside a local or parameter-server checkpoint.
+    """
+    found = checkpoint.located(ckpt)
+    if found is None:
+        raise UserError(f"{str(ckpt)!r} is not a checkpoint: give a Ray Train checkpoint directory (with "
+                        f"{checkpoint.STATE_FILE}), a local or parameter-server run's {checkpoint.LOCAL_DIR}/ "
+                        "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
+                        "output directory")
+    state_file, model_file = found
+    saved = json.loads(state_file.read_text())["config"]
+    config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
+    if state_file.name == checkpoint.STATE_FILE:
+        out_file = state_file.parent / "eval.json"
+    else:
+        out_file = state_file.with_name(state_file.name.removesuffix(checkpoint.STATE_SUFFIX) + ".eval.json")
+    return evaluate_and_write(model_file, config, out_file), out_file
