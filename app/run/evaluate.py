@@ -47,15 +47,14 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
 
 
 def _data(config: TrainConfig):
-    """The validation data: in memory without Ray; files that stream (and data functions' Ray Datasets) on a
-    local Ray of one CPU that this process starts, or the cluster RAY_ADDRESS names."""
-    from app import registry
+    """The validation data: in memory without Ray (a data function is called here); files that stream on a
+    local Ray that this process starts, or the cluster RAY_ADDRESS names (so is a function's ray.data.Dataset:
+    app.run.preflight.load_data)."""
     from app.data import files
     from app.run import preflight
 
-    function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     loc = files.located(config)
-    if files.streams(loc) or function:
+    if files.streams(loc):
         from app.run import cluster
 
         cluster.connect(config.model_copy(update={"num_workers": 1}))
