@@ -152,7 +152,8 @@ def _train_flags() -> type:
             metavar="FILE", help="YAML file of the fields below (field_name: value); flags override it.",
             help_behavior_hint="(default: none; with --resume, <output>/config.yaml)")] = None
         dry_run: Annotated[bool, tyro.conf.FlagCreatePairsOff, tyro.conf.arg(
-            help="Validate the configuration and print the plan; train nothing, create nothing.",
+            help="Validate the configuration and print the plan; train nothing, create nothing (a data function is "
+            "called here; Ray starts only to read files that stream or the function's ray.data.Dataset).",
             help_behavior_hint="")] = False
 
     return Train
