@@ -31,9 +31,15 @@ from app.errors import RunFailed, UserError
 # Section -> --help group title ("<title> options").
 _TITLES = {"RunSection": "run", "DataSection": "data", "ModelSection": "model", "OptimSection": "optimisation",
            "OutputSection": "output"}
-# A sweep chooses its own output; these are per-run/per-machine, not per-trial.
-NOT_FOR_TUNE = frozenset({"output", "overwrite", "resume", "backend", "strategy", "devices", "storage_path", "split_at",
-                          "pipeline_microbatches"})
+# jobs/train.py flags that jobs/tune.py refuses, and why (--output is the sweep's own flag).
+NOT_FOR_TUNE = {
+    "config": "a sweep reads no config file: fix values with flags or as plain values in the space",
+    "overwrite": "a sweep's --output is resumed, never overwritten: give a new --output",
+    "resume": "re-run the sweep with the same --output to resume it",
+    "backend": "every trial is a Ray Train run",
+    "strategy": "trials run MultiWorkerMirroredStrategy; train parameter-server runs with jobs/train.py",
+    "devices": "--backend local only", "split_at": "--backend local only", "pipeline_microbatches": "--backend local only",
+}
 # Evaluation re-reads the data like the run did: the data fields, the split seed, the batch, how labels are scored.
 EVALUATE_FIELDS = frozenset(DataSection.model_fields) | {"seed", "per_replica_batch", "task", "loss", "from_logits"}
 
@@ -70,9 +76,18 @@ class TuneArgs:
 def tune_args(description: str, argv: list[str] | None = None) -> TuneArgs:
     """The sweep's own flags, and the config flags (but NOT_FOR_TUNE) fixed for every trial."""
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cli_errors.guarded(lambda: _refuse_not_for_tune(argv))
     own, typed = cli_errors.guarded(lambda: _parse(description, argv, "sweep", _tune_flags(),
-                                         set(TrainConfig.model_fields) - NOT_FOR_TUNE))
+                                         set(TrainConfig.model_fields) - set(NOT_FOR_TUNE) - {"output"}))
     return TuneArgs(**own, fixed=cli_errors.guarded(lambda: _checked(typed)))
+
+
+def _refuse_not_for_tune(argv: list[str]) -> None:
+    for name, reason in NOT_FOR_TUNE.items():
+        flag = _flag(name)
+        if any(a == flag or a.startswith(flag + "=") or a == f"--no-{flag[2:]}" for a in argv):
+            raise UserError(f"{flag} is not a sweep flag: {reason}")
 
 
 @dataclasses.dataclass
@@ -137,7 +152,8 @@ def _train_flags() -> type:
             metavar="FILE", help="YAML file of the fields below (field_name: value); flags override it.",
             help_behavior_hint="(default: none; with --resume, <output>/config.yaml)")] = None
         dry_run: Annotated[bool, tyro.conf.FlagCreatePairsOff, tyro.conf.arg(
-            help="Validate the configuration and print the plan; train nothing, create nothing.",
+            help="Validate the configuration and print the plan; train nothing, create nothing (a data function is "
+            "called here; Ray starts only to read files that stream or the function's ray.data.Dataset).",
             help_behavior_hint="")] = False
 
     return Train
@@ -167,6 +183,7 @@ def _tune_flags() -> type:
             metavar="DIR", help="Sweep directory; rerun with it to resume an interrupted sweep.",
             help_behavior_hint="(default: runs/tune-<timestamp>)")] = None
 
+    Sweep.__doc__ += " Not for a sweep: " + "; ".join(f"{_flag(n)} ({why})" for n, why in NOT_FOR_TUNE.items()) + "."
     return Sweep
 
 
@@ -184,7 +201,9 @@ def _evaluate_flags() -> type:
             metavar="FILE", help="An exported model (model.keras); its run's config.yaml gives the data.",
             help_behavior_hint="")] = None
         checkpoint: Annotated[str | None, what, none, tyro.conf.arg(
-            metavar="DIR", help="A Ray Train checkpoint directory (checkpoint_...).", help_behavior_hint="")] = None
+            metavar="DIR", help="A checkpoint: a Ray Train checkpoint directory (checkpoint_...); a local or "
+            "parameter-server run's <output>/checkpoint (its latest) or one of its checkpoints (.../epoch-N); or that "
+            "run's output directory.", help_behavior_hint="")] = None
         run: Annotated[str | None, what, none, tyro.conf.arg(
             metavar="DIR", help="A run's output directory (its model.keras).", help_behavior_hint="")] = None
 

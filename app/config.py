@@ -244,12 +244,11 @@ class OutputSection(_Section):
         description="Continue the unfinished run in --output from its last checkpoint (its config.yaml is the base "
         "config). A finished run is never retrained.",
     )
-    keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept: the best by val accuracy, plus the latest.")
-    storage_path: Optional[str] = Field(
-        None,
-        description="Ray Train storage for checkpoints (default: <output>/ray). On a multi-node cluster use "
-        "shared storage (NFS path or s3://, gs://).",
-    )
+    keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept. Ray Train: the N best by the val metric "
+        "(accuracy; mae for regression), plus the latest. --backend local, parameter-server: the latest N.")
+    storage_path: Optional[str] = Field(None, description="Ray Train storage for checkpoints (default: <output>/ray); "
+        "on a multi-node cluster, shared storage (NFS, s3://, gs://). Not used by --backend local or --strategy "
+        "parameter-server: they write <output>/checkpoint.")
     tensorboard: bool = Field(True, description="Rank 0 writes TensorBoard scalars (see --tensorboard-dir).")
     tensorboard_dir: Optional[str] = Field(
         None,

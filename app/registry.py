@@ -71,6 +71,14 @@ def describe(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def reloadable(value: str | Callable[..., Any]) -> bool:
+    """Whether a config file can name this model or dataset: a name or path, or a module-level function
+    of an importable module (not a script's or a notebook's ``__main__``, nor a nested function or lambda)."""
+    if isinstance(value, str):
+        return not value.startswith("__main__:")
+    return getattr(value, "__module__", "__main__") != "__main__" and bool(_PLUGIN.match(describe(value)))
+
+
 def resolve(value: str | Callable[..., Any], builtins: dict[str, str]) -> Callable[..., Any]:
     """A callable for a built-in name, a plug-in spec, or a callable (returned as it is)."""
     if callable(value):
@@ -80,6 +88,9 @@ def resolve(value: str | Callable[..., Any], builtins: dict[str, str]) -> Callab
     if not match:
         raise UserError(f"{value!r} is neither a built-in name ({', '.join(sorted(builtins))}) nor file.py:function")
     where, name = match["where"], match["name"]
+    if where == "__main__":
+        raise UserError(f"{value} was a function passed from Python (a script or notebook), recorded by name: pass "
+                        "it again (app.train(model=..., data=...)) or name it file.py:function")
     if where.endswith(".py"):
         module = _import_file(where, value)
     else:

@@ -1,7 +1,8 @@
 """Evaluate an exported model or a checkpoint in a plain process (no Ray needed for in-memory data).
 
     python jobs/evaluate.py --model runs/train-20261122-101500/model.keras
-    python jobs/evaluate.py --checkpoint runs/train-.../ray/train-.../checkpoint_2026-...
+    python jobs/evaluate.py --checkpoint runs/train-.../ray/train-.../checkpoint_2026-...   # a Ray Train run's
+    python jobs/evaluate.py --checkpoint runs/train-.../checkpoint/epoch-3   # a local or parameter-server run's
     python jobs/evaluate.py --run runs/train-... --dataset data/val.parquet --val-fraction 0.2 --seed 0
 
 The data split comes from the run's config.yaml next to the model (or the

@@ -4,8 +4,10 @@
     python jobs/tune.py --space tune_spaces/smoke.yaml --scheduler fifo --output runs/tune-smoke
     python jobs/tune.py --space my_space.yaml --num-workers 4 --epochs 10 --max-concurrent 2
 
-Flags of jobs/train.py (--num-workers, --epochs, --dataset, --model, ...) fix that value for every trial.
-Re-running with the same --output resumes an interrupted sweep.
+Flags of jobs/train.py (--num-workers, --epochs, --dataset, --model, ...) fix that value for every trial;
+--storage-path puts every trial's checkpoints under <storage-path>/<sweep>/<trial>/. The few that make no
+sense in a sweep are listed under "sweep options" with the reason. Re-running with the same --output resumes
+an interrupted sweep.
 """
 
 import datetime

@@ -185,8 +185,14 @@ def test_tune_args_own_flags_and_fixed_config_flags(capsys):
         == ("s.yaml", 1, "fifo", None, None, 2, "runs/t")
     assert args.fixed == {"num_workers": 4, "epochs": 10, "feature_columns": ["x"]}  # only what was typed
     assert "--space FILE" in refused(capsys, cli.tune_args, "--epochs", "3")
-    for flag in ("--overwrite", "--resume", "--backend", "--storage-path", "--config"):
-        assert "unknown option" in refused(capsys, cli.tune_args, "--space", "s.yaml", flag)
+    for flag, reason in [("--overwrite", "never overwritten"), ("--resume", "same --output to resume"),
+                         ("--backend", "every trial is a Ray Train run"), ("--config", "reads no config file"),
+                         ("--strategy", "MultiWorkerMirroredStrategy"), ("--devices", "--backend local only")]:
+        assert f"{flag} is not a sweep flag: " in refused(capsys, cli.tune_args, "--space", "s.yaml", flag, "x")
+        assert reason in refused(capsys, cli.tune_args, "--space", "s.yaml", flag, "x")
+    # Where every trial keeps its checkpoints is a sweep-wide choice.
+    assert cli.tune_args("test", ["--space", "s.yaml", "--storage-path", "/shared/ckpt"]).fixed == {
+        "storage_path": "/shared/ckpt"}
     assert "asha, fifo" in refused(capsys, cli.tune_args, "--space", "s.yaml", "--scheduler", "x")
 
 

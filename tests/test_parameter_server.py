@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, run_job
 
 # A small transformer on the built-in generated texts: learns in 3 epochs (val accuracy ~0.95).
 TEXT = {"model": "transformer", "dataset": "synthetic-text", "synthetic_text_rows": 800, "vocab_size": 512,
@@ -128,6 +128,12 @@ def test_one_worker_parameter_server_gives_one_device_weights(ray_cluster, tmp_p
     diff = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
     print(f"\nmax |w_ps - w_one_device| after 3 full-batch steps: {diff:.2e}")
     assert diff < 1e-5
+
+    # The run's last checkpoint (tf.train.CheckpointManager's, in <output>/checkpoint) scored as a user does it.
+    p = run_job("jobs/evaluate.py", "--checkpoint", str(tmp_path / "ps" / "checkpoint"), timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scored = json.loads((tmp_path / "ps" / "checkpoint" / "epoch-3.eval.json").read_text())
+    assert scored["val_accuracy"] == pytest.approx(ps["metrics"]["val_accuracy"], abs=1e-6)
 
 
 def test_sharded_embedding_is_one_table_with_sparse_gradients(tmp_path):

@@ -20,8 +20,11 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     # A list-valued field fixed for every trial (--hidden-units) once crashed the summary after the whole sweep.
+    # --storage-path: every trial's Ray Train checkpoints under <storage-path>/<sweep>/<trial>/train.
+    storage = tmp_path / "storage"
     p = run_job("jobs/tune.py", "--space", str(REPO / "tune_spaces" / "smoke.yaml"), "--cpus-per-worker", "0.5",
-                "--hidden-units", "32", "16", "--scheduler", "fifo", "--output", str(out), timeout=600, env=env)
+                "--hidden-units", "32", "16", "--scheduler", "fifo", "--output", str(out),
+                "--storage-path", str(storage), timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "best val_accuracy" in p.stdout
     assert yaml.safe_load((out / tune.SUMMARY_FILE).read_text())["trials"] == 2
@@ -32,8 +35,9 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert (table["epochs_run"] == 1).all() and table["val_accuracy"].notna().all()
     assert (table["error"].fillna("").astype(str) == "").all()
     # Each trial was a real multi-worker Train run: its own Train storage with checkpoints.
-    states = list(out.glob("run_trial_*/train/checkpoint_*/state.json"))
-    assert len(states) >= 2
+    states = list(storage.glob("sweep/run_trial_*/train/checkpoint_*/state.json"))
+    assert len(states) >= 2 and not list(out.glob("run_trial_*/train/checkpoint_*"))
+    assert len(list(storage.glob("sweep/run_trial_*/train/tensorboard"))) == 2
     assert (out / tune.PLOT_FILE).stat().st_size > 10_000
 
     best_file = out / tune.BEST_CONFIG_FILE

@@ -12,7 +12,8 @@ from app.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def _joining_a_cluster() -> bool:
+def joining_a_cluster() -> bool:
+    """Whether this process uses a Ray it did not start: RAY_ADDRESS, or one already initialised (a notebook)."""
     import ray
 
     return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
@@ -26,7 +27,7 @@ def cpus_needed(config: TrainConfig) -> float:
 
 def check_fits_locally(config: TrainConfig) -> None:
     """Refuse, before anything starts, a run that the local Ray we would start cannot hold."""
-    if _joining_a_cluster():
+    if joining_a_cluster():
         return  # a real cluster may autoscale: connect() says we are waiting instead
     cpus = os.cpu_count() or 1
     need_cpus = cpus_needed(config)
@@ -130,7 +131,7 @@ def start_local_early(config: TrainConfig) -> None:
     Ray's daemons end with this process (Linux fate-sharing; measured: exit
     1-4 s after a refusal, no Ray process left behind).
     """
-    if _joining_a_cluster() or "started" in _early:
+    if joining_a_cluster() or "started" in _early:
         return
     check_fits_locally(config)
     _quiet_token_notice()

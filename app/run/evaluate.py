@@ -47,16 +47,14 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
 
 
 def _data(config: TrainConfig):
-    """The validation data: in memory without Ray (files too when the run's backend is local); files that
-    stream (and data functions' Ray Datasets) on a local Ray of one CPU that this process starts, or the
-    cluster RAY_ADDRESS names."""
-    from app import registry
+    """The validation data: in memory without Ray (a data function is called here, and files are read here
+    when the run's backend is local); files that stream on a local Ray that this process starts, or the
+    cluster RAY_ADDRESS names (so is a function's ray.data.Dataset: app.run.preflight.load_data)."""
     from app.data import files
     from app.run import preflight
 
-    function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     loc = files.located(config)
-    if files.streams(loc, config.backend) or function:
+    if files.streams(loc, config.backend):
         from app.run import cluster
 
         cluster.connect(config.model_copy(update={"num_workers": 1}))
@@ -81,12 +79,23 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
     return metrics
 
 
-def evaluate_checkpoint(ckpt_dir: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """A training checkpoint directory carries its own config in state.json."""
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / checkpoint.STATE_FILE).is_file():
-        raise UserError(f"{str(ckpt_dir)!r} is not a checkpoint directory (no {checkpoint.STATE_FILE})")
-    saved = checkpoint.load_state(ckpt_dir)["config"]
-    config = build_config(None, {**saved, "output": str(ckpt_dir), **overrides})
-    out_file = ckpt_dir / "eval.json"
-    return evaluate_and_write(ckpt_dir / checkpoint.MODEL_FILE, config, out_file), out_file
+def evaluate_checkpoint(ckpt: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """A checkpoint of any backend (app.training.checkpoint.located) carries its own config in its state.
+
+    The metrics go to eval.json in a Ray Train checkpoint's directory, or to ``epoch-N.eval.json``
+    beside a local or parameter-server checkpoint.
+    """
+    found = checkpoint.located(ckpt)
+    if found is None:
+        raise UserError(f"{str(ckpt)!r} is not a checkpoint: give a Ray Train checkpoint directory (with "
+                        f"{checkpoint.STATE_FILE}), a local or parameter-server run's {checkpoint.LOCAL_DIR}/ "
+                        "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
+                        "output directory")
+    state_file, model_file = found
+    saved = json.loads(state_file.read_text())["config"]
+    config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
+    if state_file.name == checkpoint.STATE_FILE:
+        out_file = state_file.parent / "eval.json"
+    else:
+        out_file = state_file.with_name(state_file.name.removesuffix(checkpoint.STATE_SUFFIX) + ".eval.json")
+    return evaluate_and_write(model_file, config, out_file), out_file

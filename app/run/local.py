@@ -21,7 +21,7 @@ from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_DIR = checkpoint.LOCAL_DIR
 
 
 class LocalSession:

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app import registry
 from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
+from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
 from app.training.objective import metric_in, metric_mode
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,9 @@ AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained
 def prepare_output_dir(config: TrainConfig) -> Path:
     """Create the output directory; never touch an existing one without --overwrite or --resume."""
     out = config.output_dir()
+    if config.storage_path and (config.backend == "local" or config.strategy == "parameter-server"):
+        log.warning("--storage-path is where Ray Train keeps checkpoints; this run keeps its own in %s",
+                    out / LOCAL_CHECKPOINTS)
     if config.resume:
         if not (out / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {str(out)!r} holds no {CONFIG_FILE}")
@@ -46,8 +51,31 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     # Written first, so that even a failed run leaves the config it was started with.
-    (out / CONFIG_FILE).write_text(config.to_yaml())
+    (out / CONFIG_FILE).write_text(recorded_config(config, out))
     return out
+
+
+# Where and how a run was started, not what it trains: left out of config.yaml, so that the file
+# starts a new run (a new output directory) when given to --config.
+_NOT_RECORDED = ("output", "overwrite", "resume")
+
+
+def recorded_config(config: TrainConfig, out: Path) -> str:
+    """config.yaml: the resolved config, reusable with --config, and comments saying how to use it."""
+    import yaml
+
+    values = config.model_dump(mode="json")
+    lines = [f"# The config of the run in {out}.",
+             "# Another run of it (a new output directory): python jobs/train.py --config <this file>",
+             f"# Continue this one if it stopped: python jobs/train.py --output {out} --resume",
+             f"# Not recorded: {', '.join(_NOT_RECORDED)} (output was {out})"]
+    for name in ("model", "dataset"):
+        if not registry.reloadable(getattr(config, name)):
+            lines.append(f"# {name}: {values[name]} was a function passed from Python, which this file cannot "
+                         f"load: pass it again (app.train({'data' if name == 'dataset' else name}=..., config=<this "
+                         f"file>), or --{name} file.py:function)")
+    kept = {k: v for k, v in values.items() if k not in _NOT_RECORDED}
+    return "\n".join(lines) + "\n" + yaml.safe_dump(kept, sort_keys=False)
 
 
 def write_history(path: Path, history: list[dict[str, Any]]) -> None:

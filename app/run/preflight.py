@@ -54,7 +54,7 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
         return local_files.load(config, loc)
     if isinstance(config.dataset, str) and registry.looks_like_path(config.dataset):
         return memory.load_source(config)
-    # A data function: arrays, a DataFrame, or a ray.data.Dataset (streamed like parquet).
+    # A data function, called here, once: arrays, a DataFrame (no Ray), or a ray.data.Dataset (streamed like parquet).
     value = memory.call_data_function(config)
     name = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
     if memory.is_ray_dataset(value):
@@ -63,6 +63,9 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
         if config.backend == "local":
             raise UserError(f"{name} returned a ray.data.Dataset, which streams through Ray Data: train on it with "
                             "--backend ray, or return (x, y) arrays")
+        from app.run import cluster
+
+        cluster.connect(config.model_copy(update={"num_workers": num_workers}))  # the Ray it runs on (if not up)
         return streamed.prepare(config, num_workers, files.given_dataset(name, value))
     return memory.load_source(config, value)
 

@@ -37,7 +37,7 @@ from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_DIR = checkpoint.LOCAL_DIR
 # The training arrays travel inside each worker's dataset function (a TensorFlow graph, 2 GiB at most).
 MAX_SHIPPED_MIB = 512
 

@@ -297,9 +297,10 @@ def _ray_run_name(config: TrainConfig, out: Path) -> str:
 def check(config: TrainConfig, require_fit: bool = True, loc=None):
     """Preflight for a Ray run: streamed data needs Ray (its checks read the files), in-memory data does not.
 
-    A data function may build a ray.data.Dataset: Ray is started first (sized
-    here) so that Ray Data does not start one of its own. ``loc``: the listing
-    of --dataset if the caller made it (app.data.files.located), made here else.
+    A data function is called in this process (app.run.preflight.load_data), once. For a run, Ray is
+    connected first (sized here), so that a ray.data.Dataset it builds uses that Ray and not one Ray
+    Data starts itself; a --dry-run starts no Ray unless the function builds a Dataset. ``loc``: the
+    listing of --dataset if the caller made it (app.data.files.located), made here else.
     """
     from app import registry
     from app.data import files
@@ -307,15 +308,16 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
 
     loc = loc or files.located(config)  # listed once for the whole run
     streamed_files = files.streams(loc, config.backend)
+    joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
 
     if require_fit:
         cluster.check_fits_locally(config)
         # A run: the local Ray starts beside the checks (they import TensorFlow, build the model).
         cluster.start_local_early(config)
-        if os.environ.get("RAY_ADDRESS"):  # joining: a cluster that refuses us (its token) is said first
+        if joining:  # a cluster that refuses us (its token) is said first, before the checks
             cluster.connect(config)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
-    if streamed_files or function:
+    if streamed_files or (function and require_fit):
         cluster.connect(config)
         from ray.data import DataContext
 
@@ -326,7 +328,9 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
     checked = preflight.check(config, config.num_workers, loc=loc)
-    if checked.source.streamed and not streamed_files:  # a data function's ray.data.Dataset
+    # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
+    # (cluster.connect); a cluster may not.
+    if checked.source.streamed and not streamed_files and (require_fit or joining):
         cluster.check_room_for_reads(config)
     return checked
 

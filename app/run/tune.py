@@ -107,10 +107,16 @@ def run_trial(params: dict[str, Any]) -> None:
 
     from app.run import ray_train
 
-    trial_dir = Path(tune.get_context().get_trial_dir())
-    config = TrainConfig(**{**params, "output": str(trial_dir / "run"), "overwrite": True})
+    context = tune.get_context()
+    trial_dir = Path(context.get_trial_dir())
+    fields = {**params, "output": str(trial_dir / "run"), "overwrite": True}
+    storage = str(trial_dir)
+    if params.get("storage_path"):  # --storage-path: <storage-path>/<sweep>/<trial>/train, TensorBoard included
+        sweep = context.get_experiment_name()
+        storage = fields["storage_path"] = f"{params['storage_path'].rstrip('/')}/{sweep}/{trial_dir.name}"
+    config = TrainConfig(**fields)
     checked = ray_train.check(config)
-    ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=str(trial_dir), name="train")
+    ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=storage, name="train")
 
 
 # --------------------------------------------------------------------------- #

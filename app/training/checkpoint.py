@@ -157,3 +157,26 @@ class LocalCheckpoints:
 
 MODEL_SUFFIX = ".keras"
 STATE_SUFFIX = ".state.json"
+LOCAL_DIR = "checkpoint"  # <output>/checkpoint: the local and parameter-server backends' LocalCheckpoints
+
+
+def located(path: str | Path) -> tuple[Path, Path] | None:
+    """(state.json, model file) of the checkpoint ``path`` names, or None when it names none.
+
+    ``path`` is a Ray Train checkpoint directory (state.json and model.keras in it), a
+    ``LocalCheckpoints`` directory (its latest checkpoint, by the manager's pointer file),
+    one of its checkpoints (``.../checkpoint/epoch-3``), or a local or parameter-server
+    run's output directory (its latest checkpoint).
+    """
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path / STATE_FILE, path / MODEL_FILE
+    if Path(str(path) + STATE_SUFFIX).is_file():
+        return Path(str(path) + STATE_SUFFIX), Path(str(path) + MODEL_SUFFIX)
+    for root in (path, path / LOCAL_DIR):
+        if (root / "checkpoint").is_file():  # tf.train.CheckpointManager's pointer file
+            import tensorflow as tf
+
+            latest = tf.train.latest_checkpoint(str(root))
+            return located(latest) if latest else None
+    return None
