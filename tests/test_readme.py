@@ -13,3 +13,36 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert install_and_run.endswith("python jobs/train.py")
     assert install_and_test.endswith("python -m pytest")
     assert install_and_test in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_file_flag_and_test_the_readme_names_exists():
+    """A README that names a file, a flag or a test that is not there sends a user (or a reviewer) nowhere."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (REPO / "README.md").read_text()
+    files = set(re.findall(r"\b((?:app|jobs|tests|tune_spaces|docs|\.ci)/[\w./-]*\w)", readme))
+    missing_files = sorted(f for f in files if not (REPO / f).exists() and "<" not in f and "*" not in f)
+    assert not missing_files, missing_files
+
+    # Flags of our scripts, from their --help; other tools' flags (ray, pip, docker, pytest) are theirs.
+    commands = [["train"], ["tune"], ["evaluate"], *[["benchmark", suite] for suite in
+                ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")]]
+    helps = "".join(subprocess.run([sys.executable, f"jobs/{job}.py", *rest, "--help"], cwd=REPO, capture_output=True,
+                                   text=True, timeout=120).stdout for job, *rest in commands)
+    ours = set(re.findall(r"(--[a-z][a-z0-9-]*)", helps))
+    theirs = {"--head", "--num-cpus", "--address", "--working-dir", "--submission-id", "--port", "--block",
+              "--dashboard-host", "--dashboard-port", "--temp-dir", "--no-config-cache", "--yes", "--dir",
+              "--tag_set", "--signature_def", "--all", "--model_base_path", "--model_name", "--rest_api_port",
+              "--durations", "--editable", "--upgrade", "--logdir", "--ray-client-server-port", "--disable-usage-stats",
+              "--autoscaling-config", "--dashboard-agent-listen-port", "--help",
+              "--follow", "--generate"}  # ray job logs --follow, ray get-auth-token --generate
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", readme))
+    unknown = sorted(f for f in flags - ours - theirs if f.replace("--no-", "--") not in ours)
+    assert not unknown, unknown
+
+    # Tests named by function: each is defined in the tests.
+    sources = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
+    named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", readme)) - {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    assert not sorted(n for n in named if f"def {n}" not in sources), named
