@@ -34,7 +34,9 @@ def logdir_for(config, run_name: str) -> Optional[str]:
         return None
     if config.tensorboard_dir:
         return config.tensorboard_dir
-    if config.storage_path:
+    # --storage-path is Ray Train's (shared storage every node reaches): local and parameter-server runs
+    # keep everything in their output directory (app.run.outputs warns that it is not used).
+    if config.storage_path and config.backend == "ray" and config.strategy != "parameter-server":
         return f"{config.storage_path.rstrip('/')}/{run_name}/tensorboard"
     return str(config.output_dir() / "tensorboard")
 
