@@ -222,6 +222,14 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
     import shlex
 
     (tmp_path / "my_run.yaml").write_text("epochs: 2\n")
+    # The README's own-files example: a parquet directory with a label column y.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "train").mkdir()
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"a": rng.normal(size=200), "b": rng.normal(size=200), "y": rng.integers(0, 2, 200)}),
+                   tmp_path / "train" / "part-0.parquet")
     commands = [line.strip() for line in (REPO / "README.md").read_text().splitlines()
                 if line.strip().startswith("python jobs/train.py") and "--help" not in line
                 # No TPU here: tests/test_local.py checks that request's one-line refusal.
@@ -231,7 +239,8 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
     def dry_run(command: str):
         # The first line of a continued command (its own flags), without a trailing comment.
         command = re.split(r"\s#\s", command)[0].rstrip("\\ ").replace("my_example.py", str(user_file))
-        args = shlex.split(command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")))[2:]
+        command = command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")).replace("data/train/", f"{tmp_path}/train/")
+        args = shlex.split(command)[2:]
         # Joining the session's Ray (as a job would) spares each dry run a Ray start-up of its own.
         return command, run_job("jobs/train.py", *args, "--dry-run", "--output", str(tmp_path / "never"),
                                 timeout=180, env=joined)
