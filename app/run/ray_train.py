@@ -240,7 +240,7 @@ def fit(
             f"python jobs/train.py --output {out} --resume"
         ) from None
     if result.error is not None:
-        raise RunFailed(f"training failed: {failures.summarize(result.error)}{failures.trace_note(result.error)}")
+        raise RunFailed(failures.one_line(result.error, config))
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
@@ -345,7 +345,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
     for line in plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy"):
         log.info(line)
-    cluster.connect(config)  # a cluster that refuses us (its token) is refused before anything is written
+    cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     name = _ray_run_name(config, out)
