@@ -177,8 +177,10 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
 
         job_env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
                             PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        # Its own temp dir, as on a second machine: two nodes sharing one unpack the job's working_dir
+        # into the same directory at once, and the driver can import from a half-written package.
         second = start_node(["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "1", "--temp-dir",
-                             str(root / "ray")], job_env, root)
+                             str(root / "ray2")], job_env, root)
         nodes_started.append(second)
         address = f"http://127.0.0.1:{dashboard_port}"
         submit = subprocess.run(
