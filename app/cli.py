@@ -41,7 +41,8 @@ NOT_FOR_TUNE = {
     "devices": "--backend local only", "split_at": "--backend local only", "pipeline_microbatches": "--backend local only",
 }
 # Evaluation re-reads the data like the run did: the data fields, the split seed, the batch, how labels are scored.
-EVALUATE_FIELDS = frozenset(DataSection.model_fields) | {"seed", "per_replica_batch", "task", "loss", "from_logits"}
+EVALUATE_FIELDS = frozenset(DataSection.model_fields) | {"seed", "per_replica_batch", "task", "loss", "from_logits",
+                                                          "class_weight"}
 
 
 # --- the public interface of the job scripts ---------------------------------------------------------------

@@ -175,6 +175,11 @@ class ModelSection(_Section):
         description="Any Keras loss name (e.g. huber, mean_squared_error). Default: cross-entropy for "
         "classification and binary, mean_squared_error for regression.",
     )
+    class_weight: Optional[str] = Field(
+        None,
+        description="Weigh each class in the loss, as Keras's class_weight: balanced (n / (classes x count), from "
+        "the training labels) or a JSON object of class ids to weights ('{\"0\": 1, \"1\": 5}').",
+    )
     from_logits: Optional[bool] = Field(
         None,
         description="Whether the model outputs logits. Default: decided from the model's last activation "

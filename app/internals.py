@@ -125,6 +125,36 @@ def set_keras_history(tensor: Any, history: Any) -> None:
     tensor._keras_history = history
 
 
+# --- Keras: what compile() was given, and how fit() resolves it (app.training.objective, measures) ----------
+#
+# The product trains with its own loop (Keras 3's fit() fails under MultiWorkerMirroredStrategy), so it
+# takes a compiled model's pieces itself. Keras publishes ``model.optimizer`` and ``model.loss`` but not
+# the metrics as the user gave them (``model.metrics`` holds them only once fit() has built them), nor the
+# functions by which fit() turns "accuracy" or "crossentropy" into the class that fits the labels.
+
+
+def compile_arguments(model: Any) -> Optional[dict[str, Any]]:
+    """What ``model.compile(...)`` was called with (optimizer, loss, metrics, weighted_metrics, loss_weights,
+    ...), the objects themselves; None for a model that was never compiled."""
+    if not getattr(model, "compiled", False) or not hasattr(model, "_compile_config"):
+        return None
+    return dict(model._compile_config.config)
+
+
+def resolve_metric(identifier: Any, y_true: Any, y_pred: Any) -> Any:
+    """A compile() metric (a name, a function, a Metric) -> the Metric object fit() would use for these shapes."""
+    from keras.src.trainers.compile_utils import get_metric
+
+    return get_metric(identifier, y_true, y_pred)
+
+
+def resolve_loss(identifier: Any, y_true: Any, y_pred: Any) -> Any:
+    """A compile() loss (a name, a function, a Loss) -> the Loss object fit() would use for these shapes."""
+    from keras.src.trainers.compile_utils import get_loss
+
+    return get_loss(identifier, y_true, y_pred)
+
+
 # --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
 #
 # tyro reports a parse error as a multi-line box; ``tyro._errors.on_parse_error`` (marked

@@ -145,6 +145,19 @@ def test_cnn_batch_norm_state_is_one_value_across_replicas(tmp_path):
     assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
 
 
+class _Accuracy:
+    """The measures of an uncompiled classifier, as far as the driver sees them: accuracy = total / count."""
+
+    size = 4
+
+    @staticmethod
+    def results(state):
+        return {"accuracy": state[0] / state[1]}
+
+
+MEASURES = _Accuracy()
+
+
 class ChunkedSteps:
     """A StepRunner that runs its steps in chunks of 16, as the parameter servers' ScheduledSteps does."""
 
@@ -158,7 +171,7 @@ class ChunkedSteps:
         n = min(16, remaining)
         self.numbers += range(first_step, first_step + n)
         loss = np.nan if self.bad_step in self.numbers[-n:] else 0.5 * n
-        return np.array([loss, n / 2, n], dtype=np.float64), n, None
+        return np.array([loss, n, n / 2, n], dtype=np.float64), n, None  # [loss, count, accuracy's total, count]
 
     def total(self, local):
         return local
@@ -166,7 +179,7 @@ class ChunkedSteps:
     def evaluate(self, val):
         from app.training.metrics import EpochStats
 
-        return EpochStats.from_sums(np.array([1.0, 4.0, 8.0]), 0.1)
+        return EpochStats.from_sums(np.array([1.0, 8.0, 4.0, 8.0]), 0.1, MEASURES.results)
 
     def learning_rate(self, global_step):
         return 1.0 / global_step
@@ -181,11 +194,11 @@ def test_the_epoch_driver_numbers_chunked_steps_and_names_a_non_finite_chunk():
     from app.training.loop import EpochDriver, NonFiniteLoss
 
     runner = ChunkedSteps()
-    driver = EpochDriver(runner)
+    driver = EpochDriver(runner, MEASURES)
     metrics, train = driver.run_epoch(1, None, 40, None, dropped=0)
     assert runner.numbers == list(range(100, 140)) and train.samples == 40
     assert metrics["optimizer_steps"] == 140 and metrics["learning_rate"] == 1 / 140
     assert metrics["train_loss"] == 0.5 and metrics["val_accuracy"] == 0.5
 
     with pytest.raises(NonFiniteLoss, match=r"non-finite training loss in epoch 2, steps 17-32 of 40"):
-        EpochDriver(ChunkedSteps(bad_step=120)).train_epoch(None, 40, epoch=2)
+        EpochDriver(ChunkedSteps(bad_step=120), MEASURES).train_epoch(None, 40, epoch=2)

@@ -31,18 +31,22 @@ class Training:
 
 def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: EpochPlan) -> Training:
     from app.training.loop import EpochDriver, ReplicaSteps
-    from app.training.model import build_model
+    from app.training.measures import Measures
+    from app.training.model import build_model, check_output
     from app.training.objective import objective_for
     from app.training.optim import make_optimizer, plan_lr
     from app.training.step import make_train_steps
 
-    lr_plan = plan_lr(config, plan.global_batch, plan.steps)
     with strategy.scope():
         model = build_model(config, facts)
-        optimizer = make_optimizer(config, lr_plan)
-    objective = objective_for(config, facts.task, model)
-    steps = make_train_steps(strategy, model, optimizer, objective, plan.global_batch, config.grad_accum)
-    driver = EpochDriver(ReplicaSteps(strategy, optimizer, steps, steps_per_execution=config.steps_per_execution))
+    objective = objective_for(config, facts, model, check_output(model, facts, "model"))
+    lr_plan = plan_lr(config, plan.global_batch, plan.steps, base_lr=objective.base_lr)
+    with strategy.scope():
+        optimizer = make_optimizer(config, lr_plan, compiled=model.optimizer if objective.compiled_optimizer else None)
+    measures = Measures(objective, model)
+    steps = make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum)
+    driver = EpochDriver(ReplicaSteps(strategy, optimizer, measures, steps,
+                                      steps_per_execution=config.steps_per_execution), measures)
     return Training(model, optimizer, lr_plan, driver)
 
 

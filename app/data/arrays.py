@@ -23,7 +23,7 @@ Task = Literal["classification", "binary", "regression"]
 @dataclass(frozen=True)
 class Split:
     x: np.ndarray  # float32, (n, *feature_shape)
-    y: np.ndarray  # int64 class ids, or float32 targets (regression)
+    y: np.ndarray  # int64 class ids (n,); float32 one-hot rows (n, k); float32 targets (n,) or (n, *label_shape)
     ids: np.ndarray  # int64, (n,)
 
     def __len__(self) -> int:
@@ -41,10 +41,12 @@ class DataFacts:
     num_val_rows: int
     # Rows that are flattened images (the built-in digits): the image shape, for models that want one.
     image_shape: Optional[tuple[int, ...]] = None
+    label_shape: tuple[int, ...] = ()  # one example's label: () a class id or a value; (k,) one-hot or k targets
+    class_counts: Optional[tuple[int, ...]] = None  # training rows per class, where known before training
 
     @property
     def label_dtype(self) -> str:
-        return "float32" if self.task == "regression" else "int64"
+        return "float32" if self.task == "regression" or self.label_shape else "int64"
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def padded_with_zero_weight(split: Split, multiple: int) -> tuple[np.ndarray, np
     pad = zero_weight_padding(len(y), multiple)
     if pad:
         x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
-        y = np.concatenate([y, np.repeat(y[:1], pad)])
+        y = np.concatenate([y, np.repeat(y[:1], pad, axis=0)])
         ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
         w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
     return x, y, ids, w

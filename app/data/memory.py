@@ -51,9 +51,9 @@ def _pair(value: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
             f"a {type(value).__name__}"
         raise UserError(f"{what} returned {got}; expected (x, y)")
     x, y = (np.asarray(a) for a in value)
-    if x.ndim == 0 or y.ndim != 1:
+    if x.ndim == 0 or y.ndim == 0:
         raise UserError(f"{what} returned x of shape {x.shape} and y of shape {y.shape}; expected x (n, ...) "
-                        "and y (n,)")
+                        "and y (n,) (or (n, k): one-hot rows, or k targets)")
     if len(x) != len(y):
         raise UserError(f"{what} returned {len(x)} examples but {len(y)} labels")
     if len(y) == 0:
@@ -128,8 +128,17 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
     x, y = train_xy
     check_finite(np.asarray(x, dtype=np.float32) if x.dtype.kind != "f" else x, f"{what}, features")
     check_finite(y, labels)
-    task = task_of(y, config.task, labels)
-    y_dtype = np.float32 if task == "regression" else np.int64
+    one_hot = is_one_hot(y, config.task)
+    if y.ndim == 1:
+        task = task_of(y, config.task, labels)
+    elif one_hot and config.task in ("auto", "classification"):
+        task = "classification"
+    elif config.task in ("auto", "regression"):
+        task = "regression"  # several targets per example
+    else:
+        raise UserError(f"{labels} have shape {y.shape[1:]} per example, which --task {config.task} does not take: "
+                        "give class ids (n,) or one-hot rows (n, k) (0/1, one 1 per row), or --task regression")
+    y_dtype = np.float32 if task == "regression" or y.ndim > 1 else np.int64
     x = np.asarray(x, dtype=np.float32)
     if config.feature_shape:
         x = reshape(x, tuple(config.feature_shape), "x")
@@ -141,19 +150,34 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
             vx = reshape(vx, tuple(config.feature_shape), "x")
         if vx.shape[1:] != x.shape[1:]:
             raise UserError(f"validation examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")
+        if np.shape(vy)[1:] != y.shape[1:]:
+            raise UserError(f"validation labels have shape {np.shape(vy)[1:]}, the training labels {y.shape[1:]}")
         check_finite(vx, f"{what}, validation features")
         check_finite(vy, f"{what}, validation labels")
-        task_of(vy, task, f"{what}, validation labels")
+        if y.ndim == 1:
+            task_of(vy, task, f"{what}, validation labels")
         vy = vy.astype(y_dtype)
         # Validation ids continue after the training ids: still one id per row.
         train = Split(x, y, np.arange(len(y), dtype=np.int64))
         val = Split(vx, vy, np.arange(len(y), len(y) + len(vy), dtype=np.int64))
     else:
         train, val = split_holdout(x, y, config.val_fraction, config.seed)
-    num_classes = None
-    if task != "regression":
+    num_classes, counts = None, None
+    if one_hot:
+        num_classes = y.shape[1]
+        counts = tuple(int(c) for c in train.y.sum(axis=0))
+    elif task != "regression":
         every = np.concatenate([train.y, val.y])
         check_labels(labels, int(every.min()), int(every.max()), config.num_classes)
         num_classes = 2 if task == "binary" else (config.num_classes or int(every.max()) + 1)
-    facts = DataFacts(tuple(x.shape[1:]), task, num_classes, len(train), len(val))
+        counts = tuple(int(c) for c in np.bincount(train.y, minlength=num_classes))
+    facts = DataFacts(tuple(x.shape[1:]), task, num_classes, len(train), len(val), label_shape=tuple(y.shape[1:]),
+                      class_counts=counts)
     return Source(train=train, val=val, facts=facts)
+
+
+def is_one_hot(y: np.ndarray, requested: str) -> bool:
+    """Labels as Keras's categorical cross-entropy takes them: (n, k) rows of 0/1 with one 1 each."""
+    if y.ndim != 2 or y.shape[1] < 2 or requested == "regression":
+        return False
+    return bool(np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all())

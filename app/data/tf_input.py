@@ -37,7 +37,7 @@ def _batch_signature(facts: DataFacts, third: "tf.DType") -> tuple:
 
     return (
         tf.TensorSpec((None, *facts.feature_shape), tf.float32),
-        tf.TensorSpec((None,), tf.as_dtype(facts.label_dtype)),
+        tf.TensorSpec((None, *facts.label_shape), tf.as_dtype(facts.label_dtype)),
         tf.TensorSpec((None,), third),
     )
 

@@ -17,11 +17,14 @@ log = logging.getLogger(__name__)
 
 def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any]:
     """Val loss and metric of a .keras model on the config's validation split, summed exactly as in training."""
-    import keras
+    from dataclasses import replace
+
     import tensorflow as tf
 
     from app.data import tf_input
     from app.training.loop import evaluate
+    from app.training.measures import Measures, settle
+    from app.training.model import check_output
     from app.training.objective import objective_for
     from app.training.step import make_eval_step
 
@@ -30,20 +33,34 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
         raise UserError(f"model file {str(model_path)!r} does not exist")
     import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
 
-    model = keras.models.load_model(model_path, compile=False)
+    model = _load(model_path)
     source = _data(config)
-    task = source.facts.task
-    if task == "classification" and source.facts.num_classes == 2 and model.output_shape[-1] == 1:
-        task = "binary"
-    objective = objective_for(config, task, model)
+    facts = source.facts
+    if facts.task == "classification" and facts.num_classes == 2 and model.output_shape[-1] == 1:
+        facts = replace(facts, task="binary")
+    objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts)
+    measures = Measures(objective, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
     if source.streamed:  # read by Ray Data in this process (a Ray run's files)
         batches = tf_input.eval_batches_from_shard(source.val, config.per_replica_batch, source.facts)
     else:
         batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
-    stats = evaluate(strategy, make_eval_step(strategy, model, objective),
-                     strategy.distribute_datasets_from_function(lambda _: batches))
-    return {"val_loss": stats.loss, f"val_{objective.metric}": stats.metric, "val_samples": stats.samples}
+    stats = evaluate(strategy, make_eval_step(strategy, model, measures),
+                     strategy.distribute_datasets_from_function(lambda _: batches), measures)
+    return {"val_loss": stats.loss, **{f"val_{k}": v for k, v in stats.metrics.items()}, "val_samples": stats.samples}
+
+
+def _load(model_path: Path):
+    """The saved model, with the loss and metrics it was compiled with where Keras can rebuild them (a
+    user's own metric class that is not registered cannot be: then the run's defaults score it)."""
+    import keras
+
+    try:
+        return keras.models.load_model(model_path)
+    except Exception as e:  # a compile() object Keras cannot deserialize here
+        log.warning("%s: scored without its compile() settings (%s); load_model(compile=False)", model_path,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return keras.models.load_model(model_path, compile=False)
 
 
 def _data(config: TrainConfig):

@@ -77,6 +77,7 @@ def check_model(config: "TrainConfig", facts: DataFacts,
     With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
     device (a StagePlan).
     """
+    from app.training.measures import settle
     from app.training.model import build_model, check_output, model_name
     from app.training.objective import objective_for
 
@@ -87,7 +88,7 @@ def check_model(config: "TrainConfig", facts: DataFacts,
         # Two classes and a model with one output whatever it is asked for (a sigmoid head): binary.
         facts = replace(facts, task="binary")
     shape = check_output(model, facts, name)
-    objective = objective_for(config, facts.task, model)
+    objective = settle(objective_for(config, facts, model, shape), model, facts)
     summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities")}
@@ -126,7 +127,8 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     facts = checked.facts
     asynchronous = config.strategy == "parameter-server"
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous)
-    lr = plan_lr(config, plan.update_batch, plan.updates)
+    objective = checked.objective
+    lr = plan_lr(config, plan.update_batch, plan.updates, base_lr=objective.base_lr)
     run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
     if asynchronous:
@@ -138,10 +140,12 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"{tuple(facts.feature_shape)}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
         "(whole batches on every replica)",
         f"model: {m['name']}, {m['parameters']:,} parameters, output shape {tuple(m['output_shape'])} "
-        f"({m['outputs']}); loss {checked.objective.loss_name}, metric {checked.objective.metric}",
+        f"({m['outputs']})",
+        objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
         f"{run}, {config.epochs} epochs",
-        f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} at batch "
+        f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} "
+        f"({dict(objective.sources).get('learning rate', '--base-lr')}) at batch "
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]
     if "pipeline" in m:
@@ -152,3 +156,13 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
                         f"{where}")
     return lines
 
+
+
+def objective_line(config: "TrainConfig", objective: "Objective") -> str:
+    """What is optimised and reported, and where each setting came from (compile(), a flag, a default)."""
+    where = dict(objective.sources)
+    optimizer = objective.compiled_optimizer or config.optimizer
+    metrics = ", ".join(objective.metric_names)
+    weights = f"; class weights {config.class_weight}" if objective.class_weights else ""
+    return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name} ({where['loss']}), "
+            f"metrics {metrics} ({where['metrics']}; the run's metric: val_{objective.metric}){weights}")

@@ -197,11 +197,12 @@ def sweep(
     if metric is None or mode is None:
         # The task's metric (accuracy, or mae for regression), from the data the trials share.
         from app.run import preflight
-        from app.training.objective import metric_mode, metric_name
+        from app.training.objective import metric_mode
 
-        task = base.task if base.task != "auto" else preflight.load_data(base, base.num_workers).facts.task
-        metric = metric or f"val_{metric_name(task)}"
-        mode = mode or metric_mode(metric)
+        # The run's metric: the model's first compiled metric, or the task's (accuracy, or mae for regression).
+        objective = preflight.check_model(base, preflight.load_data(base, base.num_workers).facts)[1]
+        metric = metric or f"val_{objective.metric}"
+        mode = mode or metric_mode(metric) or "min"
 
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU
@@ -294,11 +295,13 @@ def plot(table, path: Path, metric: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from app.training.objective import metric_mode
+
     fig, ax = plt.subplots(figsize=(6, 4))
     rule_col = "config/lr_scaling"
     groups = table.groupby(rule_col) if rule_col in table else [("all trials", table)]
     for rule, group in groups:
-        pick = "idxmin" if metric.endswith("_mae") or "loss" in metric else "idxmax"
+        pick = "idxmax" if metric_mode(metric) == "max" else "idxmin"
         best = group.loc[getattr(group.groupby("global_batch")[metric], pick)()].sort_values("global_batch")
         ax.plot(best["global_batch"], best[metric], marker="o", label=str(rule))
         for _, row in best.iterrows():  # ASHA stops trials at different epochs: say which

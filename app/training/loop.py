@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
 from app.training.metrics import EpochStats, cross_worker_sum, epoch_metrics, largest_peak_rss, local_sum
 from app.training.step import TrainSteps
+
+if TYPE_CHECKING:
+    from app.training.measures import Measures
 
 
 class NonFiniteLoss(Exception):
@@ -37,7 +40,7 @@ class StepRunner(Protocol):
 
     def run(self, iterator, first_step: int, remaining: int) -> tuple[Any, int, Optional[np.ndarray]]:
         """Run the next steps (at most ``remaining``, numbered from ``first_step``): (this worker's sums
-        [loss, metric, count] over them, how many ran, their sample ids or None)."""
+        [loss, count, metric states] over them, how many ran, their sample ids or None)."""
 
     def total(self, local: np.ndarray) -> np.ndarray:
         """Sums of this worker -> the sums over every worker (every worker calls it at the same point)."""
@@ -52,23 +55,24 @@ class StepRunner(Protocol):
         """What this kind of run adds to each epoch's record."""
 
 
-def evaluate(strategy, eval_step, dist_dataset) -> EpochStats:
-    """Weighted loss/metric over every replica's batches of every worker; padding rows weigh 0."""
+def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochStats:
+    """Loss and metrics over every replica's batches of every worker; padding rows weigh 0."""
     import tensorflow as tf
 
     start = time.perf_counter()
-    acc = tf.zeros((3,), tf.float64)
+    acc = tf.zeros((measures.size,), tf.float64)
     for batch in dist_dataset:
         acc += local_sum(strategy, eval_step(batch))
-    return EpochStats.from_sums(cross_worker_sum(strategy, acc.numpy()), time.perf_counter() - start)
+    return EpochStats.from_sums(cross_worker_sum(strategy, acc.numpy()), time.perf_counter() - start, measures.results)
 
 
 class ReplicaSteps:
     """Synchronous replicas: ``strategy.run`` of the compiled steps (app.training.step), sums all-reduced."""
 
-    def __init__(self, strategy, optimizer, train_steps: TrainSteps, eval_step=None, average_state=None, *,
-                 steps_per_execution: int = 1, audit_sample_ids: bool = False, rank: int = 0, world: int = 1):
-        self.strategy, self.optimizer = strategy, optimizer
+    def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None,
+                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False, rank: int = 0,
+                 world: int = 1):
+        self.strategy, self.optimizer, self.measures = strategy, optimizer, measures
         self.train_steps, self.eval_step, self.average_state = train_steps, eval_step, average_state
         self.steps_per_execution = steps_per_execution
         self.audit_sample_ids = audit_sample_ids
@@ -109,7 +113,7 @@ class ReplicaSteps:
         # Each replica moved its own batch-norm statistics: they agree before they are evaluated and saved.
         if self.average_state is not None:
             self.average_state()
-        return evaluate(self.strategy, self.eval_step, val)
+        return evaluate(self.strategy, self.eval_step, val, self.measures)
 
     def learning_rate(self, global_step: int) -> float:
         return float(self.optimizer.learning_rate.numpy())
@@ -121,8 +125,8 @@ class ReplicaSteps:
 class EpochDriver:
     """Runs epochs through a StepRunner; keeps the host-side step count and the log window."""
 
-    def __init__(self, runner: StepRunner, *, metric: str = "accuracy", log_every_steps: int = 0):
-        self.runner, self.metric, self.log_every_steps = runner, metric, log_every_steps
+    def __init__(self, runner: StepRunner, measures: "Measures", *, log_every_steps: int = 0):
+        self.runner, self.measures, self.log_every_steps = runner, measures, log_every_steps
         self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
 
     def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log: Optional[Callable] = None,
@@ -132,7 +136,7 @@ class EpochDriver:
         import tensorflow as tf
 
         start = time.perf_counter()
-        acc = tf.zeros((3,), tf.float64)
+        acc = tf.zeros((self.measures.size,), tf.float64)
         if self.global_step is None:  # first epoch of this process: continue a restored run's count
             self.global_step = self.runner.steps_taken()
         window = _LogWindow(self, on_log, start)
@@ -160,7 +164,7 @@ class EpochDriver:
                 "--base-lr; the last good checkpoint is the one from the epoch before"
             )
         return EpochStats.from_sums(
-            sums, time.perf_counter() - start, first_step_time=first_step_time,
+            sums, time.perf_counter() - start, self.measures.results, first_step_time=first_step_time,
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
 
@@ -169,7 +173,7 @@ class EpochDriver:
         train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log, on_steps=on_steps)
         val_stats = self.runner.evaluate(val)
         lr = self.runner.learning_rate(self.global_step)
-        metrics = epoch_metrics(epoch, train, val_stats, lr, dropped, self.metric)
+        metrics = epoch_metrics(epoch, train, val_stats, lr, dropped)
         metrics["optimizer_steps"] = self.global_step
         metrics.update(self.runner.extra_metrics())
         return metrics, train
@@ -184,7 +188,7 @@ class _LogWindow:
 
     def __init__(self, driver: EpochDriver, on_log, start: float):
         self.driver, self.on_log, self.start = driver, on_log, start
-        self.base = np.zeros(3)  # the epoch's running sums at the last log point
+        self.base = np.zeros(driver.measures.size)  # the epoch's running sums at the last log point
 
     def after(self, epoch_sums, k: int) -> None:
         d = self.driver
@@ -194,12 +198,12 @@ class _LogWindow:
             return
         # Every worker gets here at the same step (same config, same step count): a collective is safe.
         now_sums = epoch_sums.numpy()
-        stats = EpochStats.from_sums(d.runner.total(now_sums - self.base), 0.0)
+        stats = EpochStats.from_sums(d.runner.total(now_sums - self.base), 0.0, d.measures.results)
         now = time.perf_counter()
         if self.on_log is not None:
             self.on_log(d.global_step, {
                 "train_loss": stats.loss,
-                f"train_{d.metric}": stats.metric,
+                **{f"train_{name}": v for name, v in stats.metrics.items()},
                 "learning_rate": d.runner.learning_rate(d.global_step),
                 "samples_per_second": stats.samples / (now - self.start),
             })

@@ -1,33 +1,36 @@
 """Epoch metrics: exact sums over every replica of every worker, and the per-epoch record.
 
-Loss, metric and sample count are summed per replica and reduced across all
-workers once per epoch, so a val accuracy is the accuracy over the whole
-validation set, not an average of per-worker averages.
+Loss, sample count and every metric's state are summed per replica and
+reduced across all workers once per epoch (app.training.measures), so a val
+accuracy is the accuracy over the whole validation set, not an average of
+per-worker averages, and an AUC is the AUC of all the rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-from app.training.objective import metric_in
+from app.training.objective import metric_in, metric_names_in
 
 
 @dataclass
 class EpochStats:
     loss: float
-    metric: float  # accuracy, or mean absolute error (regression)
+    metrics: dict[str, float]  # each metric's value over every row (accuracy, mae, auc, ...)
     samples: int
     seconds: float
     first_step_time: Optional[float] = None  # wall clock when the first step finished
     sample_ids: Optional[np.ndarray] = field(default=None, repr=False)  # all replicas' ids, if audited
 
     @classmethod
-    def from_sums(cls, sums: np.ndarray, seconds: float, **extra) -> "EpochStats":
-        loss_sum, metric_sum, count = sums
-        return cls(loss_sum / max(count, 1), metric_sum / max(count, 1), int(count), seconds, **extra)
+    def from_sums(cls, sums: np.ndarray, seconds: float, results: Callable[[np.ndarray], dict[str, float]],
+                  **extra) -> "EpochStats":
+        """[loss sum, count, metric states] -> the stats; ``results``: the measures' states -> values."""
+        loss_sum, count = sums[0], sums[1]
+        return cls(loss_sum / max(count, 1), results(sums[2:]), int(count), seconds, **extra)
 
 
 def local_sum(strategy, per_replica):
@@ -67,15 +70,14 @@ def largest_peak_rss(strategy, rank: int, world: int) -> float:
     return float(cross_worker_sum(strategy, mine).max())
 
 
-def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int,
-                  metric: str = "accuracy") -> dict:
+def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:
     """The per-epoch record shared by every backend (history.csv, Ray reports, TensorBoard)."""
     metrics = {
         "epoch": epoch,
         "train_loss": float(train.loss),
-        f"train_{metric}": float(train.metric),
+        **{f"train_{name}": float(v) for name, v in train.metrics.items()},
         "val_loss": float(val.loss),
-        f"val_{metric}": float(val.metric),
+        **{f"val_{name}": float(v) for name, v in val.metrics.items()},
         "learning_rate": float(learning_rate),
         "samples_per_second": train.samples / train.seconds,
         "train_seconds": train.seconds,
@@ -92,13 +94,19 @@ def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate:
     return metrics
 
 
+SHORT = {"accuracy": "acc"}  # the console's short names
+
+
 def progress_line(m: dict, epochs: int, history: list[dict]) -> str:
+    """One epoch on the console: losses, every val metric (the run's own first), LR, speed, time left."""
     mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
     eta = mean_epoch * (epochs - m["epoch"])
-    metric = metric_in(m)
-    short = {"accuracy": "val_acc", "mae": "val_mae"}[metric]
+    primary = metric_in(m)
+    names = [n for n in metric_names_in(m) if n != "loss"]
+    names = ([primary] if primary in names else []) + [n for n in names if n != primary]
+    shown = "  ".join(f"val_{SHORT.get(n, n)} {m[f'val_{n}']:.4f}" for n in names)
     return (
         f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
-        f"{short} {m[f'val_{metric}']:.4f}  lr {m['learning_rate']:.4g}  "
+        f"{shown}{'  ' if shown else ''}lr {m['learning_rate']:.4g}  "
         f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
     )

@@ -1,30 +1,36 @@
-"""What is minimised and what is reported, per task: the per-example loss and the metric.
+"""What is minimised, what is reported and what optimises: from the model's compile(), the flags, or the task.
 
-Both are per-example, so that every backend sums them exactly over every
-replica and worker (app.training.metrics) instead of averaging averages:
+A model function may return a compiled model, as a Keras script has it
+(``model.compile(optimizer=Adam(1e-3), loss="categorical_crossentropy",
+metrics=["accuracy", AUC()])``): its optimizer (class and settings; its
+learning rate is the base LR the scaling rule starts from), its loss and its
+metrics are the run's. A flag the user typed (``--loss``, ``--optimizer``,
+``--base-lr``) overrides compile(); the plan says where each setting came from.
+An uncompiled model gets the task's:
 
-| task           | default loss                         | metric                  |
-|----------------|--------------------------------------|-------------------------|
-| classification | sparse categorical cross-entropy     | accuracy (argmax == y)  |
-| binary         | binary cross-entropy                 | accuracy (p > 0.5)      |
-| regression     | mean squared error                   | mae (mean abs. error)   |
+| task           | default loss                         | default metric              |
+|----------------|--------------------------------------|-----------------------------|
+| classification | sparse categorical cross-entropy     | accuracy (one-hot: categorical) |
+| binary         | binary cross-entropy                 | accuracy (p > 0.5, logit > 0)   |
+| regression     | mean squared error                   | mae (mean absolute error)   |
 
-``--loss`` takes any Keras loss name instead. Whether the model outputs logits
-is read from its last activation (softmax / sigmoid: probabilities), or given
-with ``--from-logits``.
+Whether an uncompiled model outputs logits is read from its last activation
+(softmax / sigmoid: probabilities), or given with ``--from-logits``.
+
+The driver decides once (``objective_for``), with the model it built to check
+the data; each worker binds the decision to the model its own call of the
+model function returns (app.training.measures), which is how compile()'s
+objects are rebuilt inside every worker's strategy scope.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
+from app import internals
 from app.errors import UserError
-
-if TYPE_CHECKING:
-    import tensorflow as tf
 
 DEFAULT_LOSS = {
     "classification": "sparse_categorical_crossentropy",
@@ -32,90 +38,151 @@ DEFAULT_LOSS = {
     "regression": "mean_squared_error",
 }
 
-
-# Each metric the product reports, and which way is better: decided here only.
-MODES = {"accuracy": "max", "mae": "min"}
-
-
-def metric_name(task: str) -> str:
-    """The metric's key in reports: train_<name>, val_<name>."""
-    return "mae" if task == "regression" else "accuracy"
+# Which way a metric is better, read from its name (Keras's names, and most users'). The run's metric (the
+# first reported one whose way is known; else the loss) ranks epochs, kept checkpoints and Tune's trials.
+_HIGHER = re.compile(r"acc|auc|precision|recall|f1|fbeta|iou|r2|specificity|sensitivity|cosine|true_")
+_LOWER = re.compile(r"loss|error|crossentropy|hinge|divergence|poisson|cosh|false_|(^|_)(mae|mse|rmse|mape|msle)(_|$)")
+# Keys an epoch record already uses as train_<key> / val_<key>: a metric may not be called so.
+RESERVED = ("loss", "samples", "seconds")
 
 
-def metric_mode(metric: str) -> str:
-    """"max" or "min": which way ``metric`` (a name in MODES, or val_/train_<name>) is better."""
-    return MODES[metric.split("_", 1)[1] if metric.startswith(("val_", "train_")) else metric]
+def metric_mode(metric: str) -> Optional[str]:
+    """"max" or "min": which way ``metric`` (a name, or val_/train_<name>) is better; None if its name does not say."""
+    name = metric.split("_", 1)[1] if metric.startswith(("val_", "train_")) else metric
+    name = name.lower()
+    if _HIGHER.search(name):
+        return "max"
+    return "min" if _LOWER.search(name) else None
 
 
 def metric_in(record: dict) -> str:
-    """Which metric an epoch record or result's metrics carry (their keys are val_<name>)."""
-    return next(name for name in MODES if f"val_{name}" in record)
+    """The run's metric in an epoch record or result's metrics: the first val_<name> whose way is known."""
+    names = [k[4:] for k in record if k.startswith("val_") and k not in ("val_loss", "val_samples")]
+    return next((n for n in names if metric_mode(n)), "loss")
+
+
+def metric_names_in(record: dict) -> list[str]:
+    """Every metric an epoch record carries (val_<name> keys), the loss first."""
+    return ["loss", *(k[4:] for k in record if k.startswith("val_") and k not in ("val_loss", "val_samples"))]
 
 
 @dataclass(frozen=True)
 class Objective:
+    """The run's loss, metrics and optimizer source, decided by the driver; handed to every worker."""
+
     task: str
     loss_name: str
     from_logits: bool
+    metric_names: tuple[str, ...] = ("accuracy",)
+    label_shape: tuple[int, ...] = ()  # one example's label: () class id or value, (k,) one-hot or k targets
+    output_shape: tuple[int, ...] = ()  # one example's model output
+    compiled_loss: bool = False  # the loss is the compiled model's (each worker takes it from its own model)
+    compiled_metrics: bool = False
+    compiled_optimizer: Optional[str] = None  # the compiled optimizer's class; None: --optimizer
+    base_lr: Optional[float] = None  # the compiled optimizer's LR, where the scaling rule starts; None: --base-lr
+    class_weights: Optional[tuple[float, ...]] = None  # --class-weight, per class id
+    sources: tuple[tuple[str, str], ...] = field(default=())  # (setting, where it came from), for the plan
 
     @property
     def metric(self) -> str:
-        return metric_name(self.task)
+        return next((n for n in self.metric_names if metric_mode(n)), "loss")
 
     @property
     def mode(self) -> str:
-        return metric_mode(self.metric)
+        return metric_mode(self.metric) or "min"
 
-    def loss_fn(self) -> Callable[["tf.Tensor", "tf.Tensor"], "tf.Tensor"]:
-        """(y, outputs) -> per-example loss (no reduction: the caller divides by the global batch)."""
-        import keras
-        import tensorflow as tf
-
-        fn = keras.losses.get(self.loss_name)
-        if isinstance(fn, keras.losses.Loss):  # a class instance: take its function
-            fn = fn.fn if hasattr(fn, "fn") else fn
-        if "from_logits" in inspect.signature(fn).parameters:
-            fn = functools.partial(fn, from_logits=self.from_logits)
-
-        def per_example(y, out):
-            out = tf.cast(out, tf.float32)
-            if self.task != "classification":
-                # binary and regression: one output per example; compare shapes (n, 1) with (n, 1).
-                y = tf.reshape(tf.cast(y, tf.float32), (-1, 1))
-                out = tf.reshape(out, (tf.shape(out)[0], -1))
-            loss = fn(y, out)
-            return tf.reshape(loss, (tf.shape(out)[0], -1)) if loss.shape.rank and loss.shape.rank > 1 else loss
-
-        return per_example
-
-    def metric_fn(self) -> Callable[["tf.Tensor", "tf.Tensor"], "tf.Tensor"]:
-        """(y, outputs) -> per-example metric value (1/0 for a correct prediction, or |error|)."""
-        import tensorflow as tf
-
-        def per_example(y, out):
-            out = tf.cast(out, tf.float32)
-            if self.task == "classification":
-                return tf.cast(tf.equal(tf.argmax(out, axis=-1, output_type=tf.int64), tf.cast(y, tf.int64)), tf.float32)
-            out = tf.reshape(out, (tf.shape(out)[0],))
-            if self.task == "binary":
-                threshold = 0.0 if self.from_logits else 0.5
-                return tf.cast(tf.equal(tf.cast(out > threshold, tf.int64), tf.cast(y, tf.int64)), tf.float32)
-            return tf.abs(out - tf.cast(y, tf.float32))
-
-        return per_example
+    @property
+    def label_dtype(self) -> str:
+        return "float32" if self.label_shape or self.task == "regression" else "int64"
 
 
-def objective_for(config, task: str, model) -> Objective:
-    """The run's objective: its task, the loss (--loss or the task's default), logits or probabilities."""
+def describe(obj: Any) -> str:
+    """A loss, metric or optimizer as the plan names it."""
+    if isinstance(obj, str):
+        return obj
+    return getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
+
+
+def objective_for(config, facts, model, output_shape: tuple[int, ...]) -> Objective:
+    """The run's objective from the flags, the model's compile() and the data's task and labels."""
     import keras
 
     from app.training.model import ends_in_probabilities
 
-    loss = config.loss or DEFAULT_LOSS[task]
-    try:
-        keras.losses.get(loss)
-    except (ValueError, TypeError):
-        raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as {', '.join(DEFAULT_LOSS.values())}, "
-                        "huber or mean_absolute_error") from None
+    args = internals.compile_arguments(model) or {}
+    typed = config.model_fields_set
+    sources: list[tuple[str, str]] = []
+
+    compiled_loss = config.loss is None and args.get("loss") is not None
+    if compiled_loss:
+        if isinstance(args["loss"], (dict, list, tuple)):
+            raise UserError("compile(loss=...) is a dict or list per output; this product trains models with one "
+                            "output: give one loss")
+        loss = describe(args["loss"])
+        sources.append(("loss", "compile()"))
+    else:
+        loss = config.loss or DEFAULT_LOSS[facts.task]
+        try:
+            keras.losses.get(loss)
+        except (ValueError, TypeError):
+            raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as "
+                            f"{', '.join(DEFAULT_LOSS.values())}, huber or mean_absolute_error") from None
+        sources.append(("loss", "--loss" if config.loss else f"the {facts.task} default"))
     from_logits = config.from_logits if config.from_logits is not None else not ends_in_probabilities(model)
-    return Objective(task, loss, from_logits if task != "regression" else False)
+
+    compiled_metrics = bool(args.get("metrics") or args.get("weighted_metrics"))
+    sources.append(("metrics", "compile()" if compiled_metrics else f"the {facts.task} default"))
+
+    optimizer, base_lr = None, None
+    compiled = args.get("optimizer") is not None and "optimizer" not in typed
+    if compiled:
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # compile() may wrap it for fp16
+        optimizer = type(inner).__name__
+        lr = inner.get_config().get("learning_rate")
+        if "base_lr" in typed:
+            sources.append(("learning rate", "--base-lr"))
+        elif isinstance(lr, (int, float)):
+            base_lr = float(lr)
+            sources.append(("learning rate", "compile()"))
+        else:
+            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule: this product schedules "
+                            "the LR itself (--lr-scaling, --warmup-epochs, --lr-decay): compile with a number as the "
+                            "learning rate (the base LR the scaling starts from)")
+    sources.insert(0, ("optimizer", "compile()" if compiled else "--optimizer" if "optimizer" in typed else "default"))
+
+    objective = Objective(
+        task=facts.task, loss_name=loss, from_logits=from_logits if facts.task != "regression" else False,
+        label_shape=tuple(facts.label_shape), output_shape=tuple(output_shape),
+        compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
+        compiled_optimizer=optimizer, base_lr=base_lr,
+        class_weights=class_weights(config, facts), sources=tuple(sources),
+    )
+    return objective
+
+
+def class_weights(config, facts) -> Optional[tuple[float, ...]]:
+    """--class-weight: "balanced" (n / (classes x count), as scikit-learn's) or a JSON object {class: weight}."""
+    import json
+
+    spec = config.class_weight
+    if spec is None:
+        return None
+    if facts.task == "regression":
+        raise UserError("--class-weight weighs classes, but this is a regression task: drop it")
+    k = facts.num_classes
+    if spec == "balanced":
+        counts = facts.class_counts
+        if counts is None:
+            raise UserError("--class-weight balanced needs the labels' counts, which streamed data does not give "
+                            "before training: give the weights as JSON, e.g. '{\"0\": 1.0, \"1\": 5.0}'")
+        total = sum(counts)
+        return tuple(total / (k * c) if c else 0.0 for c in counts)
+    try:
+        given = json.loads(spec)
+        weights = [1.0] * k
+        for key, w in given.items():
+            weights[int(key)] = float(w)
+    except (ValueError, TypeError, AttributeError, IndexError):
+        raise UserError(f"--class-weight {spec!r}: give 'balanced' or a JSON object of class ids 0..{k - 1} to "
+                        "weights, e.g. '{\"0\": 1.0, \"1\": 5.0}'") from None
+    return tuple(weights)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import keras
@@ -37,13 +37,15 @@ def scaled_lr(base_lr: float, rule: str, global_batch: int, reference_batch: int
     return base_lr * factor
 
 
-def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int) -> LrPlan:
+def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int, base_lr: Optional[float] = None) -> LrPlan:
+    """``base_lr``: the compiled optimizer's LR (app.training.objective), else --base-lr."""
+    base = config.base_lr if base_lr is None else base_lr
     return LrPlan(
         rule=config.lr_scaling,
-        base_lr=config.base_lr,
+        base_lr=base,
         reference_batch=config.reference_batch,
         global_batch=global_batch,
-        peak_lr=scaled_lr(config.base_lr, config.lr_scaling, global_batch, config.reference_batch),
+        peak_lr=scaled_lr(base, config.lr_scaling, global_batch, config.reference_batch),
         warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
         total_steps=config.epochs * steps_per_epoch,
     )
@@ -64,17 +66,24 @@ def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedu
     )
 
 
-def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False) -> "keras.optimizers.Optimizer":
+def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False,
+                   compiled: Any = None) -> "keras.optimizers.Optimizer":
     """The optimizer, its LR following ``plan``'s schedule of ``optimizer.iterations``.
 
     ``driven_lr``: the LR is a plain variable that the caller sets from its own
     step count instead (asynchronous parameter-server workers lose increments of
     ``iterations``, a read-then-write, so the schedule cannot follow it).
+    ``compiled``: the optimizer the model was compiled with: a new one of its
+    class and settings (betas, epsilon, clipping, weight decay, ...), created
+    here under the strategy's scope, with the planned LR.
     """
     import keras
 
     schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan)
-    if config.optimizer == "adam":
+    if compiled is not None:
+        inner = getattr(compiled, "inner_optimizer", compiled)  # compile() wraps it in a LossScaleOptimizer for fp16
+        optimizer = type(inner).from_config({**inner.get_config(), "learning_rate": schedule})
+    elif config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(learning_rate=schedule)
     else:
         optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)

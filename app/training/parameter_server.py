@@ -48,7 +48,7 @@ from app.training.metrics import EpochStats
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
-    from app.training.objective import Objective
+    from app.training.measures import Measures
 
 # Steps scheduled between two waits for them all: each wait is a sign of life for the driver's
 # stall watch (app.run.ps) and a progress bar update, for one idle moment per worker per chunk.
@@ -144,13 +144,13 @@ class ParameterServerSession:
                 "variable_placement": variable_placement(self.model)}
 
 
-def scheduled_step(strategy, model, optimizer, objective: "Objective", batch: int, schedule):
+def scheduled_step(strategy, model, optimizer, measures: "Measures", batch: int, schedule):
     """The function each scheduled step runs on a worker: set the LR of step ``n``, take a batch, train on it."""
     import tensorflow as tf
 
     from app.training.step import replica_train_step
 
-    replica_step = replica_train_step(model, optimizer, objective, global_batch=batch, grad_accum=1)
+    replica_step = replica_train_step(model, optimizer, measures, global_batch=batch, grad_accum=1)
 
     @tf.function
     def step(iterator, n):
@@ -171,15 +171,16 @@ class ScheduledSteps:
     cross-worker sum.
     """
 
-    def __init__(self, coordinator, strategy, model, optimizer, objective: "Objective", plan: EpochPlan, schedule,
+    def __init__(self, coordinator, strategy, model, optimizer, measures: "Measures", plan: EpochPlan, schedule,
                  steps_taken: int):
         import tensorflow as tf
 
         from app.training.step import eval_sums
 
         self.coordinator, self.schedule, self._steps_taken = coordinator, schedule, steps_taken
-        self.step = scheduled_step(strategy, model, optimizer, objective, plan.update_batch, schedule)
-        self.eval_step = tf.function(eval_sums(model, objective))
+        self.measures = measures
+        self.step = scheduled_step(strategy, model, optimizer, measures, plan.update_batch, schedule)
+        self.eval_step = tf.function(eval_sums(model, measures))
         self.chunk = STEPS_PER_WORKER_PER_CHUNK * plan.num_workers
 
     def steps_taken(self) -> int:
@@ -202,10 +203,10 @@ class ScheduledSteps:
         """Every validation row once, on the chief: the same sums as the synchronous paths, so the same metrics."""
         import tensorflow as tf
 
-        start, acc = time.perf_counter(), tf.zeros((3,), tf.float64)
+        start, acc = time.perf_counter(), tf.zeros((self.measures.size,), tf.float64)
         for x, y, w in val:
             acc += self.eval_step(x, y, w)
-        return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start)
+        return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start, self.measures.results)
 
     def learning_rate(self, global_step: int) -> float:
         # The LR variable holds whichever step ran last, in no set order: the schedule's LR of the last number.

@@ -35,7 +35,7 @@ from app.errors import UserError
 if TYPE_CHECKING:
     import keras
 
-    from app.training.objective import Objective
+    from app.training.measures import Measures
 
 
 def functional(model: "keras.Model", name: str) -> "keras.Model":
@@ -259,14 +259,11 @@ class Pipeline:
                 h = self._call(k, h, x, training)
         return h
 
-    def train_step(self, optimizer, objective: "Objective", global_batch: int, microbatches: int):
-        """The per-replica step for ``strategy.run``: (x, y) -> sums [loss, metric, count], as app.training.step's."""
+    def train_step(self, optimizer, measures: "Measures", global_batch: int, microbatches: int):
+        """The per-replica step for ``strategy.run``: (x, y) -> the same exact sums as app.training.step's."""
         import keras
         import tensorflow as tf
 
-        from app.training.step import _sums as batch_sums  # the same exact [loss, metric, count] as every step
-
-        fns = (objective.loss_fn(), objective.metric_fn())
         variables = [stage.trainable_variables for stage in self.stages]
         scale = optimizer.scale_loss if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else (lambda v: v)
         last = len(self.stages) - 1
@@ -285,9 +282,9 @@ class Pipeline:
                     out = self._call(k, h, x, training=True)
                     targets = [out]
                     if k == last:
-                        per_example_loss = fns[0](y, out)
+                        per_example_loss = measures.loss(y, out)
                         targets = [scale(tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch))]
-                        sums = batch_sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
+                        sums = measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss))
                     if (reg := regularization(k)) is not None:
                         targets.append(reg)
                 taped.append((tape, h, targets))

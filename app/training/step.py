@@ -1,13 +1,14 @@
 """The compiled steps: train (one or several per call), eval, and the end-of-epoch replica-state average.
 
 Each factory takes the strategy, a model and optimizer built under its scope,
-and the objective, and returns a ``tf.function``. Nothing here knows whether
-it runs under MultiWorkerMirroredStrategy in a Ray worker, MirroredStrategy,
-TPUStrategy or one device.
+and the run's measures (app.training.measures: its loss and metrics), and
+returns a ``tf.function``. Nothing here knows whether it runs under
+MultiWorkerMirroredStrategy in a Ray worker, MirroredStrategy, TPUStrategy or
+one device.
 
-Every step returns this replica's sums [loss, metric, count] as float64 (so
-that sums over a large epoch stay exact for counts and close for the loss):
-the caller adds them over replicas and workers once per epoch.
+Every step returns this replica's sums [loss, count, every metric's state] as
+float64 (app.training.measures): the caller adds them over replicas and
+workers once per epoch.
 """
 
 from __future__ import annotations
@@ -18,21 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     import keras
 
-    from app.training.objective import Objective
-
-
-def _sums(objective_fns, y, out, per_example_loss, weight):
-    import tensorflow as tf
-
-    _, metric_fn = objective_fns
-    return tf.cast(
-        tf.stack([
-            tf.reduce_sum(per_example_loss * weight),
-            tf.reduce_sum(metric_fn(y, out) * weight),
-            tf.reduce_sum(weight),
-        ]),
-        tf.float64,
-    )
+    from app.training.measures import Measures
 
 
 def build_optimizer_slots(strategy, model, optimizer) -> None:
@@ -63,19 +50,18 @@ def agree_on_overflow(grads):
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
 
-def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", global_batch: int, grad_accum: int):
+def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied."""
     import keras
     import tensorflow as tf
 
-    fns = (objective.loss_fn(), objective.metric_fn())
     variables = model.trainable_variables
     scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     def micro_batch_gradients(x, y):
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            per_example_loss = fns[0](y, out)
+            per_example_loss = measures.loss(y, out)
             # Divide by the *global* batch (all replicas, all micro-batches): the
             # all-reduce then sums replica gradients into the gradient of the mean
             # over the global batch.
@@ -84,7 +70,7 @@ def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", 
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), _sums(fns, y, out, per_example_loss, tf.ones_like(per_example_loss))
+        return tape.gradient(loss, variables), measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss))
 
     def train_step(x, y):
         if grad_accum == 1:
@@ -101,7 +87,7 @@ def replica_train_step(model: "keras.Model", optimizer, objective: "Objective", 
 
             zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in variables]
             _, grads, step_sums = tf.while_loop(
-                lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((3,), tf.float64))
+                lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((measures.size,), tf.float64))
             )
         if scales_loss:
             grads = agree_on_overflow(grads)
@@ -117,13 +103,13 @@ class TrainSteps:
     many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
 
 
-def make_train_steps(strategy, model, optimizer, objective, global_batch: int, grad_accum: int = 1,
+def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
                      audit_sample_ids: bool = False, replica_step: Optional[Callable] = None) -> TrainSteps:
     """``replica_step``: a per-replica (x, y) -> sums step of its own (app.training.pipeline's), else the usual."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, objective, global_batch, grad_accum)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum)
 
     @tf.function
     def one(batch):
@@ -135,7 +121,7 @@ def make_train_steps(strategy, model, optimizer, objective, global_batch: int, g
     @tf.function
     def many(iterator, k):
         # Several steps per call (TPUs need it: one host round trip per k steps).
-        acc = tf.zeros((3,), tf.float64)
+        acc = tf.zeros((measures.size,), tf.float64)
         for _ in tf.range(k):
             x, y, _ids = next(iterator)
             acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(step, args=(x, y)))))
@@ -144,22 +130,21 @@ def make_train_steps(strategy, model, optimizer, objective, global_batch: int, g
     return TrainSteps(one, many)
 
 
-def eval_sums(model, objective):
+def eval_sums(model, measures: "Measures"):
     """(x, y, weight) -> this replica's sums; weight-0 padding rows count for nothing."""
-    fns = (objective.loss_fn(), objective.metric_fn())
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return _sums(fns, y, out, fns[0](y, out), w)
+        return measures.sums(y, out, measures.loss(y, out), w)
 
     return eval_step
 
 
-def make_eval_step(strategy, model, objective):
+def make_eval_step(strategy, model, measures: "Measures"):
     """(x, y, weight) batch -> per-replica sums."""
     import tensorflow as tf
 
-    eval_step = eval_sums(model, objective)
+    eval_step = eval_sums(model, measures)
 
     @tf.function
     def distributed(batch):

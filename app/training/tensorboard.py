@@ -24,8 +24,13 @@ import shutil
 import tempfile
 from typing import Any, Optional
 
-EPOCH_SCALARS = ("train_loss", "train_accuracy", "train_mae", "val_loss", "val_accuracy", "val_mae", "learning_rate",
-                 "samples_per_second")
+
+def epoch_scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """An epoch record's curves: the losses, every metric (train and val), the LR, the speed."""
+    from app.training.objective import metric_names_in
+
+    keys = [f"{part}_{name}" for name in metric_names_in(metrics) for part in ("train", "val")]
+    return {k: metrics[k] for k in [*keys, "learning_rate", "samples_per_second"] if k in metrics}
 
 
 def logdir_for(config, run_name: str) -> Optional[str]:
@@ -62,7 +67,7 @@ class TensorBoard:
         self._write("step", step, scalars)
 
     def epoch(self, epoch: int, metrics: dict[str, Any]) -> None:
-        self._write("epoch", epoch, {k: metrics[k] for k in EPOCH_SCALARS if k in metrics})
+        self._write("epoch", epoch, epoch_scalars(metrics))
         if self._writer is not None:
             self._writer.flush()
             self._upload()

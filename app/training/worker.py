@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 from app.training import checkpoint
+from app.training.measures import Measures
 from app.training.objective import Objective
 from app.training.pipeline import StagePlan
 
@@ -87,10 +88,14 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     asynchronous = session.coordinator is not None
     replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
     plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
-    lr_plan = plan_lr(config, plan.update_batch, plan.updates)
+    lr_plan = plan_lr(config, plan.update_batch, plan.updates, base_lr=job.objective.base_lr)
     with strategy.scope():
+        # A compiled model brings its optimizer: a new one of its class and settings, the planned LR.
         model = build_model(config, job.facts)
-        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous)
+        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous,
+                                   compiled=model.optimizer if job.objective.compiled_optimizer else None)
+    # Its loss and metrics, as this worker's own call of the model function compiled them.
+    measures = Measures(job.objective, model)
     # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
     # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
     pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
@@ -108,8 +113,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
-        step_runner(config, job, session, strategy, model, optimizer, plan, lr_plan, pipe, progress.history),
-        metric=job.objective.metric,
+        step_runner(config, session, strategy, model, optimizer, measures, plan, lr_plan, pipe, progress.history),
+        measures,
         # Log points are collectives on synchronous replicas: every worker must agree on them.
         log_every_steps=config.log_every_steps if config.tensorboard else 0,
     )
@@ -133,7 +138,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     tensorboard.close()
 
 
-def step_runner(config: "TrainConfig", job: WorkerJob, session: Session, strategy, model, optimizer,
+def step_runner(config: "TrainConfig", session: Session, strategy, model, optimizer, measures: Measures,
                 plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]]):
     """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``."""
     from app.training.loop import ReplicaSteps
@@ -145,15 +150,15 @@ def step_runner(config: "TrainConfig", job: WorkerJob, session: Session, strateg
 
         # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
         done = history[-1]["optimizer_steps"] if history else 0
-        return ScheduledSteps(session.coordinator, strategy, model, optimizer, job.objective, plan,
+        return ScheduledSteps(session.coordinator, strategy, model, optimizer, measures, plan,
                               lr_schedule(config, lr_plan), steps_taken=done)
     return ReplicaSteps(
-        strategy, optimizer,
-        make_train_steps(strategy, model, optimizer, job.objective, plan.global_batch, config.grad_accum,
+        strategy, optimizer, measures,
+        make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
                          config.audit_sample_ids,
-                         pipe.train_step(optimizer, job.objective, plan.global_batch, config.pipeline_microbatches)
+                         pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
                          if pipe else None),
-        make_eval_step(strategy, pipe if pipe is not None else model, job.objective),
+        make_eval_step(strategy, pipe if pipe is not None else model, measures),
         make_replica_state_average(strategy, model),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,

@@ -14,6 +14,7 @@ from app.config import build_config
 from app.data.arrays import DataFacts
 from app.training import optim
 from app.training import strategy as strategy_lib
+from app.training.measures import Measures
 from app.training.model import build_model
 from app.training.objective import Objective
 from app.training.step import make_train_steps
@@ -24,8 +25,8 @@ lr_plan = optim.plan_lr(config, global_batch=8, steps_per_epoch=1)
 with strategy.scope():
     model = build_model(config, DataFacts((4,), "classification", 3, 8, 0))
     optimizer = optim.make_optimizer(config, lr_plan)
-steps = make_train_steps(strategy, model, optimizer, Objective("classification", "sparse_categorical_crossentropy", True),
-                         global_batch=8)
+objective = Objective("classification", "sparse_categorical_crossentropy", True, output_shape=(3,))
+steps = make_train_steps(strategy, model, optimizer, Measures(objective, model), global_batch=8)
 
 import tensorflow as tf  # noqa: E402
 

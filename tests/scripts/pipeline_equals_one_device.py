@@ -9,7 +9,7 @@ code path: the strategy, the stage plan, the placement and the step factory):
   by the second stage, and its embedding's gradients are sparse.
 
 Prints, as JSON per model: the stages; per pipeline, the largest weight difference from the one-device
-run, how far the weights moved, the summed [loss, correct, count] of the first step (one-device's too),
+run, how far the weights moved, the summed [loss, count, metric state] of the first step (one-device's too),
 where each stage's variables live, the largest difference between the stages' forward pass and the
 saved-and-reloaded model, and how many of the compiled step's gradient ops (constants aside) each
 device got ('' = unplaced).
@@ -25,6 +25,7 @@ from app.config import build_config
 from app.run import preflight
 from app.training import optim
 from app.training import strategy as strategy_lib
+from app.training.measures import Measures
 from app.training.model import build_model
 from app.training.pipeline import Pipeline
 from app.training.step import make_train_steps
@@ -70,8 +71,9 @@ def train(case: dict, checked, microbatches: int | None):
     initial = model.get_weights()
     pipe = Pipeline.place(model, checked.model["pipeline"], checked.facts.feature_shape) if microbatches else None
     model = pipe.model if pipe else model
-    step = pipe.train_step(optimizer, checked.objective, batch_size, microbatches) if pipe else None
-    steps = make_train_steps(strategy, model, optimizer, checked.objective, batch_size, replica_step=step)
+    measures = Measures(checked.objective, model)
+    step = pipe.train_step(optimizer, measures, batch_size, microbatches) if pipe else None
+    steps = make_train_steps(strategy, model, optimizer, measures, batch_size, replica_step=step)
     first = [float(v) for v in steps.one(batch)[0].numpy()]
     for _ in range(STEPS - 1):
         steps.one(batch)
