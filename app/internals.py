@@ -155,6 +155,14 @@ def resolve_loss(identifier: Any, y_true: Any, y_pred: Any) -> Any:
     return get_loss(identifier, y_true, y_pred)
 
 
+def auto_name_of(obj: Any) -> str:
+    """The name Keras gives an object of this class that was not named (``AUC()`` -> "auc"); each further
+    one in the process gets a suffix (auc_1, auc_2), so a name alone does not say whether it was chosen."""
+    from keras.src.utils.naming import to_snake_case
+
+    return to_snake_case(type(obj).__name__)
+
+
 # --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
 #
 # tyro reports a parse error as a multi-line box; ``tyro._errors.on_parse_error`` (marked

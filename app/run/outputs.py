@@ -14,7 +14,7 @@ from app import registry
 from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
-from app.training.objective import metric_in, metric_mode
+from app.training.objective import metric_in, metric_mode, metric_names_in
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def write_history(path: Path, history: list[dict[str, Any]]) -> None:
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -> None:
-    """Loss and accuracy per epoch, train against val, side by side; the best val epoch marked.
+    """The loss and every metric per epoch, train against val, side by side; the run metric's best epoch marked.
 
     Train numbers are means over the epoch's steps as the weights moved; val
     numbers are measured after the epoch. Early on, val can therefore beat train.
@@ -102,21 +102,22 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     metric = metric_in(history[-1])
     higher_is_better = metric_mode(metric) == "max"
     best = (max if higher_is_better else min)(history, key=lambda h: h[f"val_{metric}"])
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, metric, metric)):
-        ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {label} (mean over epoch)")
-        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {label} (end of epoch)")
+    names = metric_names_in(history[-1])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], names):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {key} (mean over epoch)")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {key} (end of epoch)")
         ax.axvline(best["epoch"], color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("epoch")
-        ax.set_ylabel(label)
+        ax.set_ylabel(key)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
-    loss_ax.set_yscale("log")
-    loss_ax.set_title("loss (log scale)")
-    acc_ax.set_title(f"{metric}; best val {best[f'val_{metric}']:.4f} at epoch {best['epoch']} (dotted)")
-    if higher_is_better:  # accuracy: a fraction
-        acc_ax.set_ylim(top=1.0)
+        ax.set_title(key)
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_title("loss (log scale)")
+    axes[0][names.index(metric)].set_title(f"{metric}; best val {best[f'val_{metric}']:.4f} at epoch "
+                                           f"{best['epoch']} (dotted)")
     last = history[-1]
     title = f"val {metric} {last[f'val_{metric}']:.4f} after {last['epoch']} epochs"
     fig.suptitle(f"{title}\n{subtitle}" if subtitle else title)
@@ -173,7 +174,11 @@ def write_outputs(
         "steps_per_epoch": state["plan"]["steps"],
         "dropped_samples_per_epoch": last["dropped_samples"],
         "task": state.get("task", "classification"),
-        "metrics": {k: last[k] for k in ("train_loss", f"train_{metric}", "val_loss", f"val_{metric}")},
+        # Every metric the run reported (the run's own, val_{metric}, ranks epochs and trials).
+        "metric": f"val_{metric}",
+        "metrics": {f"{part}_{name}": last[f"{part}_{name}"] for part in ("train", "val")
+                    for name in metric_names_in(last)},
+        **({"objective": state["objective"]} if "objective" in state else {}),
         "samples_per_second": train_samples / train_seconds,
         "wall_seconds": time.time() - started_at,
         # The first step this driver saw (a resumed run's history starts earlier).

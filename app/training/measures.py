@@ -15,6 +15,7 @@ state, flattened]. float64: counts stay exact over a large epoch.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -71,7 +72,10 @@ def unique_names(metrics: list[tuple["keras.metrics.Metric", bool]]) -> list[str
     unweighted one gets the prefix weighted_."""
     names: list[str] = []
     for m, weighted in metrics:
-        name = m.name
+        # An unnamed metric object's name depends on how many of its class this process made before
+        # (AUC() is "auc" in the driver, "auc_1" in a worker that built the model twice): its class's name.
+        auto = internals.auto_name_of(m)
+        name = auto if re.fullmatch(rf"{re.escape(auto)}(_\d+)?", m.name) else m.name
         if name in names and weighted:
             name = f"weighted_{name}"
         base, k = name, 1
@@ -119,25 +123,26 @@ class Measures:
         ids = tf.argmax(y, axis=-1) if self.objective.label_shape else tf.reshape(tf.cast(y, tf.int64), (-1,))
         return tf.gather(self._class_weights, ids)
 
-    def loss(self, y, out) -> "tf.Tensor":
-        """Per-example loss (class-weighted), shape (n,): what the caller divides by the global batch."""
+    def loss(self, y, out, training: bool = True) -> "tf.Tensor":
+        """Per-example loss, shape (n,): what the caller divides by the global batch. Class weights apply to
+        training only, as in Keras's fit (its validation loss is unweighted)."""
         import tensorflow as tf
 
         out = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), out)
         per_example = self._loss(y, out)
         if per_example.shape.rank and per_example.shape.rank > 1:  # per time step, per pixel: the example's mean
             per_example = tf.reduce_mean(tf.reshape(per_example, (tf.shape(per_example)[0], -1)), axis=-1)
-        w = self.example_weights(y)
+        w = self.example_weights(y) if training else None
         return per_example if w is None else per_example * w
 
-    def sums(self, y, out, per_example_loss, mask) -> "tf.Tensor":
+    def sums(self, y, out, per_example_loss, mask, training: bool = True) -> "tf.Tensor":
         """[loss sum, count, every metric's state change] of one batch; rows of ``mask`` 0 (padding) count for
-        nothing. Unweighted metrics see only the mask; weighted ones the class weights too."""
+        nothing. Unweighted metrics see only the mask; weighted ones the class weights too (in training)."""
         import tensorflow as tf
 
         out = tf.cast(out, tf.float32)
         mask = tf.cast(mask, tf.float32)
-        w = self.example_weights(y)
+        w = self.example_weights(y) if training else None
         parts = [tf.reshape(tf.reduce_sum(per_example_loss * mask), (1,)), tf.reshape(tf.reduce_sum(mask), (1,))]
         for m, weighted in self.metrics:
             zero = [tf.zeros(v.shape, v.dtype) for v in m.variables]

@@ -95,6 +95,12 @@ class Objective:
     def label_dtype(self) -> str:
         return "float32" if self.label_shape or self.task == "regression" else "int64"
 
+    def summary(self, config) -> dict[str, Any]:
+        """What result.json says of it: optimizer, loss, metrics, and where each came from."""
+        return {"optimizer": self.compiled_optimizer or config.optimizer, "loss": self.loss_name,
+                "metrics": list(self.metric_names), "metric": f"val_{self.metric}", "mode": self.mode,
+                "from": dict(self.sources), **({"class_weights": list(self.class_weights)} if self.class_weights else {})}
+
 
 def describe(obj: Any) -> str:
     """A loss, metric or optimizer as the plan names it."""

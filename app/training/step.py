@@ -135,7 +135,7 @@ def eval_sums(model, measures: "Measures"):
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return measures.sums(y, out, measures.loss(y, out), w)
+        return measures.sums(y, out, measures.loss(y, out, training=False), w, training=False)
 
     return eval_step
 

@@ -134,6 +134,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         if session.rank == 0:
             log.info(progress_line(metrics, config.epochs, progress.history))
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
+        state["objective"] = job.objective.summary(config)
         session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
     tensorboard.close()
 

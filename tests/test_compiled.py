@@ -1,0 +1,201 @@
+"""A Keras script's model as its user compiled it: its optimizer, loss and metrics, one-hot labels, tf.keras,
+class weights, on 2 Ray workers, every metric exact over the workers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import clean_env, run_job, run_jobs_at_once
+
+USER_FILE = '''
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+
+def build_model():
+    """The Keras script's model, compiled as the script compiles it."""
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC()])
+    return model
+
+
+def digits_one_hot():
+    d = load_digits()
+    return (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32"), keras.utils.to_categorical(d.target, 10)
+
+
+def digits_ids():
+    d = load_digits()
+    return (d.data / 16.0).astype("float32"), d.target
+
+
+def tf_keras_model():
+    """tf.keras, as older scripts spell it: a class-id loss object, a top-k metric, RMSprop."""
+    model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(32, activation="relu"),
+                                 tf.keras.layers.Dense(10)])
+    model.compile(optimizer=tf.keras.optimizers.RMSprop(2e-3),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[tf.keras.metrics.SparseTopKCategoricalAccuracy(k=3, name="top3"), "accuracy"])
+    return model
+
+
+def compiled(input_shape, loss, metrics=("accuracy",)):
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer="adam", loss=loss, metrics=list(metrics))
+    return model
+
+
+def sparse_loss_model(input_shape):
+    return compiled(input_shape, "sparse_categorical_crossentropy")
+
+
+def categorical_loss_model(input_shape):
+    return compiled(input_shape, "categorical_crossentropy")
+
+
+class LargestOutput(keras.metrics.Metric):
+    """A running maximum: its state does not add up over batches."""
+
+    def __init__(self, name="largest_output", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.largest = self.add_variable((), initializer="zeros", name="largest")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.largest.assign(keras.ops.maximum(self.largest, keras.ops.max(y_pred)))
+
+    def result(self):
+        return self.largest
+
+
+def non_additive_metric_model(input_shape):
+    return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[LargestOutput()])
+'''
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keras_script") / "keras_script.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_file, ray_cluster, tmp_path):
+    """The script's model (Adam 1e-3, categorical cross-entropy on one-hot labels, accuracy + AUC) from the
+    command line on 2 Ray workers: it learns, result.json names what compile() gave, and the AUC the workers
+    summed equals keras.metrics.AUC over the exported model's predictions in this one process."""
+    import keras
+
+    from app.config import build_config
+    from app.data import memory
+
+    out = tmp_path / "run"
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/train.py", "--model", f"{user_file}:build_model", "--dataset", f"{user_file}:digits_one_hot",
+                "--num-workers", "2", "--epochs", "8", "--output", str(out), timeout=400, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    console = p.stdout + p.stderr
+    assert "objective: optimizer Adam (compile()), loss categorical_crossentropy (compile()), metrics accuracy, " \
+           "auc (compile()" in console
+    assert "base 0.001 (compile())" in console
+    result = json.loads((out / "result.json").read_text())
+    assert result["objective"]["optimizer"] == "Adam" and result["objective"]["loss"] == "categorical_crossentropy"
+    assert result["objective"]["metrics"] == ["accuracy", "auc"] and result["metric"] == "val_accuracy"
+    assert result["metrics"]["val_accuracy"] >= 0.95 and result["num_replicas"] == 2
+    history = (out / "history.csv").read_text().splitlines()[0].split(",")
+    assert {"train_auc", "val_auc", "train_accuracy", "val_accuracy"} <= set(history)
+
+    # One process, Keras's own metrics, the same validation rows.
+    config = build_config(None, {"dataset": f"{user_file}:digits_one_hot", "output": str(tmp_path / "x")})
+    val = memory.load_source(config).val
+    model = keras.models.load_model(out / "model.keras", compile=False)
+    probabilities = model.predict(val.x, verbose=0)
+    auc, accuracy = keras.metrics.AUC(), keras.metrics.CategoricalAccuracy()
+    auc.update_state(val.y, probabilities)
+    accuracy.update_state(val.y, probabilities)
+    assert abs(result["metrics"]["val_auc"] - float(auc.result())) < 1e-6
+    assert abs(result["metrics"]["val_accuracy"] - float(accuracy.result())) < 1e-6
+
+
+def test_two_workers_equal_one_worker_with_a_compiled_adam(user_file, ray_cluster, tmp_path):
+    """2 x B and 1 x 2B full-batch steps of the compiled Adam: the same weights, the same exact metrics."""
+    import keras
+
+    from app import train
+
+    common = dict(model=f"{user_file}:build_model", data=f"{user_file}:digits_one_hot", epochs=4,
+                  lr_scaling="none", warmup_epochs=0, lr_decay="constant", shuffle=False, seed=7)
+    two = train(num_workers=2, per_replica_batch=719, output=str(tmp_path / "two"), **common)
+    one = train(num_workers=1, per_replica_batch=1438, output=str(tmp_path / "one"), **common)
+    assert two["objective"]["optimizer"] == one["objective"]["optimizer"] == "Adam"
+    w2 = keras.models.load_model(tmp_path / "two" / "model.keras", compile=False).get_weights()
+    w1 = keras.models.load_model(tmp_path / "one" / "model.keras", compile=False).get_weights()
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert abs(two["metrics"]["val_auc"] - one["metrics"]["val_auc"]) < 1e-6
+    assert two["metrics"]["train_loss"] < 2.3  # 4 Adam steps moved it from ln(10)
+
+
+def test_tf_keras_model_with_class_weights_on_two_workers(user_file, ray_cluster, tmp_path):
+    """A tf.keras model (RMSprop, a loss object with from_logits, a named top-3 metric) and --class-weight
+    balanced, on 2 Ray workers: it trains with what it was compiled with, the weights in the plan."""
+    from app import train
+
+    result = train(model=f"{user_file}:tf_keras_model", data=f"{user_file}:digits_ids", num_workers=2, epochs=2,
+                   class_weight="balanced", output=str(tmp_path / "tfk"))
+    objective = result["objective"]
+    assert objective["optimizer"] == "RMSprop" and objective["metrics"] == ["top3", "accuracy"]
+    assert objective["loss"] == "sparse_categorical_crossentropy" and len(objective["class_weights"]) == 10
+    # "top3" does not say which way is better; accuracy does: it is the run's metric.
+    assert result["metric"] == "val_accuracy"
+    assert result["metrics"]["val_top3"] >= result["metrics"]["val_accuracy"] > 0.5
+
+
+def test_class_weights_scale_the_loss_as_keras_does(user_file, tmp_path):
+    """Every class weighed 2: the reported loss doubles, and Adam (invariant to the gradient's scale) takes
+    the same steps (local backend: the loss code is the one every backend runs)."""
+
+    common = ["jobs/train.py", "--model", f"{user_file}:build_model", "--dataset", f"{user_file}:digits_one_hot",
+              "--backend", "local", "--strategy", "one-device", "--epochs", "1", "--no-shuffle",
+              "--warmup-epochs", "0", "--lr-decay", "constant"]
+    weights = json.dumps({str(c): 2.0 for c in range(10)})
+    runs = run_jobs_at_once([*common, "--output", str(tmp_path / "plain")],
+                            [*common, "--output", str(tmp_path / "doubled"), "--class-weight", weights])
+    assert all(p.returncode == 0 for p in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    plain, doubled = (json.loads((tmp_path / n / "result.json").read_text()) for n in ("plain", "doubled"))
+    assert doubled["metrics"]["train_loss"] == pytest.approx(2 * plain["metrics"]["train_loss"], rel=1e-3)
+    assert doubled["objective"]["class_weights"] == [2.0] * 10
+    # Validation is unweighted, as in Keras's fit: the same model up to Adam's epsilon, the same val loss.
+    assert doubled["metrics"]["val_loss"] == pytest.approx(plain["metrics"]["val_loss"], rel=2e-3)
+
+
+@pytest.mark.parametrize("model, data, extra, message", [
+    ("sparse_loss_model", "digits_one_hot", (), "loss sparse_categorical_crossentropy takes class ids, but the "
+     "labels are one-hot (10 columns): compile with loss='categorical_crossentropy'"),
+    ("categorical_loss_model", "digits_ids", (), "loss categorical_crossentropy takes one-hot labels, but the labels "
+     "are class ids: compile with loss='sparse_categorical_crossentropy'"),
+    ("non_additive_metric_model", "digits_ids", (), "metric largest_output (LargestOutput) keeps a state that does "
+     "not add up over batches"),
+    ("categorical_loss_model", "digits_one_hot", ("--class-weight", "{\"0\": oops}"),
+     "--class-weight '{\"0\": oops}': give 'balanced' or a JSON object"),
+])
+def test_a_compiled_model_that_does_not_fit_is_one_line_before_training(user_file, tmp_path, model, data, extra,
+                                                                       message):
+    out = tmp_path / "never"
+    p = run_job("jobs/train.py", "--model", f"{user_file}:{model}", "--dataset", f"{user_file}:{data}", *extra,
+                "--backend", "local", "--output", str(out), timeout=200)
+    errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
