@@ -279,3 +279,24 @@ def test_tyros_error_events_have_the_fields_the_cli_reads():
     }
     for name, needed in fields.items():
         assert needed <= {f.name for f in dataclasses.fields(getattr(events, name))}, name
+
+
+def test_keras_compile_internals_still_give_what_objective_and_measures_take():
+    """compile()'s own objects, and fit()'s resolution of "accuracy" by the labels' shape."""
+    import keras
+    import numpy as np
+
+    from app import internals
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="softmax")])
+    assert internals.compile_arguments(model) is None
+    auc = keras.metrics.AUC()
+    model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy", auc])
+    args = internals.compile_arguments(model)
+    assert args["loss"] == "categorical_crossentropy" and args["metrics"][1] is auc
+    one_hot, ids, out = np.eye(4)[[0, 1]], np.array([0, 1]), np.full((2, 4), 0.25)
+    assert type(internals.resolve_metric("accuracy", one_hot, out)).__name__ == "CategoricalAccuracy"
+    assert type(internals.resolve_metric("accuracy", ids, out)).__name__ == "SparseCategoricalAccuracy"
+    loss = internals.resolve_loss("categorical_crossentropy", one_hot, out)
+    assert tuple(loss.call(one_hot, out).shape) == (2,)  # per example: call() does not reduce
+    assert internals.auto_name_of(auc) == "auc" and internals.auto_name_of(keras.metrics.AUC()) == "auc"
