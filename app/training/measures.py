@@ -219,7 +219,8 @@ def settle(objective: Objective, model: "keras.Model", facts, rows: int = 64) ->
         raise UserError(f"a metric is named {taken[0]!r}, which the run's records use for their own values: "
                         "give it another name (name=...)")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(2 * rows, *facts.feature_shape)).astype(np.float32)
+    # In [0, 1): valid inputs for token models too (ids 0), varied for the rest.
+    x = rng.uniform(size=(2 * rows, *facts.feature_shape)).astype(np.float32)
     out = keras.ops.convert_to_numpy(model(x, training=False)).astype(np.float32)
     y = example_labels(objective, facts, 2 * rows, rng)
     _check_loss_fits_labels(objective, measures, y, out)
