@@ -8,7 +8,7 @@
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
-    python jobs/benchmark.py keras --runs 2                                     # compiled model: ours vs fit()
+    python jobs/benchmark.py keras                                              # compiled model: ours vs fit()
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml, quick.yaml with --quick, --preset FILE):
 parameters (flags override them), workload (TrainConfig fields; --config FILE, --set FIELD=VALUE over them).
@@ -54,8 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=float, help="CPUs both runs reserve in all.")
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
-    add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit."
-        ).add_argument("--runs", type=int, help="Measurements of each (the best counts: the machine drifts).")
+    add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
     return top
 
 
