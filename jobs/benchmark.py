@@ -1,18 +1,18 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps and sweep suites, on presets.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep and keras suites.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
-    python jobs/benchmark.py throughput --workers 1 2 4 --set synthetic_rows=16384 --set epochs=5
     python jobs/benchmark.py breakdown --config runs/benchmark-.../ray-1.yaml   # strategy x input, 1 process
     python jobs/benchmark.py checkpoint --repeats 10 --set model=cnn            # checkpoint write vs epoch
     python jobs/benchmark.py memory --only 1x --set stream_buffer_mib=512       # streamed parquet, 1x vs 10x
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
+    python jobs/benchmark.py keras                                              # compiled model: ours vs fit()
 
-Each suite reads its section of a preset (app/bench/presets/full.yaml, or quick.yaml with --quick, or
---preset FILE): its parameters (flags override them) and its workload, TrainConfig fields overridden by
---config FILE and --set FIELD=VALUE. Results go to --output (default: under runs/). BENCHMARKS.md has figures.
+Each suite reads its section of a preset (app/bench/presets/full.yaml, quick.yaml with --quick, --preset FILE):
+parameters (flags override them), workload (TrainConfig fields; --config FILE, --set FIELD=VALUE over them).
+Results go to --output (default: under runs/). BENCHMARKS.md has figures.
 """
 
 import argparse
@@ -21,7 +21,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,18 +43,18 @@ def parser() -> argparse.ArgumentParser:
     m = add("memory", "Peak memory training on streamed parquet at 1x and at --scale x its size.")
     m.add_argument("--rows", type=int, help="Parquet rows at 1x.")
     m.add_argument("--scale", type=int, help="The second dataset's size, in times --rows.")
-    m.add_argument("--rows-per-file", type=int)
-    m.add_argument("--workers", type=int)
+    m.add_argument("--rows-per-file", type=int), m.add_argument("--workers", type=int)
     m.add_argument("--only", choices=["write", "1x", "scaled"], help="One phase (results merge into memory.json).")
     e = add("exit", "The time from a run's last epoch line to its exit, in-memory and streamed.")
-    e.add_argument("--runs", type=int, help="Runs per data path.")
-    e.add_argument("--checkout", help="Run another checkout's jobs/train.py (a worktree of an older commit).")
+    e.add_argument("--runs", type=int, help="Runs per data path."), e.add_argument(
+        "--checkout", help="Run another checkout's jobs/train.py (a worktree of an older commit).")
     p = add("ps", "Parameter-server training against MWMS: same model, same CPUs reserved.")
-    p.add_argument("--workers", type=int, help="Workers in both runs.")
-    p.add_argument("--num-ps", type=int, help="Parameter servers beside them.")
+    p.add_argument("--workers", type=int, help="Workers in both runs."), p.add_argument(
+        "--num-ps", type=int, help="Parameter servers beside them.")
     p.add_argument("--cpus", type=float, help="CPUs both runs reserve in all.")
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
+    add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
     return top
 
 

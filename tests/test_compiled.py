@@ -66,6 +66,54 @@ def categorical_loss_model(input_shape):
     return compiled(input_shape, "categorical_crossentropy")
 
 
+def two_inputs():
+    """Named inputs: a dict of arrays, keyed as the model's keras.Input names."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(1200, 4)).astype("float32"), rng.normal(size=(1200, 3)).astype("float32")
+    return {"a": a, "b": b}, ((a[:, 0] + b[:, 1]) > 0).astype("int64")
+
+
+def two_input_model():
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(2, activation="softmax")(h))
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def renamed_inputs():
+    x, y = two_inputs()
+    return {"left": x["a"], "right": x["b"]}, y
+
+
+def two_outputs():
+    """Named outputs: a dict of labels, keyed as the model's output names."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1200, 5)).astype("float32")
+    return x, {"kind": (x[:, 0] > 0).astype("int64"), "size": (x @ np.arange(5)).astype("float32")}
+
+
+def two_output_model():
+    x = keras.Input((5,))
+    h = keras.layers.Dense(16, activation="relu")(x)
+    model = keras.Model(x, {"kind": keras.layers.Dense(2, activation="softmax", name="kind")(h),
+                            "size": keras.layers.Dense(1, name="size")(h)})
+    model.compile(optimizer="adam", loss={"kind": "sparse_categorical_crossentropy", "size": "mse"},
+                  loss_weights={"kind": 1.0, "size": 0.1}, metrics={"kind": ["accuracy"], "size": ["mae"]})
+    return model
+
+
+def mislabelled_outputs():
+    x, y = two_outputs()
+    return x, {"kind": y["kind"], "length": y["size"]}
+
+
+def ones_as_sample_weights():
+    x, y = digits_one_hot()
+    return x, y, np.ones(len(y), "float32")
+
+
 class LargestOutput(keras.metrics.Metric):
     """A running maximum: its state does not add up over batches."""
 
@@ -181,6 +229,51 @@ def test_class_weights_scale_the_loss_as_keras_does(user_file, tmp_path):
     assert doubled["metrics"]["val_loss"] == pytest.approx(plain["metrics"]["val_loss"], rel=2e-3)
 
 
+def test_two_workers_equal_one_worker_for_a_two_input_model(user_file, ray_cluster, tmp_path):
+    """Named inputs (a dict of arrays) through the same exact path: 2 x B = 1 x 2B, full-batch Adam."""
+    import keras
+
+    from app import train
+
+    common = dict(model=f"{user_file}:two_input_model", data=f"{user_file}:two_inputs", epochs=3,
+                  lr_scaling="none", warmup_epochs=0, lr_decay="constant", shuffle=False, seed=3)
+    two = train(num_workers=2, per_replica_batch=480, output=str(tmp_path / "two"), **common)
+    train(num_workers=1, per_replica_batch=960, output=str(tmp_path / "one"), **common)
+    w2 = keras.models.load_model(tmp_path / "two" / "model.keras", compile=False).get_weights()
+    w1 = keras.models.load_model(tmp_path / "one" / "model.keras", compile=False).get_weights()
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert two["num_replicas"] == 2 and two["metrics"]["val_accuracy"] > 0.6
+
+
+def test_a_two_output_model_on_two_workers_reports_each_outputs_metrics(user_file, ray_cluster, tmp_path):
+    """A loss, a loss weight and metrics per output, as compile() says, each metric named by its output."""
+    from app import train
+
+    result = train(model=f"{user_file}:two_output_model", data=f"{user_file}:two_outputs", num_workers=2,
+                   epochs=2, output=str(tmp_path / "two_out"))
+    assert result["objective"]["metrics"] == ["kind_accuracy", "size_mae"]
+    assert result["objective"]["loss"] == "kind: sparse_categorical_crossentropy, size: mse"
+    assert result["metric"] == "val_kind_accuracy" and 0.5 < result["metrics"]["val_kind_accuracy"] <= 1
+    assert result["metrics"]["val_size_mae"] > 0
+
+
+def test_sample_weights_of_one_are_no_weights(user_file, tmp_path):
+    """(x, y, sample_weight) from a data function, all 1: the very same training as (x, y)."""
+    import keras
+
+    common = ["jobs/train.py", "--model", f"{user_file}:build_model", "--backend", "local", "--strategy",
+              "one-device", "--epochs", "1"]
+    runs = run_jobs_at_once([*common, "--dataset", f"{user_file}:digits_one_hot", "--output", str(tmp_path / "a")],
+                            [*common, "--dataset", f"{user_file}:ones_as_sample_weights", "--output",
+                             str(tmp_path / "b")])
+    assert all(p.returncode == 0 for p in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    wa = keras.models.load_model(tmp_path / "a" / "model.keras", compile=False).get_weights()
+    wb = keras.models.load_model(tmp_path / "b" / "model.keras", compile=False).get_weights()
+    for a, b in zip(wa, wb):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("model, data, extra, message", [
     ("sparse_loss_model", "digits_one_hot", (), "loss sparse_categorical_crossentropy takes class ids, but the "
      "labels are one-hot (10 columns): compile with loss='categorical_crossentropy'"),
@@ -188,6 +281,8 @@ def test_class_weights_scale_the_loss_as_keras_does(user_file, tmp_path):
      "are class ids: compile with loss='sparse_categorical_crossentropy'"),
     ("non_additive_metric_model", "digits_ids", (), "metric largest_output (LargestOutput) keeps a state that does "
      "not add up over batches"),
+    ("two_input_model", "renamed_inputs", (), "the data's inputs are named left, right, but "),
+    ("two_output_model", "mislabelled_outputs", (), "the labels are named kind, length, but "),
     ("categorical_loss_model", "digits_one_hot", ("--class-weight", "{\"0\": oops}"),
      "--class-weight '{\"0\": oops}': give 'balanced' or a JSON object"),
 ])

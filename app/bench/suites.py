@@ -8,6 +8,8 @@
 - exit (app.bench.exit_gap): the time from the last epoch line to the end of jobs/train.py -> exit.json
 - ps (app.bench.ps_vs_mwms): parameter-server training against MWMS, same model and CPUs -> ps.json
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
+- keras (app.bench.keras_fit): a compiled model (two metrics) on this product's loop against Keras's own
+  model.fit, local and on one Ray worker -> keras.json
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from app.bench import breakdown, checkpoint_cost, exit_gap, memory, ps_vs_mwms, scaling, sweep_cost
+from app.bench import breakdown, checkpoint_cost, exit_gap, keras_fit, memory, ps_vs_mwms, scaling, sweep_cost
 from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost}
+          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

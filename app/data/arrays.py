@@ -10,7 +10,7 @@ are used by Ray Datasets and by the tf.data input on the workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 
@@ -20,14 +20,36 @@ X, Y, ID, W = "x", "y", "id", "w"
 Task = Literal["classification", "binary", "regression"]
 
 
+# x and y are an array, or a dict of arrays: a model's named inputs, its named outputs' labels.
+Arrays = Union[np.ndarray, dict[str, np.ndarray]]
+
+
+def nest_map(fn: Callable[[np.ndarray], Any], a: Any) -> Any:
+    """``fn`` on an array, or on each array of a dict of named arrays."""
+    return {k: fn(v) for k, v in a.items()} if isinstance(a, dict) else fn(a)
+
+
+def first(a: Arrays) -> np.ndarray:
+    return next(iter(a.values())) if isinstance(a, dict) else a
+
+
 @dataclass(frozen=True)
 class Split:
-    x: np.ndarray  # float32, (n, *feature_shape)
-    y: np.ndarray  # int64 class ids (n,); float32 one-hot rows (n, k); float32 targets (n,) or (n, *label_shape)
+    x: Arrays  # float32, (n, *feature_shape); or {input name: (n, *shape)}
+    y: Arrays  # int64 class ids (n,); float32 one-hot rows (n, k); float32 targets (n,) or (n, *label_shape)
     ids: np.ndarray  # int64, (n,)
+    w: Optional[np.ndarray] = None  # float32 (n,): the data function's sample weights (training rows only)
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.ids)
+
+    def rows(self, index: np.ndarray) -> "Split":
+        take = lambda a: a[index]  # noqa: E731
+        return Split(nest_map(take, self.x), nest_map(take, self.y), self.ids[index],
+                     None if self.w is None else self.w[index])
+
+    def weights(self) -> np.ndarray:
+        return np.ones(len(self), np.float32) if self.w is None else self.w
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,22 @@ class DataFacts:
     image_shape: Optional[tuple[int, ...]] = None
     label_shape: tuple[int, ...] = ()  # one example's label: () a class id or a value; (k,) one-hot or k targets
     class_counts: Optional[tuple[int, ...]] = None  # training rows per class, where known before training
+    input_shapes: Optional[dict[str, tuple[int, ...]]] = None  # named inputs (a dict x): each one's shape
+    # Named outputs (a dict y): each one's label shape and task (classification, binary, regression).
+    outputs: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+    sample_weights: bool = False  # the training rows carry the data function's sample weights
+
+    @property
+    def example_shape(self) -> Any:
+        """One example's input shape: a tuple, or {input name: shape}."""
+        return self.input_shapes if self.input_shapes is not None else tuple(self.feature_shape)
+
+    def zeros(self, n: int, fill: Optional[Callable[[tuple[int, ...]], np.ndarray]] = None) -> Arrays:
+        """``n`` examples of the inputs' shapes (zeros, or ``fill(shape)``): what a model is called on to check it."""
+        make = fill or (lambda shape: np.zeros(shape, np.float32))
+        if self.input_shapes is None:
+            return make((n, *self.feature_shape))
+        return {k: make((n, *shape)) for k, shape in self.input_shapes.items()}
 
     @property
     def label_dtype(self) -> str:
@@ -59,18 +97,18 @@ class Source:
     streamed = False  # app.data.streamed.Streamed: True; read where the input path differs
 
 
-def split_holdout(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:
-    """A seeded train/val split; ids are row indices in the source."""
-    ids = np.arange(len(y), dtype=np.int64)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    n_val = int(round(len(y) * val_fraction))
-    if n_val == 0 or n_val == len(y):
-        raise UserError(f"val_fraction={val_fraction} leaves an empty train or val set for {len(y)} rows")
-    val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
-    return (
-        Split(x[train_idx], y[train_idx], ids[train_idx]),
-        Split(x[val_idx], y[val_idx], ids[val_idx]),
-    )
+def split_holdout(x: Arrays, y: Arrays, val_fraction: float, seed: int, w: Optional[np.ndarray] = None
+                  ) -> tuple[Split, Split]:
+    """A seeded train/val split; ids are row indices in the source. Validation rows are unweighted (as Keras's
+    validation_split: sample weights are a training matter)."""
+    n = len(first(y))
+    whole = Split(x, y, np.arange(n, dtype=np.int64), w)
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_fraction))
+    if n_val == 0 or n_val == n:
+        raise UserError(f"val_fraction={val_fraction} leaves an empty train or val set for {n} rows")
+    val = whole.rows(np.sort(perm[:n_val]))
+    return whole.rows(np.sort(perm[n_val:])), Split(val.x, val.y, val.ids)
 
 
 def zero_weight_padding(n: int, multiple: int) -> int:
@@ -78,18 +116,18 @@ def zero_weight_padding(n: int, multiple: int) -> int:
     return (-n) % multiple
 
 
-def padded_with_zero_weight(split: Split, multiple: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def padded_with_zero_weight(split: Split, multiple: int) -> tuple[Arrays, Arrays, np.ndarray, np.ndarray]:
     """(x, y, ids, weights) with weight-0 copies of the first row appended until the count divides by ``multiple``.
 
     Padding rows have id -1 and weigh nothing in the loss and metric sums; they
     exist so that every worker or replica gets the same number of eval batches.
     """
     x, y, ids = split.x, split.y, split.ids
-    w = np.ones(len(y), dtype=np.float32)
-    pad = zero_weight_padding(len(y), multiple)
+    w = np.ones(len(ids), dtype=np.float32)
+    pad = zero_weight_padding(len(ids), multiple)
     if pad:
-        x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
-        y = np.concatenate([y, np.repeat(y[:1], pad, axis=0)])
+        grow = lambda a: np.concatenate([a, np.repeat(a[:1], pad, axis=0)])  # noqa: E731
+        x, y = nest_map(grow, x), nest_map(grow, y)
         ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
         w = np.concatenate([w, np.zeros(pad, dtype=np.float32)])
     return x, y, ids, w

@@ -16,13 +16,13 @@ the task and ``--num-classes``) before anything starts.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from app import registry
 from app.data import builtin
-from app.data.arrays import DataFacts, Source, Split, split_holdout
+from app.data.arrays import Arrays, DataFacts, Source, Split, first, nest_map, split_holdout
 from app.data.checks import check_finite, check_labels, task_of
 from app.data.numpy_files import reshape
 from app.errors import UserError
@@ -45,25 +45,40 @@ def is_ray_dataset(value: Any) -> bool:
     return any(c.__name__ == "Dataset" and c.__module__.startswith("ray.data") for c in type(value).__mro__)
 
 
-def _pair(value: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
+def _pair(value: Any, what: str) -> tuple[Arrays, Arrays, Optional[np.ndarray]]:
+    """(x, y) or (x, y, sample_weight); x and y may be dicts of named arrays (several inputs, several outputs)."""
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
         got = f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else \
             f"a {type(value).__name__}"
-        raise UserError(f"{what} returned {got}; expected (x, y)")
-    x, y = (np.asarray(a) for a in value)
-    if x.ndim == 0 or y.ndim == 0:
-        raise UserError(f"{what} returned x of shape {x.shape} and y of shape {y.shape}; expected x (n, ...) "
-                        "and y (n,) (or (n, k): one-hot rows, or k targets)")
-    if len(x) != len(y):
-        raise UserError(f"{what} returned {len(x)} examples but {len(y)} labels")
-    if len(y) == 0:
+        raise UserError(f"{what} returned {got}; expected (x, y) or (x, y, sample_weight)")
+    x, y = (_named(a, what, part) for a, part in zip(value[:2], ("x", "y")))
+    w = np.asarray(value[2], dtype=np.float32) if len(value) == 3 else None
+    n = len(first(y))
+    for part, arrays in (("x", x), ("y", y)):
+        for name, a in (arrays.items() if isinstance(arrays, dict) else [(None, arrays)]):
+            where = f"{part}[{name!r}]" if name else part
+            if a.ndim == 0 or (part == "y" and a.ndim > 2):
+                raise UserError(f"{what} returned {where} of shape {a.shape}; expected x (n, ...) and y (n,) "
+                                "(or (n, k): one-hot rows, or k targets)")
+            if len(a) != n:
+                raise UserError(f"{what} returned {len(a)} rows in {where} but {n} labels")
+            if a.dtype.kind not in "fiub":
+                raise UserError(f"{what} returned {where} of dtype {a.dtype}; expected numbers" + (
+                    " (integer class ids or float targets; encode string labels as integers 0..K-1)"
+                    if part == "y" else ""))
+    if n == 0:
         raise UserError(f"{what} returned 0 rows")
-    if x.dtype.kind not in "fiub":
-        raise UserError(f"{what} returned features of dtype {x.dtype}; expected numbers")
-    if y.dtype.kind not in "fiub":
-        raise UserError(f"{what} returned labels of dtype {y.dtype}; expected integer class ids or float targets "
-                        "(encode string labels as integers 0..K-1)")
-    return x, y
+    if w is not None and w.shape != (n,):
+        raise UserError(f"{what} returned sample weights of shape {w.shape}; expected one per row: ({n},)")
+    return x, y, w
+
+
+def _named(a: Any, what: str, part: str) -> Arrays:
+    if isinstance(a, dict):
+        if not a:
+            raise UserError(f"{what} returned an empty dict as {part}")
+        return {str(k): np.asarray(v) for k, v in a.items()}
+    return np.asarray(a)
 
 
 def _frame(df, config: "TrainConfig", what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -83,13 +98,16 @@ def _frame(df, config: "TrainConfig", what: str) -> tuple[np.ndarray, np.ndarray
     return df[features].to_numpy(dtype=np.float32), df[config.label_column].to_numpy()
 
 
-def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple[np.ndarray, np.ndarray], Any]:
-    """A data function's result -> ((x, y), val pair or None)."""
+def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple, Any]:
+    """A data function's result -> ((x, y, sample weights or None), validation (x, y, None) or None)."""
     if isinstance(value, dict):
         if "train" not in value or set(value) - {"train", "val"}:
             raise UserError(f"{what} returned a dict with keys {', '.join(map(str, value))}; expected "
                             "'train' and optionally 'val'")
         val = _pair(value["val"], f"{what}['val']") if "val" in value else None
+        if val is not None and val[2] is not None:
+            raise UserError(f"{what}['val'] has sample weights: validation is unweighted here (as Keras's "
+                            "validation_split); give (x, y)")
         return _pair(value["train"], f"{what}['train']"), val
     if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):
         return _frame(value, config, what), None
@@ -124,9 +142,74 @@ def load_source(config: "TrainConfig", returned: Any = None) -> Source:
 
 
 def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, labels: str) -> Source:
-    """(x, y) [+ validation (x, y)] -> checked, typed train/val splits and their facts."""
-    x, y = train_xy
-    check_finite(np.asarray(x, dtype=np.float32) if x.dtype.kind != "f" else x, f"{what}, features")
+    """(x, y[, w]) [+ validation (x, y)] -> checked, typed train/val splits and their facts."""
+    x, y, w = (*train_xy, None)[:3]
+    x = _features(x, config, what)
+    if isinstance(y, dict):  # several outputs: each label typed on its own; the first one names the task
+        typed = {k: _typed_labels(v, config, f"{labels} {k!r}") for k, v in y.items()}
+        y = {k: t[0] for k, t in typed.items()}
+        _, task, one_hot = next(iter(typed.values()))
+        outputs = {k: (tuple(t[0].shape[1:]), t[1]) for k, t in typed.items()}
+    else:
+        y, task, one_hot = _typed_labels(y, config, labels)
+    if w is not None:
+        check_finite(w, f"{what}, sample weights")
+    if val_xy is not None:
+        vx, vy = _features(val_xy[0], config, f"{what}, validation"), val_xy[1]
+        if nest_map(lambda a: a.shape[1:], vx) != nest_map(lambda a: a.shape[1:], x):
+            raise UserError(f"validation examples have shape {nest_map(lambda a: a.shape[1:], vx)}, the training "
+                            f"data {nest_map(lambda a: a.shape[1:], x)}")
+        if nest_map(lambda a: np.shape(a)[1:], vy) != nest_map(lambda a: a.shape[1:], y):
+            raise UserError(f"validation labels have shape {nest_map(lambda a: np.shape(a)[1:], vy)}, the training "
+                            f"labels {nest_map(lambda a: a.shape[1:], y)}")
+        check = lambda a: check_finite(a, f"{what}, validation labels")  # noqa: E731
+        nest_map(check, vy)
+        if not isinstance(y, dict) and y.ndim == 1:
+            task_of(vy, task, f"{what}, validation labels")
+        vy = {k: np.asarray(vy[k]).astype(y[k].dtype) for k in y} if isinstance(y, dict) \
+            else np.asarray(vy).astype(y.dtype)
+        n = len(first(y))
+        # Validation ids continue after the training ids: still one id per row.
+        train = Split(x, y, np.arange(n, dtype=np.int64), w)
+        val = Split(vx, vy, np.arange(n, n + len(first(vy)), dtype=np.int64))
+    else:
+        train, val = split_holdout(x, y, config.val_fraction, config.seed, w)
+    num_classes, counts = None, None
+    ty, vy = first(train.y), first(val.y)
+    if one_hot:
+        num_classes = ty.shape[1]
+        counts = tuple(int(c) for c in ty.sum(axis=0))
+    elif task != "regression":
+        every = np.concatenate([ty, vy])
+        check_labels(labels, int(every.min()), int(every.max()), config.num_classes)
+        num_classes = 2 if task == "binary" else (config.num_classes or int(every.max()) + 1)
+        counts = tuple(int(c) for c in np.bincount(ty, minlength=num_classes))
+    facts = DataFacts(
+        tuple(first(x).shape[1:]), task, num_classes, len(train), len(val), label_shape=tuple(ty.shape[1:]),
+        class_counts=counts if not isinstance(y, dict) else None,
+        input_shapes={k: tuple(a.shape[1:]) for k, a in x.items()} if isinstance(x, dict) else None,
+        outputs=outputs if isinstance(y, dict) else None,
+        sample_weights=w is not None,
+    )
+    return Source(train=train, val=val, facts=facts)
+
+
+def _features(x: Arrays, config: "TrainConfig", what: str) -> Arrays:
+    """float32, finite, reshaped to --feature-shape (one input only: named inputs keep their own shapes)."""
+    if isinstance(x, dict) and config.feature_shape:
+        raise UserError("--feature-shape reshapes one input; the data has named inputs "
+                        f"({', '.join(x)}): give each array its shape in the data function")
+
+    def one(a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a, dtype=np.float32)
+        check_finite(a, f"{what}, features")
+        return reshape(a, tuple(config.feature_shape), "x") if config.feature_shape else a
+
+    return nest_map(one, x)
+
+
+def _typed_labels(y: np.ndarray, config: "TrainConfig", labels: str) -> tuple[np.ndarray, str, bool]:
+    """Labels as the task takes them: (cast labels, task, one-hot?)."""
     check_finite(y, labels)
     one_hot = is_one_hot(y, config.task)
     if y.ndim == 1:
@@ -138,42 +221,7 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
     else:
         raise UserError(f"{labels} have shape {y.shape[1:]} per example, which --task {config.task} does not take: "
                         "give class ids (n,) or one-hot rows (n, k) (0/1, one 1 per row), or --task regression")
-    y_dtype = np.float32 if task == "regression" or y.ndim > 1 else np.int64
-    x = np.asarray(x, dtype=np.float32)
-    if config.feature_shape:
-        x = reshape(x, tuple(config.feature_shape), "x")
-    y = y.astype(y_dtype)
-    if val_xy is not None:
-        vx, vy = val_xy
-        vx = np.asarray(vx, dtype=np.float32)
-        if config.feature_shape:
-            vx = reshape(vx, tuple(config.feature_shape), "x")
-        if vx.shape[1:] != x.shape[1:]:
-            raise UserError(f"validation examples have shape {vx.shape[1:]}, the training data {x.shape[1:]}")
-        if np.shape(vy)[1:] != y.shape[1:]:
-            raise UserError(f"validation labels have shape {np.shape(vy)[1:]}, the training labels {y.shape[1:]}")
-        check_finite(vx, f"{what}, validation features")
-        check_finite(vy, f"{what}, validation labels")
-        if y.ndim == 1:
-            task_of(vy, task, f"{what}, validation labels")
-        vy = vy.astype(y_dtype)
-        # Validation ids continue after the training ids: still one id per row.
-        train = Split(x, y, np.arange(len(y), dtype=np.int64))
-        val = Split(vx, vy, np.arange(len(y), len(y) + len(vy), dtype=np.int64))
-    else:
-        train, val = split_holdout(x, y, config.val_fraction, config.seed)
-    num_classes, counts = None, None
-    if one_hot:
-        num_classes = y.shape[1]
-        counts = tuple(int(c) for c in train.y.sum(axis=0))
-    elif task != "regression":
-        every = np.concatenate([train.y, val.y])
-        check_labels(labels, int(every.min()), int(every.max()), config.num_classes)
-        num_classes = 2 if task == "binary" else (config.num_classes or int(every.max()) + 1)
-        counts = tuple(int(c) for c in np.bincount(train.y, minlength=num_classes))
-    facts = DataFacts(tuple(x.shape[1:]), task, num_classes, len(train), len(val), label_shape=tuple(y.shape[1:]),
-                      class_counts=counts)
-    return Source(train=train, val=val, facts=facts)
+    return y.astype(np.float32 if task == "regression" or y.ndim > 1 else np.int64), task, one_hot
 
 
 def is_one_hot(y: np.ndarray, requested: str) -> bool:

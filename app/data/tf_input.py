@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from app.data.arrays import ID, DataFacts, Split, W, X, Y, padded_with_zero_weight
+from app.data.arrays import ID, DataFacts, Split, W, X, Y, nest_map, padded_with_zero_weight
 from app.data.plan import EpochPlan
 
 if TYPE_CHECKING:
@@ -32,21 +32,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _batch_signature(facts: DataFacts, third: "tf.DType") -> tuple:
+def _batch_signature(facts: DataFacts, third: "tf.DType", weights: bool = False) -> tuple:
+    """A streamed batch: (x, y, ids or weights) [+ sample weights]; streamed data has one input and one label."""
     import tensorflow as tf
 
     return (
         tf.TensorSpec((None, *facts.feature_shape), tf.float32),
         tf.TensorSpec((None, *facts.label_shape), tf.as_dtype(facts.label_dtype)),
         tf.TensorSpec((None,), third),
-    )
+    ) + ((tf.TensorSpec((None,), tf.float32),) if weights else ())
 
 
 def train_batches_from_arrays(
     split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int,
     rank: int = 0, world: int = 1,
 ) -> "tf.data.Dataset":
-    """Per-replica (x, y, id) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
+    """Per-replica (x, y, id, sample weight) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
 
     Epoch e's order is shuffled with seed (seed, e), so a resumed or restarted
     run sees exactly the order an uninterrupted one would have. Worker
@@ -56,7 +57,8 @@ def train_batches_from_arrays(
     """
     import tensorflow as tf
 
-    x, y, ids = (tf.constant(a) for a in (split.x, split.y, split.ids))
+    x, y = (tf.nest.map_structure(tf.constant, a) for a in (split.x, split.y))
+    ids, w = tf.constant(split.ids), tf.constant(split.weights())
     per_worker = len(split) // world
 
     def one_epoch(epoch):
@@ -68,7 +70,8 @@ def train_batches_from_arrays(
         return batches.take(plan.steps * plan.replicas_per_worker)
 
     def gather(index):
-        return tf.gather(x, index), tf.gather(y, index), tf.gather(ids, index)
+        rows = lambda t: tf.gather(t, index)  # noqa: E731
+        return tf.nest.map_structure(rows, x), tf.nest.map_structure(rows, y), rows(ids), rows(w)
 
     return (
         tf.data.Dataset.range(start_epoch, epochs)
@@ -93,15 +96,15 @@ def eval_batches_from_arrays(
 
     round_rows = batch_size * replicas if replicas > 1 else 1
     x, y, _, w = padded_with_zero_weight(split, world * round_rows)
-    share = len(y) // world
-    mine = slice(rank * share, (rank + 1) * share)
-    return tf.data.Dataset.from_tensor_slices((x[mine], y[mine], w[mine])).batch(batch_size)
+    share = len(w) // world
+    mine = lambda a: a[rank * share:(rank + 1) * share]  # noqa: E731
+    return tf.data.Dataset.from_tensor_slices((nest_map(mine, x), nest_map(mine, y), mine(w))).batch(batch_size)
 
 
 def train_batches_from_shard(
     shard, plan: EpochPlan, facts: DataFacts, epochs: int, shuffle_buffer: int = 0, seed: int = 0
 ) -> "tf.data.Dataset":
-    """Per-replica (x, y, id) batches of a Ray Data shard, for ``epochs`` epochs of ``plan.steps`` each.
+    """Per-replica (x, y, id, sample weight 1) batches of a Ray Data shard, for ``epochs`` epochs of ``plan.steps``.
 
     Each call of the generator is one pass of the Ray shard (one epoch, newly
     shuffled); ``repeat()`` starts the next pass, so the prefetch overlaps the
@@ -134,7 +137,7 @@ def train_batches_from_shard(
         ):
             if taken < plan.steps:
                 taken += 1
-                yield batch[X], batch[Y], batch[ID]
+                yield batch[X], batch[Y], batch[ID], np.ones(len(batch[ID]), np.float32)
             else:
                 extra += 1
         if taken < plan.steps:
@@ -145,7 +148,7 @@ def train_batches_from_shard(
         if extra:
             log.warning("shard had %d batches beyond the planned %d; they were skipped", extra, plan.steps)
 
-    ds = tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.int64))
+    ds = tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.int64, weights=True))
     return ds.repeat().prefetch(2)
 
 

@@ -89,7 +89,8 @@ def check_model(config: "TrainConfig", facts: DataFacts,
         facts = replace(facts, task="binary")
     shape = check_output(model, facts, name)
     objective = settle(objective_for(config, facts, model, shape), model, facts)
-    summary = {"name": name, "parameters": int(model.count_params()), "output_shape": list(shape),
+    summary = {"name": name, "parameters": int(model.count_params()),
+               "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities")}
     if stage_devices:
@@ -103,8 +104,10 @@ def _outputs(model, facts: DataFacts) -> int:
     import numpy as np
 
     try:
-        out = model(np.zeros((1, *facts.feature_shape), np.float32), training=False)
+        out = model(facts.zeros(1), training=False)
     except Exception:
+        return -1
+    if isinstance(out, (dict, list, tuple)):  # several outputs: not a binary head
         return -1
     return int(np.prod(out.shape[1:])) if len(out.shape) > 1 else 1
 
@@ -137,9 +140,9 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     m = checked.model
     lines = [
         f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
-        f"{tuple(facts.feature_shape)}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
+        f"{facts.example_shape}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
         "(whole batches on every replica)",
-        f"model: {m['name']}, {m['parameters']:,} parameters, output shape {tuple(m['output_shape'])} "
+        f"model: {m['name']}, {m['parameters']:,} parameters, output shape {_shape(m['output_shape'])} "
         f"({m['outputs']})",
         objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
@@ -166,3 +169,10 @@ def objective_line(config: "TrainConfig", objective: "Objective") -> str:
     weights = f"; class weights {config.class_weight}" if objective.class_weights else ""
     return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name} ({where['loss']}), "
             f"metrics {metrics} ({where['metrics']}; the run's metric: val_{objective.metric}){weights}")
+
+
+def _shape(shape) -> str:
+    """(10,), or out_a (1,), out_b (3,) for a model with several outputs."""
+    if isinstance(shape, dict):
+        return ", ".join(f"{k} {tuple(v)}" for k, v in shape.items())
+    return str(tuple(shape))

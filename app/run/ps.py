@@ -254,7 +254,8 @@ def check_data(checked) -> None:
     source = checked.source
     if source.streamed:  # a data function's ray.data.Dataset
         raise UserError(STREAMED.format(what="a ray.data.Dataset"))
-    mib = (source.train.x.nbytes + source.train.y.nbytes) / 2**20
+    mib = sum(a.nbytes for part in (source.train.x, source.train.y)
+              for a in (part.values() if isinstance(part, dict) else [part])) / 2**20
     if mib > MAX_SHIPPED_MIB:
         raise UserError(
             f"--strategy parameter-server ships the training arrays to every worker inside its dataset function, "

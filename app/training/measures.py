@@ -16,6 +16,7 @@ state, flattened]. float64: counts stay exact over a large epoch.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -85,70 +86,98 @@ def unique_names(metrics: list[tuple["keras.metrics.Metric", bool]]) -> list[str
     return names
 
 
+@dataclass
+class _Head:
+    """One output of the model: its loss (per example) and its metrics."""
+
+    name: Optional[str]  # the output's name; None for a model with one output
+    loss: Callable
+    loss_weight: float
+    metrics: list[tuple["keras.metrics.Metric", bool]]  # (metric, weighted)
+
+
 class Measures:
     """The loss and the metrics of ``objective``, as ``model`` (this process's) was compiled."""
 
     def __init__(self, objective: Objective, model: "keras.Model"):
-        self.objective = objective
-        args = internals.compile_arguments(model) or {}
-        y_ex = np.zeros((2, *objective.label_shape), objective.label_dtype)
-        out_ex = np.zeros((2, *objective.output_shape), np.float32)
-        if objective.compiled_loss:
-            self._loss = internals.resolve_loss(args["loss"], y_ex, out_ex).call
-        else:
-            self._loss = default_loss(objective)
-        if objective.compiled_metrics:
-            self.metrics = [(internals.resolve_metric(m, y_ex, out_ex), weighted)
-                            for key, weighted in (("metrics", False), ("weighted_metrics", True))
-                            for m in _flat(args.get(key))]
-        else:
-            self.metrics = [(default_metric(objective.task, objective.from_logits, bool(objective.label_shape)), False)]
-        self.names = unique_names(self.metrics)
-        self._shapes = [[(tuple(v.shape), v.dtype) for v in m.variables] for m, _ in self.metrics]
-        self._sizes = [sum(int(np.prod(shape)) for shape, _ in shapes) for shapes in self._shapes]
-        self.size = 2 + sum(self._sizes)
         import tensorflow as tf
 
+        self.objective = objective
+        args = internals.compile_arguments(model) or {}
+        outputs = objective.outputs or ((None, objective.label_shape, objective.output_shape, objective.label_dtype,
+                                         objective.task),)
+        names = [o[0] for o in outputs]
+        self.heads: list[_Head] = []
+        for i, (name, label_shape, output_shape, dtype, _task) in enumerate(outputs):
+            y_ex, out_ex = np.zeros((2, *label_shape), dtype), np.zeros((2, *output_shape), np.float32)
+            if objective.compiled_loss:
+                loss = internals.resolve_loss(per_output(args["loss"], i, names, "loss"), y_ex, out_ex).call
+            else:
+                loss = default_loss(objective)
+            weight = per_output(args.get("loss_weights"), i, names, "loss_weights") if objective.compiled_loss else None
+            if objective.compiled_metrics:
+                metrics = [(internals.resolve_metric(m, y_ex, out_ex), weighted)
+                           for key, weighted in (("metrics", False), ("weighted_metrics", True))
+                           for m in _flat(per_output(args.get(key), i, names, key, listed=True))]
+            else:
+                metrics = [(default_metric(objective.task, objective.from_logits, bool(label_shape)), False)]
+            self.heads.append(_Head(name, loss, 1.0 if weight is None else float(weight), metrics))
+        self.metrics = [m for head in self.heads for m in head.metrics]
+        self.names = [f"{head.name}_{n}" if head.name else n
+                      for head in self.heads for n in unique_names(head.metrics)]
+        self._shapes = [[(tuple(v.shape), v.dtype) for v in m.variables] for m, _ in self.metrics]
+        self.size = 2 + sum(int(np.prod(shape)) for shapes in self._shapes for shape, _ in shapes)
         self._class_weights = (tf.constant(objective.class_weights, tf.float32)
                                if objective.class_weights is not None else None)
 
     # --- inside a step (tf.function, replica context) --------------------------------------------------------
 
-    def example_weights(self, y) -> Optional["tf.Tensor"]:
-        """--class-weight: each example's weight from its class (Keras's class_weight), else None."""
+    def _pairs(self, y, out):
+        """(head, its labels, its outputs): a dict of labels by output name; outputs as a dict, list or one."""
+        if len(self.heads) == 1:
+            return [(self.heads[0], y, out)]
+        return [(head, y[head.name], out[head.name] if isinstance(out, dict) else out[i])
+                for i, head in enumerate(self.heads)]
+
+    def train_weights(self, y, sample_weight=None) -> Optional["tf.Tensor"]:
+        """Each training example's weight: the data's sample weight times its class's --class-weight (Keras's
+        class_weight and sample_weight), or None for neither."""
         import tensorflow as tf
 
-        if self._class_weights is None:
-            return None
-        ids = tf.argmax(y, axis=-1) if self.objective.label_shape else tf.reshape(tf.cast(y, tf.int64), (-1,))
-        return tf.gather(self._class_weights, ids)
+        w = sample_weight
+        if self._class_weights is not None:
+            ids = tf.argmax(y, axis=-1) if self.objective.label_shape else tf.reshape(tf.cast(y, tf.int64), (-1,))
+            by_class = tf.gather(self._class_weights, ids)
+            w = by_class if w is None else w * by_class
+        return w
 
-    def loss(self, y, out, training: bool = True) -> "tf.Tensor":
-        """Per-example loss, shape (n,): what the caller divides by the global batch. Class weights apply to
-        training only, as in Keras's fit (its validation loss is unweighted)."""
+    def loss(self, y, out, weight=None) -> "tf.Tensor":
+        """Per-example loss, shape (n,) (each output's, times its loss weight, added), times ``weight``: what
+        the caller divides by the global batch. Validation passes no weight, as Keras's fit."""
         import tensorflow as tf
 
-        out = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), out)
-        per_example = self._loss(y, out)
-        if per_example.shape.rank and per_example.shape.rank > 1:  # per time step, per pixel: the example's mean
-            per_example = tf.reduce_mean(tf.reshape(per_example, (tf.shape(per_example)[0], -1)), axis=-1)
-        w = self.example_weights(y) if training else None
-        return per_example if w is None else per_example * w
+        total = None
+        for head, y_k, out_k in self._pairs(y, out):
+            per_example = head.loss(y_k, tf.cast(out_k, tf.float32))
+            if per_example.shape.rank and per_example.shape.rank > 1:  # per time step, per pixel: the example's mean
+                per_example = tf.reduce_mean(tf.reshape(per_example, (tf.shape(per_example)[0], -1)), axis=-1)
+            per_example = per_example * head.loss_weight if head.loss_weight != 1.0 else per_example
+            total = per_example if total is None else total + per_example
+        return total if weight is None else total * weight
 
-    def sums(self, y, out, per_example_loss, mask, training: bool = True) -> "tf.Tensor":
+    def sums(self, y, out, per_example_loss, mask, weight=None) -> "tf.Tensor":
         """[loss sum, count, every metric's state change] of one batch; rows of ``mask`` 0 (padding) count for
-        nothing. Unweighted metrics see only the mask; weighted ones the class weights too (in training)."""
+        nothing. Unweighted metrics see only the mask; weighted ones ``weight`` too."""
         import tensorflow as tf
 
-        out = tf.cast(out, tf.float32)
         mask = tf.cast(mask, tf.float32)
-        w = self.example_weights(y) if training else None
         parts = [tf.reshape(tf.reduce_sum(per_example_loss * mask), (1,)), tf.reshape(tf.reduce_sum(mask), (1,))]
-        for m, weighted in self.metrics:
-            zero = [tf.zeros(v.shape, v.dtype) for v in m.variables]
-            new = m.stateless_update_state(zero, y, out, sample_weight=mask * w if weighted and w is not None
-                                           else mask)
-            parts += [tf.reshape(tf.cast(v, tf.float64), (-1,)) for v in new]
+        for head, y_k, out_k in self._pairs(y, out):
+            for m, weighted in head.metrics:
+                zero = [tf.zeros(v.shape, v.dtype) for v in m.variables]
+                new = m.stateless_update_state(zero, y_k, tf.cast(out_k, tf.float32),
+                                               sample_weight=mask * weight if weighted and weight is not None else mask)
+                parts += [tf.reshape(tf.cast(v, tf.float64), (-1,)) for v in new]
         return tf.concat([tf.cast(p, tf.float64) for p in parts], axis=0)
 
     # --- on the host ---------------------------------------------------------------------------------------
@@ -169,35 +198,56 @@ class Measures:
         """Refuse (one line) a metric whose state after two batches is not the sum of each batch's change."""
         import tensorflow as tf
 
-        for (m, _), name in zip(self.metrics, self.names):
-            zero = [tf.zeros(v.shape, v.dtype) for v in m.variables]
-            try:
-                a = m.stateless_update_state(zero, y_a, out_a)
-                both = m.stateless_update_state(a, y_b, out_b)
-                b = m.stateless_update_state(zero, y_b, out_b)
-            except Exception as e:
-                raise UserError(f"metric {name} ({type(m).__name__}) fails on this model's outputs and labels: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-            if not all(np.allclose(np.asarray(s), np.asarray(x) + np.asarray(y), rtol=1e-5, atol=1e-6)
-                       for s, x, y in zip(both, a, b)):
-                raise UserError(
-                    f"metric {name} ({type(m).__name__}) keeps a state that does not add up over batches, so it "
-                    "cannot be combined exactly over workers: drop it from compile(metrics=...), or use a metric whose "
-                    "state is sums or counts (keras.metrics.Mean, AUC, Precision, ...)")
+        a_pairs, b_pairs = self._pairs(y_a, out_a), self._pairs(y_b, out_b)
+        names = iter(self.names)
+        for (head, ya, oa), (_, yb, ob) in zip(a_pairs, b_pairs):
+            for m, _ in head.metrics:
+                name = next(names)
+                zero = [tf.zeros(v.shape, v.dtype) for v in m.variables]
+                try:
+                    a = m.stateless_update_state(zero, ya, oa)
+                    both = m.stateless_update_state(a, yb, ob)
+                    b = m.stateless_update_state(zero, yb, ob)
+                except Exception as e:
+                    raise UserError(f"metric {name} ({type(m).__name__}) fails on this model's outputs and labels: "
+                                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                if not all(np.allclose(np.asarray(s), np.asarray(x) + np.asarray(y), rtol=1e-5, atol=1e-6)
+                           for s, x, y in zip(both, a, b)):
+                    raise UserError(
+                        f"metric {name} ({type(m).__name__}) keeps a state that does not add up over batches, so it "
+                        "cannot be combined exactly over workers: drop it from compile(metrics=...), or use a metric "
+                        "whose state is sums or counts (keras.metrics.Mean, AUC, Precision, ...)")
+
+
+def per_output(given: Any, i: int, names: list[Optional[str]], what: str, listed: bool = False) -> Any:
+    """What compile() gave for output ``i``: a dict by output name, a list with one entry per output, or (one
+    output; a loss for every output) the value itself."""
+    if len(names) == 1 or given is None:
+        if isinstance(given, dict) and len(names) == 1:
+            raise UserError(f"compile({what}=...) is a dict, but the model has one output: give it as a "
+                            f"{'list' if listed else 'single value'}")
+        return given
+    if isinstance(given, dict):
+        unknown = set(given) - set(names)
+        if unknown:
+            raise UserError(f"compile({what}=...) names output(s) {', '.join(sorted(unknown))}, but the model's "
+                            f"outputs are {', '.join(names)}")
+        return given.get(names[i])
+    if isinstance(given, (list, tuple)) and (not listed or any(isinstance(g, (list, tuple)) for g in given)):
+        if len(given) != len(names):
+            raise UserError(f"compile({what}=...) has {len(given)} entries, but the model has {len(names)} outputs "
+                            f"({', '.join(names)}): give one per output, or a dict by output name")
+        return given[i]
+    if listed:  # one flat list of metrics: Keras takes it only for a single output
+        raise UserError(f"compile({what}=...) is one list, but the model has {len(names)} outputs: give a dict by "
+                        f"output name ({', '.join(names)}), e.g. {{'{names[0]}': ['accuracy']}}")
+    return given  # one loss for every output
 
 
 def _flat(metrics: Any) -> list[Any]:
     if metrics is None:
         return []
-    if isinstance(metrics, dict):
-        raise UserError("compile(metrics=...) is a dict per output; this product trains models with one output: "
-                        "give a list of metrics")
-    if not isinstance(metrics, (list, tuple)):
-        return [metrics]
-    if any(isinstance(m, (list, tuple, dict)) for m in metrics):
-        raise UserError("compile(metrics=...) holds a list per output; this product trains models with one output: "
-                        "give one flat list of metrics")
-    return list(metrics)
+    return list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
 
 
 def _np_dtype(dtype: Any) -> Any:
@@ -219,40 +269,61 @@ def settle(objective: Objective, model: "keras.Model", facts, rows: int = 64) ->
         raise UserError(f"a metric is named {taken[0]!r}, which the run's records use for their own values: "
                         "give it another name (name=...)")
     rng = np.random.default_rng(0)
-    # In [0, 1): valid inputs for token models too (ids 0), varied for the rest.
-    x = rng.uniform(size=(2 * rows, *facts.feature_shape)).astype(np.float32)
-    out = keras.ops.convert_to_numpy(model(x, training=False)).astype(np.float32)
+    x = facts.zeros(2 * rows, fill=lambda shape: rng.normal(size=shape).astype(np.float32))
+    out = _numpy(model(x, training=False), keras)
     y = example_labels(objective, facts, 2 * rows, rng)
     _check_loss_fits_labels(objective, measures, y, out)
-    measures.check_additive(y[:rows], out[:rows], y[rows:], out[rows:])
+    half = lambda a, part: a[:rows] if part == 0 else a[rows:]  # noqa: E731
+    split = [(_nest(lambda a, p=p: half(a, p), y), _nest(lambda a, p=p: half(a, p), out)) for p in (0, 1)]
+    measures.check_additive(*split[0], *split[1])
     return dataclasses.replace(objective, metric_names=tuple(measures.names))
 
 
-def example_labels(objective: Objective, facts, n: int, rng) -> np.ndarray:
-    """Random labels of the data's kind: class ids, one-hot rows, or float targets."""
-    if objective.task == "regression":
-        return rng.normal(size=(n, *objective.label_shape)).astype(np.float32)
-    ids = rng.integers(0, facts.num_classes or 2, n)
-    if objective.label_shape:
-        return np.eye(objective.label_shape[-1], dtype=np.float32)[ids]
-    return ids.astype(np.int64)
+def _nest(fn, value):
+    if isinstance(value, dict):
+        return {k: fn(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [fn(v) for v in value]
+    return fn(value)
+
+
+def _numpy(value, keras):
+    return _nest(lambda t: keras.ops.convert_to_numpy(t).astype(np.float32), value)
+
+
+def example_labels(objective: Objective, facts, n: int, rng) -> Any:
+    """Random labels of the data's kind: class ids, one-hot rows, or float targets (a dict of them by output)."""
+    if objective.outputs:
+        return {name: _labels(task, shape, (out_shape or (2,))[-1], n, rng)
+                for name, shape, out_shape, _, task in objective.outputs}
+    return _labels(objective.task, objective.label_shape, facts.num_classes, n, rng)
+
+
+def _labels(task: str, shape, num_classes, n: int, rng) -> np.ndarray:
+    if task == "regression":
+        return rng.normal(size=(n, *shape)).astype(np.float32)
+    k = shape[-1] if shape else (num_classes or 2)
+    ids = rng.integers(0, k, n)
+    return np.eye(k, dtype=np.float32)[ids] if shape else ids.astype(np.int64)
 
 
 def _check_loss_fits_labels(objective: Objective, measures: Measures, y, out) -> None:
     kind = objective.loss_name.lower().replace("categoricalcrossentropy", "categorical_crossentropy")
     one_hot = bool(objective.label_shape) and objective.task != "regression"
-    if "sparse" in kind and one_hot:
+    if not objective.outputs and "sparse" in kind and one_hot:
         raise UserError(f"loss {objective.loss_name} takes class ids, but the labels are one-hot "
                         f"({objective.label_shape[-1]} columns): compile with loss='categorical_crossentropy', "
                         "or give the labels as class ids")
-    if "categorical" in kind and "sparse" not in kind and not objective.label_shape and objective.task != "regression":
+    if not objective.outputs and "categorical" in kind and "sparse" not in kind and not objective.label_shape \
+            and objective.task != "regression":
         raise UserError(f"loss {objective.loss_name} takes one-hot labels, but the labels are class ids: compile "
                         "with loss='sparse_categorical_crossentropy', or one-hot the labels")
+    n = len(next(iter(y.values())) if isinstance(y, dict) else y)
     try:
         per_example = measures.loss(y, out)
     except Exception as e:
-        raise UserError(f"loss {objective.loss_name} does not fit labels of shape {y.shape[1:]} and outputs of "
-                        f"shape {out.shape[1:]}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if tuple(per_example.shape) != (len(y),):
-        raise UserError(f"loss {objective.loss_name} gives shape {tuple(per_example.shape)} for {len(y)} examples; "
+        raise UserError(f"loss {objective.loss_name} does not fit the labels and the model's outputs: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if tuple(per_example.shape) != (n,):
+        raise UserError(f"loss {objective.loss_name} gives shape {tuple(per_example.shape)} for {n} examples; "
                         "expected one value per example")

@@ -46,7 +46,7 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     keras.mixed_precision.set_global_policy(PRECISION_POLICIES[config.mixed_precision])
     fn = registry.resolve(config.model, registry.MODELS)
     available: dict[str, Any] = {
-        "input_shape": tuple(facts.feature_shape),
+        "input_shape": facts.example_shape,  # {name: shape} for named inputs
         # Images stored as flat rows (the built-in digits) say their shape; image models reshape to it.
         **({"image_shape": facts.image_shape} if facts.image_shape else {}),
         "num_outputs": num_outputs(facts),
@@ -61,25 +61,52 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     return model
 
 
-def check_output(model: "keras.Model", facts: DataFacts, name: str) -> tuple[int, ...]:
-    """Build the model on one example and check its output against the task; returns the output shape."""
+def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
+    """Build the model on two examples and check its inputs and outputs against the data and the task.
+
+    Returns the output shape of one example: a tuple, or {output name: shape} for a model with several outputs.
+    """
     import numpy as np
 
+    if facts.input_shapes is not None:
+        given, wanted = sorted(facts.input_shapes), sorted(getattr(t, "name", "") for t in (model.inputs or []))
+        if getattr(model, "inputs", None) and given != wanted:
+            raise UserError(f"the data's inputs are named {', '.join(given)}, but {name}'s inputs are "
+                            f"{', '.join(wanted)}: name the arrays as the model's keras.Input(name=...)")
     try:
-        out = model(np.zeros((2, *facts.feature_shape), np.float32), training=False)
+        out = model(facts.zeros(2), training=False)
     except Exception as e:
         raise UserError(
-            f"{name} does not accept examples of shape {tuple(facts.feature_shape)}: "
+            f"{name} does not accept examples of shape {facts.example_shape}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
+    if facts.outputs is not None or isinstance(out, (dict, list, tuple)):
+        return _named_outputs(model, out, facts, name)
     shape = tuple(out.shape[1:])
     want = num_outputs(facts)
+    if facts.label_shape and facts.task == "regression":  # several targets: the output has the label's shape
+        want = int(np.prod(facts.label_shape))
     got = int(np.prod(shape)) if shape else 1
     if got != want:
         what = {"classification": f"{facts.num_classes} classes", "binary": "a binary task",
-                "regression": "a regression target"}[facts.task]
+                "regression": f"{want} target(s)"}[facts.task]
         raise UserError(f"{name} outputs {got} value(s) per example (shape {shape}), but {what} needs {want}")
     return shape
+
+
+def _named_outputs(model, out, facts: DataFacts, name: str) -> dict[str, tuple[int, ...]]:
+    """A model with several outputs: its outputs by name, which must be the names of the data's labels."""
+    names = list(out) if isinstance(out, dict) else list(getattr(model, "output_names", None) or [])
+    values = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (list, tuple)) else [out]
+    labels = sorted(facts.outputs or {})
+    if facts.outputs is None:
+        raise UserError(f"{name} has {len(values)} outputs ({', '.join(names)}), but the labels are one array: "
+                        "give y as a dict of arrays by output name")
+    if sorted(names) != labels or len(names) != len(values):
+        raise UserError(f"the labels are named {', '.join(labels)}, but {name}'s outputs are "
+                        f"{', '.join(names) or 'one unnamed tensor'}: key y by the model's output names "
+                        "(keras.layers.Dense(..., name=...) on each output)")
+    return {n: tuple(v.shape[1:]) for n, v in zip(names, values)}
 
 
 def ends_in_probabilities(model: "keras.Model") -> bool:

@@ -81,6 +81,8 @@ class Objective:
     compiled_optimizer: Optional[str] = None  # the compiled optimizer's class; None: --optimizer
     base_lr: Optional[float] = None  # the compiled optimizer's LR, where the scaling rule starts; None: --base-lr
     class_weights: Optional[tuple[float, ...]] = None  # --class-weight, per class id
+    # A model with several outputs: per output (name, label shape, output shape, label dtype, task); else ().
+    outputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...], str, str], ...] = ()
     sources: tuple[tuple[str, str], ...] = field(default=())  # (setting, where it came from), for the plan
 
     @property
@@ -109,8 +111,20 @@ def describe(obj: Any) -> str:
     return getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
 
 
-def objective_for(config, facts, model, output_shape: tuple[int, ...]) -> Objective:
-    """The run's objective from the flags, the model's compile() and the data's task and labels."""
+def describe_each(obj: Any) -> str:
+    """A loss per output (a dict or list) as the plan names it: "out_a: mse, out_b: crossentropy"."""
+    if isinstance(obj, dict):
+        return ", ".join(f"{k}: {describe(v)}" for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return ", ".join(describe(v) for v in obj)
+    return describe(obj)
+
+
+def objective_for(config, facts, model, output_shape: Any) -> Objective:
+    """The run's objective from the flags, the model's compile() and the data's task and labels.
+
+    ``output_shape``: one example's output shape, or {output name: shape} (app.training.model.check_output).
+    """
     import keras
 
     from app.training.model import ends_in_probabilities
@@ -118,16 +132,22 @@ def objective_for(config, facts, model, output_shape: tuple[int, ...]) -> Object
     args = internals.compile_arguments(model) or {}
     typed = config.model_fields_set
     sources: list[tuple[str, str]] = []
+    outputs = ()
+    if isinstance(output_shape, dict):
+        if args.get("loss") is None or config.loss is not None:
+            raise UserError("a model with several outputs takes its losses from compile(loss=...): compile it with "
+                            "a loss per output (a dict by output name), and leave out --loss")
+        outputs = tuple((name, shape, tuple(output_shape[name]), "float32" if shape or task == "regression"
+                         else "int64", task) for name, (shape, task) in facts.outputs.items())
+        output_shape = ()
 
     compiled_loss = config.loss is None and args.get("loss") is not None
     if compiled_loss:
-        if isinstance(args["loss"], (dict, list, tuple)):
-            raise UserError("compile(loss=...) is a dict or list per output; this product trains models with one "
-                            "output: give one loss")
-        loss = describe(args["loss"])
+        loss = describe_each(args["loss"])
         sources.append(("loss", "compile()"))
     else:
-        loss = config.loss or DEFAULT_LOSS[facts.task]
+        one_hot = facts.task == "classification" and bool(facts.label_shape)
+        loss = config.loss or ("categorical_crossentropy" if one_hot else DEFAULT_LOSS[facts.task])
         try:
             keras.losses.get(loss)
         except (ValueError, TypeError):
@@ -161,7 +181,7 @@ def objective_for(config, facts, model, output_shape: tuple[int, ...]) -> Object
         label_shape=tuple(facts.label_shape), output_shape=tuple(output_shape),
         compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
         compiled_optimizer=optimizer, base_lr=base_lr,
-        class_weights=class_weights(config, facts), sources=tuple(sources),
+        class_weights=class_weights(config, facts), sources=tuple(sources), outputs=outputs,
     )
     return objective
 
@@ -175,6 +195,9 @@ def class_weights(config, facts) -> Optional[tuple[float, ...]]:
         return None
     if facts.task == "regression":
         raise UserError("--class-weight weighs classes, but this is a regression task: drop it")
+    if facts.outputs is not None:
+        raise UserError("--class-weight weighs the classes of one label, but the model has several outputs: "
+                        "give sample weights from the data function, (x, y, sample_weight), instead")
     k = facts.num_classes
     if spec == "balanced":
         counts = facts.class_counts

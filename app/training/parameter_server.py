@@ -155,8 +155,8 @@ def scheduled_step(strategy, model, optimizer, measures: "Measures", batch: int,
     @tf.function
     def step(iterator, n):
         optimizer.learning_rate.assign(tf.cast(schedule(n), optimizer.learning_rate.dtype))
-        x, y, _ids = next(iterator)
-        return strategy.run(replica_step, args=(x, y))
+        x, y, _ids, w = next(iterator)
+        return strategy.run(replica_step, args=(x, y, w))
 
     return step
 

@@ -260,7 +260,7 @@ class Pipeline:
         return h
 
     def train_step(self, optimizer, measures: "Measures", global_batch: int, microbatches: int):
-        """The per-replica step for ``strategy.run``: (x, y) -> the same exact sums as app.training.step's."""
+        """The per-replica step for ``strategy.run``: (x, y, w) -> the same exact sums as app.training.step's."""
         import keras
         import tensorflow as tf
 
@@ -272,7 +272,7 @@ class Pipeline:
             losses = self.stages[k].losses
             return scale(tf.add_n(losses) / microbatches) if losses else None
 
-        def forward(x, y):
+        def forward(x, y, w):
             """One micro-batch through every stage: per stage (tape, its input, what to differentiate), and sums."""
             h, taped, sums = x, [], None
             for k, device in enumerate(self.devices):
@@ -282,9 +282,10 @@ class Pipeline:
                     out = self._call(k, h, x, training=True)
                     targets = [out]
                     if k == last:
-                        per_example_loss = measures.loss(y, out)
+                        weight = measures.train_weights(y, w)
+                        per_example_loss = measures.loss(y, out, weight)
                         targets = [scale(tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch))]
-                        sums = measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss))
+                        sums = measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss), weight)
                     if (reg := regularization(k)) is not None:
                         targets.append(reg)
                 taped.append((tape, h, targets))
@@ -306,9 +307,9 @@ class Pipeline:
                 upstream = (tf.zeros_like(h) if got[-1] is None else got[-1]) if k else None
 
         @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
-        def step(x, y):
-            xs, ys = tf.split(x, microbatches), tf.split(y, microbatches)
-            passes = [forward(xm, ym) for xm, ym in zip(xs, ys)]  # all forward, then all backward (GPipe)
+        def step(x, y, w):
+            xs, ys, ws = tf.split(x, microbatches), tf.split(y, microbatches), tf.split(w, microbatches)
+            passes = [forward(*parts) for parts in zip(xs, ys, ws)]  # all forward, then all backward (GPipe)
             grads = [[None] * len(v) for v in variables]
             for taped, _ in passes:
                 backward(taped, grads)

@@ -58,10 +58,11 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
     variables = model.trainable_variables
     scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
-    def micro_batch_gradients(x, y):
+    def micro_batch_gradients(x, y, sample_weight):
+        weight = measures.train_weights(y, sample_weight)
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            per_example_loss = measures.loss(y, out)
+            per_example_loss = measures.loss(y, out, weight)
             # Divide by the *global* batch (all replicas, all micro-batches): the
             # all-reduce then sums replica gradients into the gradient of the mean
             # over the global batch.
@@ -70,19 +71,21 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss))
+        return tape.gradient(loss, variables), measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss),
+                                                             weight)
 
-    def train_step(x, y):
+    def train_step(x, y, sample_weight):
         if grad_accum == 1:
-            grads, step_sums = micro_batch_gradients(x, y)
+            grads, step_sums = micro_batch_gradients(x, y, sample_weight)
         else:
             # K micro-batches, one at a time (activation memory of one), gradients
             # summed locally; the optimizer's all-reduce then runs once per K.
-            micro = tf.shape(x)[0] // grad_accum
+            micro = tf.shape(sample_weight)[0] // grad_accum
 
             def accumulate(i, grads, step_sums):
-                part = slice(i * micro, (i + 1) * micro)
-                g, s = micro_batch_gradients(x[part], y[part])
+                part = lambda t: t[i * micro:(i + 1) * micro]  # noqa: E731
+                g, s = micro_batch_gradients(tf.nest.map_structure(part, x), tf.nest.map_structure(part, y),
+                                             part(sample_weight))
                 return i + 1, [a + b for a, b in zip(grads, g)], step_sums + s
 
             zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in variables]
@@ -99,13 +102,13 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
 
 @dataclass
 class TrainSteps:
-    one: Callable[..., Any]  # (batch) -> (per-replica sums, gathered sample ids)
+    one: Callable[..., Any]  # (x, y, ids, sample weights) batch -> (per-replica sums, gathered sample ids)
     many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
 
 
 def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
                      audit_sample_ids: bool = False, replica_step: Optional[Callable] = None) -> TrainSteps:
-    """``replica_step``: a per-replica (x, y) -> sums step of its own (app.training.pipeline's), else the usual."""
+    """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
@@ -113,8 +116,8 @@ def make_train_steps(strategy, model, optimizer, measures, global_batch: int, gr
 
     @tf.function
     def one(batch):
-        x, y, ids = batch
-        per_replica = strategy.run(step, args=(x, y))
+        x, y, ids, w = batch
+        per_replica = strategy.run(step, args=(x, y, w))
         gathered = strategy.gather(ids, axis=0) if audit_sample_ids else tf.zeros((0,), tf.int64)
         return per_replica, gathered
 
@@ -123,8 +126,8 @@ def make_train_steps(strategy, model, optimizer, measures, global_batch: int, gr
         # Several steps per call (TPUs need it: one host round trip per k steps).
         acc = tf.zeros((measures.size,), tf.float64)
         for _ in tf.range(k):
-            x, y, _ids = next(iterator)
-            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(step, args=(x, y)))))
+            x, y, _ids, w = next(iterator)
+            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(step, args=(x, y, w)))))
         return acc
 
     return TrainSteps(one, many)
@@ -135,7 +138,7 @@ def eval_sums(model, measures: "Measures"):
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return measures.sums(y, out, measures.loss(y, out, training=False), w, training=False)
+        return measures.sums(y, out, measures.loss(y, out), w)
 
     return eval_step
 

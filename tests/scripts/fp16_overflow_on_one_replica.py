@@ -34,7 +34,7 @@ x = np.ones((8, 4), np.float32)
 x[6, 0] = np.inf  # in the second half: replica 1's per-replica batch
 y = np.zeros(8, np.int64)
 ids = np.arange(8, dtype=np.int64)
-batches = tf.data.Dataset.from_tensor_slices((x, y, ids)).batch(4)  # per-replica batches: replica 0, then 1
+batches = tf.data.Dataset.from_tensor_slices((x, y, ids, np.ones(8, np.float32))).batch(4)  # replica 0, then 1
 iterator = iter(strategy.distribute_datasets_from_function(lambda _: batches))
 before = [w.copy() for w in model.get_weights()]
 scale_before = float(optimizer.dynamic_scale.numpy())

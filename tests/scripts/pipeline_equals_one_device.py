@@ -64,7 +64,7 @@ def config(case: dict, microbatches: int | None):
 def train(case: dict, checked, microbatches: int | None):
     cfg, batch_size = config(case, microbatches), case["per_replica_batch"]
     train = checked.source.train
-    batch = (train.x[:batch_size], train.y[:batch_size], train.ids[:batch_size])
+    batch = (train.x[:batch_size], train.y[:batch_size], train.ids[:batch_size], train.weights()[:batch_size])
     with strategy.scope():
         model = build_model(cfg, checked.facts)
         optimizer = optim.make_optimizer(cfg, optim.plan_lr(cfg, batch_size, STEPS))
