@@ -22,6 +22,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     import tensorflow as tf
 
     from app.data import tf_input
+    from app.run import preflight
     from app.training.loop import evaluate
     from app.training.measures import Measures, settle
     from app.training.model import check_output
@@ -38,7 +39,8 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     facts = source.facts
     if facts.task == "classification" and facts.num_classes == 2 and model.output_shape[-1] == 1:
         facts = replace(facts, task="binary")
-    objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts)
+    objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts,
+                       preflight.examples(source))
     measures = Measures(objective, model)
     strategy = tf.distribute.get_strategy()  # the default, single-device strategy
     if source.streamed:  # read by Ray Data in this process (a Ray run's files)

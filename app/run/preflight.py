@@ -70,8 +70,8 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     return memory.load_source(config, value)
 
 
-def check_model(config: "TrainConfig", facts: DataFacts,
-                stage_devices: Sequence[str] = ()) -> tuple[DataFacts, "Objective", dict[str, Any]]:
+def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence[str] = (),
+                examples: Any = None) -> tuple[DataFacts, "Objective", dict[str, Any]]:
     """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary.
 
     With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
@@ -88,7 +88,7 @@ def check_model(config: "TrainConfig", facts: DataFacts,
         # Two classes and a model with one output whatever it is asked for (a sigmoid head): binary.
         facts = replace(facts, task="binary")
     shape = check_output(model, facts, name)
-    objective = settle(objective_for(config, facts, model, shape), model, facts)
+    objective = settle(objective_for(config, facts, model, shape), model, facts, examples)
     summary = {"name": name, "parameters": int(model.count_params()),
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
@@ -98,6 +98,16 @@ def check_model(config: "TrainConfig", facts: DataFacts,
 
         summary["pipeline"] = plan_stages(model, config.split_at, stage_devices, name)
     return facts, objective, summary
+
+
+def examples(source) -> Any:
+    """A few training rows (x, y) to check the loss and metrics on, where the driver holds them."""
+    import numpy as np
+
+    if source.streamed:
+        return None
+    rows = source.train.rows(np.arange(min(128, len(source.train))))
+    return rows.x, rows.y
 
 
 def _outputs(model, facts: DataFacts) -> int:
@@ -117,7 +127,7 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
           loc: Optional["Located"] = None) -> Checked:
     """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
     source = source if source is not None else load_data(config, num_workers, loc)
-    facts, objective, summary = check_model(config, source.facts, stage_devices)
+    facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source))
     EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
     return Checked(source, facts, objective, summary)
 

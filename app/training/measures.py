@@ -254,9 +254,12 @@ def _np_dtype(dtype: Any) -> Any:
     return np.dtype(getattr(dtype, "as_numpy_dtype", dtype) if not isinstance(dtype, str) else dtype)
 
 
-def settle(objective: Objective, model: "keras.Model", facts, rows: int = 64) -> Objective:
+def settle(objective: Objective, model: "keras.Model", facts, examples: Any = None, rows: int = 64) -> Objective:
     """The driver's check of the loss and the metrics on this model and these labels; the objective with the
-    metrics' names. Everything that would fail in a worker's first step fails here, in one line."""
+    metrics' names. Everything that would fail in a worker's first step fails here, in one line.
+
+    ``examples``: (x, y) training rows, where the driver holds them (in-memory data); else zeros of the
+    inputs' shapes (valid token ids too) and random labels of the data's kind."""
     import dataclasses
 
     import keras
@@ -269,14 +272,21 @@ def settle(objective: Objective, model: "keras.Model", facts, rows: int = 64) ->
         raise UserError(f"a metric is named {taken[0]!r}, which the run's records use for their own values: "
                         "give it another name (name=...)")
     rng = np.random.default_rng(0)
-    x = facts.zeros(2 * rows, fill=lambda shape: rng.normal(size=shape).astype(np.float32))
+    if examples is not None and len(np.asarray(_first(examples[1]))) >= 2:
+        x, y = examples
+        rows = len(np.asarray(_first(y))) // 2
+    else:
+        x, y = facts.zeros(2 * rows), example_labels(objective, facts, 2 * rows, rng)
     out = _numpy(model(x, training=False), keras)
-    y = example_labels(objective, facts, 2 * rows, rng)
     _check_loss_fits_labels(objective, measures, y, out)
     half = lambda a, part: a[:rows] if part == 0 else a[rows:]  # noqa: E731
     split = [(_nest(lambda a, p=p: half(a, p), y), _nest(lambda a, p=p: half(a, p), out)) for p in (0, 1)]
     measures.check_additive(*split[0], *split[1])
     return dataclasses.replace(objective, metric_names=tuple(measures.names))
+
+
+def _first(value):
+    return next(iter(value.values())) if isinstance(value, dict) else value
 
 
 def _nest(fn, value):
