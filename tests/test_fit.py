@@ -122,6 +122,17 @@ def test_fit_refuses_in_one_line_before_anything_starts(tmp_path, kwargs, messag
     assert not (tmp_path / "out").exists()
 
 
+def test_fit_refuses_a_built_model_it_needs_the_function(tmp_path):
+    import keras
+
+    from app import fit
+    from app.errors import UserError
+
+    with pytest.raises(UserError, match="takes the function that builds the model, not a built model"):
+        fit(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), X, Y, output=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_epoch_record_maps_to_keras_history_keys_for_any_metric():
     from app.run.fit import keras_history
 

@@ -113,6 +113,9 @@ def fit(
         raise UserError("callbacks are not supported yet (app.fit takes callbacks=None or [])")
     if "model" in fields:
         raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
+    if _is_keras_model(model_fn):
+        raise UserError("app.fit takes the function that builds the model, not a built model: every worker builds "
+                        "its own under the strategy (app.fit(build_model, x, y, ...))")
     config_file = fields.pop("config", None)
     values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields),
               "model": model_fn, "epochs": epochs, "num_workers": num_workers}
@@ -167,6 +170,11 @@ def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, 
         return {"dataset": x}
     raise UserError(f"x of type {type(x).__name__} is not supported: give numpy arrays (with y), a data function "
                     "(as data= in app.train) or a path (as --dataset)")
+
+
+def _is_keras_model(value: Any) -> bool:
+    """A built Keras model or layer (callable, so it would pass for a model function), told without importing Keras."""
+    return any(c.__name__ in ("Model", "Layer") and c.__module__.startswith("keras") for c in type(value).__mro__)
 
 
 def _is_array(value: Any) -> bool:
