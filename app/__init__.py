@@ -1,7 +1,8 @@
 """ray-tf-train: data-parallel Keras 3 training on Ray (and locally), from the command line or from Python.
 
-    from app import train, tune, evaluate
+    from app import train, tune, evaluate, fit
     result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
+    history = fit(build_model, x, y, batch_size=256, epochs=10, validation_split=0.2)   # model.fit's arguments
 
 ``app.ShardedEmbedding`` (app.layers) is an embedding table in K shards for your own
 models: spread over the parameter servers under --strategy parameter-server.
@@ -26,6 +27,14 @@ def tune(*args: Any, **kwargs: Any) -> dict:
     return _tune(*args, **kwargs)
 
 
+def fit(*args: Any, **kwargs: Any) -> Any:
+    """app.run.fit.fit: keras.Model.fit's arguments (x, y, global batch_size, validation_split, ...) on Ray
+    workers; returns a History (``.history``, ``.result``, ``.model``)."""
+    from app.run.fit import fit as _fit
+
+    return _fit(*args, **kwargs)
+
+
 def evaluate(*args: Any, **kwargs: Any) -> dict:
     """app.run.api.evaluate: score an exported model."""
     from app.run.api import evaluate as _evaluate
@@ -42,4 +51,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
 
-__all__ = ["train", "tune", "evaluate", "ShardedEmbedding"]
+__all__ = ["train", "fit", "tune", "evaluate", "ShardedEmbedding"]

@@ -111,6 +111,20 @@ def split_holdout(x: Arrays, y: Arrays, val_fraction: float, seed: int, w: Optio
     return whole.rows(np.sort(perm[n_val:])), Split(val.x, val.y, val.ids)
 
 
+def split_last(x: np.ndarray, y: np.ndarray, fraction: float) -> tuple[tuple[np.ndarray, np.ndarray],
+                                                                       tuple[np.ndarray, np.ndarray]]:
+    """Keras's ``validation_split``: the last ``fraction`` of the rows, in their given order, are validation.
+
+    The cut is Keras's own (``floor(n * (1 - fraction))``), so a script moved from ``model.fit`` validates
+    on the same rows. The two parts go to the source as explicit train and val arrays (memory.arrays_from).
+    """
+    n = len(y)
+    split_at = int(np.floor(n * (1.0 - fraction)))
+    if split_at in (0, n):
+        raise UserError(f"validation_split={fraction} leaves an empty train or val set for {n} rows")
+    return (x[:split_at], y[:split_at]), (x[split_at:], y[split_at:])
+
+
 def zero_weight_padding(n: int, multiple: int) -> int:
     """How many weight-0 rows make ``n`` divisible by ``multiple``."""
     return (-n) % multiple

@@ -1,0 +1,288 @@
+"""app.fit: ``keras.Model.fit``'s arguments, trained as app.train trains (Ray workers, MWMS, the custom loop).
+
+    history = app.fit(build_model, x, y, batch_size=256, epochs=10, validation_split=0.2, num_workers=2)
+    history.history["val_accuracy"]   # one value per epoch, keyed as Keras's History
+    history.result                    # result.json's content: what app.train returns
+    history.model                     # the trained model.keras, loaded on first use
+
+The arguments mean what they mean in ``keras.Model.fit``:
+
+- ``model_fn``: what ``model=`` takes in app.train (a function returning the model, a built-in name, a
+  ``file.py:function``). A function returning a compiled model is called with no arguments.
+- ``batch_size``: the GLOBAL batch, as under a Keras distribution strategy (default 32). It is split over
+  the replicas (``per_replica_batch = batch_size / replicas``: one replica per Ray worker) and refused when
+  it does not divide. Without it, a ``per_replica_batch=`` keyword keeps the product's meaning.
+- ``x``: numpy arrays (or array-likes: tensors, DataFrames) with ``y``; a data function (as ``data=`` in
+  app.train); or a path / dataset name (as ``--dataset``). Named or several inputs (a dict, list or tuple of
+  arrays) are refused for now.
+- ``validation_data=(x_val, y_val)``: exactly those rows validate (with a path ``x``: a path, as
+  ``--val-dataset``). ``validation_split``: the LAST fraction of the rows, in their order, as Keras takes it
+  (arrays only, as in Keras); ``validation_data`` wins when both are given, as in Keras. With neither, Keras
+  validates nothing; this product needs a validation set for its epoch record, so it holds out its seeded
+  random ``val_fraction`` (default 0.2) of the rows, as app.train does, and does not train on them.
+- ``callbacks``: not supported yet (``None`` or ``[]``).
+- Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
+  a YAML file of them.
+
+Everything refusable is refused with one line before the data is checked or Ray starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from app.config import TrainConfig, build_config
+from app.errors import UserError
+
+KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size
+# Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
+# Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
+NOT_METRICS = ("samples", "seconds")
+
+
+class History:
+    """What app.fit returns: Keras's History (``history``, ``epoch``, ``params``, ``model``) for a run.
+
+    ``history``: the epoch record's losses and metrics keyed as Keras's History (``loss``, ``accuracy``,
+    ``val_loss``, ``val_accuracy``, ...; one value per epoch). ``records``: the whole per-epoch records, as
+    history.csv holds them (samples, seconds, learning rate). ``result``: result.json's content.
+    ``model``: the trained ``model.keras``, loaded on first use.
+    """
+
+    def __init__(self, result: dict[str, Any], records: list[dict[str, Any]], model_file: Path):
+        self.result = result
+        self.records = records
+        self.history = keras_history(records)
+        self.epoch = [int(r["epoch"]) - 1 for r in records]  # Keras counts epochs from 0
+        self.params = {"epochs": result["config"]["epochs"], "steps": result["steps_per_epoch"]}
+        self.model_file = model_file
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            import keras
+
+            self._model = keras.models.load_model(self.model_file)
+        return self._model
+
+    def __repr__(self) -> str:
+        return f"History({len(self.epoch)} epochs, keys {list(self.history)}, output {self.model_file.parent})"
+
+
+def keras_history(records: list[dict[str, Any]]) -> dict[str, list[Optional[float]]]:
+    """Per-epoch records -> Keras's History keys: train_loss -> loss, train_<m> -> <m>, val_<m> as it is.
+
+    Generic over the metric names the records carry; training keys first, then validation, as Keras orders
+    its logs. A value an epoch's record lacks is None.
+    """
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    mapped = {}
+    for prefix, keras_prefix in (("train_", ""), ("val_", "val_")):
+        for key in keys:
+            name = key[len(prefix):]
+            if key.startswith(prefix) and name not in NOT_METRICS:
+                mapped[keras_prefix + name] = key
+    return {
+        keras_key: [None if r.get(key) in (None, "") else float(r[key]) for r in records]
+        for keras_key, key in mapped.items()
+    }
+
+
+def fit(
+    model_fn: Any,
+    x: Any = None,
+    y: Any = None,
+    batch_size: Optional[int] = None,
+    epochs: int = 1,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
+    callbacks: Optional[list] = None,
+    num_workers: int = 2,
+    **fields: Any,
+) -> History:
+    """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
+    from app.run.api import run_training
+
+    if callbacks:
+        raise UserError("callbacks are not supported yet (app.fit takes callbacks=None or [])")
+    if "model" in fields:
+        raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
+    if _is_keras_model(model_fn):
+        raise UserError("app.fit takes the function that builds the model, not a built model: every worker builds "
+                        "its own under the strategy (app.fit(build_model, x, y, ...))")
+    config_file = fields.pop("config", None)
+    values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields),
+              "model": model_fn, "epochs": epochs, "num_workers": num_workers}
+    config = _with_global_batch(config_file, values, batch_size)
+    result = run_training(config)
+    out = config.output_dir()
+    return History(result, read_records(out / result["history_file"]), out / result["model_file"])
+
+
+def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, fields: dict) -> dict[str, Any]:
+    """x, y and the validation arguments -> the config's dataset (and val_dataset)."""
+    if "dataset" in fields:
+        raise UserError("give the data as x (arrays, a data function or a path), not dataset=")
+    if not 0 <= validation_split < 1:
+        raise UserError(f"validation_split must be in [0, 1) (got {validation_split!r})")
+    validating = validation_data is not None or validation_split > 0
+    given = [k for k in ("val_fraction", "val_dataset") if k in fields]
+    if validating and given:
+        raise UserError(f"{given[0]} is the product's own validation set, used without validation_data and "
+                        "validation_split: pass one or the other")
+    if x is None:
+        raise UserError("x is required: numpy arrays (with y), a data function, or a path (as --dataset)")
+    if _is_array(x):
+        if y is None:
+            raise UserError("x arrays need y: the labels or targets, one per row")
+        x, y = _input_array(x, "x"), _labels(y, "y", len(x))
+        if validation_data is not None:
+            val = _validation_pair(validation_data)
+        elif validation_split > 0:
+            from app.data.arrays import split_last
+
+            (x, y), val = split_last(x, y, validation_split)
+        else:
+            val = None  # the product's seeded val_fraction holdout (the module docstring says why)
+        return {"dataset": _given_arrays(x, y, val)}
+    if isinstance(x, (dict, list, tuple)):
+        _input_array(x, "x")  # refused there: several inputs
+    if y is not None:
+        raise UserError(f"y goes with x arrays; x is a {type(x).__name__}, which carries its own labels")
+    if isinstance(x, (str, os.PathLike)):
+        if validation_split > 0:
+            raise UserError("validation_split takes the last rows of x arrays (as in Keras); with a path, set "
+                            "val_fraction (a seeded random holdout) or validation_data (a path, as --val-dataset)")
+        if validation_data is not None and not isinstance(validation_data, (str, os.PathLike)):
+            raise UserError("with x a path, validation_data is a path too (as --val-dataset), not "
+                            f"a {type(validation_data).__name__}")
+        return {"dataset": os.fspath(x), **({"val_dataset": os.fspath(validation_data)} if validation_data else {})}
+    if callable(x):
+        if validating:
+            raise UserError("validation_data and validation_split take arrays: a data function returns "
+                            "{'train': (x, y), 'val': (x_val, y_val)} to give its own validation rows")
+        return {"dataset": x}
+    raise UserError(f"x of type {type(x).__name__} is not supported: give numpy arrays (with y), a data function "
+                    "(as data= in app.train) or a path (as --dataset)")
+
+
+def _is_keras_model(value: Any) -> bool:
+    """A built Keras model or layer (callable, so it would pass for a model function), told without importing Keras."""
+    return any(c.__name__ in ("Model", "Layer") and c.__module__.startswith("keras") for c in type(value).__mro__)
+
+
+def _is_array(value: Any) -> bool:
+    """numpy arrays, and what converts to one without a copy of Python objects: tensors, DataFrames."""
+    return isinstance(value, np.ndarray) or (hasattr(value, "__array__") and hasattr(value, "shape"))
+
+
+def _input_array(value: Any, what: str) -> np.ndarray:
+    """One model input as an array. The one place that refuses named and multiple inputs: the data path takes a
+    single input array today; when it takes several, they are accepted here."""
+    if isinstance(value, dict):
+        raise UserError(f"{what} is a dict of named inputs ({', '.join(map(str, value))}): several model inputs "
+                        "are not supported yet; give one array")
+    if isinstance(value, (list, tuple)):
+        raise UserError(f"{what} is a {type(value).__name__} of {len(value)}, which Keras reads as several model "
+                        "inputs: not supported yet; give one array")
+    if not _is_array(value):
+        raise UserError(f"{what} of type {type(value).__name__} is not supported: give a numpy array")
+    return np.asarray(value)
+
+
+def _labels(value: Any, what: str, rows: int) -> np.ndarray:
+    if not _is_array(value):
+        raise UserError(f"{what} of type {type(value).__name__} is not supported: give a numpy array of labels")
+    labels = np.asarray(value)
+    if labels.ndim == 2 and labels.shape[1] == 1:  # (n, 1), as Keras's sparse losses take it
+        labels = labels[:, 0]
+    if len(labels) != rows:
+        raise UserError(f"{what} has {len(labels)} rows but its x has {rows}")
+    return labels
+
+
+def _validation_pair(value: Any) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(value, (tuple, list)) and len(value) == 3:
+        raise UserError("validation_data with sample weights (x_val, y_val, weights) is not supported: give "
+                        "(x_val, y_val)")
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise UserError(f"validation_data must be (x_val, y_val) arrays (got a {type(value).__name__})")
+    xv = _input_array(value[0], "validation_data's x")
+    return xv, _labels(value[1], "validation_data's y", len(xv))
+
+
+def _given_arrays(x: np.ndarray, y: np.ndarray, val: Optional[tuple]) -> Callable[[], Any]:
+    """The arrays as a data function of no arguments (what the data layer takes): explicit train and val rows
+    when validation rows were given, else (x, y) for the seeded holdout."""
+    data = (x, y) if val is None else {"train": (x, y), "val": val}
+
+    def arrays():
+        return data
+
+    # How the data layer's lines name it ("app:fit(x, y) returned ..."), and config.yaml: not a loadable name.
+    arrays.__module__, arrays.__qualname__ = "app", "fit(x, y)"
+    return arrays
+
+
+def replicas(config: TrainConfig) -> tuple[int, str]:
+    """How many replicas a global batch is split over, and why that many."""
+    if config.backend == "ray" and config.strategy == "parameter-server":
+        return 1, "--strategy parameter-server: each update is one worker's batch"
+    if config.backend == "ray":
+        return config.num_workers, f"{config.num_workers} Ray worker(s), one replica each"
+    if config.strategy in ("one-device", "pipeline"):
+        return 1, f"--strategy {config.strategy}: one replica"
+    if config.devices:
+        return config.devices, f"--devices {config.devices}"
+    if config.strategy == "tpu":
+        raise UserError("batch_size with --strategy tpu: the TPU's cores are not known before it starts; give "
+                        "per_replica_batch= instead")
+    from app import tf_import
+
+    tf_import.install()
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return max(1, gpus), f"{gpus} GPU(s)" if gpus else "the CPU, one replica"
+
+
+def _with_global_batch(config_file: Optional[str], values: dict[str, Any], batch_size: Optional[int]) -> TrainConfig:
+    """The config, with batch_size (global) as per_replica_batch for the run's replicas."""
+    if batch_size is not None and "per_replica_batch" in values:
+        raise UserError("batch_size is the global batch and per_replica_batch each replica's: give one")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise UserError(f"batch_size must be a positive integer (got {batch_size!r})")
+    if "per_replica_batch" in values:
+        return build_config(config_file, values)
+    batch = batch_size or KERAS_BATCH_SIZE
+    # Validated first as it is (one output directory for both builds), then with the batch split.
+    probe = build_config(config_file, {**values, "per_replica_batch": batch})
+    n, why = replicas(probe)
+    if batch % n:
+        below, above = batch // n * n, (batch // n + 1) * n
+        nearest = f"{below} or {above}" if below else str(above)
+        default = " (Keras's default)" if batch_size is None else ""
+        raise UserError(f"batch_size {batch}{default} is the global batch and does not divide over {n} replicas "
+                        f"({why}): use {nearest}")
+    return build_config(config_file, {**values, "output": probe.output, "per_replica_batch": batch // n})
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """history.csv's rows, numbers as numbers."""
+    with path.open(newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _number(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
