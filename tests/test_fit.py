@@ -100,8 +100,8 @@ def build_model():
     ({"callbacks": [object()]}, "callbacks are not supported yet"),
     ({"x": (i for i in range(3)), "y": None}, "x of type generator is not supported: give numpy arrays (with y), "
                                               "a data function"),
-    ({"x": {"pixels": X}}, "x is a dict of named inputs (pixels): several model inputs are not supported yet"),
-    ({"x": [X, X]}, "x is a list of 2, which Keras reads as several model inputs"),
+    ({"x": [X, X]}, "x is a list of 2, which Keras reads as several model inputs by position: give a dict"),
+    ({"sample_weight": Y[:50]}, "sample_weight has 50 rows but its x has 100"),
     ({"y": None}, "x arrays need y"),
     ({"y": Y[:50]}, "y has 50 rows but its x has 100"),
     ({"validation_split": 1.0}, "validation_split must be in [0, 1)"),

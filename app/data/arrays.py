@@ -111,18 +111,20 @@ def split_holdout(x: Arrays, y: Arrays, val_fraction: float, seed: int, w: Optio
     return whole.rows(np.sort(perm[n_val:])), Split(val.x, val.y, val.ids)
 
 
-def split_last(x: np.ndarray, y: np.ndarray, fraction: float) -> tuple[tuple[np.ndarray, np.ndarray],
-                                                                       tuple[np.ndarray, np.ndarray]]:
+def split_last(x: Arrays, y: Arrays, fraction: float, w: Optional[np.ndarray] = None) -> tuple[tuple, tuple]:
     """Keras's ``validation_split``: the last ``fraction`` of the rows, in their given order, are validation.
 
     The cut is Keras's own (``floor(n * (1 - fraction))``), so a script moved from ``model.fit`` validates
-    on the same rows. The two parts go to the source as explicit train and val arrays (memory.arrays_from).
+    on the same rows. The two parts go to the source as explicit train and val arrays (memory.arrays_from):
+    (x, y[, w]) and (x_val, y_val) (validation is unweighted).
     """
-    n = len(y)
+    n = len(first(y))
     split_at = int(np.floor(n * (1.0 - fraction)))
     if split_at in (0, n):
         raise UserError(f"validation_split={fraction} leaves an empty train or val set for {n} rows")
-    return (x[:split_at], y[:split_at]), (x[split_at:], y[split_at:])
+    head, tail = (lambda a: a[:split_at]), (lambda a: a[split_at:])
+    train = (nest_map(head, x), nest_map(head, y)) + (() if w is None else (w[:split_at],))
+    return train, (nest_map(tail, x), nest_map(tail, y))
 
 
 def zero_weight_padding(n: int, multiple: int) -> int:

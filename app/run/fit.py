@@ -12,9 +12,12 @@ The arguments mean what they mean in ``keras.Model.fit``:
 - ``batch_size``: the GLOBAL batch, as under a Keras distribution strategy (default 32). It is split over
   the replicas (``per_replica_batch = batch_size / replicas``: one replica per Ray worker) and refused when
   it does not divide. Without it, a ``per_replica_batch=`` keyword keeps the product's meaning.
-- ``x``: numpy arrays (or array-likes: tensors, DataFrames) with ``y``; a data function (as ``data=`` in
-  app.train); or a path / dataset name (as ``--dataset``). Named or several inputs (a dict, list or tuple of
-  arrays) are refused for now.
+- ``x``: numpy arrays (or array-likes: tensors, DataFrames) with ``y``, or a dict of them by the model's
+  input names (``y`` a dict by output names for several outputs); a ``tf.data.Dataset`` of (x, y[, w]); a
+  data function (as ``data=`` in app.train); or a path / dataset name (as ``--dataset``). Several inputs by
+  position (a list or tuple) are refused: their names say which is which.
+- ``sample_weight``: one weight per row of x arrays; ``class_weight``: {class id: weight}, as
+  ``--class-weight``. Both weigh the training loss and ``weighted_metrics``, as in Keras.
 - ``validation_data=(x_val, y_val)``: exactly those rows validate (with a path ``x``: a path, as
   ``--val-dataset``). ``validation_split``: the LAST fraction of the rows, in their order, as Keras takes it
   (arrays only, as in Keras); ``validation_data`` wins when both are given, as in Keras. With neither, Keras
@@ -30,6 +33,7 @@ Everything refusable is refused with one line before the data is checked or Ray 
 from __future__ import annotations
 
 import csv
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -104,6 +108,8 @@ def fit(
     validation_split: float = 0.0,
     callbacks: Optional[list] = None,
     num_workers: int = 2,
+    sample_weight: Any = None,
+    class_weight: Optional[dict] = None,
     **fields: Any,
 ) -> History:
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
@@ -117,7 +123,9 @@ def fit(
         raise UserError("app.fit takes the function that builds the model, not a built model: every worker builds "
                         "its own under the strategy (app.fit(build_model, x, y, ...))")
     config_file = fields.pop("config", None)
-    values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields),
+    if class_weight is not None:  # Keras's {class: weight} -> --class-weight's JSON
+        fields["class_weight"] = json.dumps({str(int(k)): float(v) for k, v in dict(class_weight).items()})
+    values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields, sample_weight),
               "model": model_fn, "epochs": epochs, "num_workers": num_workers}
     config = _with_global_batch(config_file, values, batch_size)
     result = run_training(config)
@@ -125,8 +133,9 @@ def fit(
     return History(result, read_records(out / result["history_file"]), out / result["model_file"])
 
 
-def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, fields: dict) -> dict[str, Any]:
-    """x, y and the validation arguments -> the config's dataset (and val_dataset)."""
+def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, fields: dict,
+                 sample_weight: Any = None) -> dict[str, Any]:
+    """x, y (and sample weights) and the validation arguments -> the config's dataset (and val_dataset)."""
     if "dataset" in fields:
         raise UserError("give the data as x (arrays, a data function or a path), not dataset=")
     if not 0 <= validation_split < 1:
@@ -138,21 +147,27 @@ def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, 
                         "validation_split: pass one or the other")
     if x is None:
         raise UserError("x is required: numpy arrays (with y), a data function, or a path (as --dataset)")
-    if _is_array(x):
+    if sample_weight is not None and not (_is_array(x) or isinstance(x, dict)):
+        raise UserError("sample_weight goes with x arrays; a data function returns (x, y, sample_weight) itself")
+    if _is_array(x) or isinstance(x, dict):
         if y is None:
             raise UserError("x arrays need y: the labels or targets, one per row")
-        x, y = _input_array(x, "x"), _labels(y, "y", len(x))
+        x = _input_array(x, "x")
+        rows = len(next(iter(x.values())) if isinstance(x, dict) else x)
+        y = _labels(y, "y", rows)
+        w = None if sample_weight is None else _labels(sample_weight, "sample_weight", rows).astype(np.float32)
         if validation_data is not None:
-            val = _validation_pair(validation_data)
+            train, val = (x, y) + (() if w is None else (w,)), _validation_pair(validation_data)
         elif validation_split > 0:
             from app.data.arrays import split_last
 
-            (x, y), val = split_last(x, y, validation_split)
+            train, val = split_last(x, y, validation_split, w)
         else:
-            val = None  # the product's seeded val_fraction holdout (the module docstring says why)
-        return {"dataset": _given_arrays(x, y, val)}
-    if isinstance(x, (dict, list, tuple)):
-        _input_array(x, "x")  # refused there: several inputs
+            # The product's seeded val_fraction holdout (the module docstring says why).
+            train, val = (x, y) + (() if w is None else (w,)), None
+        return {"dataset": _given_arrays(train, val)}
+    if isinstance(x, (list, tuple)):
+        _input_array(x, "x")  # refused there: several inputs by position
     if y is not None:
         raise UserError(f"y goes with x arrays; x is a {type(x).__name__}, which carries its own labels")
     if isinstance(x, (str, os.PathLike)):
@@ -163,6 +178,11 @@ def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, 
             raise UserError("with x a path, validation_data is a path too (as --val-dataset), not "
                             f"a {type(validation_data).__name__}")
         return {"dataset": os.fspath(x), **({"val_dataset": os.fspath(validation_data)} if validation_data else {})}
+    if _is_tf_dataset(x):
+        if validating:
+            raise UserError("validation_data and validation_split take arrays: with a tf.data.Dataset as x, "
+                            "give validation rows as a data function returning {'train': ds, 'val': ds_val}")
+        return {"dataset": _given(x, "fit(tf.data.Dataset)")}
     if callable(x):
         if validating:
             raise UserError("validation_data and validation_split take arrays: a data function returns "
@@ -182,21 +202,25 @@ def _is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray) or (hasattr(value, "__array__") and hasattr(value, "shape"))
 
 
-def _input_array(value: Any, what: str) -> np.ndarray:
-    """One model input as an array. The one place that refuses named and multiple inputs: the data path takes a
-    single input array today; when it takes several, they are accepted here."""
+def _is_tf_dataset(value: Any) -> bool:
+    return any(c.__name__ == "DatasetV2" and c.__module__.startswith("tensorflow") for c in type(value).__mro__)
+
+
+def _input_array(value: Any, what: str) -> Any:
+    """The model's input: an array, or a dict of arrays by input name (several named inputs)."""
     if isinstance(value, dict):
-        raise UserError(f"{what} is a dict of named inputs ({', '.join(map(str, value))}): several model inputs "
-                        "are not supported yet; give one array")
+        return {str(k): _input_array(v, f"{what}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         raise UserError(f"{what} is a {type(value).__name__} of {len(value)}, which Keras reads as several model "
-                        "inputs: not supported yet; give one array")
+                        "inputs by position: give a dict keyed by the model's input names")
     if not _is_array(value):
         raise UserError(f"{what} of type {type(value).__name__} is not supported: give a numpy array")
     return np.asarray(value)
 
 
-def _labels(value: Any, what: str, rows: int) -> np.ndarray:
+def _labels(value: Any, what: str, rows: int) -> Any:
+    if isinstance(value, dict):  # several named outputs
+        return {str(k): _labels(v, f"{what}[{k!r}]", rows) for k, v in value.items()}
     if not _is_array(value):
         raise UserError(f"{what} of type {type(value).__name__} is not supported: give a numpy array of labels")
     labels = np.asarray(value)
@@ -214,19 +238,21 @@ def _validation_pair(value: Any) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise UserError(f"validation_data must be (x_val, y_val) arrays (got a {type(value).__name__})")
     xv = _input_array(value[0], "validation_data's x")
-    return xv, _labels(value[1], "validation_data's y", len(xv))
+    return xv, _labels(value[1], "validation_data's y", len(next(iter(xv.values())) if isinstance(xv, dict) else xv))
 
 
-def _given_arrays(x: np.ndarray, y: np.ndarray, val: Optional[tuple]) -> Callable[[], Any]:
+def _given_arrays(train: tuple, val: Optional[tuple]) -> Callable[[], Any]:
     """The arrays as a data function of no arguments (what the data layer takes): explicit train and val rows
-    when validation rows were given, else (x, y) for the seeded holdout."""
-    data = (x, y) if val is None else {"train": (x, y), "val": val}
+    when validation rows were given, else (x, y[, w]) for the seeded holdout."""
+    return _given(train if val is None else {"train": train, "val": val}, "fit(x, y)")
 
+
+def _given(data: Any, name: str) -> Callable[[], Any]:
     def arrays():
         return data
 
     # How the data layer's lines name it ("app:fit(x, y) returned ..."), and config.yaml: not a loadable name.
-    arrays.__module__, arrays.__qualname__ = "app", "fit(x, y)"
+    arrays.__module__, arrays.__qualname__ = "app", name
     return arrays
 
 
