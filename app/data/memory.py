@@ -99,7 +99,16 @@ def _frame(df, config: "TrainConfig", what: str) -> tuple[np.ndarray, np.ndarray
 
 
 def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple, Any]:
-    """A data function's result -> ((x, y, sample weights or None), validation (x, y, None) or None)."""
+    """A data function's result -> ((x, y, sample weights or None), validation (x, y, None) or None).
+
+    A ``tf.data.Dataset`` (or one per split) is read into arrays here, once (app.data.tf_datasets says why)."""
+    from app.data import tf_datasets
+
+    if isinstance(value, dict):
+        value = {k: tf_datasets.materialise(v, f"{what}[{k!r}]") if tf_datasets.is_tf_dataset(v) else v
+                 for k, v in value.items()}
+    elif tf_datasets.is_tf_dataset(value):
+        value = tf_datasets.materialise(value, what)
     if isinstance(value, dict):
         if "train" not in value or set(value) - {"train", "val"}:
             raise UserError(f"{what} returned a dict with keys {', '.join(map(str, value))}; expected "

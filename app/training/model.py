@@ -44,6 +44,9 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     keras.utils.set_random_seed(config.seed)
     # Layers take the policy when they are created: compute in fp16/bf16, variables in float32.
     keras.mixed_precision.set_global_policy(PRECISION_POLICIES[config.mixed_precision])
+    if facts.input_shapes is not None and isinstance(config.model, str) and config.model in registry.MODELS:
+        raise UserError(f"the built-in {config.model} takes one input, but the data has named inputs "
+                        f"({', '.join(facts.input_shapes)}): give x as one array, or train your own model")
     fn = registry.resolve(config.model, registry.MODELS)
     available: dict[str, Any] = {
         "input_shape": facts.example_shape,  # {name: shape} for named inputs

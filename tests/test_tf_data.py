@@ -1,0 +1,96 @@
+"""A data function that returns a tf.data pipeline, as TensorFlow users write them, on 2 Ray workers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import clean_env, run_job
+
+USER_FILE = '''
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+
+def pipeline():
+    """The digits through a tf.data pipeline: shuffled, mapped to 8x8x1 images."""
+    d = load_digits()
+    ds = tf.data.Dataset.from_tensor_slices((d.data.astype("float32"), d.target))
+    return ds.shuffle(2000, seed=0).map(lambda x, y: (tf.reshape(x / 16.0, (8, 8, 1)), y))
+
+
+def batched():
+    return pipeline().batch(50).prefetch(2)
+
+
+def endless():
+    return pipeline().repeat()
+
+
+def tiny():
+    return pipeline().take(20)
+
+
+def named_wrong():
+    return pipeline().map(lambda x, y: ({"pixels": x}, y))
+
+
+def image_model():
+    import keras
+
+    image = keras.Input((8, 8, 1), name="image")
+    out = keras.layers.Dense(10, activation="softmax")(keras.layers.Flatten()(image))
+    return keras.Model({"image": image}, out)
+'''
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tfdata") / "my_pipeline.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, ray_cluster, tmp_path):
+    """From the command line: every element once per epoch across the 2 workers, and it learns the digits."""
+    out = tmp_path / "run"
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/train.py", "--model", "cnn", "--dataset", f"{user_file}:pipeline", "--num-workers", "2",
+                "--epochs", "5", "--audit-sample-ids", "--output", str(out), timeout=400, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["metrics"]["val_accuracy"] >= 0.95 and result["num_replicas"] == 2
+    audit = json.loads((out / "audit_sample_ids.json").read_text())
+    for epoch in audit.values() if isinstance(audit, dict) else audit:
+        ids = epoch["ids"] if isinstance(epoch, dict) else epoch
+        assert len(ids) == len(set(ids))  # nothing twice in an epoch
+    history = (out / "history.csv").read_text().splitlines()
+    header = history[0].split(",")
+    for row in history[1:]:
+        values = dict(zip(header, row.split(",")))
+        assert values["audit_ids_seen"] == values["audit_ids_unique"] == values["train_samples"]
+        assert int(values["train_samples"]) + int(values["dropped_samples"]) == 1438  # every training element
+
+
+def test_a_batched_pipeline_is_rebatched_to_the_per_replica_batch(user_file, ray_cluster, tmp_path):
+    from app import train
+
+    result = train(model="cnn", data=f"{user_file}:batched", num_workers=2, epochs=1, per_replica_batch=16,
+                   output=str(tmp_path / "batched"))
+    assert result["global_batch_size"] == 32 and result["steps_per_epoch"] == 1438 // 32
+
+
+@pytest.mark.parametrize("model, function, message", [
+    ("cnn", "endless", "returned an infinite tf.data.Dataset (repeat()): this product makes the epochs"),
+    ("cnn", "tiny", "is larger than"),
+    ("image_model", "named_wrong", "the data's inputs are named pixels, but "),
+])
+def test_a_pipeline_that_cannot_train_is_one_line_before_anything(user_file, tmp_path, model, function, message):
+    out = tmp_path / "never"
+    model = model if model == "cnn" else f"{user_file}:{model}"
+    p = run_job("jobs/train.py", "--model", model, "--dataset", f"{user_file}:{function}", "--backend", "local",
+                "--output", str(out), timeout=200)
+    errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
