@@ -96,9 +96,9 @@ def _decoded(table: "pa.Table", spec: Spec) -> np.ndarray:
     for data in _column(table, name).to_pylist():
         try:
             pixels.append(images.decode(data, h, w, images.mode_of(spec.stored_shape)))
-        except OSError as e:
-            raise UserError(f"feature column {name!r} holds bytes that are not an image ({str(e).splitlines()[0]}): "
-                            "store PNG or JPEG bytes, or name a text feature with --text-column") from None
+        except OSError:  # Pillow's reason names only the in-memory file
+            raise UserError(f"feature column {name!r} holds bytes that are not an image Pillow decodes (PNG, JPEG, "
+                            "...): store encoded images there, or name a text feature with --text-column") from None
     return np.asarray(pixels, np.float32).reshape(len(pixels), *spec.stored_shape)
 
 

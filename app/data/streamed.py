@@ -117,7 +117,9 @@ def _read_failure(loc: Located, error: Exception) -> str:
     if loc.format == "tfrecord" and (why := tfrecord.read_failure(str(error))):
         return why
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    raised = [line for line in lines if _RAISED.match(line)]
+    # A check of app.data.blocks that failed in a task is the reason, whatever Ray Data wrapped it in.
+    raised = [line for line in lines if line.startswith(("UserError: ", "app.errors.UserError: "))] or \
+        [line for line in lines if _RAISED.match(line)]
     message = _RAISED.sub("", raised[-1] if raised else (lines[0] if lines else type(error).__name__))
     named = re.search(r"Failed to read CSV file: (.+?)\. Please check", message)
     if loc.format == "csv" and named and os.path.isfile(named.group(1)):
