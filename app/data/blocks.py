@@ -137,8 +137,8 @@ def _conformed(table: "pa.Table", spec: Spec) -> "pa.Table":
         longest = pc.max(lengths).as_py() or 0
         if longest > 1 or pc.min(lengths).as_py() == 0:
             what = "label column" if name == spec.label else "feature column"
-            raise UserError(f"{what} {name!r} holds lists of {pc.min(lengths).as_py()} to {longest} values in some "
-                            "records and one number in others: every record must hold one number there")
+            raise UserError(f"{what} {name!r} holds lists of {pc.min(lengths).as_py()} to {longest} values where other "
+                            "records hold one number: every record must hold one number there")
         table = table.set_column(table.schema.get_field_index(name), name, pc.list_element(column, 0))
     return table
 
