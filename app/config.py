@@ -99,8 +99,7 @@ class DataSection(_Section):
         "package.module:function.",
     )
     data_format: Literal["auto", "parquet", "csv", "tfrecord", "images", "numpy"] = Field(
-        "auto", description="Format of a --dataset path: auto = from the file names; tfrecord also takes files "
-        "without a known extension."
+        "auto", description="Format of a --dataset path: auto = from the file names (tfrecord: any name too)."
     )
     val_dataset: Optional[str] = Field(
         None, description="Validation data from a separate path/URI (same format); default: --val-fraction split."
