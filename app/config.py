@@ -99,7 +99,7 @@ class DataSection(_Section):
         "package.module:function.",
     )
     data_format: Literal["auto", "parquet", "csv", "tfrecord", "images", "numpy"] = Field(
-        "auto", description="Format of a --dataset path: auto = from the file names (tfrecord: any name too)."
+        "auto", description="Format of a --dataset path: auto = from the extensions (tfrecord: files without one too)."
     )
     val_dataset: Optional[str] = Field(
         None, description="Validation data from a separate path/URI (same format); default: --val-fraction split."
