@@ -94,12 +94,12 @@ class DataSection(_Section):
     dataset: Plugin = Field(
         "digits",
         description="Dataset: digits (embedded, no download), synthetic (--synthetic-* sizes), synthetic-text, "
-        "a path/URI (local, s3://, gs://) to parquet files, CSV files, an image folder (one subfolder per "
+        "a path/URI (local, s3://, gs://) to parquet, CSV or TFRecord files, an image folder (one subfolder per "
         "class), a .npz file or a directory of .npy files, or your function: file.py:function or "
         "package.module:function.",
     )
-    data_format: Literal["auto", "parquet", "csv", "images", "numpy"] = Field(
-        "auto", description="Format of a --dataset path: auto = from the file names."
+    data_format: Literal["auto", "parquet", "csv", "tfrecord", "images", "numpy"] = Field(
+        "auto", description="Format of a --dataset path: auto = from the extensions (tfrecord: files without one too)."
     )
     val_dataset: Optional[str] = Field(
         None, description="Validation data from a separate path/URI (same format); default: --val-fraction split."
@@ -120,9 +120,9 @@ class DataSection(_Section):
         None, description="Reshape each example to this shape, e.g. 32 32 3 for images stored as flat lists."
     )
     image_size: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = Field(
-        default_factory=lambda: [32, 32], description="Image folders: decode and resize to height width."
+        default_factory=lambda: [32, 32], description="Image folders and image bytes: decode and resize to height width."
     )
-    image_channels: Literal[1, 3] = Field(3, description="Image folders: 3 = RGB, 1 = grayscale.")
+    image_channels: Literal[1, 3] = Field(3, description="Image folders and image bytes: 3 = RGB, 1 = grayscale.")
     data_cache: Literal["auto", "memory", "stream"] = Field(
         "auto",
         description="File datasets: memory = preprocess once and keep the result in Ray's object store (epochs "

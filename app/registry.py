@@ -40,7 +40,8 @@ DATASETS = {
 }
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "gif", "tif", "tiff")
-FILE_EXTENSIONS = {"parquet": "parquet", "csv": "csv", "npz": "numpy", "npy": "numpy"}
+FILE_EXTENSIONS = {"parquet": "parquet", "csv": "csv", "tfrecord": "tfrecord", "tfrecords": "tfrecord", "npz": "numpy",
+                   "npy": "numpy"}
 FILE_EXTENSIONS.update({ext: "images" for ext in IMAGE_EXTENSIONS})
 
 # "file.py:function" or "package.module:function" (a Windows drive "C:\..." is not one).

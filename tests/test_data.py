@@ -339,6 +339,7 @@ def bad_data_cases(d):
     strings = [[float(a), "cat" if b else "dog"] for a, b in zip(x[:, 0], y)]
     write_csv(d / "strings.csv", ["a", "label"], strings)
     (d / "broken.csv").write_text("a,b,label\n1,2,0\n3,4\n5,6,1\n")
+    (d / "broken.tfrecord").write_bytes(b"PAR1 not a TFRecord file" * 4)  # tests/test_tfrecord.py: the other cases
     return [
         (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
         (["--dataset", str(d / "nan.npz"), "--feature-columns", "x"], "2 of 200 rows hold NaN or infinite values"),
@@ -346,6 +347,7 @@ def bad_data_cases(d):
         (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
         (["--num-classes", "5"], "labels go up to 9, but --num-classes is 5"),
         (["--model", "cnn", "--dataset", str(d / "tabular.npz"), "--feature-columns", "x"], "cnn needs images"),
+        (["--dataset", str(d / "broken.tfrecord")], "broken.tfrecord is not a TFRecord file (its framing breaks"),
     ]
 
 

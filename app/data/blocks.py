@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from app.data import images
 from app.data.arrays import ID, W, X, Y
 from app.data.schema import Spec, class_of
+from app.errors import UserError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -78,11 +80,67 @@ def _features(table: "pa.Table", spec: Spec) -> np.ndarray:
         x = np.asarray(values, dtype=np.float32).reshape(n, *spec.stored_shape)
         if spec.kind == "images":
             x /= 255.0  # normalisation: pixels to [0, 1]
+    elif spec.kind == "encoded":
+        x = _decoded(table, spec) / np.float32(255.0)  # as an image folder's pixels
     elif spec.kind == "text":
-        x = text.tokenize(_column(table, spec.features[0]).to_pylist(), spec.vocab_size, spec.sequence_length)
+        x = text.tokenize(_texts(table, spec), spec.vocab_size, spec.sequence_length)
     else:
         raise AssertionError(spec.kind)
     return x.reshape(n, *(spec.feature_shape or spec.stored_shape))
+
+
+def _decoded(table: "pa.Table", spec: Spec) -> np.ndarray:
+    """A column of encoded images (PNG, JPEG, ...) -> (n, *stored_shape) float32 pixels 0..255."""
+    name, (h, w) = spec.features[0], spec.stored_shape[:2]
+    pixels = []
+    for data in _column(table, name).to_pylist():
+        try:
+            pixels.append(images.decode(data, h, w, images.mode_of(spec.stored_shape)))
+        except OSError:  # Pillow's reason names only the in-memory file
+            raise UserError(f"feature column {name!r} holds bytes that are not an image Pillow decodes (PNG, JPEG, "
+                            "...): store encoded images there, or name a text feature with --text-column") from None
+    return np.asarray(pixels, np.float32).reshape(len(pixels), *spec.stored_shape)
+
+
+def _texts(table: "pa.Table", spec: Spec) -> list:
+    """The text column as str (TFRecord stores text as UTF-8 bytes; None stays None)."""
+    values = _column(table, spec.features[0]).to_pylist()
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
+
+
+def _conformed(table: "pa.Table", spec: Spec) -> "pa.Table":
+    """Numeric columns in the layout the spec was made from.
+
+    Ray Data's TFRecord reader (and app.data.tfrecord) store a feature holding one value per record as a
+    scalar column and a longer one as a list column, deciding per block: a block whose records all hold one
+    value of a list feature has a scalar column there, which is wrapped back into lists of length 1 (the
+    length check of app.data.schema.totals then names the mix); a list column where the spec has numbers
+    (scalar features, the label) is unwrapped when every list holds one value, and refused otherwise.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    numeric = [*spec.features] if spec.kind == "scalars" else []
+    if spec.kind != "images":  # an image folder's labels are its class folders
+        numeric.append(spec.label)
+    if spec.kind == "list":
+        column = _column(table, spec.features[0])
+        if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+            offsets = pa.array(np.arange(len(column) + 1, dtype=np.int32))
+            wrapped = pa.ListArray.from_arrays(offsets, column, mask=column.is_null())
+            table = table.set_column(table.schema.get_field_index(spec.features[0]), spec.features[0], wrapped)
+    for name in numeric:
+        column = _column(table, name)
+        if not pa.types.is_list(column.type):
+            continue
+        lengths = pc.list_value_length(column)
+        longest = pc.max(lengths).as_py() or 0
+        if longest > 1 or pc.min(lengths).as_py() == 0:
+            what = "label column" if name == spec.label else "feature column"
+            raise UserError(f"{what} {name!r} holds lists of {pc.min(lengths).as_py()} to {longest} values where other "
+                            "records hold one number: every record must hold one number there")
+        table = table.set_column(table.schema.get_field_index(name), name, pc.list_element(column, 0))
+    return table
 
 
 def _labels(table: "pa.Table", spec: Spec) -> np.ndarray:
@@ -101,8 +159,10 @@ def _row_ids(table: "pa.Table", spec: Spec, x: np.ndarray, y: np.ndarray) -> np.
     if spec.kind == "images":  # the path names an image; hashing it is cheaper than hashing pixels
         rows = [p.encode() for p in _column(table, "path").to_pylist()]
     elif spec.kind == "text":
-        texts = _column(table, spec.features[0]).to_pylist()
-        rows = [t.encode() + b"\0" + str(label).encode() for t, label in zip(texts, y.tolist())]
+        rows = [(t or "").encode() + b"\0" + str(label).encode() for t, label in zip(_texts(table, spec), y.tolist())]
+    elif spec.kind == "encoded":  # the encoded bytes name an image as well as its pixels do, and are shorter
+        data = _column(table, spec.features[0]).to_pylist()
+        rows = [d + b"\0" + str(label).encode() for d, label in zip(data, y.tolist())]
     else:
         flat = np.ascontiguousarray(x.reshape(n, -1))
         rows = ((flat[i], y[i : i + 1]) for i in range(n))  # features then label, hashed row by row: no copy
@@ -140,6 +200,7 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    table = _conformed(table, spec)
     n = table.num_rows
     stats: dict[str, Any] = {"rows": n, "val_rows": 0, "label_min": 0, "label_max": 0, "label_nulls": 0}
     stats.update({"nulls_column": "", "nulls": 0, "len_min": -1, "len_max": -1, "nonfinite_column": "",
@@ -165,6 +226,8 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         mm = pc.min_max(lengths)
         stats["len_min"], stats["len_max"] = mm["min"].as_py(), mm["max"].as_py()
     ok = not stats["label_nulls"] and not stats["nulls"] and stats["len_min"] == stats["len_max"]
+    if spec.kind == "encoded" and ok and spec.val_fraction is None:
+        _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
     if n and ok and spec.val_fraction is not None:
         if spec.kind == "list":  # the stored length is only known here; ids hash the flat row
             spec = replace(spec, stored_shape=(stats["len_min"],), feature_shape=(stats["len_min"],))
@@ -195,6 +258,7 @@ def rows(table: "pa.Table", spec: Spec, keep: str = "all") -> tuple[np.ndarray, 
     The Ray path calls it inside Ray Data tasks (``preprocess``), the local backend on pyarrow's batches
     (app.data.local_files): both get the same rows with the same ids.
     """
+    table = _conformed(table, spec)
     x, y = _features(table, spec), _labels(table, spec)
     ids = _row_ids(table, spec, x, y)
     if spec.val_fraction is not None and keep != "all":

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Located:
     uri: str
-    format: str  # parquet, csv, images, numpy; "ray-dataset": a data function's ray.data.Dataset
+    format: str  # parquet, csv, tfrecord, images, numpy; "ray-dataset": a data function's ray.data.Dataset
     filesystem: Any  # pyarrow.fs.FileSystem
     root: str  # path inside the filesystem
     files: tuple[str, ...]
@@ -51,13 +51,16 @@ def locate(uri: str, data_format: str = "auto") -> Located:
         if not files:
             raise UserError(f"dataset {uri!r} is empty: no files found")
         if len(formats) != 1:
-            found = ", ".join(sorted(formats)) or "none of parquet, csv, npz, npy or images"
+            found = ", ".join(sorted(formats)) or "none of parquet, csv, tfrecord, npz, npy or images"
             raise UserError(
                 f"cannot tell the format of dataset {uri!r}: its file extensions say {found}; "
                 "set --data-format"
             )
         data_format = formats.pop()
-    wanted = [f for f in files if FILE_EXTENSIONS.get(f.rsplit(".", 1)[-1].lower()) == data_format]
+    # TFRecord files are often named without an extension (train-00000-of-00064): with --data-format
+    # tfrecord, every file that no other format claims is one.
+    unclaimed = (None,) if data_format == "tfrecord" else ()
+    wanted = [f for f in files if FILE_EXTENSIONS.get(f.rsplit(".", 1)[-1].lower()) in (data_format, *unclaimed)]
     if not wanted:
         raise UserError(f"dataset {uri!r} is empty: no {data_format} files found")
     return Located(uri, data_format, fs, root, tuple(wanted))
@@ -84,6 +87,6 @@ def located(config: "TrainConfig") -> Optional[Located]:
 
 
 def streams(loc: Optional[Located], backend: str) -> bool:
-    """On the Ray backend, parquet, CSV and image folders (and a function's Ray Dataset) go through Ray Data;
+    """On the Ray backend, parquet, CSV, TFRecord and image folders (and a function's Ray Dataset) go through Ray Data;
     the local backend reads them in its own process (app.data.local_files); numpy files load in memory."""
     return loc is not None and loc.format != "numpy" and backend == "ray"

@@ -1,10 +1,11 @@
-"""parquet, CSV and image folders for ``--backend local``: read in this process, no Ray.
+"""parquet, CSV, TFRecord and image folders for ``--backend local``: read in this process, no Ray.
 
 pyarrow reads parquet (``pyarrow.dataset``) and CSV (``pyarrow.csv.open_csv``, as Ray Data's CSV reader
-does), Pillow decodes and resizes images (as Ray Data's ``read_images`` does: bilinear, then the colour
-mode). Each batch then goes through the Ray path's own per-block code: ``block_stats`` and the checks
-over the totals (app.data.schema.totals), then ``rows`` (app.data.blocks), so the checks, the features,
-the labels and each row's id are the ones a Ray run computes. The validation rows are too: the seeded
+does), app.data.tfrecord reads TFRecord files into the tables Ray Data's ``read_tfrecords`` gives, Pillow
+decodes and resizes images (as Ray Data's ``read_images`` does: bilinear, then the colour mode). Each
+batch then goes through the Ray path's own per-block code: ``block_stats`` and the checks over the totals
+(app.data.schema.totals), then ``rows`` (app.data.blocks), so the checks, the features, the labels and
+each row's id are the ones a Ray run computes. The validation rows are too: the seeded
 content-hash split of app.data.blocks (or --val-dataset). The arrays then take the in-memory path
 (app.data.arrays: a seeded permutation per epoch, every row once).
 
@@ -14,7 +15,6 @@ line that names ``--backend ray`` (which streams it).
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from dataclasses import replace
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
+from app.data import images, tfrecord
 from app.data.arrays import DataFacts, Source, Split
 from app.data.blocks import batch_rows, block_stats, in_validation, rows
 from app.data.files import Located, locate
@@ -43,7 +44,7 @@ MEMORY_SHARE = 0.8
 
 
 def load(config: "TrainConfig", loc: Located) -> Source:
-    """Checked train/validation arrays of a parquet, CSV or image-folder dataset (and --val-dataset)."""
+    """Checked train/validation arrays of a parquet, CSV, TFRecord or image-folder dataset (and --val-dataset)."""
     val_loc = locate(config.val_dataset, config.data_format) if config.val_dataset else None
     if val_loc is not None and val_loc.format != loc.format:
         raise UserError(f"--val-dataset is {val_loc.format} data but --dataset is {loc.format}: use one format")
@@ -118,6 +119,11 @@ def _spec(loc: Located, config: "TrainConfig") -> Spec:
     try:
         if loc.format == "parquet":
             schema = _parquet(loc).schema
+        elif loc.format == "tfrecord":  # its features are in the records: the first batch's
+            first = next(tfrecord.batches(loc, None, 64), None)
+            if first is None:
+                raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
+            schema = first.schema
         else:
             with _csv_reader(loc, loc.files[0]) as reader:
                 schema = reader.schema
@@ -177,7 +183,7 @@ class _csv_reader:
 
 
 def _batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Table"]:
-    """The raw rows, a batch at a time: parquet's needed columns, whole CSV rows, decoded images."""
+    """The raw rows, a batch at a time: parquet's and TFRecord's needed columns, whole CSV rows, decoded images."""
     import pyarrow as pa
 
     if loc.format == "images":
@@ -185,6 +191,9 @@ def _batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Ta
         return
     path = None
     try:
+        if loc.format == "tfrecord":
+            yield from tfrecord.batches(loc, [*spec.features, spec.label], batch_rows(spec))
+            return
         if loc.format == "parquet":
             for batch in _parquet(loc).to_batches(columns=[*spec.features, spec.label], batch_size=batch_rows(spec)):
                 yield pa.Table.from_batches([batch])
@@ -198,12 +207,11 @@ def _batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Ta
 
 
 def _image_batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Table"]:
-    """Images decoded as Ray Data's read_images does (resize to --image-size, bilinear; then the mode)."""
+    """Images decoded as Ray Data's read_images does (app.data.images)."""
     import pyarrow as pa
-    from PIL import Image, UnidentifiedImageError
 
     h, w = config.image_size
-    mode = "RGB" if config.image_channels == 3 else "L"
+    mode = images.mode_of(spec.stored_shape)
     step = batch_rows(spec)
     for start in range(0, len(loc.files), step):
         paths = list(loc.files[start : start + step])
@@ -211,13 +219,8 @@ def _image_batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator[
         for path in paths:
             try:
                 with loc.filesystem.open_input_file(path) as f:
-                    image = Image.open(io.BytesIO(f.readall()))
-                if image.size != (w, h):
-                    image = image.resize((w, h), resample=Image.BILINEAR)
-                if image.mode != mode:
-                    image = image.convert(mode)
-            except (OSError, UnidentifiedImageError) as e:
+                    pixels.append(images.decode(f.readall(), h, w, mode))
+            except OSError as e:  # Pillow's UnidentifiedImageError is one
                 raise _unreadable(loc, e, path) from None
-            pixels.append(np.asarray(image))
         tensors = pa.FixedShapeTensorArray.from_numpy_ndarray(np.stack(pixels))
         yield pa.table({"image": tensors, "path": pa.array(paths)})

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Spec:
     """How to turn one block of raw rows into x / y / id: a plain, picklable recipe sent to Ray Data tasks."""
 
-    kind: str  # scalars, list, tensor, text, images
+    kind: str  # scalars, list, tensor, text, images (a folder), encoded (image bytes in a column)
     features: tuple[str, ...]
     label: str
     stored_shape: tuple[int, ...] = ()  # one example as stored (before --feature-shape)
@@ -52,6 +52,8 @@ def _type_kind(t: "pa.DataType") -> str:
         return "scalar"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):  # TFRecord's bytes features are binary
+        return "binary"
     return "other"
 
 
@@ -60,6 +62,8 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
 
     names = list(schema.names)
     types = dict(zip(names, schema.types))
+    if loc.format == "tfrecord":  # a record's features have no order (a map): by name, the same in every run
+        names.sort()
     common = dict(
         label=config.label_column, vocab_size=config.vocab_size, sequence_length=config.sequence_length,
         seed=config.seed,
@@ -70,7 +74,7 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
     if config.text_column:
         if config.text_column not in types:
             raise missing("text column", config.text_column, loc.uri, names)
-        if _type_kind(types[config.text_column]) != "string":
+        if _type_kind(types[config.text_column]) not in ("string", "binary"):  # binary: UTF-8 bytes
             raise UserError(f"text column {config.text_column!r} has type {types[config.text_column]}, expected strings")
         return Spec(kind="text", features=(config.text_column,), stored_shape=(config.sequence_length,), **common)
     features = config.feature_columns or [n for n in names if n != config.label_column]
@@ -89,15 +93,18 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
                 "--feature-columns, or tokenize it with --text-column"
             )
         if kind == "other":
-            raise UserError(f"feature column {name!r} has type {types[name]}, expected numbers or lists of numbers")
+            raise UserError(f"feature column {name!r} has type {types[name]}, expected numbers, lists of numbers "
+                            "or encoded images")
     if set(kinds.values()) == {"scalar"}:
         return Spec(kind="scalars", features=tuple(features), stored_shape=(len(features),), **common)
     if len(features) > 1:
         raise UserError(
-            f"feature columns {', '.join(features)} mix list/tensor and other columns: name one list or tensor "
-            "column, or only scalar columns, with --feature-columns"
+            f"feature columns {', '.join(features)} mix list/tensor/image-bytes and other columns: name one list, "
+            "tensor or image-bytes column, or only scalar columns, with --feature-columns"
         )
     (name,) = features
+    if kinds[name] == "binary":  # encoded images (PNG, JPEG), decoded as an image folder's files are
+        return Spec(kind="encoded", features=(name,), stored_shape=_image_shape(config), **common)
     shape = tuple(types[name].shape) if kinds[name] == "tensor" else ()  # lists: length from the data
     return Spec(kind=kinds[name], features=(name,), stored_shape=shape, **common)
 
@@ -127,12 +134,15 @@ def image_spec(loc: Located, config: "TrainConfig") -> Spec:
             f"image folder {loc.uri!r} must hold one subfolder per class; found images directly in it "
             f"({os.path.basename(loose[0])})"
         )
-    h, w = config.image_size
-    shape = (h, w, 3) if config.image_channels == 3 else (h, w)
     return Spec(
-        kind="images", features=("image",), label="<class folder>", stored_shape=shape, classes=tuple(classes),
-        root=loc.root, seed=config.seed,
+        kind="images", features=("image",), label="<class folder>", stored_shape=_image_shape(config),
+        classes=tuple(classes), root=loc.root, seed=config.seed,
     )
+
+
+def _image_shape(config: "TrainConfig") -> tuple[int, ...]:
+    h, w = config.image_size
+    return (h, w, 3) if config.image_channels == 3 else (h, w)
 
 
 

@@ -1,7 +1,7 @@
 """File datasets on Ray Data: schema checks, one statistics pass, then preprocessed Ray Datasets for the workers.
 
-parquet, CSV and image folders are read by Ray Data block by block
-(``read_parquet`` / ``read_csv`` / ``read_images``, which take local paths and
+parquet, CSV, TFRecord and image folders are read by Ray Data block by block
+(``read_parquet`` / ``read_csv`` / ``read_tfrecords`` / ``read_images``, which take local paths and
 ``s3://`` / ``gs://`` URIs) and ``map_batches`` turns each block into the
 columns every worker consumes (app.data.blocks). The driver never holds the
 data: it sees the schema, a few numbers per block from one statistics pass,
@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
+from app.data import tfrecord
 from app.data.arrays import DataFacts
 from app.data.blocks import batch_rows, block_stats, preprocess
 from app.data.files import Located, locate
@@ -42,8 +43,9 @@ CACHE_SHARE = 0.3
 # the unit of the read-ahead budget (--stream-buffer-mib), so a few MiB keeps
 # both small and steady from the first blocks on, at any dataset size.
 STREAM_BLOCK_BYTES = 16 << 20
-# Sources whose reads take only the needed columns (the projection is pushed into the read).
-PROJECTED = ("parquet", "ray-dataset")
+# Sources whose reads keep only the needed columns (pushed into parquet's read; the others drop the rest
+# right after it, in the same task).
+PROJECTED = ("parquet", "ray-dataset", "tfrecord")
 
 
 @dataclass
@@ -82,6 +84,10 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
             return ds if spec is None else ds.select_columns([*spec.features, spec.label])
         if loc.format == "csv":
             return ray.data.read_csv(files, **common)
+        if loc.format == "tfrecord":
+            # Its reader imports TensorFlow in each read task's process (a few seconds, once per process).
+            ds = ray.data.read_tfrecords(files, **common)
+            return ds if spec is None else ds.select_columns([*spec.features, spec.label])
         if loc.format == "images":
             h, w = config.image_size
             mode = "RGB" if config.image_channels == 3 else "L"
@@ -91,8 +97,12 @@ def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuf
     raise UserError(f"dataset {loc.uri!r}: format {loc.format!r} is not streamed")
 
 
-# What Ray Data and pyarrow say of a file they cannot parse.
-_UNREADABLE = ("Failed to read", "ArrowInvalid", "ArrowTypeError", "parse error", "Invalid:")
+# What Ray Data and pyarrow say of a file they cannot parse, and a check of app.data.blocks that failed
+# inside a Ray Data task (its UserError's line is the message).
+_UNREADABLE = ("Failed to read", "ArrowInvalid", "ArrowTypeError", "parse error", "Invalid:", "failed to parse",
+               "Failed to unify", "UserError: ")
+# Lines that name the column and the fix themselves: not prefixed with "cannot read dataset".
+_OWN_LINE = ("feature column ", "label column ")
 
 # "ValueError: message", "pyarrow.lib.ArrowInvalid: message": the exception lines of a Ray task's error text.
 _RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Invalid): ")
@@ -104,8 +114,12 @@ def _read_failure(loc: Located, error: Exception) -> str:
     Ray Data reports a CSV that does not parse as "Failed to read CSV file: <path>";
     for a local file, pyarrow's own parser then names the row and what is wrong with it.
     """
+    if loc.format == "tfrecord" and (why := tfrecord.read_failure(str(error))):
+        return why
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    raised = [line for line in lines if _RAISED.match(line)]
+    # A check of app.data.blocks that failed in a task is the reason, whatever Ray Data wrapped it in.
+    raised = [line for line in lines if line.startswith(("UserError: ", "app.errors.UserError: "))] or \
+        [line for line in lines if _RAISED.match(line)]
     message = _RAISED.sub("", raised[-1] if raised else (lines[0] if lines else type(error).__name__))
     named = re.search(r"Failed to read CSV file: (.+?)\. Please check", message)
     if loc.format == "csv" and named and os.path.isfile(named.group(1)):
@@ -128,7 +142,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         try:
             schema = raw.schema()
         except Exception as e:
-            raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
+            raise _unreadable(loc, e) from None
         if schema is None:
             raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
         spec = schema_spec(loc, config, schema)
@@ -143,8 +157,13 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     except Exception as e:
         if not any(marker in str(e) for marker in _UNREADABLE):
             raise
-        raise UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {_read_failure(loc, e)}") from None
+        raise _unreadable(loc, e) from None
     return totals(loc, config, spec, stats)
+
+
+def _unreadable(loc: Located, error: Exception) -> UserError:
+    why = _read_failure(loc, error)
+    return UserError(why if why.startswith(_OWN_LINE) else f"cannot read dataset {loc.uri!r} as {loc.format}: {why}")
 
 
 def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> bool:
