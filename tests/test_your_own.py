@@ -63,9 +63,9 @@ def ray_dataset():
     return ray.data.from_items([{"features": list(map(float, row)), "label": int(c)} for row, c in zip(x, y)])
 
 
-def returns_three():
+def returns_four():
     x, y = binary_data()
-    return x, y, y
+    return x, y, y, y
 
 
 def raises():
@@ -195,7 +195,8 @@ def test_an_error_in_the_workers_is_one_line_and_its_trace_is_in_the_log(user_fi
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--dataset", "{f}:returns_three"], "returns_three returned a tuple of 3; expected (x, y)"),
+        (["--dataset", "{f}:returns_four"], "returns_four returned a tuple of 4; expected (x, y) or (x, y, "
+                                            "sample_weight)"),
         (["--dataset", "{f}:raises"], "raises raised ValueError: no such bucket"),
         (["--dataset", "{f}:nope"], "has no function 'nope'"),
         (["--model", "{f}:sigmoid_model"], "outputs 1 value(s) per example (shape (1,)), but 10 classes needs 10"),
