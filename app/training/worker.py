@@ -75,9 +75,10 @@ class Session(Protocol):
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
     from app.training.loop import EpochBar, EpochDriver
+    from app.training.lr_position import continued
     from app.training.metrics import progress_line
     from app.training.model import build_model
-    from app.training.optim import make_optimizer, plan_lr
+    from app.training.optim import lr_schedule, make_optimizer, plan_lr
     from app.training.pipeline import Pipeline
     from app.training.tensorboard import TensorBoard
 
@@ -103,8 +104,17 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     state = session.restore(model, optimizer)
     if state is not None:
         progress = checkpoint.Progress.resumed_from(state, progress)
+        # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
+        # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
+        steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
+            else int(optimizer.iterations.numpy())
+        lr_plan = continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
+        if lr_plan.step_offset and not asynchronous:
+            optimizer.learning_rate = lr_schedule(config, lr_plan)
         if session.rank == 0:
-            log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
+            log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
+                     progress.epoch, progress.attempt, steps_done,
+                     f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(

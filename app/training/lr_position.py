@@ -1,0 +1,52 @@
+"""Where a resumed run's learning-rate schedule goes on from.
+
+The schedule is a function of the optimizer's step count (``optimizer.iterations``), planned for
+``epochs x updates per epoch`` steps. A run resumed on the same number of updates per epoch (the same
+workers, or more ``--epochs``) reads the schedule at the restored count, as if it had never stopped (the
+schedule itself is re-planned for the new ``--epochs``, as Keras's ``initial_epoch`` would).
+
+A run resumed with another number of updates per epoch (another worker count, hence another global batch
+and LR) keeps its optimizer state, step count included (Adam's moments and bias correction go on), and gets
+the schedule planned for the new count, read from the restored epoch's boundary: epoch e ends at step
+``e x updates`` of the new plan, so the schedule is read at ``iterations + step_offset`` with
+``step_offset = e x updates - iterations``. The offset is recorded in the checkpoint's LR plan, so a worker
+group restarted later in that run (a lost worker) reads the schedule where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import keras
+
+from app.training.optim import LrPlan
+
+
+def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: int, updates: int) -> LrPlan:
+    """``plan`` (this attempt's) positioned after a restore: ``restored`` is the checkpoint's state.json,
+    ``epoch`` its epoch, ``steps_done`` the optimizer steps it took, ``updates`` the updates per epoch now."""
+    before = restored.get("lr_plan") or {}
+    epochs_before = (restored.get("config") or {}).get("epochs") or 0
+    updates_before = before.get("total_steps", 0) // epochs_before if epochs_before else None
+    if updates_before == updates:  # the same steps per epoch: where the schedule was
+        return replace(plan, step_offset=int(before.get("step_offset", 0)))
+    return replace(plan, step_offset=epoch * updates - steps_done)
+
+
+@keras.saving.register_keras_serializable(package="app")
+class Shifted(keras.optimizers.schedules.LearningRateSchedule):
+    """``schedule`` read ``offset`` steps ahead of the optimizer's step count."""
+
+    def __init__(self, schedule, offset: int):
+        self.schedule, self.offset = schedule, int(offset)
+
+    def __call__(self, step):
+        return self.schedule(step + self.offset)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "offset": self.offset}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Shifted":
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["offset"])
