@@ -170,7 +170,7 @@ def plan_line(config: "TrainConfig", start: Optional[Start], plan: "EpochPlan", 
     state = start.state
     before_config, before_plan, before_lr = state.get("config", {}), state.get("plan", {}), state.get("lr_plan", {})
     finished = before_config.get("epochs", config.epochs) <= start.epoch
-    head = (f"resume: the finished run {out.name} ({start.epoch} epochs) goes on to {config.epochs} epochs"
+    head = (f"resume: the finished run {out.name} ({_epochs(start.epoch)}) goes on to {config.epochs} epochs"
             if finished else f"resume: run {out.name} goes on from epoch {start.epoch} of {config.epochs}")
     steps = (state.get("history") or [{}])[-1].get("optimizer_steps")
     carried = f"optimizer state ({steps} steps taken) carries over" if steps is not None else \
@@ -190,3 +190,7 @@ def _setup(backend: str, workers, replicas, global_batch, peak_lr, steps) -> str
         f"{replicas} local replica{'s' if replicas != 1 else ''}"
     lr = f"{peak_lr:.4g}" if isinstance(peak_lr, (int, float)) else "?"
     return f"{who} (global batch {global_batch}, lr {lr}, {steps} steps per epoch)"
+
+
+def _epochs(n: int) -> str:
+    return f"{n} epoch{'s' if n != 1 else ''}"

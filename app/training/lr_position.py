@@ -15,10 +15,9 @@ group restarted later in that run (a lost worker) reads the schedule where it wa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
-
-import keras
 
 from app.training.optim import LrPlan
 
@@ -34,19 +33,30 @@ def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: in
     return replace(plan, step_offset=epoch * updates - steps_done)
 
 
-@keras.saving.register_keras_serializable(package="app")
-class Shifted(keras.optimizers.schedules.LearningRateSchedule):
-    """``schedule`` read ``offset`` steps ahead of the optimizer's step count."""
+def shifted(schedule, offset: int):
+    """``schedule`` read ``offset`` steps ahead of the optimizer's step count (a Keras LearningRateSchedule)."""
+    return _shifted_class()(schedule, offset)
 
-    def __init__(self, schedule, offset: int):
-        self.schedule, self.offset = schedule, int(offset)
 
-    def __call__(self, step):
-        return self.schedule(step + self.offset)
+@functools.cache
+def _shifted_class():
+    # Keras is imported here, not with the module: a Ray worker imports TensorFlow on a thread of its own
+    # while train_worker's imports run, and a second import of it meanwhile sees half a module.
+    import keras
 
-    def get_config(self) -> dict[str, Any]:
-        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "offset": self.offset}
+    @keras.saving.register_keras_serializable(package="app")
+    class Shifted(keras.optimizers.schedules.LearningRateSchedule):
+        def __init__(self, schedule, offset: int):
+            self.schedule, self.offset = schedule, int(offset)
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Shifted":
-        return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["offset"])
+        def __call__(self, step):
+            return self.schedule(step + self.offset)
+
+        def get_config(self) -> dict[str, Any]:
+            return {"schedule": keras.saving.serialize_keras_object(self.schedule), "offset": self.offset}
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]):
+            return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["offset"])
+
+    return Shifted

@@ -71,9 +71,9 @@ def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedu
 def _positioned(schedule, plan: LrPlan):
     if not plan.step_offset:
         return schedule
-    from app.training.lr_position import Shifted
+    from app.training.lr_position import shifted
 
-    return Shifted(schedule, plan.step_offset)
+    return shifted(schedule, plan.step_offset)
 
 
 def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False) -> "keras.optimizers.Optimizer":
