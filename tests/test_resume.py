@@ -90,3 +90,19 @@ def test_a_finished_local_run_trains_further_and_a_changed_model_is_refused(tmp_
     steps = int(first[0]["optimizer_steps"])
     assert [int(r["optimizer_steps"]) for r in rows] == [steps * e for e in range(1, 6)]
     assert json.loads((out / "result.json").read_text())["epochs_completed"] == 5
+
+
+def test_the_schedule_goes_on_from_the_restored_epoch_boundary():
+    """Same steps per epoch: where it was (an offset recorded by an earlier re-plan is kept); other: re-planned."""
+    from app.training.lr_position import continued
+    from app.training.optim import LrPlan
+
+    def plan(steps: int, epochs: int, offset: int = 0) -> LrPlan:
+        return LrPlan("linear", 0.05, 32, 32, 0.05, steps, steps * epochs, offset)
+
+    def state(steps: int, epochs: int, offset: int = 0) -> dict:
+        return {"lr_plan": plan(steps, epochs, offset).as_dict(), "config": {"epochs": epochs}}
+
+    assert continued(plan(22, 8), state(22, 3), 3, 66, 22).step_offset == 0  # more epochs, same workers
+    assert continued(plan(44, 3), state(22, 3), 2, 44, 44).step_offset == 2 * 44 - 44  # 2 workers -> 1
+    assert continued(plan(44, 3), state(44, 3, 44), 2, 44, 44).step_offset == 44  # restarted later in that run
