@@ -14,7 +14,6 @@ imports Ray).
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -135,12 +134,14 @@ def set_keras_history(tensor: Any, history: Any) -> None:
 # ``model.trainable_variables``. Keras publishes no map from checkpoint keys to weights; the model's own
 # paths are deeper and private (``model/_functional/_operations/1/_kernel``).
 
-_TRAINABLE_KEY = re.compile(r"^optimizer/_trainable_variables/(\d+)/\.ATTRIBUTES/VARIABLE_VALUE$")
+TRAINABLE_KEY = r"^optimizer/_trainable_variables/(\d+)/\.ATTRIBUTES/VARIABLE_VALUE$"
 
 
 def checkpoint_trainable_shapes(entries: list[tuple[str, list[int]]]) -> list[tuple[int, ...]]:
     """The shapes of a checkpoint's trainable weights, in the model's order, from ``tf.train.list_variables``."""
-    found = {int(m.group(1)): tuple(shape) for key, shape in entries if (m := _TRAINABLE_KEY.match(key))}
+    import re
+
+    found = {int(m.group(1)): tuple(shape) for key, shape in entries if (m := re.match(TRAINABLE_KEY, key))}
     return [found[i] for i in sorted(found)]
 
 

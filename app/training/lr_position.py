@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.training.optim import LrPlan
+from app.training.optim import LrPlan, lr_schedule
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
 
 
 def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: int, updates: int) -> LrPlan:
@@ -33,9 +36,11 @@ def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: in
     return replace(plan, step_offset=epoch * updates - steps_done)
 
 
-def shifted(schedule, offset: int):
-    """``schedule`` read ``offset`` steps ahead of the optimizer's step count (a Keras LearningRateSchedule)."""
-    return _shifted_class()(schedule, offset)
+def schedule(config: "TrainConfig", plan: LrPlan):
+    """``plan``'s schedule (app.training.optim.lr_schedule), read ``plan.step_offset`` steps ahead of the
+    optimizer's step count."""
+    planned = lr_schedule(config, plan)
+    return _shifted_class()(planned, plan.step_offset) if plan.step_offset else planned
 
 
 @functools.cache

@@ -26,8 +26,9 @@ class LrPlan:
     peak_lr: float  # the LR after warmup: base_lr x factor(global / reference)
     warmup_steps: int
     total_steps: int
-    # The schedule is read at optimizer step + step_offset. Not 0 only after a resume with another number of
-    # updates per epoch: the re-planned schedule then goes on from the restored epoch's boundary (lr_position).
+    # The schedule is read at optimizer step + step_offset (app.training.lr_position.schedule). Not 0 only
+    # after a resume with another number of updates per epoch: the re-planned schedule then goes on from the
+    # restored epoch's boundary.
     step_offset: int = 0
 
     def as_dict(self) -> dict:
@@ -59,21 +60,12 @@ def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedu
     alpha = 0.0 if config.lr_decay == "cosine" else 1.0
     decay_steps = max(plan.total_steps - plan.warmup_steps, 1)
     if plan.warmup_steps == 0:
-        return _positioned(keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha), plan)
+        return keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha)
     # Goyal et al. ramp up from the unscaled LR (never from above the target).
     start = min(plan.base_lr, plan.peak_lr)
-    schedule = keras.optimizers.schedules.CosineDecay(
+    return keras.optimizers.schedules.CosineDecay(
         start, decay_steps, alpha=alpha, warmup_target=plan.peak_lr, warmup_steps=plan.warmup_steps
     )
-    return _positioned(schedule, plan)
-
-
-def _positioned(schedule, plan: LrPlan):
-    if not plan.step_offset:
-        return schedule
-    from app.training.lr_position import shifted
-
-    return shifted(schedule, plan.step_offset)
 
 
 def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False) -> "keras.optimizers.Optimizer":
