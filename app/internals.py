@@ -163,6 +163,26 @@ def auto_name_of(obj: Any) -> str:
     return to_snake_case(type(obj).__name__)
 
 
+# --- Keras: which entries of a training checkpoint are the model's trainable weights (app.training.checkpoint) ---
+#
+# ``tf.train.Checkpoint(model=..., optimizer=...)`` stores each variable once, under its shortest path in the
+# object graph. A built Keras 3 optimizer tracks the weights it trains as the list ``_trainable_variables``
+# (keras/src/optimizers/base_optimizer.py; a LossScaleOptimizer's own list too), two edges from the root, so
+# the model's trainable weights are stored as ``optimizer/_trainable_variables/<i>``, in the order of
+# ``model.trainable_variables``. Keras publishes no map from checkpoint keys to weights; the model's own
+# paths are deeper and private (``model/_functional/_operations/1/_kernel``).
+
+TRAINABLE_KEY = r"^optimizer/_trainable_variables/(\d+)/\.ATTRIBUTES/VARIABLE_VALUE$"
+
+
+def checkpoint_trainable_shapes(entries: list[tuple[str, list[int]]]) -> list[tuple[int, ...]]:
+    """The shapes of a checkpoint's trainable weights, in the model's order, from ``tf.train.list_variables``."""
+    import re
+
+    found = {int(m.group(1)): tuple(shape) for key, shape in entries if (m := re.match(TRAINABLE_KEY, key))}
+    return [found[i] for i in sorted(found)]
+
+
 # --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
 #
 # tyro reports a parse error as a multi-line box; ``tyro._errors.on_parse_error`` (marked

@@ -265,6 +265,21 @@ def test_keras_history_names_the_layer_that_made_a_tensor_and_can_be_put_back():
 # --- tyro: parse errors as events (app.cli) ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_a_checkpoints_trainable_weights_are_the_optimizers_list_in_the_models_order(tmp_path, loss_scale):
+    """app.run.resume compares these shapes with a model's: the keys must still be the optimizer's list, in order."""
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer = keras.optimizers.LossScaleOptimizer(optimizer) if loss_scale else optimizer
+    optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "train_state"))
+    shapes = internals.checkpoint_trainable_shapes(tf.train.list_variables(str(tmp_path / "train_state")))
+    assert shapes == [tuple(v.shape) for v in model.trainable_variables] == [(5, 3), (3,), (3,), (3,), (3, 2), (2,)]
+
+
 def test_tyros_error_events_have_the_fields_the_cli_reads():
     events = internals.tyro_error_events()
     assert events is not None and callable(events.on_parse_error)

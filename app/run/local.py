@@ -30,8 +30,9 @@ class LocalSession:
     rank, world = 0, 1
     coordinator = None  # synchronous replicas
 
-    def __init__(self, config: TrainConfig, strategy, source):
-        self.config, self._strategy, self.source = config, strategy, source
+    def __init__(self, config: TrainConfig, strategy, source, start_from: Optional[str] = None):
+        # start_from: a Ray Train checkpoint a resumed run goes on from (newer than any of its own)
+        self.config, self._strategy, self.source, self.start_from = config, strategy, source, start_from
         self.checkpoints: Optional[checkpoint.LocalCheckpoints] = None
 
     def strategy(self):
@@ -47,9 +48,12 @@ class LocalSession:
         self.checkpoints = checkpoint.LocalCheckpoints(
             config.output_dir() / CHECKPOINT_DIR, model, optimizer, keep=config.keep_checkpoints
         )
-        state = self.checkpoints.restore() if config.resume else None
+        if self.start_from:
+            state = checkpoint.restore_from(self.start_from, model, optimizer)
+        else:
+            state = self.checkpoints.restore() if config.resume else None
         if state is not None:
-            log.info("resumed from %s (epoch %d)", self.checkpoints.latest, state["epoch"])
+            log.info("resumed from %s (epoch %d)", self.start_from or self.checkpoints.latest, state["epoch"])
         return state
 
     def inputs(self, strategy, plan, start_epoch: int):
@@ -90,7 +94,8 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     pipeline = checked.model.get("pipeline")  # --strategy pipeline: the StagePlan
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty(),
                     stages=pipeline)
-    session = LocalSession(config, strategy, checked.source)
+    start = checked.resumed
+    session = LocalSession(config, strategy, checked.source, start.path if start and start.kind == "ray" else None)
     try:
         with console.routed(out / console.LOG_FILE, config.verbose):
             train_worker(config, job, session)

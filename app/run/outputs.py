@@ -34,11 +34,10 @@ def prepare_output_dir(config: TrainConfig) -> Path:
     if config.resume:
         if not (out / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {str(out)!r} holds no {CONFIG_FILE}")
-        if (out / RESULT_FILE).is_file():
-            raise UserError(
-                f"the run in {str(out)!r} already finished ({RESULT_FILE} exists): nothing to resume; "
-                "use a new --output, or --overwrite to train it again from scratch"
-            )
+        # Whether there is anything left to train (a finished run, more --epochs) was decided in preflight
+        # (app.run.resume). The config now in force (another worker count, more epochs) is what a later
+        # --resume reads.
+        (out / CONFIG_FILE).write_text(recorded_config(config, out))
         return out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not config.overwrite:

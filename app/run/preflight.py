@@ -32,6 +32,7 @@ class Checked:
     facts: DataFacts
     objective: "Objective"
     model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
+    resumed: Any = None  # --resume: the checkpoint the run goes on from (app.run.resume.Start), or None
 
 
 def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] = None) -> Union[Source, "Streamed"]:
@@ -92,7 +93,9 @@ def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence
     summary = {"name": name, "parameters": int(model.count_params()),
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
-               ("logits" if objective.from_logits else "probabilities")}
+               ("logits" if objective.from_logits else "probabilities"),
+               # what a --resume's checkpoint must hold (app.run.resume), in the optimizer's order
+               "weights": [(v.path, tuple(v.shape)) for v in model.trainable_variables]}
     if stage_devices:
         from app.training.pipeline import plan_stages
 
@@ -129,7 +132,12 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
     source = source if source is not None else load_data(config, num_workers, loc)
     facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source))
     EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
-    return Checked(source, facts, objective, summary)
+    checked = Checked(source, facts, objective, summary)
+    if config.resume:
+        from app.run import resume
+
+        checked.resumed = resume.check(config, summary["weights"])
+    return checked
 
 
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
@@ -167,6 +175,10 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
                           for s in stages)
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
                         f"{where}")
+    if config.resume:
+        from app.run import resume
+
+        lines.append(resume.plan_line(config, checked.resumed, plan, lr))
     return lines
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from app.config import TrainConfig
-from app.errors import RunFailed, UserError
-from app.run import cluster, console, failures, outputs
+from app.errors import RunFailed
+from app.run import cluster, console, failures, outputs, resume
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
 
@@ -33,12 +33,12 @@ class RaySession:
 
     coordinator = None  # synchronous replicas
 
-    def __init__(self, config: TrainConfig, inputs: dict[str, Any]):
+    def __init__(self, config: TrainConfig, inputs: dict[str, Any], start_from: Optional[str] = None):
         import ray.train
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.config, self._inputs = config, inputs
+        self.config, self._inputs, self.start_from = config, inputs, start_from
         if inputs.get("streamed"):
             # The shards first: asking for them starts Ray Data's split coordinators (new
             # processes) while this one imports TensorFlow, instead of after it (~3 s).
@@ -54,7 +54,9 @@ class RaySession:
 
         restored = ray.train.get_checkpoint()
         if restored is None:
-            return None
+            # A run resumed from a checkpoint another backend wrote (<output>/checkpoint of a local run): it
+            # is read from the driver's disk, until this Ray run has a checkpoint of its own.
+            return checkpoint.restore_from(self.start_from, model, optimizer) if self.start_from else None
         with restored.as_directory() as d:
             return checkpoint.restore(d, model, optimizer)
 
@@ -149,7 +151,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     # Our lines are marked for the driver's console; the rest of this process's output
     # (Ray Train's reports, TensorFlow's notices) goes to the run's log file (app.run.console).
     console.mark_worker_console("app")
-    session = RaySession(payload["config"], payload["inputs"])
+    session = RaySession(payload["config"], payload["inputs"], payload.get("start_from"))
     train_worker(payload["config"], payload["job"], session)
 
 
@@ -173,11 +175,13 @@ def fit(
     callbacks: list | None = None,
     storage_path: str | None = None,
     name: str | None = None,
+    start_from: str | None = None,
 ) -> Any:
     """Run Ray Train with the TF_CONFIG backend (app.run.tf_config) and return Ray's Result (raises RunFailed).
 
     ``checked`` is app.run.preflight's result; ``callbacks`` run on the Train
-    controller (Tune passes its TuneReportCallback).
+    controller (Tune passes its TuneReportCallback); ``start_from``: a checkpoint of
+    another backend that a resumed run goes on from (app.run.resume).
     """
     import ray.train
 
@@ -204,7 +208,7 @@ def fit(
     config = for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
-        train_loop_config={"config": config, "job": job, "inputs": inputs},
+        train_loop_config={"config": config, "job": job, "inputs": inputs, "start_from": start_from},
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.num_workers,
             use_gpu=config.use_gpu,
@@ -274,20 +278,20 @@ def _data_config(source, datasets):
     return data_config(datasets, source.cached)
 
 
-RUN_NAME_FILE = "ray_run_name"
+RUN_NAME_FILE = resume.RUN_NAME_FILE
 
 
-def _ray_run_name(config: TrainConfig, out: Path) -> str:
+def _ray_run_name(config: TrainConfig, out: Path, start: Optional[resume.Start] = None) -> str:
     """The Ray Train run name: new for a new run, the recorded one for --resume.
 
     Ray Train resumes whatever run has this name in the storage path. A fresh
     name per run keeps a new run (or --overwrite) from silently continuing an
-    old one left in shared storage (--storage-path); --resume reads it back.
+    old one left in shared storage (--storage-path); --resume reads it back,
+    unless the run goes on from a checkpoint another backend wrote after it
+    (``start``): then a new Ray run starts from that checkpoint.
     """
     recorded = out / RUN_NAME_FILE
-    if config.resume:
-        if not recorded.is_file():
-            raise UserError(f"cannot resume {str(out)!r}: it records no Ray run ({RUN_NAME_FILE} is missing)")
+    if config.resume and recorded.is_file() and (start is None or start.kind == "ray"):
         return recorded.read_text().strip()
     name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     recorded.write_text(name)
@@ -348,9 +352,10 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
-    name = _ray_run_name(config, out)
+    start = checked.resumed
+    name = _ray_run_name(config, out, start)
     with console.routed(out / console.LOG_FILE, config.verbose):
-        result = fit(config, checked, name=name)
+        result = fit(config, checked, name=name, start_from=start.path if start and start.kind == "local" else None)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = outputs.write_outputs(
             config,

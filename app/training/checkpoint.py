@@ -104,6 +104,30 @@ def restore(directory: str | Path, model: "keras.Model", optimizer) -> dict[str,
     return load_state(directory)
 
 
+def restore_from(path: str | Path, model: "keras.Model", optimizer) -> dict[str, Any]:
+    """Restore a checkpoint another backend wrote (a run continued on Ray or locally); return its state.json.
+
+    ``path``: a Ray Train checkpoint directory, or a ``LocalCheckpoints`` prefix (``.../checkpoint/epoch-3``).
+    Both hold the same ``tf.train.Checkpoint`` of model and optimizer, so either restores under any strategy.
+    """
+    import tensorflow as tf
+
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return restore(path, model, optimizer)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).read(str(path)).assert_existing_objects_matched()
+    return json.loads(Path(str(path) + STATE_SUFFIX).read_text())
+
+
+def trainable_shapes(prefix: str | Path) -> list[tuple[int, ...]]:
+    """The shapes of the model's trainable weights in a checkpoint (``prefix``: its ``.index`` file, no data read)."""
+    import tensorflow as tf
+
+    from app import internals
+
+    return internals.checkpoint_trainable_shapes(tf.train.list_variables(str(prefix)))
+
+
 # --- the local backend: tf.train.CheckpointManager, the model file and state beside each checkpoint ---
 
 

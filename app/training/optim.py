@@ -26,6 +26,10 @@ class LrPlan:
     peak_lr: float  # the LR after warmup: base_lr x factor(global / reference)
     warmup_steps: int
     total_steps: int
+    # The schedule is read at optimizer step + step_offset (app.training.lr_position.schedule). Not 0 only
+    # after a resume with another number of updates per epoch: the re-planned schedule then goes on from the
+    # restored epoch's boundary.
+    step_offset: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -75,6 +75,7 @@ class Session(Protocol):
 
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
+    from app.training import lr_position
     from app.training.loop import EpochBar, EpochDriver
     from app.training.metrics import progress_line
     from app.training.model import build_model
@@ -108,8 +109,17 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     state = session.restore(model, optimizer)
     if state is not None:
         progress = checkpoint.Progress.resumed_from(state, progress)
+        # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
+        # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
+        steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
+            else int(optimizer.iterations.numpy())
+        lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
+        if lr_plan.step_offset and not asynchronous:
+            optimizer.learning_rate = lr_position.schedule(config, lr_plan)
         if session.rank == 0:
-            log.info("resumed from the checkpoint of epoch %d (attempt %d)", progress.epoch, progress.attempt)
+            log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
+                     progress.epoch, progress.attempt, steps_done,
+                     f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
@@ -142,8 +152,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
 def step_runner(config: "TrainConfig", session: Session, strategy, model, optimizer, measures: Measures,
                 plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]]):
     """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``."""
+    from app.training import lr_position
     from app.training.loop import ReplicaSteps
-    from app.training.optim import lr_schedule
     from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
 
     if session.coordinator is not None:
@@ -152,7 +162,7 @@ def step_runner(config: "TrainConfig", session: Session, strategy, model, optimi
         # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
         done = history[-1]["optimizer_steps"] if history else 0
         return ScheduledSteps(session.coordinator, strategy, model, optimizer, measures, plan,
-                              lr_schedule(config, lr_plan), steps_taken=done)
+                              lr_position.schedule(config, lr_plan), steps_taken=done)
     return ReplicaSteps(
         strategy, optimizer, measures,
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
