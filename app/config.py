@@ -258,6 +258,9 @@ class OutputSection(_Section):
     log_every_steps: int = Field(
         50, ge=0, description="TensorBoard step scalars every N optimizer steps (0 = per epoch only)."
     )
+    export: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["keras", "savedmodel"],
+        description="What the run writes for use elsewhere: keras = model.keras, savedmodel = saved_model/ (a "
+        "SavedModel for TensorFlow Serving); --export keras,savedmodel or --export keras.")
     audit_sample_ids: bool = Field(
         False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
     )
@@ -316,6 +319,8 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                             f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
+        if set(self.export) - {"keras", "savedmodel"}:
+            problems.append(f"--export takes keras and/or savedmodel (keras,savedmodel), got {','.join(self.export)}")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if problems:
@@ -325,10 +330,11 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
     @model_validator(mode="before")
     @classmethod
     def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
-        cut = values.get("split_at") if isinstance(values, dict) else None
-        if isinstance(cut, (str, list)):
-            parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
-            values = {**values, "split_at": parts}
+        for name in ("split_at", "export"):
+            cut = values.get(name) if isinstance(values, dict) else None
+            if isinstance(cut, (str, list)):
+                parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
+                values = {**values, name: parts}
         return values
 
     @field_serializer("model", "dataset")
@@ -341,11 +347,6 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def section_of(field: str) -> type[_Section]:
-    """The section that declares a field (for --help groups)."""
-    return next(s for s in SECTIONS if field in s.model_fields)
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
