@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps and sweep suites, on presets.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep and predict suites, on presets.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -9,10 +9,10 @@
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
+    python jobs/benchmark.py predict                                            # batch prediction: rows/s, memory
 
-Each suite reads its section of a preset (app/bench/presets/full.yaml, or quick.yaml with --quick, or
---preset FILE): its parameters (flags override them) and its workload, TrainConfig fields overridden by
---config FILE and --set FIELD=VALUE. Results go to --output (default: under runs/). BENCHMARKS.md has figures.
+Each suite reads its section of a preset (app/bench/presets/full.yaml; quick.yaml with --quick; --preset FILE): parameters
+(flags override them), a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override). BENCHMARKS.md: figures.
 """
 
 import argparse
@@ -21,7 +21,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "predict")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
     m = add("memory", "Peak memory training on streamed parquet at 1x and at --scale x its size.")
     m.add_argument("--rows", type=int, help="Parquet rows at 1x.")
     m.add_argument("--scale", type=int, help="The second dataset's size, in times --rows.")
-    m.add_argument("--rows-per-file", type=int)
-    m.add_argument("--workers", type=int)
+    for flag in ("--rows-per-file", "--workers"):
+        m.add_argument(flag, type=int)
     m.add_argument("--only", choices=["write", "1x", "scaled"], help="One phase (results merge into memory.json).")
     e = add("exit", "The time from a run's last epoch line to its exit, in-memory and streamed.")
     e.add_argument("--runs", type=int, help="Runs per data path.")
@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=float, help="CPUs both runs reserve in all.")
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
+    add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     return top
 
 
@@ -63,8 +64,7 @@ def main() -> None:
     if not argv or argv[0] not in (*SUITES, "-h", "--help"):
         argv = ["throughput", *argv]  # the default suite
     args = parser().parse_args(argv)
-    common = {"suite", "quick", "preset", "config", "set", "output"}
-    flags = {k: v for k, v in vars(args).items() if k not in common}
+    flags = {k: v for k, v in vars(args).items() if k not in {"suite", "quick", "preset", "config", "set", "output"}}
 
     def body() -> None:
         from app.bench import suites

@@ -8,6 +8,8 @@
 - exit (app.bench.exit_gap): the time from the last epoch line to the end of jobs/train.py -> exit.json
 - ps (app.bench.ps_vs_mwms): parameter-server training against MWMS, same model and CPUs -> ps.json
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
+- predict (app.bench.predict_cost): batch prediction's rows/s (Ray, 1 and 2 actors) against model.predict, and its
+  memory at 1x and scale x the data -> predict.json
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from app.bench import breakdown, checkpoint_cost, exit_gap, memory, ps_vs_mwms, scaling, sweep_cost
+from app.bench import breakdown, checkpoint_cost, exit_gap, memory, predict_cost, ps_vs_mwms, scaling, sweep_cost
 from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost}
+          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "predict": predict_cost}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
@@ -30,9 +32,9 @@ def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, f
 
 
 def default_output(suite: str) -> Path:
-    # The memory suite keeps its datasets there for the next run (and its phases, one at a time).
-    if suite == "memory":
-        return Path("runs/benchmark-memory")
+    # The memory and predict suites keep their datasets there for the next run (memory: its phases, one at a time).
+    if suite in ("memory", "predict"):
+        return Path(f"runs/benchmark-{suite}")
     return Path(f"runs/benchmark-{'' if suite == 'throughput' else suite + '-'}{time.strftime('%Y%m%d-%H%M%S')}")
 
 
