@@ -42,7 +42,7 @@ class Rows:
     """Where the rows to predict on are: files or a Ray Dataset (``loc``), or one in-memory table."""
 
     what: str  # the dataset, as messages name it
-    loc: files.Located  # format "arrays" for ``table``
+    loc: files.Located  # format "arrays" (features in one column, X) or "dataframe" for ``table``
     table: Optional["pa.Table"] = None
 
     @property
@@ -74,23 +74,23 @@ def rows_of(config: "TrainConfig", given: Any = None) -> Rows:
 def _in_memory(value: Any, config: "TrainConfig", what: str) -> Rows:
     import pyarrow as pa
 
-    if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):  # as a CSV file's rows
-        table = pa.Table.from_pandas(value, preserve_index=False)
+    if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):  # its columns, as a CSV file's
+        return Rows(what, files.Located(what, "dataframe", None, "", ()), pa.Table.from_pandas(value, preserve_index=False))
+    if isinstance(value, np.ndarray):
+        x, y = value, None
     else:
-        if isinstance(value, np.ndarray):
-            x, y = value, None
-        else:
-            (x, y), val = memory.arrays_from(value, config, what)
-            if val is not None:  # {"train": ..., "val": ...}: every row, the training rows first
-                x, y = np.concatenate([x, val[0]]), np.concatenate([y, val[1]])
-        if x.ndim < 2 or not len(x) or x.dtype.kind not in "fiub":
-            raise UserError(f"{what}: features of shape {x.shape} and dtype {x.dtype}; expected numbers, one "
-                            "example per row (n, ...)")
-        columns = {X: pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(x, dtype=np.float32)),
-                   ROW: pa.array(np.arange(len(x), dtype=np.int64))}
-        if y is not None:
-            columns[config.label_column] = pa.array(y)
-        table = pa.table(columns)
+        (x, y), val = memory.arrays_from(value, config, what)
+        if val is not None:  # {"train": ..., "val": ...}: every row, the training rows first
+            x, y = np.concatenate([x, val[0]]), np.concatenate([y, val[1]])
+    if x.ndim < 2 or not len(x) or x.dtype.kind not in "fiub":
+        raise UserError(f"{what}: features of shape {x.shape} and dtype {x.dtype}; expected numbers, one "
+                        "example per row (n, ...)")
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)  # reshaped to the model's input later
+    columns = {X: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1]),
+               ROW: pa.array(np.arange(len(x), dtype=np.int64))}
+    if y is not None:
+        columns[config.label_column] = pa.array(y)
+    table = pa.table(columns)
     return Rows(what, files.Located(what, "arrays", None, "", ()), table)
 
 
@@ -119,15 +119,17 @@ def spec_for(rows: Rows, config: "TrainConfig", first: "pa.Table", keep: Sequenc
     for name in keep:
         if name not in names:
             raise missing("column to keep (--keep-columns)", name, rows.what, names)
-    if rows.loc.format in ("images", "arrays"):  # the pixels / the arrays: one tensor column
-        config = config.model_copy(update={"feature_columns": ["image" if rows.loc.format == "images" else X],
-                                           "text_column": None})
+    if rows.loc.format == "arrays":  # one list column of each example's values
+        config = config.model_copy(update={"feature_columns": [X], "text_column": None})
     elif not config.feature_columns and not config.text_column:  # the run's default: every other column
         skip = {config.label_column, *keep}
         config = config.model_copy(update={"feature_columns": [n for n in names if n not in skip] or names})
-    spec = schema_spec(rows.loc, config, first.schema, labelled=False)
-    if rows.loc.format == "images":
-        spec = replace(spec, kind="images")  # pixels scaled to [0, 1], as in training
+    if rows.loc.format == "images":  # decoded and resized as in training (schema.image_spec), scaled to [0, 1]
+        h, w = config.image_size
+        spec = Spec(kind="images", features=("image",), label="", stored_shape=(h, w, 3) if config.image_channels == 3
+                    else (h, w))
+    else:
+        spec = schema_spec(rows.loc, config, first.schema, labelled=False)
     if spec.kind == "list":  # a list column's length is only known from the data
         lengths = pc.list_value_length(first.column(spec.features[0]))
         low, high = pc.min_max(lengths)["min"].as_py(), pc.min_max(lengths)["max"].as_py()
