@@ -1,8 +1,9 @@
 """ray-tf-train: data-parallel Keras 3 training on Ray (and locally), from the command line or from Python.
 
-    from app import train, tune, evaluate, fit
+    from app import train, tune, evaluate, fit, predict
     result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
     history = fit(build_model, x, y, batch_size=256, epochs=10, validation_split=0.2)   # model.fit's arguments
+    predict(result["output"], data=x_new, output="runs/predictions")   # parquet; pandas.read_parquet reads it
 
 ``app.ShardedEmbedding`` (app.layers) is an embedding table in K shards for your own
 models: spread over the parameter servers under --strategy parameter-server.
@@ -42,6 +43,13 @@ def evaluate(*args: Any, **kwargs: Any) -> dict:
     return _evaluate(*args, **kwargs)
 
 
+def predict(*args: Any, **kwargs: Any) -> dict:
+    """app.run.api.predict: apply a trained model to a dataset, predictions written as parquet."""
+    from app.run.api import predict as _predict
+
+    return _predict(*args, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
     # app.ShardedEmbedding for users' own models, imported (with Keras) only when asked for.
     if name == "ShardedEmbedding":
@@ -51,4 +59,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
 
-__all__ = ["train", "fit", "tune", "evaluate", "ShardedEmbedding"]
+__all__ = ["train", "fit", "tune", "evaluate", "predict", "ShardedEmbedding"]

@@ -106,6 +106,26 @@ def evaluate_args(description: str, argv: list[str] | None = None) -> EvaluateAr
     return EvaluateArgs(**own, overrides=cli_errors.guarded(lambda: _checked(typed)))
 
 
+@dataclasses.dataclass
+class PredictArgs:
+    model: str | None  # --model: an exported .keras file
+    checkpoint: str | None
+    run: str | None
+    options: Any  # app.run.predict.PredictOptions: the script's own flags
+    overrides: dict[str, Any]  # data flags typed: they override the run's config
+
+
+def predict_args(description: str, argv: list[str] | None = None) -> PredictArgs:
+    """What to predict with (as evaluate), the data flags (as evaluate), and the prediction's own flags."""
+    from app.run.predict import PredictOptions
+
+    own, typed = cli_errors.guarded(lambda: _parse(description, argv, "predict", _predict_flags(), set(EVALUATE_FIELDS)))
+    what = {k: own.pop(k) for k in ("model", "checkpoint", "run")}
+    own["keep_columns"] = tuple(c for given in own["keep_columns"] for c in given.split(",") if c)
+    return PredictArgs(**what, options=cli_errors.guarded(lambda: PredictOptions(**own)),
+                       overrides=cli_errors.guarded(lambda: _checked(typed)))
+
+
 def main(body: Callable[[], Any]) -> None:
     """Run an entry script: user errors become one line on stderr and exit status 2."""
     # Our INFO lines; other libraries' only from WARNING on (a run's log file gets their INFO: app.run.console).
@@ -188,10 +208,10 @@ def _tune_flags() -> type:
     return Sweep
 
 
-def _evaluate_flags() -> type:
+def _evaluate_flags(verb: str = "evaluate") -> type:
     import tyro
 
-    what = tyro.conf.create_mutex_group(required=True, title="what to evaluate (exactly one)")
+    what = tyro.conf.create_mutex_group(required=True, title=f"what to {verb} (exactly one)")
     none = tyro.conf.DisallowNone
 
     @dataclasses.dataclass
@@ -209,6 +229,31 @@ def _evaluate_flags() -> type:
             metavar="DIR", help="A run's output directory (its model.keras).", help_behavior_hint="")] = None
 
     return Evaluate
+
+
+def _predict_flags() -> type:
+    import tyro
+
+    none = tyro.conf.DisallowNone
+    base = _evaluate_flags("predict with")  # the same three ways to name a trained model
+
+    @dataclasses.dataclass(kw_only=True)  # --output, required, after the optional flags of evaluate
+    class Predict(base):
+        """What to predict with, and how. The data flags below override the run's config.yaml."""
+
+        output: Annotated[str, tyro.conf.arg(metavar="DIR", help="Directory for the predictions (parquet files).")]
+        keep_columns: Annotated[list[str], tyro.conf.arg(
+            metavar="COLUMN [COLUMN ...]", help="Input columns written beside the predictions (an id; a,b or a b).",
+            help_behavior_hint="(default: none)")] = dataclasses.field(default_factory=list)
+        backend: Annotated[Literal["ray", "local"], tyro.conf.arg(
+            help="ray: Ray Data and a pool of actors; local: this process, no Ray.")] = "ray"
+        num_workers: Annotated[int, tyro.conf.arg(help="Ray actors, each holding the model.")] = 2
+        cpus_per_worker: Annotated[float, tyro.conf.arg(help="CPUs each actor reserves (its TensorFlow threads).")] = 1.0
+        use_gpu: Annotated[bool, tyro.conf.arg(help="Give each actor one GPU.")] = False
+        batch_size: Annotated[int, tyro.conf.arg(help="Rows per model call.")] = 256
+        overwrite: Annotated[bool, none, tyro.conf.arg(help="Replace an existing --output.")] = False
+
+    return Predict
 
 
 # --- the config flags ----------------------------------------------------------------------------------------
@@ -332,4 +377,5 @@ def _base_file(config: str | None, typed: dict[str, Any]) -> str | Path | None:
     return file
 
 
-__all__ = ["CONFIG_FILE", "EvaluateArgs", "TrainArgs", "TuneArgs", "evaluate_args", "main", "train_args", "tune_args"]
+__all__ = ["CONFIG_FILE", "EvaluateArgs", "PredictArgs", "TrainArgs", "TuneArgs", "evaluate_args", "main", "predict_args",
+           "train_args", "tune_args"]

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError, field_serializer, model_validator
+from pydantic import ValidationError, field_serializer, model_validator
 
 from app import registry
 from app.config_sections import (
     PIPELINE_MICROBATCHES,
-    SECTIONS,
     DataSection,
     ModelSection,
     OptimSection,
@@ -80,6 +79,8 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                             f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
+        if set(self.export) - {"keras", "savedmodel"}:
+            problems.append(f"--export takes keras and/or savedmodel (keras,savedmodel), got {','.join(self.export)}")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if problems:
@@ -89,10 +90,11 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
     @model_validator(mode="before")
     @classmethod
     def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
-        cut = values.get("split_at") if isinstance(values, dict) else None
-        if isinstance(cut, (str, list)):
-            parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
-            values = {**values, "split_at": parts}
+        for name in ("split_at", "export"):
+            cut = values.get(name) if isinstance(values, dict) else None
+            if isinstance(cut, (str, list)):
+                parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
+                values = {**values, name: parts}
         return values
 
     @field_serializer("model", "dataset")
@@ -105,11 +107,6 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def section_of(field: str) -> type[BaseModel]:
-    """The section that declares a field (for --help groups)."""
-    return next(s for s in SECTIONS if field in s.model_fields)
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}

@@ -251,6 +251,9 @@ class OutputSection(_Section):
     log_every_steps: int = Field(
         50, ge=0, description="TensorBoard step scalars every N optimizer steps (0 = per epoch only)."
     )
+    export: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["keras", "savedmodel"],
+        description="What the run writes for use elsewhere: keras = model.keras, savedmodel = saved_model/ (a "
+        "SavedModel for TensorFlow Serving); --export keras,savedmodel or --export keras.")
     audit_sample_ids: bool = Field(
         False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
     )

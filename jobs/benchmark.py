@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep and keras suites.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep, keras, predict suites.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -8,10 +8,10 @@
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
-    python jobs/benchmark.py keras                                              # compiled model: ours vs fit()
+    python jobs/benchmark.py keras   /   predict          # compiled model vs fit()  /  batch prediction: rows/s, memory
 
-Each suite reads its section of a preset (app/bench/presets/full.yaml, quick.yaml with --quick, --preset FILE):
-parameters (flags override them), workload (TrainConfig fields; --config FILE, --set FIELD=VALUE over them).
+Each suite reads its section of a preset (app/bench/presets/full.yaml; quick.yaml with --quick; --preset FILE):
+parameters (flags override them), a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override).
 Results go to --output (default: under runs/). BENCHMARKS.md has figures.
 """
 
@@ -21,7 +21,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "predict")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
     add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
+    add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     return top
 
 
@@ -63,8 +64,7 @@ def main() -> None:
     if not argv or argv[0] not in (*SUITES, "-h", "--help"):
         argv = ["throughput", *argv]  # the default suite
     args = parser().parse_args(argv)
-    common = {"suite", "quick", "preset", "config", "set", "output"}
-    flags = {k: v for k, v in vars(args).items() if k not in common}
+    flags = {k: v for k, v in vars(args).items() if k not in {"suite", "quick", "preset", "config", "set", "output"}}
 
     def body() -> None:
         from app.bench import suites

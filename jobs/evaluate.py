@@ -11,7 +11,6 @@ Prints the metrics as JSON and writes them to eval.json next to the model.
 """
 
 import json
-from pathlib import Path
 
 import _bootstrap  # noqa: F401
 from app import cli
@@ -21,14 +20,14 @@ def main() -> None:
     args = cli.evaluate_args(__doc__)
 
     def body() -> None:
-        from app.run import evaluate
+        from app.run import evaluate, trained
 
         if args.checkpoint:
             metrics, out_file = evaluate.evaluate_checkpoint(args.checkpoint, args.overrides)
         else:
-            model = Path(args.model) if args.model else Path(args.run) / "model.keras"
-            out_file = model.parent / "eval.json"
-            metrics = evaluate.evaluate_and_write(model, evaluate.config_for(model, args.overrides), out_file)
+            found = trained.located(args.model, None, args.run, args.overrides)
+            out_file = found.model_file.parent / "eval.json"
+            metrics = evaluate.evaluate_and_write(found.model_file, found.config, out_file)
         print(json.dumps(metrics))
         print(f"metrics written to {out_file}")
 

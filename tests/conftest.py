@@ -110,3 +110,30 @@ SSH_TOOLS_MISSING = (
 )
 
 
+
+
+@pytest.fixture(scope="session")
+def parquet_run(tmp_path_factory):
+    """A small run trained on parquet files (an id, a list column of 16 features, 4 classes that overlap), 2 epochs,
+    --backend local, and held-out test files: shared by the export and prediction tests. (run dir, test dir)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("parquet-run")
+    centers = np.random.default_rng(1).normal(size=(4, 16))
+    for name, n, first_id in (("train", 800, 0), ("test", 300, 10_000)):
+        rng = np.random.default_rng(first_id)
+        y = rng.integers(0, 4, n)
+        x = (rng.normal(size=(n, 16)) + 0.6 * centers[y]).astype(np.float32)
+        (root / name).mkdir()
+        for i, part in enumerate(np.array_split(np.arange(n), 2)):  # two files: two blocks for Ray Data
+            pq.write_table(pa.table({"id": np.arange(first_id, first_id + n)[part], "label": y[part],
+                                     "features": pa.array(list(x[part]), type=pa.list_(pa.float32()))}),
+                           root / name / f"part-{i}.parquet")
+    run = root / "run"
+    p = run_job("jobs/train.py", "--backend", "local", "--dataset", str(root / "train"), "--feature-columns",
+                "features", "--epochs", "2", "--hidden-units", "32", "--no-tensorboard", "--output", str(run),
+                timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run, root / "test"

@@ -63,9 +63,12 @@ def test_the_cnn_takes_the_builtin_digits_as_they_come(tmp_path):
     """digits' rows carry their image shape (8, 8, 1): the cnn trains on them without --feature-shape (it
     reshapes inside the model), and a Dense model still gets the 64 features."""
     p = run_job("jobs/train.py", "--model", "cnn", "--backend", "local", "--epochs", "1", "--conv-filters", "8",
-                "--output", str(tmp_path / "cnn"), timeout=180)
+                "--export", "keras", "--output", str(tmp_path / "cnn"), timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     console = p.stdout + p.stderr
     assert "examples of shape (64,)" in console and "model: cnn" in console
     result = json.loads((tmp_path / "cnn" / "result.json").read_text())
     assert result["epochs_completed"] == 1 and result["task"] == "classification"
+    # --export keras: model.keras and no SavedModel
+    assert result["model_file"] == "model.keras" and result["saved_model"] is None
+    assert (tmp_path / "cnn" / "model.keras").is_file() and not (tmp_path / "cnn" / "saved_model").exists()

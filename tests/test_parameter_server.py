@@ -121,6 +121,9 @@ def test_one_worker_parameter_server_gives_one_device_weights(ray_cluster, tmp_p
     assert one_device.returncode == 0, stderr[-3000:]
     one = json.loads((tmp_path / "one" / "result.json").read_text())
     assert ps["optimizer_steps"] == 3 and one["steps_per_epoch"] == 1
+    # The chief's model, one ordinary model, exported for serving by the driver.
+    assert ps["saved_model"]["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 8]}}
+    assert (tmp_path / "ps" / "saved_model" / "saved_model.pb").is_file()
     a = keras.models.load_model(tmp_path / "ps" / "model.keras").get_weights()
     b = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
     losses = [float(row.split(",")[1]) for row in (tmp_path / "ps" / "history.csv").read_text().splitlines()[1:]]

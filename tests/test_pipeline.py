@@ -112,6 +112,9 @@ def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
     layers = [layer["config"]["name"] for layer in exported["config"]["layers"]]
     assert exported["class_name"] == "Functional" and "conv_0_0" in layers and "logits" in layers
     assert not any(name.startswith("stage_") for name in layers)
+    # ... and so is the SavedModel for serving, exported from it: 8x8x1 digits, any batch size.
+    assert pipe["saved_model"]["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 8, 8, 1]}}
+    assert (out / "saved_model" / "saved_model.pb").is_file()
 
 
 def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):

@@ -27,8 +27,8 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     assert not missing_files, missing_files
 
     # Flags of our scripts, from their --help; other tools' flags (ray, pip, docker, pytest) are theirs.
-    commands = [["train"], ["tune"], ["evaluate"], *[["benchmark", suite] for suite in
-                ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep")]]
+    commands = [["train"], ["tune"], ["evaluate"], ["predict"], *[["benchmark", suite] for suite in
+                ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "predict")]]
     helps = "".join(subprocess.run([sys.executable, f"jobs/{job}.py", *rest, "--help"], cwd=REPO, capture_output=True,
                                    text=True, timeout=120).stdout for job, *rest in commands)
     ours = set(re.findall(r"(--[a-z][a-z0-9-]*)", helps))
@@ -37,7 +37,8 @@ def test_every_file_flag_and_test_the_readme_names_exists():
               "--tag_set", "--signature_def", "--all", "--model_base_path", "--model_name", "--rest_api_port",
               "--durations", "--editable", "--upgrade", "--logdir", "--ray-client-server-port", "--disable-usage-stats",
               "--autoscaling-config", "--dashboard-agent-listen-port", "--help",
-              "--follow", "--generate"}  # ray job logs --follow, ray get-auth-token --generate
+              "--follow", "--generate",  # ray job logs --follow, ray get-auth-token --generate
+              "--tag", "--signature"}  # saved_model_cli's --tag_set and --signature_def, as the pattern below cuts them
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", readme))
     unknown = sorted(f for f in flags - ours - theirs if f.replace("--no-", "--") not in ours)
     assert not unknown, unknown

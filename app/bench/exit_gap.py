@@ -5,7 +5,8 @@ written here), ``runs`` whole runs of jobs/train.py, each starting its own
 local Ray. The console is read line by line as it comes: the gap is from the
 last epoch line to the process's exit. Between the two the run writes its
 outputs (result.json, history.csv, curves.png, the model copied from the last
-checkpoint) and Ray shuts down; a tf.data iterator destroyed while its
+checkpoint, and the SavedModel exported from it: each run is checked to have
+written saved_model/, so the gap covers the export) and Ray shuts down; a tf.data iterator destroyed while its
 autotuning thread sleeps used to add 7-60 s here. -> exit.json
 
 ``checkout`` runs another checkout's jobs/train.py (a git worktree of an older
@@ -72,6 +73,9 @@ def _one_run(checkout: Path, output: Path, flags: list[str]) -> float:
     ended = time.monotonic()
     if proc.returncode != 0 or last_epoch is None:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{''.join(tail)}")
+    # This checkout's runs export a SavedModel by default, and the gap must include it (an older --checkout's need not).
+    if checkout == REPO.resolve() and "--export" not in flags and not (output / "saved_model" / "saved_model.pb").is_file():
+        raise RuntimeError(f"{output} has no saved_model/: the gap would not cover the export")
     return ended - last_epoch
 
 

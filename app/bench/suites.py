@@ -10,6 +10,8 @@
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
 - keras (app.bench.keras_fit): a compiled model (two metrics) on this product's loop against Keras's own
   model.fit, local and on one Ray worker -> keras.json
+- predict (app.bench.predict_cost): batch prediction's rows/s (Ray, 1 and 2 actors) against model.predict, and its
+  memory at 1x and scale x the data -> predict.json
 """
 
 from __future__ import annotations
@@ -18,11 +20,21 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from app.bench import breakdown, checkpoint_cost, exit_gap, keras_fit, memory, ps_vs_mwms, scaling, sweep_cost
+from app.bench import (
+    breakdown,
+    checkpoint_cost,
+    exit_gap,
+    keras_fit,
+    memory,
+    predict_cost,
+    ps_vs_mwms,
+    scaling,
+    sweep_cost,
+)
 from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit}
+          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "predict": predict_cost}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
@@ -32,9 +44,9 @@ def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, f
 
 
 def default_output(suite: str) -> Path:
-    # The memory suite keeps its datasets there for the next run (and its phases, one at a time).
-    if suite == "memory":
-        return Path("runs/benchmark-memory")
+    # The memory and predict suites keep their datasets there for the next run (memory: its phases, one at a time).
+    if suite in ("memory", "predict"):
+        return Path(f"runs/benchmark-{suite}")
     return Path(f"runs/benchmark-{'' if suite == 'throughput' else suite + '-'}{time.strftime('%Y%m%d-%H%M%S')}")
 
 

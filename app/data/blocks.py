@@ -58,8 +58,8 @@ def _column(table: "pa.Table", name: str):
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
 
-def _features(table: "pa.Table", spec: Spec) -> np.ndarray:
-    """One block's features as float32 (n, *feature_shape); the block passed the checks."""
+def features(table: "pa.Table", spec: Spec) -> np.ndarray:
+    """One block's features as float32 (n, *feature_shape), for training and for prediction (app.data.inference)."""
     import pyarrow.compute as pc
 
     from app.data import text
@@ -232,7 +232,7 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         if spec.kind == "list":  # the stored length is only known here; ids hash the flat row
             spec = replace(spec, stored_shape=(stats["len_min"],), feature_shape=(stats["len_min"],))
         y = _labels(table, spec)
-        ids = _row_ids(table, spec, _features(table, spec), y)
+        ids = _row_ids(table, spec, features(table, spec), y)
         stats["val_rows"] = int(in_validation(ids, spec.seed, spec.val_fraction).sum())
     return pa.table({k: [v] for k, v in stats.items()})
 
@@ -259,7 +259,7 @@ def rows(table: "pa.Table", spec: Spec, keep: str = "all") -> tuple[np.ndarray, 
     (app.data.local_files): both get the same rows with the same ids.
     """
     table = _conformed(table, spec)
-    x, y = _features(table, spec), _labels(table, spec)
+    x, y = features(table, spec), _labels(table, spec)
     ids = _row_ids(table, spec, x, y)
     if spec.val_fraction is not None and keep != "all":
         chosen = in_validation(ids, spec.seed, spec.val_fraction)

@@ -79,7 +79,7 @@ def _read_checked(loc: Located, config: "TrainConfig"):
     budget = MEMORY_SHARE * psutil.virtual_memory().available
     tables: list["pa.Table"] = []
     stats, read, raw_bytes = [], 0, 0
-    for table in _batches(loc, config, spec):
+    for table in batches(loc, config, spec):
         stats.append(block_stats(table, spec).to_pylist()[0])
         tables.append(table)
         read, raw_bytes = read + table.num_rows, raw_bytes + table.nbytes
@@ -182,8 +182,10 @@ class _csv_reader:
         self.stream.close()
 
 
-def _batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Table"]:
-    """The raw rows, a batch at a time: parquet's and TFRecord's needed columns, whole CSV rows, decoded images."""
+def batches(loc: Located, config: "TrainConfig", spec: Spec,
+            columns: Optional[list[str]] = None) -> Iterator["pa.Table"]:
+    """The raw rows, a batch at a time: parquet's and TFRecord's needed columns (``columns``, else the features
+    and the label), whole CSV rows, decoded images."""
     import pyarrow as pa
 
     if loc.format == "images":
@@ -192,10 +194,11 @@ def _batches(loc: Located, config: "TrainConfig", spec: Spec) -> Iterator["pa.Ta
     path = None
     try:
         if loc.format == "tfrecord":
-            yield from tfrecord.batches(loc, [*spec.features, spec.label], batch_rows(spec))
+            yield from tfrecord.batches(loc, columns or [*spec.features, spec.label], batch_rows(spec))
             return
         if loc.format == "parquet":
-            for batch in _parquet(loc).to_batches(columns=[*spec.features, spec.label], batch_size=batch_rows(spec)):
+            needed = columns or [*spec.features, spec.label]
+            for batch in _parquet(loc).to_batches(columns=needed, batch_size=batch_rows(spec)):
                 yield pa.Table.from_batches([batch])
             return
         for path in loc.files:

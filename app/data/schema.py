@@ -57,8 +57,10 @@ def _type_kind(t: "pa.DataType") -> str:
     return "other"
 
 
-def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
-    """Columns and dtypes from the schema alone (no data read): the cheap checks first."""
+def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = True) -> Spec:
+    """Columns and dtypes from the schema alone (no data read): the cheap checks first.
+
+    ``labelled=False``: rows to predict on (app.data.inference), whose label column may be absent."""
 
     names = list(schema.names)
     types = dict(zip(names, schema.types))
@@ -68,9 +70,9 @@ def schema_spec(loc: Located, config: "TrainConfig", schema) -> Spec:
         label=config.label_column, vocab_size=config.vocab_size, sequence_length=config.sequence_length,
         seed=config.seed,
     )
-    if config.label_column not in types:
+    if labelled and config.label_column not in types:
         raise missing("label column", config.label_column, loc.uri, names)
-    common["task"] = _task(config, types[config.label_column])
+    common["task"] = _task(config, types[config.label_column]) if labelled else config.task
     if config.text_column:
         if config.text_column not in types:
             raise missing("text column", config.text_column, loc.uri, names)

@@ -1,4 +1,4 @@
-"""The entry points the job scripts and the Python API share: train, dry-run, tune, evaluate.
+"""The entry points the job scripts and the Python API share: train, dry-run, tune, evaluate, predict.
 
     from app import train
     result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
@@ -121,7 +121,41 @@ def evaluate(model_file: str, data: Any = None, **fields: Any) -> dict[str, Any]
     from pathlib import Path
 
     from app.run import evaluate as evaluate_lib
+    from app.run.trained import config_for
 
     model_file = Path(model_file)
-    config = evaluate_lib.config_for(model_file, {**fields, **_plugins(None, data)})
+    config = config_for(model_file, {**fields, **_plugins(None, data)})
     return evaluate_lib.evaluate_and_write(model_file, config, model_file.parent / "eval.json")
+
+
+def predict(trained: str, data: Any = None, output: Optional[str] = None, keep_columns: Any = (),
+            **fields: Any) -> dict[str, Any]:
+    """Predict as jobs/predict.py does; returns what ``<output>/_predict.json`` holds.
+
+    ``trained``: a run's output directory, a .keras file or a checkpoint (a local run's ``checkpoint/epoch-N``, a
+    Ray Train ``checkpoint_...``). ``data``: what ``--dataset`` takes, or arrays (x alone, or (x, y)), a
+    DataFrame, a ray.data.Dataset. The prediction's own options (``backend``, ``num_workers``,
+    ``cpus_per_worker``, ``use_gpu``, ``batch_size``, ``overwrite``) and data fields (``feature_columns``, ...)
+    as keywords; ``output`` defaults to ``runs/predict-<time>``.
+    """
+    import dataclasses
+    import datetime
+    from pathlib import Path
+
+    from app.run import predict as predict_lib
+    from app.run import trained as trained_lib
+
+    own = {f.name for f in dataclasses.fields(predict_lib.PredictOptions)}
+    options = {k: fields.pop(k) for k in list(fields) if k in own}
+    output = output or f"runs/predict-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    keep = (keep_columns,) if isinstance(keep_columns, str) else tuple(keep_columns)
+    overrides = {**fields, **({"dataset": data} if isinstance(data, str) or callable(data) else {})}
+    path = Path(trained)
+    if path.suffix == ".keras":
+        found = trained_lib.located(model=path, overrides=overrides)
+    elif (path / "model.keras").is_file() and (path / "config.yaml").is_file():  # a run (a checkpoint has no config.yaml)
+        found = trained_lib.located(run=path, overrides=overrides)
+    else:
+        found = trained_lib.located(checkpoint_dir=path, overrides=overrides)
+    given = None if isinstance(data, str) or callable(data) else data
+    return predict_lib.predict(found, predict_lib.PredictOptions(output=output, keep_columns=keep, **options), given)

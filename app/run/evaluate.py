@@ -7,9 +7,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.config import TrainConfig, build_config, read_yaml
+from app.config import TrainConfig
 from app.errors import UserError
-from app.run.outputs import CONFIG_FILE
+from app.run import trained
 from app.training import checkpoint
 
 log = logging.getLogger(__name__)
@@ -80,16 +80,6 @@ def _data(config: TrainConfig):
     return preflight.load_data(config, 1, loc)
 
 
-def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
-    """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
-    candidate = model_path.parent / CONFIG_FILE
-    saved = read_yaml(candidate) if candidate.is_file() else {}
-    # The model comes from the file: the recorded builder is not needed, and one defined in a
-    # script or a notebook ("__main__:build_model") could not be loaded here anyway.
-    saved.pop("model", None)
-    return build_config(None, {**saved, "output": str(model_path.parent), **overrides})
-
-
 def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path) -> dict[str, Any]:
     metrics = evaluate_model(model_path, config)
     metrics["model"] = str(model_path)
@@ -99,22 +89,15 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
 
 
 def evaluate_checkpoint(ckpt: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """A checkpoint of any backend (app.training.checkpoint.located) carries its own config in its state.
+    """A checkpoint of any backend (app.run.trained.from_checkpoint) carries its own config in its state.
 
     The metrics go to eval.json in a Ray Train checkpoint's directory, or to ``epoch-N.eval.json``
     beside a local or parameter-server checkpoint.
     """
-    found = checkpoint.located(ckpt)
-    if found is None:
-        raise UserError(f"{str(ckpt)!r} is not a checkpoint: give a Ray Train checkpoint directory (with "
-                        f"{checkpoint.STATE_FILE}), a local or parameter-server run's {checkpoint.LOCAL_DIR}/ "
-                        "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
-                        "output directory")
-    state_file, model_file = found
-    saved = json.loads(state_file.read_text())["config"]
-    config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
+    found = trained.from_checkpoint(ckpt, overrides)
+    state_file = found.state_file
     if state_file.name == checkpoint.STATE_FILE:
         out_file = state_file.parent / "eval.json"
     else:
         out_file = state_file.with_name(state_file.name.removesuffix(checkpoint.STATE_SUFFIX) + ".eval.json")
-    return evaluate_and_write(model_file, config, out_file), out_file
+    return evaluate_and_write(found.model_file, found.config, out_file), out_file

@@ -1,4 +1,4 @@
-"""Run outputs: the output directory, result.json, the history, the exported model."""
+"""Run outputs: the output directory, result.json, the history, the exported model (model.keras, saved_model/)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from app import registry
 from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
+from app.training.export import SAVED_MODEL_DIR, export_saved_model
 from app.training.objective import metric_in, metric_mode, metric_names_in
 
 log = logging.getLogger(__name__)
@@ -134,12 +135,17 @@ def write_outputs(
     started_at: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """From the last checkpoint (its state and model file): model.keras, history.csv, curves.png, result.json."""
+    """From the last checkpoint (its state and model file): model.keras and saved_model/ (--export), history.csv,
+    curves.png, result.json."""
     out = config.output_dir()
     history = state["history"]
     last = history[-1]
     metric = metric_in(last)
-    shutil.copyfile(model_file, out / MODEL_FILE)
+    if "keras" in config.export:
+        shutil.copyfile(model_file, out / MODEL_FILE)
+    # From the checkpoint's model file, in this process (the driver: it built the model for the checks, so
+    # TensorFlow is imported already): one ordinary model, whatever the strategy trained it.
+    saved_model = export_saved_model(model_file, out / SAVED_MODEL_DIR) if "savedmodel" in config.export else None
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]
     num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
@@ -187,7 +193,8 @@ def write_outputs(
         **({"worker_nodes": state["worker_nodes"]} if "worker_nodes" in state else {}),
         **(extra or {}),  # what the backend knows better (a parameter-server run's replicas and steps)
         "history_file": HISTORY_FILE,
-        "model_file": MODEL_FILE,
+        "model_file": MODEL_FILE if "keras" in config.export else None,
+        "saved_model": saved_model,  # its directory, serving signature, inputs and outputs (app.training.export)
         "config": config.model_dump(mode="json"),
     }
     (out / RESULT_FILE).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,215 @@
+"""Batch prediction with a trained model: jobs/predict.py and app.predict.
+
+On Ray (the default) the rows are a Ray Dataset (files read block by block by Ray Data, as training reads them),
+``map_batches`` runs them through a pool of ``--num-workers`` actors (``ray.data.ActorPoolStrategy``), each holding
+the model (app.training.predictor: the training path's features, the model, the output columns), and
+``write_parquet`` writes every batch to ``--output`` as it comes. Nothing waits for the whole dataset: memory
+stays flat as the data grows (the same bounded read-ahead as training: app.data.streamed._streaming), and Ray
+Data's progress bar shows the rows going through. ``--backend local``: the same predictor in this process, a
+bounded batch at a time, written with pyarrow; Ray is not imported.
+
+Every refusal is one line before the pool starts: no such run, model or checkpoint; an output that exists; a
+dataset or column that is not there; examples whose shape does not fit the model (read from the first rows).
+Rows keep their input order. ``_predict.json`` (what was predicted, with what, how many rows) is written last:
+its presence says the output is complete (readers of the directory skip names starting with ``_``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from app.errors import RunFailed, UserError
+from app.run.trained import Trained
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "_predict.json"
+LOG_FILE = "_predict.log"  # Ray's and TensorFlow's own lines (the actors' too)
+# Rows per parquet file written (at least): a few MB of predictions, not one file per batch.
+ROWS_PER_FILE = 100_000
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    output: str  # the directory of parquet files written
+    keep_columns: tuple[str, ...] = ()  # input columns written beside the predictions (an id)
+    backend: str = "ray"  # ray: Ray Data and an actor pool; local: this process, no Ray
+    num_workers: int = 2  # actors, each holding the model
+    cpus_per_worker: float = 1.0  # each actor's CPUs, and its TensorFlow threads
+    use_gpu: bool = False  # one GPU per actor
+    batch_size: int = 256  # rows per model call
+    overwrite: bool = False  # replace an existing --output
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "cpus_per_worker", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.backend not in ("ray", "local"):
+            raise UserError(f"--backend must be ray or local (got {self.backend!r})")
+        if not self.output:
+            raise UserError("--output is required: the directory the predictions are written to")
+
+
+def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[str, Any]:
+    """Predict with ``found`` on its config's dataset (or ``given``: arrays, a DataFrame, a ray.data.Dataset);
+    returns what ``_predict.json`` holds."""
+    from app.run import console
+
+    # Libraries' lines (Ray Data's plans, the actors' TensorFlow notices) go to _predict.log, not the console.
+    with console.for_people(found.config.verbose):
+        return _predict(found, options, given)
+
+
+def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, Any]:
+    from app.data import inference
+    from app.run import console
+
+    started = time.time()
+    keep = tuple(dict.fromkeys(options.keep_columns))
+    config = found.config.model_copy(update={"backend": options.backend, "num_workers": options.num_workers,
+                                             "cpus_per_worker": options.cpus_per_worker, "use_gpu": options.use_gpu})
+    out = Path(options.output).expanduser().resolve()
+    _check_output(out, options.overwrite)
+    if clash := set(keep) & {"prediction", "probabilities"}:
+        raise UserError(f"--keep-columns {', '.join(sorted(clash))}: the predictions take that name; keep other columns")
+    rows = inference.rows_of(config, given)
+    model = _load(found.model_file)
+    task, from_logits = _task(found, config, model)
+    if config.backend == "ray":
+        from app.run import cluster
+
+        cluster.check_fits_locally(config)
+        cluster.connect(config)
+    first = inference.first_rows(rows, config, keep)
+    spec = inference.spec_for(rows, config, first, keep, _input_shape(model))
+    del model  # the predictors load their own
+    from app.training.predictor import Recipe
+
+    # An actor gives TensorFlow its CPUs' threads; this process (local) has TensorFlow initialised already.
+    recipe = Recipe(spec, task, from_logits, keep, options.batch_size, 0 if config.backend == "local" else
+                    config.cpus_per_worker)
+    log.info("predicting with %s on %s: %s, examples of shape %s, %s", found.model_file, rows.what, task,
+             spec.feature_shape, f"{options.num_workers} Ray actor(s)" if config.backend == "ray" else "this process")
+    if options.overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pool_started = time.time()
+    with console.routed(out / LOG_FILE, found.config.verbose):
+        if config.backend == "local":
+            _in_this_process(rows, config, found.model_file, recipe, out)
+        else:
+            _on_ray(rows, config, found.model_file, recipe, options, out)
+    pool_seconds = time.time() - pool_started
+    summary = {"model": str(found.model_file), "dataset": rows.what, "task": task, "output": str(out),
+               "rows": _rows_written(out), "columns": _columns(out), "seconds": round(time.time() - started, 3),
+               # from the pool's start (its actors' start and model load included) to the last file written
+               "predict_seconds": round(pool_seconds, 3),
+               "options": asdict(options)}
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"output {str(out)!r} already exists: choose another --output, or --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {str(out)!r} is a file, not a directory")
+
+
+def _load(model_file: Path):
+    import keras
+
+    import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
+
+    try:
+        return keras.models.load_model(model_file, compile=False)
+    except (ValueError, OSError) as e:
+        raise UserError(f"cannot load {str(model_file)!r} as a Keras model: {str(e).splitlines()[0]}") from None
+
+
+def _input_shape(model) -> Optional[tuple[int, ...]]:
+    """One example's shape as the model takes it (None: a subclassed model that does not say)."""
+    inputs = getattr(model, "inputs", None)
+    if inputs and len(inputs) > 1:
+        raise UserError(f"the model takes {len(inputs)} inputs ({', '.join(i.name for i in inputs)}): predict feeds "
+                        "one features input, as training does; serve it from saved_model/ instead")
+    shape = inputs[0].shape[1:] if inputs else model.get_build_config()["input_shape"][1:]
+    return tuple(shape) if all(isinstance(d, int) for d in shape) else None
+
+
+def _task(found: Trained, config, model) -> tuple[str, bool]:
+    """The task the run recorded (else --task, else the model's output: one value is a regression, unless a
+    sigmoid makes it binary), and whether the model outputs logits (--from-logits, else its last activation)."""
+    from app.training.model import ends_in_probabilities
+    from app.training.objective import objective_for
+
+    task = found.task or (config.task if config.task != "auto" else None)
+    if task is None:
+        outputs = int(model.output_shape[-1]) if len(model.output_shape) > 1 else 1
+        task = "classification" if outputs > 1 else "binary" if ends_in_probabilities(model) else "regression"
+        log.info("no task recorded with %s: %s, from its output", found.model_file, task)
+    return task, objective_for(config, task, model).from_logits
+
+
+def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out: Path) -> None:
+    import ray.data
+    from ray.data import DataContext
+
+    from app.data import inference
+    from app.data.streamed import _streaming
+    from app.training.predictor import Predictor
+
+    columns = [*recipe.spec.features, *recipe.keep]
+    with _streaming(config):  # small blocks, bounded read-ahead: memory flat as the data grows
+        DataContext.get_current().execution_options.preserve_order = True  # rows out in the order they came in
+        # Blocks of one batch: a block goes to one actor, so bigger ones would leave the others idle.
+        ds = inference.ray_dataset(rows, config, columns).repartition(target_num_rows_per_block=options.batch_size)
+        ds = ds.map_batches(
+            Predictor, fn_constructor_args=(model_file.read_bytes(), recipe), batch_size=options.batch_size,
+            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=options.num_workers),
+            num_cpus=options.cpus_per_worker, num_gpus=1 if options.use_gpu else 0, udf_modifying_row_count=False,
+        )
+    try:
+        ds.write_parquet(str(out), min_rows_per_file=ROWS_PER_FILE)
+    except ray.exceptions.RayError as e:
+        from app.run.failures import summarize, trace_note
+
+        raise RunFailed(f"prediction failed: {summarize(e).removesuffix(' (rank 0)')}{trace_note(e)}") from None
+
+
+def _in_this_process(rows, config, model_file: Path, recipe, out: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from app.data import inference
+    from app.training.predictor import Predictor
+
+    predictor = Predictor(model_file, recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = None
+    try:
+        for batch in inference.local_batches(rows, config, recipe.spec, recipe.keep):
+            table = predictor(batch)
+            writer = writer or pq.ParquetWriter(out / "part-00000.parquet", table.schema)
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _rows_written(out: Path) -> int:
+    import pyarrow.dataset as pads
+
+    return pads.dataset(str(out), format="parquet").count_rows()  # from the files' metadata
+
+
+def _columns(out: Path) -> list[str]:
+    import pyarrow.dataset as pads
+
+    return pads.dataset(str(out), format="parquet").schema.names
+

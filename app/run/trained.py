@@ -1,0 +1,79 @@
+"""A trained model, located: a run's output directory, a .keras file, or a checkpoint of any backend; with the
+config it was trained with (its data flags overridden by the ones given) and the task it was trained for.
+
+What jobs/evaluate.py and jobs/predict.py (and app.evaluate / app.predict) are pointed at: ``--run DIR``,
+``--model FILE`` (.keras), ``--checkpoint DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from app.config import TrainConfig, build_config, read_yaml
+from app.errors import UserError
+from app.run.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
+from app.training import checkpoint
+
+
+@dataclass(frozen=True)
+class Trained:
+    model_file: Path
+    config: TrainConfig  # the run's, with the overrides given
+    task: Optional[str]  # what the run recorded (result.json, a checkpoint's state); None when nothing says
+    state_file: Optional[Path] = None  # a checkpoint's state (evaluate writes its metrics beside it)
+
+
+def located(model: Any = None, checkpoint_dir: Any = None, run: Any = None,
+            overrides: Optional[dict[str, Any]] = None) -> Trained:
+    """Exactly one of a .keras file, a checkpoint, a run's output directory."""
+    overrides = overrides or {}
+    if checkpoint_dir:
+        return from_checkpoint(checkpoint_dir, overrides)
+    if run:
+        run = Path(run)
+        if not run.is_dir():
+            raise UserError(f"no such run: {str(run)!r} is not a directory (give a run's output directory, "
+                            "e.g. runs/train-<time>)")
+        if not (run / MODEL_FILE).is_file():
+            raise UserError(f"run {str(run)!r} has no {MODEL_FILE} (an unfinished run, or one trained with --export "
+                            f"savedmodel): give --checkpoint {run} for its latest checkpoint")
+        model = run / MODEL_FILE
+    return from_model_file(model, overrides)
+
+
+def from_model_file(model_file: Any, overrides: dict[str, Any]) -> Trained:
+    """A .keras file: its run's config.yaml and result.json beside it (if any), then the overrides."""
+    model_file = Path(model_file)
+    if not model_file.is_file():
+        raise UserError(f"model file {str(model_file)!r} does not exist")
+    result = model_file.parent / RESULT_FILE
+    task = json.loads(result.read_text()).get("task") if result.is_file() else None
+    return Trained(model_file, config_for(model_file, overrides), task)
+
+
+def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
+    """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
+    candidate = model_path.parent / CONFIG_FILE
+    saved = read_yaml(candidate) if candidate.is_file() else {}
+    # The model comes from the file: the recorded builder is not needed, and one defined in a
+    # script or a notebook ("__main__:build_model") could not be loaded here anyway.
+    saved.pop("model", None)
+    return build_config(None, {**saved, "output": str(model_path.parent), **overrides})
+
+
+def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
+    """A checkpoint of any backend (app.training.checkpoint.located) carries its own config and task in its state."""
+    found = checkpoint.located(ckpt)
+    if found is None:
+        raise UserError(f"{str(ckpt)!r} is not a checkpoint: give a Ray Train checkpoint directory (with "
+                        f"{checkpoint.STATE_FILE}), a local or parameter-server run's {checkpoint.LOCAL_DIR}/ "
+                        "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
+                        "output directory")
+    state_file, model_file = found
+    state = json.loads(state_file.read_text())
+    saved = {k: v for k, v in state["config"].items() if k != "model"}  # the model comes from the file
+    config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
+    return Trained(model_file, config, state.get("task"), state_file)

@@ -1,0 +1,158 @@
+"""jobs/predict.py and app.predict (issue 28): a trained run applied to a dataset, predictions written as parquet.
+
+Every test uses the session's one small run trained on parquet files (conftest.parquet_run) and its held-out
+test files. The command-line test joins the session's Ray (RAY_ADDRESS) with 2 actors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
+
+
+@pytest.fixture(scope="module")
+def joined(ray_cluster):
+    """The environment of a job script that joins the session's Ray (one Ray on this machine at a time)."""
+    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+
+
+def read(directory):
+    import pandas as pd
+
+    return pd.read_parquet(directory)  # the _predict.* files are skipped, as by any reader of the directory
+
+
+def test_predict_on_two_ray_actors_scores_what_evaluate_scores(parquet_run, joined, tmp_path):
+    """One row out per row in, in order, ids kept; the accuracy of the written predictions is evaluate's."""
+    run, test = parquet_run
+    out = tmp_path / "predictions"
+    predicted, scored = run_jobs_at_once(
+        ["jobs/predict.py", "--run", str(run), "--dataset", str(test), "--output", str(out), "--keep-columns",
+         "id,label", "--num-workers", "2", "--batch-size", "50"],
+        # The same rows as evaluate's validation set: the run's training files with the test files held out.
+        ["jobs/evaluate.py", "--run", str(run), "--val-dataset", str(test)],
+        envs=[joined, clean_env()], timeout=400)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    rows = read(out)
+    import pyarrow.dataset as pads
+
+    given = pads.dataset(str(test)).to_table().to_pandas()
+    assert len(rows) == len(given) == 300
+    assert rows["id"].tolist() == given["id"].tolist()  # each row once, in the input's order
+    assert list(rows.columns) == ["prediction", "probabilities", "id", "label"]
+    probabilities = np.stack(rows["probabilities"].to_numpy())
+    assert probabilities.shape == (300, 4) and np.allclose(probabilities.sum(axis=1), 1, atol=1e-5)
+    assert (probabilities.argmax(axis=1) == rows["prediction"]).all()
+    accuracy = float((rows["prediction"] == rows["label"]).mean())
+    metrics = json.loads((run / "eval.json").read_text())
+    assert metrics["val_samples"] == 300
+    assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-9), (accuracy, metrics)
+    assert 0.5 < accuracy < 1.0  # a model that learned something, on data it can get wrong
+    summary = json.loads((out / "_predict.json").read_text())
+    assert summary["rows"] == 300 and summary["options"]["num_workers"] == 2
+    # Two actors held the model (Ray Data's own account, in the log).
+    assert "MapBatches(Predictor)" in (out / "_predict.log").read_text()
+    assert "predictions written to" in predicted.stdout
+
+
+def test_local_backend_predicts_the_same_without_importing_ray(parquet_run, tmp_path):
+    run, test = parquet_run
+    out = tmp_path / "local"
+    code = f"""
+import sys
+sys.argv = ["jobs/predict.py", "--run", {str(run)!r}, "--dataset", {str(test)!r}, "--output", {str(out)!r},
+            "--keep-columns", "id", "--backend", "local"]
+sys.path.insert(0, "jobs")
+import runpy
+try:
+    runpy.run_path("jobs/predict.py", run_name="__main__")
+finally:
+    assert "ray" not in sys.modules, sorted(m for m in sys.modules if m.startswith("ray"))
+    print("no ray")
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
+    rows = read(out)
+    assert len(rows) == 300 and rows["id"].tolist() == sorted(rows["id"])
+    import keras
+    import pyarrow.dataset as pads
+
+    given = pads.dataset(str(test)).to_table()
+    x = np.stack(given.column("features").to_numpy(zero_copy_only=False)).astype(np.float32)
+    want = keras.models.load_model(run / "model.keras").predict(x, verbose=0)  # softmax outputs
+    np.testing.assert_allclose(np.stack(rows["probabilities"].to_numpy()), want, atol=1e-5)
+
+
+def test_app_predict_takes_arrays_and_dataframes(parquet_run, tmp_path):
+    """From Python: x alone (the row's position kept as ``row``), or a DataFrame with its own columns."""
+    import pandas as pd
+
+    from app import predict
+
+    run, _ = parquet_run
+    x = np.random.default_rng(3).normal(size=(70, 16)).astype(np.float32)
+    summary = predict(str(run), data=x, output=str(tmp_path / "arrays"), backend="local", keep_columns="row",
+                      batch_size=32)
+    assert summary["rows"] == 70 and summary["columns"] == ["prediction", "probabilities", "row"]
+    by_array = read(tmp_path / "arrays")
+    assert by_array["row"].tolist() == list(range(70))
+    frame = pd.DataFrame({"features": list(x), "name": [f"r{i}" for i in range(70)]})
+    predict(str(run / "model.keras"), data=frame, output=str(tmp_path / "frame"), backend="local",
+            keep_columns=["name"])
+    by_frame = read(tmp_path / "frame")
+    assert by_frame["name"].tolist() == frame["name"].tolist()
+    assert (by_frame["prediction"] == by_array["prediction"]).all()
+
+
+def test_app_predict_on_ray_with_arrays(parquet_run, ray_cluster, tmp_path):
+    """Arrays from Python on Ray Data, each actor holding the model: the order and values of the local path."""
+    from app import predict
+
+    run, _ = parquet_run
+    x = np.random.default_rng(4).normal(size=(120, 16)).astype(np.float32)
+    predict(str(run), data=(x, np.zeros(120, np.int64)), output=str(tmp_path / "ray"), num_workers=2,
+            batch_size=40, keep_columns=["row", "label"], cpus_per_worker=0.5)
+    predict(str(run), data=x, output=str(tmp_path / "local"), backend="local")
+    on_ray, local = read(tmp_path / "ray"), read(tmp_path / "local")
+    assert on_ray["row"].tolist() == list(range(120)) and (on_ray["label"] == 0).all()
+    np.testing.assert_allclose(np.stack(on_ray["probabilities"].to_numpy()),
+                               np.stack(local["probabilities"].to_numpy()), atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run", "{tmp}/no-such-run"], "no such run: "),
+    (["--checkpoint", "{tmp}"], "is not a checkpoint"),
+    (["--keep-columns", "uid"], "column to keep (--keep-columns) 'uid' not found in dataset"),
+    (["--feature-columns", "feature"], "feature column 'feature' not found in dataset"),
+    (["--feature-columns", "id", "label"], "do not fit the model: feature column(s) id, label give examples of "
+                                           "shape (2,) (2 values), the model takes (16,)"),
+    (["--output", "{run}"], "already exists: choose another --output, or --overwrite"),
+])
+def test_bad_input_is_one_line_before_the_pool_starts(parquet_run, tmp_path, args, message):
+    run, test = parquet_run
+    args = [a.format(tmp=tmp_path, run=run) for a in args]
+    what = [] if any(a in args for a in ("--run", "--checkpoint")) else ["--run", str(run)]
+    output = [] if "--output" in args else ["--output", str(tmp_path / "out")]
+    p = run_job("jobs/predict.py", *what, "--dataset", str(test), *output, "--backend", "local", *args, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_bad_input_on_ray_is_refused_before_any_actor(parquet_run, joined, tmp_path):
+    """On Ray too: the shape is checked on the first rows, read by Ray Data, before the actor pool starts."""
+    run, test = parquet_run
+    p = run_job("jobs/predict.py", "--run", str(run), "--dataset", str(test), "--output", str(tmp_path / "out"),
+                "--feature-columns", "id", timeout=300, env=joined)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "do not fit the model" in p.stderr and "MapBatches" not in p.stderr + p.stdout
+    assert not (tmp_path / "out").exists()
