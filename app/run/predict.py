@@ -147,14 +147,15 @@ def _task(found: Trained, config, model) -> tuple[str, bool]:
     """The task the run recorded (else --task, else the model's output: one value is a regression, unless a
     sigmoid makes it binary), and whether the model outputs logits (--from-logits, else its last activation)."""
     from app.training.model import ends_in_probabilities
-    from app.training.objective import objective_for
 
     task = found.task or (config.task if config.task != "auto" else None)
     if task is None:
         outputs = int(model.output_shape[-1]) if len(model.output_shape) > 1 else 1
         task = "classification" if outputs > 1 else "binary" if ends_in_probabilities(model) else "regression"
         log.info("no task recorded with %s: %s, from its output", found.model_file, task)
-    return task, objective_for(config, task, model).from_logits
+    # As the run decided it (app.training.objective): --from-logits, else the model's last activation.
+    from_logits = config.from_logits if config.from_logits is not None else not ends_in_probabilities(model)
+    return task, from_logits and task != "regression"
 
 
 def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out: Path) -> None:
