@@ -13,6 +13,10 @@ sorts those lines while a run trains:
 - everything else goes to the run's log file, and to the console as well with
   ``--verbose``.
 
+The messages the cluster publishes for this job (the raylet's warnings and
+errors, printed by a thread of Ray's of their own) go to the file and to the
+console, but for known noise (``_RAY_NOISE``).
+
 The driver's own Python logging is split the same way: ``app`` lines and
 errors on the console, everything in the file. A worker's full traceback is
 written to the file too (``write_trace``); the console gets one line.

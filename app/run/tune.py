@@ -237,10 +237,18 @@ def sweep(
                     scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric), metric, mode, base,
                     at_once, ray.cluster_resources().get("CPU", 0), out, restoring):
                 console.say(line)
-            # Tune's own reporter off (app.internals): the console above is the sweep's.
+            # Tune's own reporter off (app.internals): the console above is the sweep's. Put back after: a
+            # notebook's own Tune runs are not ours.
+            saved = os.environ.get(internals.TUNE_NEW_OUTPUT_ENV_VAR)
             os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = "0"
-            results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
-                             at_once).fit()
+            try:
+                results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
+                                 at_once).fit()
+            finally:
+                if saved is None:
+                    os.environ.pop(internals.TUNE_NEW_OUTPUT_ENV_VAR, None)
+                else:
+                    os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = saved
             return write_outputs(results, out, base, metric, mode)
 
 

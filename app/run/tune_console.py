@@ -31,7 +31,8 @@ def plan_lines(space_file: str, raw: dict[str, Any], searched: set[str], trials:
     return [
         f"sweep: {space_file}: {count} of {domains or 'the fixed values'}" + (f" (fixed: {fixed})" if fixed else ""),
         f"scheduler: {scheduler}; metric {metric} ({mode})",
-        f"each trial: a Ray Train run of {per_trial}, {base.epochs if 'epochs' not in searched else 'its'} epochs; "
+        f"each trial: a Ray Train run of {per_trial}, "
+        f"{'its sampled number of' if 'epochs' in searched else base.epochs} epochs; "
         f"{at_once} trial(s) at once on {cpus:g} CPUs",
         f"output: {out} (Ray's and TensorFlow's own lines: {out / LOG_FILE})"
         + ("; resuming it: finished trials are kept, the others resume" if restoring else ""),
