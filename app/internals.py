@@ -47,6 +47,36 @@ def swap_worker_line_printer(replace: Callable[[Callable[[dict], None]], Callabl
         dispatcher.handlers = [(name, replace(h) if name == RAY_PRINTER else h) for name, h in dispatcher.handlers]
 
 
+# --- Ray: the driver's printer of the cluster's messages for this job (app.run.console) ------------------------
+#
+# The raylet's warnings and errors for this job are printed on the driver by a thread of Ray's
+# (``listen_error_messages`` in ray/_private/worker.py) through that module's ``print_to_stdstream``,
+# looked up at each call; not through the dispatcher above. Ray has no public hook for them either.
+
+
+def swap_ray_message_printer(replace: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
+    """Replace the printer of the cluster's messages to this driver by ``replace(printer)``; a no-op without Ray."""
+    if "ray" not in sys.modules:
+        return
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    if callable(getattr(worker, "print_to_stdstream", None)):
+        worker.print_to_stdstream = replace(worker.print_to_stdstream)
+
+
+# --- Ray Tune: its console reporter (app.run.tune) ----------------------------------------------------------
+#
+# Tune's reporter of Ray 2.60 (ray/tune/experimental/output.py, TuneTerminalReporter) prints the
+# experiment's box and a paragraph per errored trial even at RunConfig(verbose=0), and Tune adds it
+# whatever callbacks are given (ray/tune/utils/callback.py, _create_default_callbacks). Its older
+# engine, chosen by this environment variable (read by get_air_verbosity in the driver), prints
+# nothing at verbose=0: a sweep's console is then its own (app.run.tune_console).
+
+TUNE_NEW_OUTPUT_ENV_VAR = "RAY_AIR_NEW_OUTPUT"  # "0": Tune's older output engine
+
+
 # --- Ray: `ray up`'s offline checks (app.cluster_config) ----------------------------------------------------
 #
 # `ray up` has no dry run. Before it touches a cloud it runs prepare_config and

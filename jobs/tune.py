@@ -11,7 +11,6 @@ an interrupted sweep.
 """
 
 import datetime
-from pathlib import Path
 
 import _bootstrap  # noqa: F401
 from app import cli
@@ -23,13 +22,10 @@ def main() -> None:
     def body() -> None:
         from app.run import tune
 
+        # The plan, a line per trial event, the trials by the metric and the best config: said by the sweep.
         output = args.output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        summary = tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples,
-                             scheduler=args.scheduler, metric=args.metric, mode=args.mode,
-                             max_concurrent=args.max_concurrent)
-        metric = summary["metric"]
-        print(f"best {metric}: {summary['best'][metric]:.4f} with {summary['best']['config']}")
-        print(f"outputs written to {Path(output).resolve()}")
+        tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples, scheduler=args.scheduler,
+                   metric=args.metric, mode=args.mode, max_concurrent=args.max_concurrent)
 
     cli.main(body)
 

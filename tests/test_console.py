@@ -28,7 +28,7 @@ def lines(tmp_path):
     log = tmp_path / "train.log"
     handler = logging.FileHandler(log)
     saved = dict(console._people)
-    console._people.update(active=True, verbose=False, sticky=False)
+    console._people.update(active=True, verbose=False, sticky=False, marked=True)
     yield sorter, printed, log, handler
     console._people.update(saved)
     console._WorkerLines.detach()
@@ -64,6 +64,27 @@ def test_ray_events_still_reach_rays_printer_and_a_bad_batch_never_raises(lines)
     broken = batch(f'{{"{RAY_TQDM_MAGIC}": not json')
     sorter(broken)  # on Ray's log thread an exception would end all worker output: handed to Ray instead
     assert printed[-1] is broken
+
+
+def test_the_clusters_messages_reach_the_log_file_and_the_console_but_for_known_noise(lines):
+    _, _, log, handler = lines
+    console._WorkerLines.attach(handler)
+    shown = []
+    messages = console._RayMessages(lambda data, ignore_prefix: shown.append(data["lines"]))
+    messages({"lines": ["WARNING: 8 PYTHON worker processes have been started on node: ..."], "pid": "raylet"})
+    messages({"lines": ["A worker died or was killed while executing a task"], "pid": "raylet"})
+    assert shown == [["A worker died or was killed while executing a task"]]
+    text = log.read_text()
+    assert "(raylet) WARNING: 8 PYTHON worker processes" in text and "(raylet) A worker died" in text
+
+
+def test_in_a_sweep_the_workers_marked_lines_go_to_the_log_file(lines, capsys):
+    sorter, _, log, handler = lines
+    console._WorkerLines.attach(handler)
+    console._people["marked"] = False
+    sorter(batch(console.MARK + "epoch   1/2  train_loss 0.5"))
+    assert capsys.readouterr().err == ""
+    assert "(RayTrainWorker pid=123, ip=10.0.0.1) epoch   1/2  train_loss 0.5" in log.read_text()
 
 
 def test_a_frozen_peer_is_named_and_an_unrelated_deadline_is_not():

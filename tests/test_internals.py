@@ -166,6 +166,48 @@ def test_a_real_workers_marked_line_reaches_the_console(ray_cluster, capsys):
     console._WorkerLines.early.clear()
 
 
+def test_rays_printer_of_the_clusters_messages_is_still_looked_up_by_name_and_the_console_swaps_it():
+    from ray._private import worker
+
+    # The thread that prints the raylet's messages calls the module's print_to_stdstream by name at each message.
+    assert "print_to_stdstream(" in inspect.getsource(worker.listen_error_messages)
+    original = worker.print_to_stdstream
+    try:
+        console._WorkerLines.install()
+        assert isinstance(worker.print_to_stdstream, console._RayMessages)
+        assert worker.print_to_stdstream.ray_printer is original
+        console._WorkerLines.uninstall()
+        assert worker.print_to_stdstream is original
+    finally:
+        worker.print_to_stdstream = original
+
+
+# --- Ray Tune: its console reporter (app.run.tune) ----------------------------------------------------------
+
+
+def test_tunes_older_output_engine_is_still_chosen_by_the_variable_and_silent_at_verbose_0(
+        ray_cluster, monkeypatch, capsys, tmp_path):
+    from ray import tune
+    from ray.tune.experimental.output import get_air_verbosity
+
+    assert "RAY_AIR_NEW_OUTPUT" in inspect.getsource(get_air_verbosity)
+    monkeypatch.setenv(internals.TUNE_NEW_OUTPUT_ENV_VAR, "0")
+    assert get_air_verbosity(0) is None  # None: the older engine
+
+    def trainable(config):
+        if config["x"] == 2:
+            raise ValueError("a trial that fails")
+        tune.report({"score": config["x"]})
+
+    tuner = tune.Tuner(tune.with_resources(trainable, {"CPU": 0}), param_space={"x": tune.grid_search([1, 2])},
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="quiet", verbose=0))
+    results = tuner.fit()
+    assert len(results) == 2 and results.errors
+    out = capsys.readouterr().out
+    # Nothing from Tune's reporters: no experiment box, no status table, no paragraph for the failed trial.
+    assert "Trial" not in out and "trial" not in out and "╭" not in out and "+--" not in out, out
+
+
 # --- Ray: `ray up`'s offline checks (app.cluster_config) -----------------------------------------------------
 
 

@@ -9,31 +9,56 @@ import pytest
 import yaml
 
 from app.errors import UserError
-from app.run import tune
+from app.run import tune, tune_console
 from conftest import REPO, clean_env, run_job
 
 
 def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_trial_evaluates(
         ray_cluster, tmp_path):
-    """jobs/tune.py as a user runs it, joined to a cluster (two trials at once: 2 x 2 workers x 0.5 CPU); its best
-    config fed back into jobs/train.py; a trial's checkpoint scored by jobs/evaluate.py in another process."""
+    """jobs/tune.py as a user runs it, joined to a cluster (two trials at once: 2 x 2 workers x 0.5 CPU), 2 trials x
+    2 epochs and one that fails: its console for people (the rest in tune.log); its best config fed back into
+    jobs/train.py; a trial's checkpoint scored by jobs/evaluate.py in another process."""
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    # A per-replica batch of 1024 on 2 workers is more than the digits' training rows: that trial fails at once.
+    space = tmp_path / "space.yaml"
+    space.write_text("epochs: 2\nnum_workers: 2\nper_replica_batch: {grid: [1024, 16, 32]}\n")
     # A list-valued field fixed for every trial (--hidden-units) once crashed the summary after the whole sweep.
     # --storage-path: every trial's Ray Train checkpoints under <storage-path>/<sweep>/<trial>/train.
     storage = tmp_path / "storage"
-    p = run_job("jobs/tune.py", "--space", str(REPO / "tune_spaces" / "smoke.yaml"), "--cpus-per-worker", "0.5",
+    p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5",
                 "--hidden-units", "32", "16", "--scheduler", "fifo", "--output", str(out),
                 "--storage-path", str(storage), timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "best val_accuracy" in p.stdout
-    assert yaml.safe_load((out / tune.SUMMARY_FILE).read_text())["trials"] == 2
+    assert yaml.safe_load((out / tune.SUMMARY_FILE).read_text())["trials"] == 3
 
     table = pd.read_csv(out / tune.RESULTS_FILE)
-    assert len(table) == 2
-    assert set(table["config/lr_scaling"]) == {"linear", "sqrt"}
-    assert (table["epochs_run"] == 1).all() and table["val_accuracy"].notna().all()
-    assert (table["error"].fillna("").astype(str) == "").all()
+    assert list(table["trial"]) == [1, 2, 3] and list(table["config/per_replica_batch"]) == [1024, 16, 32]
+    finished = table[table["config/per_replica_batch"] != 1024]
+    assert (finished["epochs_run"] == 2).all() and finished["val_accuracy"].notna().all()
+    assert (finished["error"].fillna("").astype(str) == "").all()
+    assert table["error"][0].startswith("global batch 2048 (= 1024 per replica x 2 replicas")
+
+    # The console: the plan, a line per trial event, the trials by the metric, the best; none of Ray's own output.
+    console_text = p.stdout + p.stderr
+    lines = console_text.splitlines()
+    assert len(lines) <= 40, console_text
+    for chatter in ("Training finished iteration", "Reporting training result", "Trial status", "+------", "╭",
+                    "absl", "pid=", "(raylet)", "worker processes"):
+        assert chatter not in console_text, console_text
+    assert not [line for line in lines if line.startswith(("I0000", "W0000", "E0000"))], console_text
+    assert f"sweep: {space}: 3 trial(s) of per_replica_batch 1024, 16, 32" in p.stdout
+    assert "trial 2 started  per_replica_batch=16" in p.stdout and "trial 3  epoch 2/2  val_accuracy " in p.stdout
+    assert "trial 1 failed: global batch 2048 (= 1024 per replica" in p.stdout
+    assert "trial 2 finished: val_accuracy " in p.stdout and "trial 3 finished: val_accuracy " in p.stdout
+    best_row = table.loc[table["val_accuracy"].idxmax()]
+    assert f"best: trial {best_row['trial']}, val_accuracy {best_row['val_accuracy']:.4f}" in p.stdout
+    assert f"best config: {out / tune.BEST_CONFIG_FILE}" in p.stdout
+    # Everything Ray and TensorFlow printed, and the failed trial's whole traceback, are in tune.log.
+    log = (out / tune_console.LOG_FILE).read_text()
+    assert "Reporting training result" in log and "(RayTrainWorker pid=" in log and "(run_trial pid=" in log
+    assert "trial 1 (" in log and "Traceback" in log and "best: trial" in log
+
     # Each trial was a real multi-worker Train run: its own Train storage with checkpoints.
     states = list(storage.glob("sweep/run_trial_*/train/checkpoint_*/state.json"))
     assert len(states) >= 2 and not list(out.glob("run_trial_*/train/checkpoint_*"))
@@ -45,9 +70,10 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     p = run_job("jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again"), env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
-    assert again["config"]["lr_scaling"] == best["lr_scaling"] and again["epochs_completed"] == 1
+    assert again["config"]["per_replica_batch"] == best["per_replica_batch"] == best_row["config/per_replica_batch"]
+    assert again["epochs_completed"] == 2
     assert best["hidden_units"] == again["config"]["hidden_units"] == [32, 16]
-    assert again["metrics"]["val_accuracy"] == pytest.approx(table["val_accuracy"].max(), abs=0.03)
+    assert again["metrics"]["val_accuracy"] == pytest.approx(best_row["val_accuracy"], abs=0.03)
 
     # A trial's checkpoint, evaluated on the validation split in a separate process.
     p = run_job("jobs/evaluate.py", "--checkpoint", str(states[0].parent), timeout=300, env=env)
@@ -55,6 +81,21 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     evaluated = json.loads((states[0].parent / "eval.json").read_text())
     trained = json.loads(states[0].read_text())["history"][-1]
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
+
+
+def test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so(ray_cluster, tmp_path):
+    """--verbose: what went to tune.log is on the console as well. One trial that fails at once keeps it cheap."""
+    out = tmp_path / "sweep"
+    space = tmp_path / "space.yaml"
+    space.write_text("num_workers: 2\nper_replica_batch: 1024\n")
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5", "--output", str(out),
+                "--verbose", timeout=300, env=env)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "trial 1 failed: global batch 2048" in p.stdout
+    assert "error: no trial reported 'val_accuracy'" in p.stderr
+    assert "(run_trial pid=" in p.stdout + p.stderr  # the trial process's own lines, as Ray prints them
+    assert "(run_trial pid=" in (out / tune_console.LOG_FILE).read_text()
 
 
 @pytest.mark.parametrize(
@@ -106,3 +147,73 @@ def test_asha_judges_trials_only_after_the_warmup():
     scheduler = tune.asha(base, searched)
     assert scheduler._max_t == 6
     assert min(milestone for milestone, _ in scheduler._brackets[0]._rungs) == 2  # warmup 1 epoch + 1
+
+
+# --- the console's lines, without a cluster ----------------------------------------------------------------
+
+
+class FakeTrial:
+    def __init__(self, config, last_result=None, path="/x/run_trial_0"):
+        self.config, self.last_result, self.path = config, last_result or {}, path
+        self.pickled_error_file, self.error_file = None, None
+
+
+def test_trial_lines_say_each_event_in_one_line(capsys, tmp_path):
+    lines = tune_console.TrialLines(["base_lr", "lr_scaling"], "val_accuracy", epochs=6)
+    a, b, c = (FakeTrial({"base_lr": 0.1, "lr_scaling": rule}) for rule in ("linear", "sqrt", "none"))
+    trials = [a, b, c]
+    lines.on_trial_start(0, trials, b)
+    lines.on_trial_result(0, trials, b, {"epoch": 1, "val_accuracy": 0.91234, "val_loss": 0.3, "train_loss": 0.4,
+                                          "epoch_seconds": 2.04})
+    lines.on_trial_result(0, trials, b, {"training_iteration": 1})  # none of ours: nothing to say
+    b.last_result = {"epoch": 2, "val_accuracy": 0.9, "val_loss": 0.3, "time_total_s": 40.2}
+    lines.on_trial_complete(0, trials, b)  # ASHA stopped it at its rung
+    a.last_result = {"epoch": 6, "val_accuracy": 0.95, "val_loss": 0.2, "time_total_s": 60}
+    lines.on_trial_complete(0, trials, a)
+    c.error_file = tmp_path / "error.txt"
+    c.error_file.write_text("Failure # 1\nTraceback (most recent call last):\n  ...\nValueError: bad value\n")
+    lines.on_trial_error(0, trials, c)
+    assert capsys.readouterr().out.splitlines() == [
+        "trial 2 started  base_lr=0.1  lr_scaling=sqrt",
+        "trial 2  epoch 1/6  val_accuracy 0.9123  val_loss 0.3000  train_loss 0.4000  2.0 s",
+        "trial 2 stopped early by the scheduler after 2 of 6 epochs: val_accuracy 0.9000  val_loss 0.3000  40 s",
+        "trial 1 finished: val_accuracy 0.9500  val_loss 0.2000  60 s",
+        "trial 3 failed: ValueError: bad value",
+    ]
+
+
+def test_a_trials_error_is_one_line_whatever_tune_hands_over():
+    from ray.exceptions import RayTaskError
+
+    from app.errors import RunFailed
+
+    raised = RayTaskError("ImplicitFunc.train", "Traceback (most recent call last):\n  ...", RunFailed("training "
+                          "failed: NaN loss (rank 0) (full traceback in x)"))
+    assert tune_console.one_line(raised) == "training failed: NaN loss (rank 0) (full traceback in x)"
+    assert tune_console.one_line(KeyError("num_workers")) == "KeyError: 'num_workers'"
+    assert tune_console.one_line(None).startswith("unknown error")
+
+
+def test_the_summary_sorts_trials_by_the_metric_failed_last_and_names_the_best():
+    table = pd.DataFrame({
+        "trial": [1, 2, 3, 4], "config/lr_scaling": ["linear", "sqrt", "none", "linear"],
+        "epochs_run": [6, 2, 0, 6], "val_accuracy": [0.91, 0.95, None, 0.97], "val_loss": [0.3, 0.2, None, 0.1],
+        "wall_seconds": [60.0, 20.0, None, 61.0], "error": ["", "", "ValueError: bad", ""]})
+    lines = tune_console.summary_lines(table, "val_accuracy", "max", 6, "/out/best_config.yaml",
+                                       ["config/lr_scaling"])
+    rows = [line.split() for line in lines[2:6]]
+    assert [row[0] for row in rows] == ["4", "2", "1", "3"]
+    assert lines[3].endswith("2/6       0.9500   0.2000      20 stopped early")
+    assert rows[3][-1] == "failed" and rows[3][3] == "-"
+    assert lines[-2] == "best: trial 4, val_accuracy 0.9700  lr_scaling=linear"
+    assert lines[-1] == "best config: /out/best_config.yaml (train it: python jobs/train.py --config /out/best_config.yaml)"
+
+
+def test_the_plan_says_where_asha_judges_trials():
+    from app.config import build_config
+
+    space = tune.load_space(REPO / "tune_spaces" / "lr_scaling.yaml", {})
+    searched = {k: v for k, v in space.items() if tune._is_domain(v)}
+    base = build_config(None, {"output": "x", **{k: v for k, v in space.items() if k not in searched}})
+    assert tune.scheduler_line("asha", base, searched, "val_accuracy").startswith("asha: at epoch 2, 4 a trial")
+    assert tune_console.trial_count(space, 2) == 2 * 9

@@ -6,11 +6,16 @@ dumps, Ray Data's plans, TensorFlow's notices, from every worker. ``routed``
 sorts those lines while a run trains:
 
 - lines a worker marked for people (``MARK``: the epoch lines, our warnings)
-  are printed as they are, without Ray's prefix, once;
+  are printed as they are, without Ray's prefix, once (in a sweep, whose
+  console tells each trial's epochs itself, they go to the file with the rest);
 - Ray's distributed progress bars (``ray.experimental.tqdm_ray``: ours, and Ray
   Data's with --verbose) are drawn;
 - everything else goes to the run's log file, and to the console as well with
   ``--verbose``.
+
+The messages the cluster publishes for this job (the raylet's warnings and
+errors, printed by a thread of Ray's of their own) go to the file and to the
+console, but for known noise (``_RAY_NOISE``).
 
 The driver's own Python logging is split the same way: ``app`` lines and
 errors on the console, everything in the file. A worker's full traceback is
@@ -39,6 +44,9 @@ _EARLY_LINES = 20_000  # worker lines kept from before the run's log file exists
 
 _trace_log = logging.getLogger("app.trace")  # full worker tracebacks: the file only
 _trace_log.propagate = False
+_said_log = logging.getLogger("app.said")  # what ``say`` printed, for the file (printed, not logged, on the console)
+_said_log.propagate = False
+_said_log.setLevel(logging.INFO)
 _current: Optional[Path] = None
 
 
@@ -68,8 +76,15 @@ def write_trace(title: str, text: str) -> Optional[Path]:
     return _current
 
 
+def say(line: str) -> None:
+    """A line for people on stdout (a sweep's console: app.run.tune_console), and in the run's log file."""
+    print(line, flush=True)
+    _said_log.info("%s", line)
+
+
 # Set by ``for_people`` for the duration of a run; "sticky": until the process ends (``for_this_process``).
-_people = {"active": False, "verbose": False, "sticky": False}
+# "marked": workers' marked lines go to the console (a training run) or, False, to the log file (a sweep).
+_people = {"active": False, "verbose": False, "sticky": False, "marked": True}
 
 
 def for_this_process() -> None:
@@ -105,12 +120,15 @@ def quiet_now() -> None:
 
 
 @contextlib.contextmanager
-def for_people(verbose: bool = False) -> Iterator[None]:
-    """A whole run, its checks included: libraries' log lines stay off the console unless ``verbose``."""
+def for_people(verbose: bool = False, marked: bool = True) -> Iterator[None]:
+    """A whole run, its checks included: libraries' log lines stay off the console unless ``verbose``.
+
+    ``marked=False``: the workers' lines marked for people go to the log file too (a sweep).
+    """
     saved = dict(_people)
     if not saved["active"]:
         _WorkerLines.early.clear()  # lines of an earlier run's checks are not this run's
-    _people.update(active=True, verbose=verbose)
+    _people.update(active=True, verbose=verbose, marked=marked)
     quiet_now()
     try:
         yield
@@ -122,26 +140,29 @@ def for_people(verbose: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def routed(log_file: Path, verbose: bool = False) -> Iterator[Path]:
-    """Route the driver's logging and the Ray workers' output as the module docstring says, while inside."""
+def routed(log_file: Path, verbose: bool = False, marked: bool = True) -> Iterator[Path]:
+    """Route the driver's logging and the Ray workers' output as the module docstring says, while inside.
+
+    ``marked``: as for ``for_people``.
+    """
     global _current
     file_handler = logging.FileHandler(log_file)
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root_level = root.level
     root.setLevel(min(root_level, logging.INFO))  # the file gets every library's INFO lines
-    for logger in (root, _trace_log, *_own_handler_loggers()):
+    for logger in (root, _trace_log, _said_log, *_own_handler_loggers()):
         logger.addHandler(file_handler)
     _current = log_file
     try:
-        with for_people(verbose):
+        with for_people(verbose, marked):
             _WorkerLines.attach(file_handler)
             yield log_file
     finally:
         if not _people["sticky"]:  # a job script keeps its log to the end: a failed run's last lines come late
             _current = None
             _WorkerLines.detach()
-            for logger in (root, _trace_log, *_own_handler_loggers()):
+            for logger in (root, _trace_log, _said_log, *_own_handler_loggers()):
                 logger.removeHandler(file_handler)
             root.setLevel(root_level)
             file_handler.close()
@@ -182,10 +203,14 @@ class _WorkerLines:
     @classmethod
     def install(cls) -> None:
         internals.swap_worker_line_printer(lambda printer: cls(printer) if not isinstance(printer, cls) else printer)
+        internals.swap_ray_message_printer(lambda printer: printer if isinstance(printer, _RayMessages)
+                                           else _RayMessages(printer))
 
     @classmethod
     def uninstall(cls) -> None:
         internals.swap_worker_line_printer(lambda printer: printer.ray_printer if isinstance(printer, cls) else printer)
+        internals.swap_ray_message_printer(lambda printer: printer.ray_printer if isinstance(printer, _RayMessages)
+                                           else printer)
 
     @classmethod
     def attach(cls, file_handler: logging.FileHandler) -> None:
@@ -228,6 +253,8 @@ class _WorkerLines:
         people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
         bars = [line for line in lines if RAY_TQDM_MAGIC in line]
         rest = [line for line in lines if not line.startswith(MARK) and RAY_TQDM_MAGIC not in line]
+        if not _people["marked"]:  # a sweep: the trials' epoch lines are its console's, not each worker's
+            people, rest = [], people + rest
         bar_manager = tqdm_ray.instance()
         if people:
             out = sys.stderr if data.get("is_err") else sys.stdout
@@ -249,3 +276,27 @@ class _WorkerLines:
                 _WorkerLines._write([prefix + line for line in rest])
             if _people["verbose"] and data.get("pid") not in ("autoscaler", "raylet"):
                 self.ray_printer({**data, "lines": rest})
+
+
+# Ray's messages that go to the log file only: the raylet's warning that many worker processes are starting
+# (a sweep starts a trial process, a Train controller and the workers of each trial, by design, at once).
+_RAY_NOISE = ("PYTHON worker processes have been started",)
+
+
+class _RayMessages:
+    """Takes the place of Ray's printer of the messages the cluster publishes for this job (the raylet's warnings
+    and errors: a worker killed for memory, say): each to the log file, and to the console (Ray's printer) unless it
+    is ``_RAY_NOISE`` and not --verbose."""
+
+    def __init__(self, ray_printer):
+        self.ray_printer = ray_printer
+
+    def __call__(self, data: dict, ignore_prefix: bool = False) -> None:
+        try:  # on Ray's thread of error messages: never raise
+            lines = data.get("lines", [])
+            with _WorkerLines.lock:
+                _WorkerLines._write([f"({data.get('pid')}) {line}" for line in lines])
+            if _people["verbose"] or not any(noise in line for noise in _RAY_NOISE for line in lines):
+                self.ray_printer(data, ignore_prefix)
+        except Exception:
+            self.ray_printer(data, ignore_prefix)

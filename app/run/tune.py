@@ -11,17 +11,16 @@ field names, so the best trial's config feeds straight back into
 
 from __future__ import annotations
 
-import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from app import internals
 from app.config import TrainConfig, build_config, read_yaml
 from app.errors import RunFailed, UserError
-
-log = logging.getLogger(__name__)
 
 # Fields a space may not set: they say where a trial writes or how it resumes.
 NOT_SEARCHABLE = {"output", "overwrite", "resume", "storage_path", "backend", "strategy", "devices"}
@@ -138,10 +137,32 @@ def asha(base: TrainConfig, searched: dict[str, Any]):
     """
     from ray.tune.schedulers import ASHAScheduler
 
+    max_t, grace = _asha_epochs(base, searched)
+    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=grace,
+                         reduction_factor=ASHA_REDUCTION)
+
+
+ASHA_REDUCTION = 2  # at each rung, the better half goes on
+
+
+def _asha_epochs(base: TrainConfig, searched: dict[str, Any]) -> tuple[int, int]:
+    """(max_t, grace period) in epochs."""
     max_t = base.epochs if "epochs" not in searched else max(_numbers(searched["epochs"]) or [10_000])
     warmup = max(base.warmup_epochs, *_numbers(searched.get("warmup_epochs")))
-    grace = min(max_t, math.ceil(warmup) + 1)
-    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=grace, reduction_factor=2)
+    return max_t, min(max_t, math.ceil(warmup) + 1)
+
+
+def scheduler_line(scheduler: str, base: TrainConfig, searched: dict[str, Any], metric: str) -> str:
+    """The plan's words for the scheduler: where ASHA judges the trials (its rungs, as ASHAScheduler places them)."""
+    if scheduler != "asha":
+        return "fifo: every trial runs all its epochs"
+    max_t, grace = _asha_epochs(base, searched)
+    rungs = [grace * ASHA_REDUCTION**k for k in range(int(math.log(max_t / grace, ASHA_REDUCTION)) + 1)]
+    rungs = [r for r in rungs if r < max_t]  # a rung at the last epoch stops nothing
+    if not rungs:
+        return f"asha: no rung before the last epoch ({max_t}): every trial runs all its epochs"
+    return (f"asha: at epoch {', '.join(map(str, rungs))} a trial not in the better half by {metric} so far is "
+            f"stopped early (the first rung follows the LR warmup)")
 
 
 def _numbers(domain: Any) -> list[float]:
@@ -179,10 +200,10 @@ def sweep(
     mode: str | None = None,
     max_concurrent: int | None = None,
 ) -> dict[str, Any]:
+    import ray
     from ray import tune
-    from ray.tune.schedulers import FIFOScheduler
 
-    from app.run import cluster
+    from app.run import cluster, console, tune_console
 
     space = load_space(space_file, fixed)
     searched = {k for k, v in space.items() if _is_domain(v)}
@@ -192,17 +213,51 @@ def sweep(
     if base.strategy == "parameter-server" or "strategy" in searched:
         raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
                         "it and train parameter-server runs with jobs/train.py")
+    restoring = tune.Tuner.can_restore(str(out))
+    # A first attempt that stopped before Tune wrote anything leaves only its log: not someone else's directory.
+    if not restoring and out.exists() and any(p.name != tune_console.LOG_FILE for p in out.iterdir()):
+        raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
     cluster.check_fits_locally(base)
-    cluster.connect(base)
-    if metric is None or mode is None:
-        # The task's metric (accuracy, or mae for regression), from the data the trials share.
-        from app.run import preflight
-        from app.training.objective import metric_mode
+    # Ray's and the libraries' lines stay off the console from Ray's start on (app.run.console).
+    with console.for_people(base.verbose, marked=False):
+        cluster.connect(base)
+        if metric is None or mode is None:
+            from app.run import preflight
+            from app.training.objective import metric_mode
 
-        # The run's metric: the model's first compiled metric, or the task's (accuracy, or mae for regression).
-        objective = preflight.check_model(base, preflight.load_data(base, base.num_workers).facts)[1]
-        metric = metric or f"val_{objective.metric}"
-        mode = mode or metric_mode(metric) or "min"
+            # The run's metric: the model's first compiled metric, or the task's (accuracy, or mae).
+            objective = preflight.check_model(base, preflight.load_data(base, base.num_workers).facts)[1]
+            metric = metric or f"val_{objective.metric}"
+            mode = mode or metric_mode(metric) or "min"
+        at_once = concurrency(base, max_concurrent)
+        out.mkdir(parents=True, exist_ok=True)
+        with console.routed(out / tune_console.LOG_FILE, base.verbose, marked=False):
+            for line in tune_console.plan_lines(
+                    space_file, read_yaml(space_file), searched, tune_console.trial_count(space, num_samples),
+                    scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric), metric, mode, base,
+                    at_once, ray.cluster_resources().get("CPU", 0), out, restoring):
+                console.say(line)
+            # Tune's own reporter off (app.internals): the console above is the sweep's. Put back after: a
+            # notebook's own Tune runs are not ours.
+            saved = os.environ.get(internals.TUNE_NEW_OUTPUT_ENV_VAR)
+            os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = "0"
+            try:
+                results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
+                                 at_once).fit()
+            finally:
+                if saved is None:
+                    os.environ.pop(internals.TUNE_NEW_OUTPUT_ENV_VAR, None)
+                else:
+                    os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = saved
+            return write_outputs(results, out, base, metric, mode)
+
+
+def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], out: Path,
+           restoring: bool, scheduler: str, metric: str, mode: str, num_samples: int, at_once: int):
+    from ray import tune
+    from ray.tune.schedulers import FIFOScheduler
+
+    from app.run import tune_console
 
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU
@@ -211,38 +266,35 @@ def sweep(
     # is capped so the trials running at once can all place their workers: on
     # 2 CPUs, one trial at a time instead of a deadlock.
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([{"CPU": 0, "memory": TRIAL_MEMORY}]))
-    if tune.Tuner.can_restore(str(out)):
-        log.info("restoring the sweep in %s: finished trials are kept, unfinished ones resume", out)
-        tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_errored=True)
-    else:
-        if out.exists() and any(out.iterdir()):
-            raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
-        sched = asha(base, {k: space[k] for k in searched}) if scheduler == "asha" else FIFOScheduler()
-        tuner = tune.Tuner(
-            trainable,
-            param_space={**fixed, **space},
-            tune_config=tune.TuneConfig(
-                metric=metric,
-                mode=mode,
-                scheduler=sched,
-                num_samples=num_samples,
-                max_concurrent_trials=concurrency(base, max_concurrent),
-            ),
-            run_config=tune.RunConfig(name=out.name, storage_path=str(out.parent), verbose=1),
-        )
-    results = tuner.fit()
-    return write_outputs(results, out, base, metric, mode)
+    if restoring:
+        # The run config comes back with the sweep: Tune's reporter off, our trial lines on.
+        return tune.Tuner.restore(str(out), trainable=trainable, resume_errored=True)
+    sched = asha(base, {k: space[k] for k in searched}) if scheduler == "asha" else FIFOScheduler()
+    return tune.Tuner(
+        trainable,
+        param_space={**fixed, **space},
+        tune_config=tune.TuneConfig(metric=metric, mode=mode, scheduler=sched, num_samples=num_samples,
+                                    max_concurrent_trials=at_once),
+        # verbose=0 (with Tune's older engine: app.internals): Tune's own reporter (status tables, a box per
+        # trial config and result) is replaced by TrialLines, one line per trial event (app.run.tune_console).
+        run_config=tune.RunConfig(name=out.name, storage_path=str(out.parent), verbose=0,
+                                  callbacks=[tune_console.TrialLines(sorted(searched), metric, base.epochs)]),
+    )
 
 
 def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str) -> dict[str, Any]:
     import pandas as pd
 
+    from app.run import console, tune_console
+
     rows = []
-    for r in results:
+    for number, r in enumerate(results, 1):  # Tune's order of trials, as the console numbered them
         cfg = r.config or {}
         m = r.metrics or {}
         workers = cfg.get("num_workers", base.num_workers)
         rows.append({
+            "trial": number,
+            "trial_id": m.get("trial_id"),
             **{f"config/{k}": v for k, v in cfg.items()},
             "global_batch": cfg.get("per_replica_batch", base.per_replica_batch) * workers
             * cfg.get("grad_accum", base.grad_accum),
@@ -253,7 +305,7 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
             "wall_seconds": m.get("time_total_s"),
             "worker_seconds": (m.get("time_total_s") or 0) * workers,
             "epoch_seconds": m.get("epoch_seconds"),
-            "error": str(r.error).splitlines()[0] if r.error else "",
+            "error": tune_console.one_line(r.error) if r.error else "",
         })
     table = pd.DataFrame(rows)
     table.to_csv(out / RESULTS_FILE, index=False)
@@ -285,7 +337,8 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     (out / SUMMARY_FILE).write_text(yaml.safe_dump(summary, sort_keys=False))
     # The searched columns; as text, because fixed values may be lists (--hidden-units 64 32), which do not hash.
     shown = [c for c in table.columns if c.startswith("config/") and table[c].astype(str).nunique() > 1]
-    log.info("\n%s", table[shown + ["global_batch", "epochs_run", metric, "wall_seconds"]].to_string(index=False))
+    for line in tune_console.summary_lines(table, metric, mode, base.epochs, out / BEST_CONFIG_FILE, shown):
+        console.say(line)
     return summary
 
 
