@@ -15,6 +15,15 @@ from app.bench.node import assert_process_group_gone, free_port, ray_cli, start_
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Ray Data 2.60 lists parquet files with a pool of 32 FooterReader actors per read (each pass of a
+# streamed dataset is one), made for object stores over big clusters. On this 2-core machine, with
+# the workers holding their CPUs, they start one after another: ~60 s for 4 local files. One actor
+# reads the same footers (the same files, rows and seeded file shuffle): what a test checks does not
+# change. Ray reads it where the dataset is created (read_parquet, in the driver), so it is set for
+# this process and for every job a test starts (clean_env keeps it).
+KEPT_RAY_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+for _name, _value in KEPT_RAY_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,7 +82,7 @@ def no_shared_ray():
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in KEPT_RAY_ENV}
     env.update(extra)
     return env
 

@@ -4,6 +4,7 @@ before an output directory or a worker exists."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import json
 
@@ -150,10 +151,18 @@ def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluat
                       [[*map(float, r), float(t)] for r, t in zip(x, target)])
     out = tmp_path / "reg"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    p = run_job("jobs/train.py", "--output", str(out), "--dataset", str(table), "--label-column", "target",
-                "--task", "regression", "--data-cache", "stream", "--num-workers", "2", "--epochs", "1",
-                "--per-replica-batch", "16", "--warmup-epochs", "0", "--cpus-per-worker", "0.5", "--base-lr", "0.005",
-                env=env, timeout=300)
+    binary = write_parquet(tmp_path / "bin", x, (target > 0).astype(np.int64))
+    # The command line run and the Python one (below) side by side, their start-ups overlapping: 2 x 2 workers
+    # x 0.5 CPU leave the session's third CPU to Ray Data's reads (streamed CSV here, the parquet's caching there).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cli = pool.submit(
+            run_job, "jobs/train.py", "--output", str(out), "--dataset", str(table), "--label-column", "target",
+            "--task", "regression", "--data-cache", "stream", "--num-workers", "2", "--epochs", "1",
+            "--per-replica-batch", "16", "--warmup-epochs", "0", "--cpus-per-worker", "0.5", "--base-lr", "0.005",
+            env=env, timeout=300)
+        bin_out, bin_result = train(tmp_path, "bin-run", dataset=str(binary), task="binary", model="mlp",
+                                    cpus_per_worker=0.5)
+        p = cli.result()
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["task"] == "regression" and "val_mae" in result["metrics"]
@@ -162,8 +171,7 @@ def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluat
     scored = evaluate(str(out / "model.keras"))
     assert abs(scored["val_mae"] - result["metrics"]["val_mae"]) < 1e-5
 
-    binary = write_parquet(tmp_path / "bin", x, (target > 0).astype(np.int64))
-    out, result = train(tmp_path, "bin-run", dataset=str(binary), task="binary", model="mlp")
+    out, result = bin_out, bin_result
     assert result["task"] == "binary"
     # Every row once: validated, trained on, or dropped (parquet splits rows by a hash of their content).
     trained = result["steps_per_epoch"] * 32

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_local import FULL_BATCH_SGD, local_run
+from test_local import FULL_BATCH_SGD, local_run, local_runs
 
 from conftest import REPO, clean_env
 
@@ -22,8 +22,8 @@ def weights(path):
 def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(tmp_path):
     """K=2 at batch B == K=1 at batch 2B, full-batch SGD, under Mirrored (a real all-reduce)."""
     common = ["--strategy", "mirrored", "--devices", "2", *FULL_BATCH_SGD]
-    accumulated = local_run(tmp_path / "k2", *common, "--per-replica-batch", "359", "--grad-accum", "2")
-    single = local_run(tmp_path / "k1", *common, "--per-replica-batch", "718")
+    accumulated, single = local_runs((tmp_path / "k2", *common, "--per-replica-batch", "359", "--grad-accum", "2"),
+                                     (tmp_path / "k1", *common, "--per-replica-batch", "718"))
     assert accumulated["global_batch_size"] == single["global_batch_size"] == 1436
     assert accumulated["grad_accum"] == 2 and accumulated["steps_per_epoch"] == single["steps_per_epoch"] == 1
     for a, b in zip(weights(tmp_path / "k1"), weights(tmp_path / "k2")):
@@ -38,22 +38,27 @@ def test_the_lr_rule_scales_with_the_accumulated_global_batch(tmp_path):
 
 
 @pytest.mark.parametrize("precision, policy", [("fp16", "mixed_float16"), ("bf16", "mixed_bfloat16")])
-def test_mixed_precision_matches_float32_accuracy(tmp_path, precision, policy, float32_run):
+def test_mixed_precision_matches_float32_accuracy(precision, policy, precision_runs):
     import keras
 
-    result = local_run(tmp_path / precision, "--strategy", "one-device", "--epochs", "5", "--mixed-precision",
-                       precision)
+    runs, results = precision_runs
+    result, float32_run = results[precision], results["off"]
     assert result["mixed_precision"] == precision
     assert abs(result["metrics"]["val_accuracy"] - float32_run["metrics"]["val_accuracy"]) <= 0.01
-    model = keras.models.load_model(tmp_path / precision / "model.keras")
+    model = keras.models.load_model(runs / precision / "model.keras")
     assert model.get_layer("dense_0").dtype_policy.name == policy  # hidden layers compute in 16 bits
     assert model.get_layer("logits").compute_dtype == "float32"  # the logits (and the loss) stay float32
     assert all(w.dtype == np.float32 for w in model.get_weights())  # variables stay float32
 
 
 @pytest.fixture(scope="module")
-def float32_run(tmp_path_factory):
-    return local_run(tmp_path_factory.mktemp("fp32") / "off", "--strategy", "one-device", "--epochs", "5")
+def precision_runs(tmp_path_factory):
+    """float32, fp16 and bf16 runs (5 epochs, one device), side by side: their start-ups overlap."""
+    runs = tmp_path_factory.mktemp("precision")
+    names = ("off", "fp16", "bf16")
+    done = local_runs(*((runs / name, "--strategy", "one-device", "--epochs", "5", "--mixed-precision", name)
+                        for name in names))
+    return runs, dict(zip(names, done))
 
 
 def test_fp16_overflow_on_one_replica_skips_the_step_on_all(tmp_path):

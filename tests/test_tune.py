@@ -10,7 +10,7 @@ import yaml
 
 from app.errors import UserError
 from app.run import tune, tune_console
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 
 def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_trial_evaluates(
@@ -65,9 +65,12 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert len(list(storage.glob("sweep/run_trial_*/train/tensorboard"))) == 2
     assert (out / tune.PLOT_FILE).stat().st_size > 10_000
 
+    # The best config trained again, and a trial's checkpoint evaluated on the validation split, each in a
+    # process of its own: independent of each other, so side by side (their start-ups overlap).
     best_file = out / tune.BEST_CONFIG_FILE
     best = yaml.safe_load(best_file.read_text())
-    p = run_job("jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again"), env=env)
+    p, e = run_jobs_at_once(["jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again")],
+                            ["jobs/evaluate.py", "--checkpoint", str(states[0].parent)], timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
     assert again["config"]["per_replica_batch"] == best["per_replica_batch"] == best_row["config/per_replica_batch"]
@@ -75,9 +78,7 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert best["hidden_units"] == again["config"]["hidden_units"] == [32, 16]
     assert again["metrics"]["val_accuracy"] == pytest.approx(best_row["val_accuracy"], abs=0.03)
 
-    # A trial's checkpoint, evaluated on the validation split in a separate process.
-    p = run_job("jobs/evaluate.py", "--checkpoint", str(states[0].parent), timeout=300, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert e.returncode == 0, e.stderr[-3000:]
     evaluated = json.loads((states[0].parent / "eval.json").read_text())
     trained = json.loads(states[0].read_text())["history"][-1]
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
