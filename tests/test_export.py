@@ -1,7 +1,7 @@
 """The SavedModel beside model.keras (issue 28): what TensorFlow Serving loads serves what the Keras model predicts.
 
-The SavedModel is loaded with ``tf.saved_model.load`` in a fresh process that never imports Keras or this
-project, as a server would, and its ``serve`` endpoint and ``serving_default`` signature are compared with the
+The SavedModel is loaded with ``tf.saved_model.load`` in a fresh process that never imports this project, as a
+server would, and its ``serve`` endpoint and ``serving_default`` signature are compared with the
 Keras model on 100 rows: a built-in model (the run the prediction tests share) and a user's functional model
 with two named inputs. Training takes one features input, so the two-input model is exported directly with the
 function the runs use (app.training.export.export_saved_model).
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, clean_env
 
-# A fresh process: no Keras, no app; the SavedModel alone. Prints each model's outputs as JSON.
+# A fresh process: TensorFlow and the SavedModel alone, no app. Prints each model's outputs as JSON.
 SERVE = """
 import json, sys
 import numpy as np
@@ -32,7 +32,7 @@ for name, path, inputs in json.loads(sys.argv[1]):
     by_name = signature(**{k: tf.constant(v) for k, v in arrays.items()})
     out[name] = {"serve": np.asarray(served).tolist(), "signature": np.asarray(by_name["output_0"]).tolist(),
                  "inputs": {k: [s.shape.as_list(), s.dtype.name] for k, s in signature.structured_input_signature[1].items()},
-                 "keras_imported": "keras" in sys.modules}
+                 "app_imported": "app" in sys.modules}
 print(json.dumps(out))
 """
 
@@ -86,7 +86,7 @@ def test_saved_model_serves_what_the_keras_model_predicts(parquet_run, two_input
                     [rows["two_inputs"]["numbers"], rows["two_inputs"]["extra"]], verbose=0)}
     for name, want in expected.items():
         got = served[name]
-        assert not got["keras_imported"]  # the SavedModel stands alone
+        assert not got["app_imported"]  # the SavedModel stands alone: no code of this project
         assert got["inputs"] == {k: [[None, *v.shape[1:]], "float32"] for k, v in rows[name].items()}
         np.testing.assert_allclose(np.array(got["serve"]), want, atol=1e-5)
         np.testing.assert_allclose(np.array(got["signature"]), want, atol=1e-5)

@@ -3,21 +3,24 @@
 1. Writes a parquet dataset of ``rows`` rows (app.bench.memory.write_dataset: ``shape`` float32 as a list column
    and a label, in files of ``rows_per_file``) and the same at ``scale`` times the rows, and trains the workload on
    the 1x set (jobs/train.py --backend local): the run predicted with.
-2. rows/s on the 1x rows, each in a process of its own:
-   - ``model.predict`` in one plain process, the model loaded and the features in memory (the call alone is timed,
-     after a warm-up call), TensorFlow on 1 thread and on every core;
-   - the Ray path (app.run.predict, what jobs/predict.py calls) with 1 and 2 actors x 1 CPU, each run with a local
-     Ray of its own: rows / ``predict_seconds`` (from the pool's start to the last file written: the actors' start,
-     their TensorFlow import and model load, reading, predicting, writing) and rows / the whole call (Ray's start
-     and the checks on the first rows too).
-3. Memory, 2 actors, at 1x and at ``scale`` x: each predictor actor's peak own memory (RssAnon) and RSS, Ray Data's
-   read/write tasks', the driver's (ru_maxrss), sampled by app.bench.sampler; and rows/s at that size.
+2. rows/s, each in a process of its own:
+   - ``model.predict`` in one plain process on the 1x rows, the model loaded and the features in memory (the call
+     alone is timed, after a warm-up call), TensorFlow on 1 thread and on every core;
+   - the Ray path (app.run.predict, what jobs/predict.py calls), actors x 1 CPU, each run with a local Ray of its
+     own: 2 actors on the 1x rows, 1 and 2 actors on the scale x rows (the start-up amortised). rows /
+     ``predict_seconds`` (from the pool's start to the last file written: the actors' start, their TensorFlow
+     import and model load, reading, predicting, writing) and rows / the whole call (Ray's start and the checks on
+     the first rows too). Not sampled: reading every process's memory costs CPU.
+3. Memory, 2 actors, at 1x and at ``scale`` x (two more runs): each predictor actor's peak own memory (RssAnon) and
+   RSS, Ray Data's read/repartition/write tasks', the driver's (ru_maxrss), the object store's pages, sampled every
+   2 s by app.bench.sampler.
 
 -> predict.json. Datasets and the run are kept in the output directory and reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -63,7 +66,9 @@ def plain(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_ray(payload: dict[str, Any]) -> dict[str, Any]:
-    """app.run.predict on a local Ray this process starts: ``{"run", "data", "out", "workers", "batch_size"}``."""
+    """app.run.predict on a local Ray this process starts: ``{"run", "data", "out", "workers", "batch_size",
+    "sample"}``. ``sample``: the processes' memory every 2 s (reading every process's smaps costs CPU: seen taking
+    most of a core at 0.5 s on this 2-core machine, so runs timed for rows/s are not sampled)."""
     import ray
 
     from app.bench.sampler import ProcessPeaks
@@ -74,21 +79,22 @@ def on_ray(payload: dict[str, Any]) -> dict[str, Any]:
     options = predict.PredictOptions(output=payload["out"], keep_columns=("label",), num_workers=payload["workers"],
                                      batch_size=payload["batch_size"], overwrite=True)
     started = time.time()
-    with ProcessPeaks() as peaks:
+    with ProcessPeaks(interval=2.0) if payload["sample"] else contextlib.nullcontext() as peaks:
         try:
             summary = predict.predict(found, options)
         finally:
             ray.shutdown()
-    seconds = time.time() - started
+    timing = {"rows": summary["rows"], "predict_seconds": summary["predict_seconds"],
+              "rows_per_second": round(summary["rows"] / summary["predict_seconds"], 1),
+              "whole_seconds": round(time.time() - started, 1),
+              "rows_per_second_whole": round(summary["rows"] / (time.time() - started), 1)}
+    if peaks is None:
+        return timing
     predictor = lambda name: "Predictor" in name  # noqa: E731  (Ray names the actors' processes after them)
     tasks = lambda name: name.startswith("ray::") and "Predictor" not in name  # noqa: E731
     biggest = sorted(peaks.processes.values(), key=lambda p: -p.own)[:4]
     return {
-        "rows": summary["rows"],
-        "predict_seconds": summary["predict_seconds"],
-        "rows_per_second": round(summary["rows"] / summary["predict_seconds"], 1),
-        "whole_seconds": round(seconds, 1),
-        "rows_per_second_whole": round(summary["rows"] / seconds, 1),
+        **timing,
         "predictor_anon_peak_mib": peaks.largest(predictor, "own"),
         "predictor_rss_peak_mib": peaks.largest(predictor),
         "ray_data_task_anon_peak_mib": peaks.largest(tasks, "own"),
@@ -119,10 +125,14 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         record(f"model.predict, {threads or 'all'} thread(s)",
                measure("app.bench.predict_cost", "plain", {"run": str(trained_run), "data": str(data["1x"]),
                                                            "threads": threads, "batch_size": batch})[0])
-    for workers, label in ((1, "1x"), (2, "1x"), (2, f"{scale}x")):
+    # rows/s (not sampled): 2 actors on the 1x rows, then 1 and 2 on the scale x rows (the start-up amortised);
+    # memory (sampled): 2 actors at 1x and at scale x.
+    for workers, label, sample in ((2, "1x", False), (1, f"{scale}x", False), (2, f"{scale}x", False),
+                                   (2, "1x", True), (2, f"{scale}x", True)):
         payload = {"run": str(trained_run), "data": str(data[label]), "out": str(out / f"predictions-{workers}-{label}"),
-                   "workers": workers, "batch_size": batch}
-        record(f"ray {workers} actor(s), {label}", measure("app.bench.predict_cost", "on_ray", payload, timeout=4 * 3600)[0])
+                   "workers": workers, "batch_size": batch, "sample": sample}
+        record(f"ray {workers} actor(s), {label}{', memory' if sample else ''}",
+               measure("app.bench.predict_cost", "on_ray", payload, timeout=4 * 3600)[0])
     summary = out / "predict.json"
     report.write_json(summary, {"results": results, "rows": sizes, "command": command, "preset": preset.as_dict()})
     print(table(results, scale))
@@ -130,26 +140,24 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
 
 
 def table(results: dict[str, Any], scale: int) -> str:
-    """The markdown table of BENCHMARKS.md: rows/s against model.predict, then memory at 1x and scale x."""
+    """The markdown tables of BENCHMARKS.md: rows/s against model.predict, then memory at 1x and scale x."""
     base = results["model.predict, 1 thread(s)"]["rows_per_second"]
-    lines = ["| run (1x rows) | rows/s | vs model.predict, 1 thread | rows/s, whole call |", "|---|---:|---:|---:|"]
+    lines = ["| run | rows | rows/s | vs model.predict, 1 thread | rows/s, whole call |", "|---|---:|---:|---:|---:|"]
     for name, r in results.items():
-        if name.endswith(f"{scale}x"):
-            continue
-        whole = r.get("rows_per_second_whole", "")
-        lines.append(f"| {name.removesuffix(', 1x')} | {r['rows_per_second']:,.0f} | {r['rows_per_second'] / base:.2f} | "
-                     f"{f'{whole:,.0f}' if whole else ''} |")
-    one, big = results["ray 2 actor(s), 1x"], results[f"ray 2 actor(s), {scale}x"]
-    lines += ["", f"| 2 actors | 1x ({one['rows']:,} rows) | {scale}x ({big['rows']:,} rows) | ratio |", "|---|---:|---:|---:|"]
+        if not name.endswith("memory"):
+            whole = r.get("rows_per_second_whole")
+            lines.append(f"| {name} | {r['rows']:,} | {r['rows_per_second']:,.0f} | {r['rows_per_second'] / base:.2f} | "
+                         f"{f'{whole:,.0f}' if whole else ''} |")
+    one, big = results["ray 2 actor(s), 1x, memory"], results[f"ray 2 actor(s), {scale}x, memory"]
+    lines += ["", f"| 2 actors, peak | 1x ({one['rows']:,} rows) | {scale}x ({big['rows']:,} rows) | ratio |",
+              "|---|---:|---:|---:|"]
     for key, what in (("predictor_anon_peak_mib", "a predictor actor, own memory (RssAnon), MiB"),
                       ("predictor_rss_peak_mib", "a predictor actor, RSS, MiB"),
-                      ("ray_data_task_anon_peak_mib", "a Ray Data read/write task, own memory, MiB"),
-                      ("driver_peak_mib", "the driver, MiB"), ("object_store_pages_peak_mib", "object store pages, MiB"),
-                      ("rows_per_second", "rows/s")):
+                      ("ray_data_task_anon_peak_mib", "a Ray Data read/repartition/write task, own memory, MiB"),
+                      ("driver_peak_mib", "the driver, MiB"), ("object_store_pages_peak_mib", "object store pages, MiB")):
         ratio = big[key] / one[key] if one[key] else float("nan")
         lines.append(f"| {what} | {one[key]:,.0f} | {big[key]:,.0f} | {ratio:.3f} |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     child_main({"plain": plain, "on_ray": on_ray})
