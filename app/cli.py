@@ -22,10 +22,11 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 from app import cli_errors
-from app.config import CONFIG_FILE, SECTIONS, DataSection, Plugin, TrainConfig, build_config
+from app.config import CONFIG_FILE, CallbacksSpec, DataSection, Plugin, TrainConfig, build_config
+from app.config_sections import SECTIONS
 from app.errors import RunFailed, UserError
 
 # Section -> --help group title ("<title> options").
@@ -260,7 +261,7 @@ def _predict_flags() -> type:
 
 
 _METAVARS = {"model": "NAME", "dataset": "NAME|PATH", "val_dataset": "PATH", "output": "DIR", "storage_path": "PATH",
-             "tensorboard_dir": "PATH"}
+             "tensorboard_dir": "PATH", "callbacks": "FILE.PY:FUNCTION"}
 
 
 def _flag_type(name: str, field: Any) -> Any:
@@ -268,7 +269,7 @@ def _flag_type(name: str, field: Any) -> Any:
     import tyro
 
     kind, metavar = field.annotation, _METAVARS.get(name)
-    if kind == Plugin:
+    if kind == Plugin or kind == Optional[CallbacksSpec]:
         kind = str  # a built-in name, file.py:function, or (datasets) a path
     elif typing.get_origin(kind) is dict:
         kind, metavar = str, "JSON"  # decoded by _decoded

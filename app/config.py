@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from pydantic import ValidationError, field_serializer, model_validator
@@ -21,6 +21,7 @@ from pydantic import ValidationError, field_serializer, model_validator
 from app import registry
 from app.config_sections import (
     PIPELINE_MICROBATCHES,
+    CallbacksSpec,
     DataSection,
     ModelSection,
     OptimSection,
@@ -46,6 +47,8 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                     f"unknown {name} {value!r} (choose from {', '.join(sorted(registry.DATASETS))}, give a "
                     "path or URI to parquet, CSV, image-folder, .npz or .npy data, or file.py:function)"
                 )
+        if (problem := registry.callbacks_problem(self.callbacks)) is not None:
+            problems.append(problem)
         if self.val_dataset in registry.DATASETS:
             problems.append("val_dataset must be a path or URI (built-in datasets split off --val-fraction)")
         if isinstance(self.model, str) and not registry.is_model_name(self.model):
@@ -97,10 +100,10 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                 values = {**values, name: parts}
         return values
 
-    @field_serializer("model", "dataset")
-    def _plugin_name(self, value: Plugin) -> str:
-        # A function given from Python is recorded by name in config.yaml and result.json.
-        return value if isinstance(value, str) else registry.describe(value)
+    @field_serializer("model", "dataset", "callbacks")
+    def _plugin_name(self, value: Optional[Plugin | CallbacksSpec]) -> Optional[str]:
+        # A function (or a list of callbacks) given from Python is recorded by name in config.yaml and result.json.
+        return value if value is None or isinstance(value, str) else registry.describe(value)
 
     def output_dir(self) -> Path:
         return Path(self.output).expanduser().resolve()

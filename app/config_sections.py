@@ -16,6 +16,7 @@ PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
 # a path/URI (datasets), or, from Python (app.train), the function itself.
 Plugin = Union[str, Callable[..., Any]]
+CallbacksSpec = Union[str, Callable[..., Any], list[Any]]  # or a list of keras.callbacks.Callback (app.train)
 
 
 class _Section(BaseModel):
@@ -223,6 +224,9 @@ class OptimSection(_Section):
     )
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")
+    callbacks: Optional[CallbacksSpec] = Field(None, description="Keras callbacks: file.py:function returning a "
+        "list of keras.callbacks.Callback (from Python: the list). Run on rank 0; their stop and LR changes apply to "
+        "every worker.")
 
 
 class OutputSection(_Section):

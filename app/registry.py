@@ -67,9 +67,31 @@ def is_model_name(value: str) -> bool:
     return value in MODELS or is_plugin(value)
 
 
-def describe(fn: Callable[..., Any]) -> str:
-    """How a function given from Python is recorded: module:qualname."""
+def describe(fn: Callable[..., Any] | list) -> str:
+    """How a function given from Python is recorded: module:qualname (a list of callbacks: their classes)."""
+    if isinstance(fn, list):
+        return f"__main__:[{', '.join(type(c).__name__ for c in fn)}]"
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def callbacks_problem(value: Any) -> str | None:
+    """Why a callbacks value is refused, or None. A list given from Python and recorded in a config file
+    (``__main__:[EarlyStopping]``) passes here: only a run that uses it is refused (``recorded_callbacks``)."""
+    if isinstance(value, str) and not is_plugin(value) and not value.startswith("__main__:["):
+        return (f"callbacks {value!r}: give file.py:function or package.module:function, a function that returns a "
+                "list of keras.callbacks.Callback")
+    # Told by class name, so that checking a config does not import Keras.
+    bad = [c for c in value if not any(k.__name__ == "Callback" and k.__module__.startswith("keras")
+                                       for k in type(c).__mro__)] if isinstance(value, list) else []
+    if bad:
+        return f"callbacks holds {str(bad[0])[:60]!r} of type {type(bad[0]).__name__}, not a keras.callbacks.Callback"
+    return None
+
+
+def recorded_callbacks(value: str) -> str:
+    """Why a run of a config file whose callbacks were a list passed from Python is refused."""
+    return (f"callbacks {value[len('__main__:'):]} were a list passed from Python, which a config file cannot "
+            "hold: pass them again (app.train(callbacks=[...])) or name a function, --callbacks file.py:function")
 
 
 def reloadable(value: str | Callable[..., Any]) -> bool:

@@ -97,7 +97,7 @@ def build_model():
     ({"batch_size": 33}, "batch_size 33 is the global batch and does not divide over 2 replicas (2 Ray worker(s), "
                          "one replica each): use 32 or 34"),
     ({"num_workers": 3}, "batch_size 32 (Keras's default) is the global batch and does not divide over 3 replicas"),
-    ({"callbacks": [object()]}, "callbacks are not supported yet"),
+    ({"callbacks": [object()]}, "callbacks holds '<object object at"),
     ({"x": (i for i in range(3)), "y": None}, "x of type generator is not supported: give numpy arrays (with y), "
                                               "a data function"),
     ({"x": [X, X]}, "x is a list of 2, which Keras reads as several model inputs by position: give a dict"),

@@ -72,6 +72,12 @@ def raises():
     raise ValueError("no such bucket")
 
 
+def callbacks(output_dir):  # the README's --callbacks example
+    return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=2),
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1),
+            keras.callbacks.CSVLogger(f"{output_dir}/keras_log.csv")]
+
+
 def fails_in_the_workers(input_shape, num_classes):
     import os
 

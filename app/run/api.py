@@ -99,9 +99,14 @@ def _plugins(model: Any, data: Any) -> dict[str, Any]:
     return values
 
 
-def train(model: Any = None, data: Any = None, config: Optional[str] = None, **fields: Any) -> dict[str, Any]:
-    """Train as jobs/train.py does and return result.json's content (see the module docstring)."""
-    return run_training(build_config(config, {**fields, **_plugins(model, data)}))
+def train(model: Any = None, data: Any = None, config: Optional[str] = None, callbacks: Any = None,
+          **fields: Any) -> dict[str, Any]:
+    """Train as jobs/train.py does and return result.json's content (see the module docstring).
+
+    ``callbacks``: a list of keras.callbacks.Callback (or what --callbacks takes), run as model.fit runs them
+    (app.training.callbacks: on rank 0; their stop and LR decisions apply to every worker).
+    """
+    return run_training(build_config(config, {**fields, **_plugins(model, data), "callbacks": callbacks}))
 
 
 def tune(space: str, model: Any = None, data: Any = None, output: Optional[str] = None, **fields: Any) -> dict:

@@ -62,7 +62,9 @@ def summarize(error: BaseException) -> str:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
         message = raised[-1] if raised else (lines[0] if lines else type(exc).__name__)
-        message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) == "NonFiniteLoss" else f"{m.group(1)}: ", message)
+        # Our own errors' lines say what happened themselves (a user's code raised: which, and what).
+        message = _EXCEPTION_LINE.sub(lambda m: "" if m.group(1) in ("NonFiniteLoss", "UserCodeError")
+                                      else f"{m.group(1)}: ", message)
         # TensorFlow's collective errors; "Deadline Exceeded" alone could be any RPC (an upload, say).
         stalled = next((line for marker in _STALLED for line in lines if marker in line), None)
         if stalled is not None:

@@ -23,7 +23,8 @@ The arguments mean what they mean in ``keras.Model.fit``:
   (arrays only, as in Keras); ``validation_data`` wins when both are given, as in Keras. With neither, Keras
   validates nothing; this product needs a validation set for its epoch record, so it holds out its seeded
   random ``val_fraction`` (default 0.2) of the rows, as app.train does, and does not train on them.
-- ``callbacks``: not supported yet (``None`` or ``[]``).
+- ``callbacks``: a list of ``keras.callbacks.Callback``, run as app.train runs them (app.training.callbacks: on
+  rank 0, their stop and LR decisions taken by every worker).
 - Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
   a YAML file of them.
 
@@ -115,8 +116,6 @@ def fit(
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
     from app.run.api import run_training
 
-    if callbacks:
-        raise UserError("callbacks are not supported yet (app.fit takes callbacks=None or [])")
     if "model" in fields:
         raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
     if _is_keras_model(model_fn):
@@ -126,7 +125,7 @@ def fit(
     if class_weight is not None:  # Keras's {class: weight} -> --class-weight's JSON
         fields["class_weight"] = json.dumps({str(int(k)): float(v) for k, v in dict(class_weight).items()})
     values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields, sample_weight),
-              "model": model_fn, "epochs": epochs, "num_workers": num_workers}
+              "model": model_fn, "epochs": epochs, "num_workers": num_workers, "callbacks": callbacks or None}
     config = _with_global_batch(config_file, values, batch_size)
     result = run_training(config)
     out = config.output_dir()

@@ -176,6 +176,8 @@ def write_outputs(
         "learning_rate": lr_plan["peak_lr"],
         "lr_plan": lr_plan,
         "epochs_completed": last["epoch"],
+        # A callback that set model.stop_training: the epoch it stopped after and why (None: not stopped).
+        "stopped_early": state.get("stopped_early"),
         "steps_per_epoch": state["plan"]["steps"],
         "dropped_samples_per_epoch": last["dropped_samples"],
         "task": state.get("task", "classification"),

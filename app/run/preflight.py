@@ -131,6 +131,10 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
     """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
     source = source if source is not None else load_data(config, num_workers, loc)
     facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source))
+    if config.callbacks is not None:  # called here once, as each worker's model function is
+        from app.training.callbacks import check as check_callbacks
+
+        summary["callbacks"] = check_callbacks(config, objective)
     EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
     checked = Checked(source, facts, objective, summary)
     if config.resume:
@@ -169,6 +173,9 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"({dict(objective.sources).get('learning rate', '--base-lr')}) at batch "
         f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
     ]
+    if m.get("callbacks") is not None:
+        lines.append(f"callbacks: {', '.join(m['callbacks']) or 'none'} (on rank 0; a stop or LR change applies to "
+                     "every worker)")
     if "pipeline" in m:
         stages = m["pipeline"].stages
         where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"

@@ -263,12 +263,21 @@ def for_workers(config: TrainConfig) -> TrainConfig:
     from app import registry
 
     update: dict[str, Any] = {"dataset": config.model_dump()["dataset"]}
-    if config.model not in registry.MODELS:
-        fn = registry.resolve(config.model, registry.MODELS)
-        module = sys.modules.get(getattr(fn, "__module__", ""))
-        if module is not None and module.__name__ != "__main__" and not module.__name__.startswith("app."):
+
+    def by_value(obj) -> None:
+        module = sys.modules.get(getattr(obj, "__module__", ""))
+        if module is not None and module.__name__ != "__main__" and not module.__name__.startswith(("app.", "keras")):
             cloudpickle.register_pickle_by_value(module)
-        update["model"] = fn
+
+    # The model function, and the callbacks (a function rank 0 calls, or the callbacks' classes), likewise.
+    for name, builtins in (("model", registry.MODELS), ("callbacks", {})):
+        value = getattr(config, name)
+        if isinstance(value, list):
+            for c in value:
+                by_value(type(c))
+        elif value is not None and value not in builtins:
+            update[name] = registry.resolve(value, builtins)
+            by_value(update[name])
     return config.model_copy(update=update)
 
 

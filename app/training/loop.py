@@ -130,16 +130,17 @@ class EpochDriver:
         self.global_step: Optional[int] = None  # optimizer steps so far, counted on the host
 
     def train_epoch(self, iterator, steps: int, epoch: int = 0, on_log: Optional[Callable] = None,
-                    on_steps: Optional[Callable[[int], None]] = None) -> EpochStats:
-        """``steps`` steps; every ``log_every_steps`` optimizer steps, ``on_log(step, scalars)``; ``on_steps(k)``
-        after every k steps run (a progress bar, a sign of life)."""
+                    on_steps: Optional[Callable[[int], None]] = None, on_batch: Optional[Callable] = None) -> EpochStats:
+        """``steps`` steps; every ``log_every_steps`` optimizer steps, ``on_log(step, scalars)`` (the steps since the
+        last log point) and ``on_batch(batch, scalars)`` (the epoch so far; ``batch``: the last step's 0-based index
+        in the epoch); ``on_steps(k)`` after every k steps run (a progress bar, a sign of life)."""
         import tensorflow as tf
 
         start = time.perf_counter()
         acc = tf.zeros((self.measures.size,), tf.float64)
         if self.global_step is None:  # first epoch of this process: continue a restored run's count
             self.global_step = self.runner.steps_taken()
-        window = _LogWindow(self, on_log, start)
+        window = _LogWindow(self, on_log, on_batch, start)
         first_step_time, id_chunks, step_sums, done = None, [], [], 0
         while done < steps:
             local, k, ids = self.runner.run(iterator, self.global_step, steps - done)
@@ -150,7 +151,7 @@ class EpochDriver:
                 on_steps(k)
             step_sums.append((done, k, local))  # kept as tensors, checked once at the end
             acc += local
-            window.after(acc, k)
+            window.after(acc, k, done)
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
                 first_step_time = time.time()
@@ -168,9 +169,10 @@ class EpochDriver:
             sample_ids=np.concatenate(id_chunks) if id_chunks else None,
         )
 
-    def run_epoch(self, epoch: int, train_iter, steps: int, val, dropped: int, on_log=None, on_steps=None):
+    def run_epoch(self, epoch: int, train_iter, steps: int, val, dropped: int, on_log=None, on_steps=None,
+                  on_batch=None):
         """Train ``steps`` steps, evaluate, and return (the epoch's metrics record, the train stats)."""
-        train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log, on_steps=on_steps)
+        train = self.train_epoch(train_iter, steps, epoch=epoch, on_log=on_log, on_steps=on_steps, on_batch=on_batch)
         val_stats = self.runner.evaluate(val)
         lr = self.runner.learning_rate(self.global_step)
         metrics = epoch_metrics(epoch, train, val_stats, lr, dropped)
@@ -182,32 +184,37 @@ class EpochDriver:
 class _LogWindow:
     """The steps since the last log point of ``train_epoch`` (a window never spans two epochs).
 
-    The window's sums are the epoch's running sums minus their value at the
-    last point: nothing is added per step beyond what the epoch already sums.
+    The epoch's running sums are summed over every worker at each log point;
+    the window's are those minus their value at the last point: nothing is
+    added per step beyond what the epoch already sums.
     """
 
-    def __init__(self, driver: EpochDriver, on_log, start: float):
-        self.driver, self.on_log, self.start = driver, on_log, start
-        self.base = np.zeros(driver.measures.size)  # the epoch's running sums at the last log point
+    def __init__(self, driver: EpochDriver, on_log, on_batch, start: float):
+        self.driver, self.on_log, self.on_batch, self.start = driver, on_log, on_batch, start
+        self.base = np.zeros(driver.measures.size)  # the epoch's running sums over every worker at the last log point
 
-    def after(self, epoch_sums, k: int) -> None:
+    def after(self, epoch_sums, k: int, done: int) -> None:
         d = self.driver
         before, d.global_step = d.global_step, d.global_step + k
         every = d.log_every_steps
         if not every or d.global_step // every == before // every:
             return
         # Every worker gets here at the same step (same config, same step count): a collective is safe.
-        now_sums = epoch_sums.numpy()
-        stats = EpochStats.from_sums(d.runner.total(now_sums - self.base), 0.0, d.measures.results)
+        running = d.runner.total(epoch_sums.numpy())
+        stats = EpochStats.from_sums(running - self.base, 0.0, d.measures.results)
         now = time.perf_counter()
+        lr = d.runner.learning_rate(d.global_step)
         if self.on_log is not None:
-            self.on_log(d.global_step, {
-                "train_loss": stats.loss,
-                **{f"train_{name}": v for name, v in stats.metrics.items()},
-                "learning_rate": d.runner.learning_rate(d.global_step),
-                "samples_per_second": stats.samples / (now - self.start),
-            })
-        self.base, self.start = now_sums, now
+            self.on_log(d.global_step, {**_train_scalars(stats), "learning_rate": lr,
+                                        "samples_per_second": stats.samples / (now - self.start)})
+        if self.on_batch is not None:
+            so_far = EpochStats.from_sums(running, 0.0, d.measures.results)
+            self.on_batch(done - 1, {**_train_scalars(so_far), "learning_rate": lr})
+        self.base, self.start = running, now
+
+
+def _train_scalars(stats: EpochStats) -> dict[str, float]:
+    return {"train_loss": stats.loss, **{f"train_{name}": v for name, v in stats.metrics.items()}}
 
 
 class EpochBar:

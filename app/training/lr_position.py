@@ -36,10 +36,10 @@ def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: in
     return replace(plan, step_offset=epoch * updates - steps_done)
 
 
-def schedule(config: "TrainConfig", plan: LrPlan):
-    """``plan``'s schedule (app.training.optim.lr_schedule), read ``plan.step_offset`` steps ahead of the
-    optimizer's step count."""
-    planned = lr_schedule(config, plan)
+def schedule(config: "TrainConfig", plan: LrPlan, factor=None):
+    """``plan``'s schedule (app.training.optim.lr_schedule, times a callback's ``factor``), read
+    ``plan.step_offset`` steps ahead of the optimizer's step count."""
+    planned = lr_schedule(config, plan, factor)
     return _shifted_class()(planned, plan.step_offset) if plan.step_offset else planned
 
 

@@ -7,6 +7,7 @@ from the unscaled LR avoids the early instability of a large LR.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -55,23 +56,52 @@ def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int, base
     )
 
 
-def lr_schedule(config: "TrainConfig", plan: LrPlan) -> "keras.optimizers.schedules.LearningRateSchedule":
-    """Keras' CosineDecay does warmup + decay; alpha=1 turns the decay into a constant."""
+def lr_schedule(config: "TrainConfig", plan: LrPlan, factor: Any = None
+                ) -> "keras.optimizers.schedules.LearningRateSchedule":
+    """Keras' CosineDecay does warmup + decay; alpha=1 turns the decay into a constant.
+
+    ``factor``: a variable the schedule's LR is multiplied by (what a Keras callback set the LR to, relative to the
+    schedule at that step: app.training.callbacks); the same on every replica.
+    """
     import keras
 
     alpha = 0.0 if config.lr_decay == "cosine" else 1.0
     decay_steps = max(plan.total_steps - plan.warmup_steps, 1)
     if plan.warmup_steps == 0:
-        return keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha)
-    # Goyal et al. ramp up from the unscaled LR (never from above the target).
-    start = min(plan.base_lr, plan.peak_lr)
-    return keras.optimizers.schedules.CosineDecay(
-        start, decay_steps, alpha=alpha, warmup_target=plan.peak_lr, warmup_steps=plan.warmup_steps
-    )
+        schedule = keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha)
+    else:
+        # Goyal et al. ramp up from the unscaled LR (never from above the target).
+        start = min(plan.base_lr, plan.peak_lr)
+        schedule = keras.optimizers.schedules.CosineDecay(
+            start, decay_steps, alpha=alpha, warmup_target=plan.peak_lr, warmup_steps=plan.warmup_steps
+        )
+    return schedule if factor is None else _scaled_class()(schedule, factor)
+
+
+@functools.cache
+def _scaled_class():  # defined on first use: importing this module does not import Keras
+    import keras
+
+    class Scaled(keras.optimizers.schedules.LearningRateSchedule):
+        """The planned schedule times a factor variable."""
+
+        def __init__(self, schedule, factor):
+            self.schedule, self.factor = schedule, factor
+
+        def __call__(self, step):
+            import tensorflow as tf
+
+            lr = self.schedule(step)
+            return lr * tf.cast(self.factor, lr.dtype)
+
+        def get_config(self):
+            return {"schedule": self.schedule.get_config(), "factor": float(self.factor.numpy())}
+
+    return Scaled
 
 
 def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False,
-                   compiled: Any = None) -> "keras.optimizers.Optimizer":
+                   compiled: Any = None, lr_factor: Any = None) -> "keras.optimizers.Optimizer":
     """The optimizer, its LR following ``plan``'s schedule of ``optimizer.iterations``.
 
     ``driven_lr``: the LR is a plain variable that the caller sets from its own
@@ -79,11 +109,12 @@ def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False,
     ``iterations``, a read-then-write, so the schedule cannot follow it).
     ``compiled``: the optimizer the model was compiled with: a new one of its
     class and settings (betas, epsilon, clipping, weight decay, ...), created
-    here under the strategy's scope, with the planned LR.
+    here under the strategy's scope, with the planned LR. ``lr_factor``: see
+    ``lr_schedule`` (a driven LR takes it from the caller's schedule).
     """
     import keras
 
-    schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan)
+    schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan, lr_factor)
     if compiled is not None:
         inner = getattr(compiled, "inner_optimizer", compiled)  # compile() wraps it in a LossScaleOptimizer for fp16
         optimizer = type(inner).from_config({**inner.get_config(), "learning_rate": schedule})

@@ -210,7 +210,7 @@ class ScheduledSteps:
 
     def learning_rate(self, global_step: int) -> float:
         # The LR variable holds whichever step ran last, in no set order: the schedule's LR of the last number.
-        return float(self.schedule(global_step - 1))
+        return float(self.schedule(max(global_step - 1, 0)))
 
     def extra_metrics(self) -> dict[str, Any]:
         return {}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
-from app.training import checkpoint
+from app.training import callbacks, checkpoint
 from app.training.measures import Measures
 from app.training.objective import Objective
 from app.training.pipeline import StagePlan
@@ -93,7 +93,9 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     with strategy.scope():
         # A compiled model brings its optimizer: a new one of its class and settings, the planned LR.
         model = build_model(config, job.facts)
-        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous,
+        # --callbacks: an LR a callback sets scales the planned schedule by a factor (app.training.callbacks).
+        lr_factor = callbacks.lr_factor() if config.callbacks else None
+        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous, lr_factor=lr_factor,
                                    compiled=model.optimizer if job.objective.compiled_optimizer else None)
     # Its loss and metrics, as this worker's own call of the model function compiled them.
     measures = Measures(job.objective, model)
@@ -115,7 +117,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
             else int(optimizer.iterations.numpy())
         lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
         if lr_plan.step_offset and not asynchronous:
-            optimizer.learning_rate = lr_position.schedule(config, lr_plan)
+            optimizer.learning_rate = lr_position.schedule(config, lr_plan, lr_factor)
         if session.rank == 0:
             log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
                      progress.epoch, progress.attempt, steps_done,
@@ -123,34 +125,50 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
-        step_runner(config, session, strategy, model, optimizer, measures, plan, lr_plan, pipe, progress.history),
+        step_runner(config, session, strategy, model, optimizer, measures, plan, lr_plan, pipe, progress.history,
+                    lr_factor),
         measures,
         # Log points are collectives on synchronous replicas: every worker must agree on them.
-        log_every_steps=config.log_every_steps if config.tensorboard else 0,
+        log_every_steps=config.log_every_steps if config.tensorboard or config.callbacks else 0,
     )
     tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
     make_bar = session.progress_bar if job.progress_bars and session.rank == 0 else None
+    # Keras callbacks run on rank 0; every worker takes their decisions (stop, LR) at the same points.
+    hooks = callbacks.hooks_for(config, session.rank, model, optimizer, lr_factor, driver.runner,
+                                lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
+    last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
 
-    for epoch in range(progress.epoch + 1, config.epochs + 1):
-        bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
-        try:
-            metrics, train = driver.run_epoch(epoch, train_iter, plan.updates, val, plan.dropped,
-                                              tensorboard.step, lambda k, bar=bar: (bar.update(k), session.alive()))
-        finally:
-            bar.close()
-        session.alive()
-        progress.record(metrics, train.sample_ids)
-        tensorboard.epoch(epoch, metrics)
-        if session.rank == 0:
-            log.info(progress_line(metrics, config.epochs, progress.history))
-        state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
-        state["objective"] = job.objective.summary(config)
-        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
-    tensorboard.close()
+    try:
+        hooks.train_begin()
+        for epoch in range(progress.epoch + 1, last_epoch + 1):
+            hooks.epoch_begin(epoch)
+            bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
+            try:
+                metrics, train = driver.run_epoch(epoch, train_iter, plan.updates, val, plan.dropped, tensorboard.step,
+                                                  lambda k, bar=bar: (bar.update(k), session.alive()), hooks.on_batch)
+            finally:
+                bar.close()
+            session.alive()
+            progress.record(metrics, train.sample_ids)
+            tensorboard.epoch(epoch, metrics)
+            if session.rank == 0:
+                log.info(progress_line(metrics, config.epochs, progress.history))
+            stop = hooks.epoch_end(epoch, metrics)
+            state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
+            state["objective"] = job.objective.summary(config)
+            state.update(hooks.state())
+            session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
+            if stop:
+                break
+        hooks.train_end()
+    except callbacks.PeerFailed:
+        return  # a callback raised on rank 0, whose error ends the run
+    finally:
+        tensorboard.close()
 
 
 def step_runner(config: "TrainConfig", session: Session, strategy, model, optimizer, measures: Measures,
-                plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]]):
+                plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]], lr_factor=None):
     """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``."""
     from app.training import lr_position
     from app.training.loop import ReplicaSteps
@@ -162,7 +180,7 @@ def step_runner(config: "TrainConfig", session: Session, strategy, model, optimi
         # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
         done = history[-1]["optimizer_steps"] if history else 0
         return ScheduledSteps(session.coordinator, strategy, model, optimizer, measures, plan,
-                              lr_position.schedule(config, lr_plan), steps_taken=done)
+                              lr_position.schedule(config, lr_plan, lr_factor), steps_taken=done)
     return ReplicaSteps(
         strategy, optimizer, measures,
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
