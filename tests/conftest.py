@@ -26,7 +26,35 @@ for _name, _value in KEPT_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
+# The extended set: `python -m pytest -m extended` (about 15 minutes here). The default run (CI's, README
+# command 2) leaves these out to stay within CI's 30 minutes on 2 cores: each is a slow whole run whose claim
+# a cheaper default test also makes on another path (streamed rows once: parquet; resume: tests/test_resume.py;
+# images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the smoke sweep).
+# Make them cheaper and bring them back: that is the debt this list records.
+EXTENDED = {
+    "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
+    "tests/test_cluster_job.py::test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end",
+    "tests/test_data.py::test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluate_agrees",
+    "tests/test_data.py::test_csv_trains_with_a_separate_validation_file",
+    "tests/test_data.py::test_image_folder_trains_with_two_workers",
+    "tests/test_data.py::test_transformer_learns_a_text_column",
+    "tests/test_parameter_server.py::test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_learns_like_mwms",
+    "tests/test_recovery.py::test_stopped_driver_resumes_from_its_last_checkpoint",
+    "tests/test_recovery.py::test_a_frozen_worker_ends_the_run_within_the_stall_timeout",
+    "tests/test_recovery.py::test_local_crash_and_resume_gives_the_uninterrupted_weights",
+    "tests/test_tune.py::test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so",
+    "tests/test_your_own.py::test_binary_sigmoid_model_on_a_users_ray_dataset",
+    "tests/test_tfrecord.py::test_png_bytes_train_cached_on_two_workers_and_evaluate_agrees",
+    "tests/test_start_faults.py::test_workers_killed_while_the_group_starts_are_replaced_under_max_failures",
+    "tests/test_pipeline.py::test_cnn_pipeline_on_digits_matches_one_device",
+    "tests/test_predict.py::test_app_predict_on_ray_with_arrays",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in EXTENDED:
+            item.add_marker(pytest.mark.extended)
     # Tests that start a Ray cluster of their own run last, after the shared
     # one is shut down: only one Ray instance at a time on this machine.
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
@@ -34,6 +62,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray_cluster: the test starts (and stops) its own Ray cluster")
+    config.addinivalue_line("markers", "extended: slow whole runs left out of the default run (see EXTENDED)")
 
 
 @pytest.fixture(scope="session")
