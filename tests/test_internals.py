@@ -199,7 +199,7 @@ def test_tunes_older_output_engine_is_still_chosen_by_the_variable_and_silent_at
             raise ValueError("a trial that fails")
         tune.report({"score": config["x"]})
 
-    tuner = tune.Tuner(tune.with_resources(trainable, {"CPU": 0}), param_space={"x": tune.grid_search([1, 2])},
+    tuner = tune.Tuner(tune.with_resources(trainable, {"CPU": 0.5}), param_space={"x": tune.grid_search([1, 2])},
                        run_config=tune.RunConfig(storage_path=str(tmp_path), name="quiet", verbose=0))
     results = tuner.fit()
     assert len(results) == 2 and results.errors
