@@ -70,6 +70,10 @@ def ray_cluster():
     """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.run.cluster.connect)."""
     import ray
 
+    # As app.run.cluster does for a local Ray it starts (this is one): nothing preempts its node, so the runs
+    # made in this process start no preemption watcher (one more process on their critical path). Jobs that
+    # join this Ray from the command line keep theirs, as on any cluster they join.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     ray.init(address="local", num_cpus=3, include_dashboard=True, logging_level="WARNING")
     yield ray
     ray.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import csv
 import json
@@ -19,7 +20,7 @@ import pytest
 from app.config import build_config
 from app.run import ray_train
 from app.training import checkpoint
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 
 def history(out: Path) -> list[dict]:
@@ -130,17 +131,18 @@ def test_stopped_driver_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
     assert driver.returncode != 0 and not (out / "result.json").exists(), log[-3000:]
     assert "--resume" in log, (driver.returncode, log[-2500:])
 
-    # Without --resume the directory is refused. (A diverging run's one line and its kept checkpoint:
-    # test_local_non_finite_loss_names_epoch_and_step, the same loop without Ray's start-up.)
-    p = run_job("jobs/train.py", "--output", str(out), env=env)
-    assert p.returncode == 2 and "--resume" in p.stderr
-
     # The last good checkpoint is still there (tests/test_tune.py evaluates a checkpoint with jobs/evaluate.py).
     good = max(out.glob("ray/**/checkpoint_*/state.json"), key=lambda s: json.loads(s.read_text())["epoch"]).parent
     assert json.loads((good / "state.json").read_text())["epoch"] >= 2
 
-    # Resume again with the run's own config: it finishes from the checkpoint, not from epoch 0.
-    p = run_job("jobs/train.py", "--output", str(out), "--resume", env=env)
+    # Without --resume the directory is refused; resumed with the run's own config, it finishes from the
+    # checkpoint, not from epoch 0. Side by side (their start-ups overlap): the refusal writes nothing, and
+    # its line is the same whether the resumed run has finished yet or not (the directory exists either way).
+    # (A diverging run's one line and its kept checkpoint: test_local_non_finite_loss_names_epoch_and_step,
+    # the same loop without Ray's start-up.)
+    refused, p = run_jobs_at_once(["jobs/train.py", "--output", str(out)],
+                                  ["jobs/train.py", "--output", str(out), "--resume"], env=env)
+    assert refused.returncode == 2 and "--resume" in refused.stderr, refused.stderr[-3000:]
     assert p.returncode == 0, p.stderr[-3000:]
     rows = history(out)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4, 5]
@@ -160,15 +162,20 @@ def test_local_crash_and_resume_gives_the_uninterrupted_weights(tmp_path):
     """Weights, optimizer, LR-schedule position and data order all come back: the result is bit-for-bit the same."""
     import keras
 
-    p = run_job("jobs/train.py", *LOCAL, "--output", str(tmp_path / "straight"))
-    assert p.returncode == 0, p.stderr[-2000:]
-
     out = tmp_path / "crashed"
-    driver = subprocess.Popen([sys.executable, "jobs/train.py", *LOCAL, "--output", str(out)], cwd=REPO,
-                              env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: local_checkpoint_epoch(out / "checkpoint") >= 2, 120, "the local checkpoint of epoch 2")
-    driver.kill()
-    driver.wait()
+    # The uninterrupted run and the one to crash side by side (their start-ups overlap): both are
+    # deterministic on one device, whatever else the machine runs.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        straight = pool.submit(run_job, "jobs/train.py", *LOCAL, "--output", str(tmp_path / "straight"))
+        driver = subprocess.Popen([sys.executable, "jobs/train.py", *LOCAL, "--output", str(out)], cwd=REPO,
+                                  env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: local_checkpoint_epoch(out / "checkpoint") >= 2, 120, "the local checkpoint of epoch 2")
+        finally:
+            driver.kill()
+            driver.wait()
+        p = straight.result()
+    assert p.returncode == 0, p.stderr[-2000:]
     assert not (out / "result.json").exists()
 
     p = run_job("jobs/train.py", "--output", str(out), "--resume")
