@@ -171,11 +171,16 @@ def local_batches(rows: Rows, config: "TrainConfig", spec: Spec, keep: Sequence[
     yield from local_files.batches(rows.loc, config, spec, columns)
 
 
-def ray_dataset(rows: Rows, config: "TrainConfig", columns: Optional[Sequence[str]] = None):
-    """The raw rows as a Ray Dataset (files read block by block by Ray Data, as training reads them)."""
+def ray_dataset(rows: Rows, config: "TrainConfig", columns: Optional[Sequence[str]] = None, block_rows: int = 4096):
+    """The raw rows as a Ray Dataset: files read block by block by Ray Data, as training reads them; in-memory rows
+    in blocks of ``block_rows`` (one block goes to one actor: a single block would leave the others idle)."""
     import ray.data
 
     from app.data.streamed import _read
 
-    ds = ray.data.from_arrow(rows.table) if rows.in_memory else _read(rows.loc, config)
+    if rows.in_memory:
+        table = rows.table
+        ds = ray.data.from_arrow([table.slice(i, block_rows) for i in range(0, table.num_rows, block_rows)])
+    else:
+        ds = _read(rows.loc, config)
     return ds.select_columns(list(dict.fromkeys(columns))) if columns else ds

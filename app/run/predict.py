@@ -169,8 +169,10 @@ def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out
     columns = [*recipe.spec.features, *recipe.keep]
     with _streaming(config):  # small blocks, bounded read-ahead: memory flat as the data grows
         DataContext.get_current().execution_options.preserve_order = True  # rows out in the order they came in
-        # Blocks of one batch: a block goes to one actor, so bigger ones would leave the others idle.
-        ds = inference.ray_dataset(rows, config, columns).repartition(target_num_rows_per_block=options.batch_size)
+        # A block goes to one actor, which calls the model on it a batch at a time. Files come in blocks of up to
+        # 16 MiB (_streaming); a repartition into blocks of one batch each, tried so that small data reaches every
+        # actor, made 2 actors 5x slower than 1 on this 2-core machine (its tasks took the CPU the reads needed).
+        ds = inference.ray_dataset(rows, config, columns, block_rows=16 * options.batch_size)
         ds = ds.map_batches(
             Predictor, fn_constructor_args=(model_file.read_bytes(), recipe), batch_size=options.batch_size,
             batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=options.num_workers),
