@@ -57,7 +57,7 @@ def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, 
     out = tmp_path / "run"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job("jobs/train.py", "--model", "cnn", "--dataset", f"{user_file}:pipeline", "--num-workers", "2",
-                "--epochs", "5", "--audit-sample-ids", "--output", str(out), timeout=400, env=env)
+                "--epochs", "10", "--audit-sample-ids", "--output", str(out), timeout=400, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["metrics"]["val_accuracy"] >= 0.95 and result["num_replicas"] == 2
