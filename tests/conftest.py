@@ -92,6 +92,19 @@ def two_worker_run(ray_cluster, tmp_path_factory):
     return out, result
 
 
+@pytest.fixture(scope="session")
+def joined(ray_cluster):
+    """The environment of a job script that joins the session's Ray (one Ray on this machine at a time)."""
+    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+
+
+def user_module(tmp_path_factory, name: str, text: str) -> Path:
+    """A user's own Python file (model and data functions), written where the test's jobs can load it."""
+    path = tmp_path_factory.mktemp(Path(name).stem) / name
+    path.write_text(text)
+    return path
+
+
 def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a TensorBoard log directory, read back the way TensorBoard reads it."""
     import tensorflow as tf

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import clean_env, run_job, run_jobs_at_once
+from conftest import run_job, run_jobs_at_once, user_module
 
 USER_FILE = '''
 import keras
@@ -135,12 +135,10 @@ def non_additive_metric_model(input_shape):
 
 @pytest.fixture(scope="module")
 def user_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("keras_script") / "keras_script.py"
-    path.write_text(USER_FILE)
-    return path
+    return user_module(tmp_path_factory, "keras_script.py", USER_FILE)
 
 
-def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_file, ray_cluster, tmp_path):
+def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_file, joined, tmp_path):
     """The script's model (Adam 1e-3, categorical cross-entropy on one-hot labels, accuracy + AUC) from the
     command line on 2 Ray workers: it learns, result.json names what compile() gave, and the AUC the workers
     summed equals keras.metrics.AUC over the exported model's predictions in this one process."""
@@ -150,9 +148,8 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     from app.data import memory
 
     out = tmp_path / "run"
-    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job("jobs/train.py", "--model", f"{user_file}:build_model", "--dataset", f"{user_file}:digits_one_hot",
-                "--num-workers", "2", "--epochs", "8", "--output", str(out), timeout=400, env=env)
+                "--num-workers", "2", "--epochs", "8", "--output", str(out), timeout=400, env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     console = p.stdout + p.stderr
     assert "objective: optimizer Adam (compile()), loss categorical_crossentropy (compile()), metrics accuracy, " \

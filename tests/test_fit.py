@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import clean_env, run_job
+from conftest import run_job
 
 SCRIPT = '''
 import json
@@ -49,11 +49,6 @@ json.dump({
 }, open(out + "/fit.json", "w"))
 '''
 
-
-@pytest.fixture(scope="module")
-def joined(ray_cluster):
-    """The environment of a driver that joins the session's Ray."""
-    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
 
 
 def test_fit_from_a_fresh_script_keras_history_and_the_last_rows_validate(joined, tmp_path):

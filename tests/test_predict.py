@@ -16,12 +16,6 @@ import pytest
 from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 
-@pytest.fixture(scope="module")
-def joined(ray_cluster):
-    """The environment of a job script that joins the session's Ray (one Ray on this machine at a time)."""
-    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-
-
 def read(directory):
     import pandas as pd
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import clean_env, run_job
+from conftest import run_job, user_module
 
 USER_FILE = '''
 import tensorflow as tf
@@ -47,17 +47,14 @@ def image_model():
 
 @pytest.fixture(scope="module")
 def user_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tfdata") / "my_pipeline.py"
-    path.write_text(USER_FILE)
-    return path
+    return user_module(tmp_path_factory, "my_pipeline.py", USER_FILE)
 
 
-def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, ray_cluster, tmp_path):
+def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, joined, tmp_path):
     """From the command line: every element once per epoch across the 2 workers, and it learns the digits."""
     out = tmp_path / "run"
-    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job("jobs/train.py", "--model", "cnn", "--dataset", f"{user_file}:pipeline", "--num-workers", "2",
-                "--epochs", "10", "--audit-sample-ids", "--output", str(out), timeout=400, env=env)
+                "--epochs", "10", "--audit-sample-ids", "--output", str(out), timeout=400, env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["metrics"]["val_accuracy"] >= 0.95 and result["num_replicas"] == 2

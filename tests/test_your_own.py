@@ -96,11 +96,6 @@ def user_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def joined(ray_cluster):
-    """The environment of a driver that joins the session's Ray."""
-    return clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-
 
 def train_cli(out, *args, env):
     p = run_job("jobs/train.py", "--output", str(out), *args, timeout=400, env=env)

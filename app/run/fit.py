@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from app.config import TrainConfig, build_config
+from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
 
 KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size
@@ -177,7 +178,7 @@ def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, 
             raise UserError("with x a path, validation_data is a path too (as --val-dataset), not "
                             f"a {type(validation_data).__name__}")
         return {"dataset": os.fspath(x), **({"val_dataset": os.fspath(validation_data)} if validation_data else {})}
-    if _is_tf_dataset(x):
+    if is_tf_dataset(x):
         if validating:
             raise UserError("validation_data and validation_split take arrays: with a tf.data.Dataset as x, "
                             "give validation rows as a data function returning {'train': ds, 'val': ds_val}")
@@ -199,10 +200,6 @@ def _is_keras_model(value: Any) -> bool:
 def _is_array(value: Any) -> bool:
     """numpy arrays, and what converts to one without a copy of Python objects: tensors, DataFrames."""
     return isinstance(value, np.ndarray) or (hasattr(value, "__array__") and hasattr(value, "shape"))
-
-
-def _is_tf_dataset(value: Any) -> bool:
-    return any(c.__name__ == "DatasetV2" and c.__module__.startswith("tensorflow") for c in type(value).__mro__)
 
 
 def _input_array(value: Any, what: str) -> Any:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from app import internals
+from app.data.arrays import first
 from app.errors import UserError
 from app.training.objective import Objective
 
@@ -272,9 +273,9 @@ def settle(objective: Objective, model: "keras.Model", facts, examples: Any = No
         raise UserError(f"a metric is named {taken[0]!r}, which the run's records use for their own values: "
                         "give it another name (name=...)")
     rng = np.random.default_rng(0)
-    if examples is not None and len(np.asarray(_first(examples[1]))) >= 2:
+    if examples is not None and len(np.asarray(first(examples[1]))) >= 2:
         x, y = examples
-        rows = len(np.asarray(_first(y))) // 2
+        rows = len(np.asarray(first(y))) // 2
     else:
         x, y = facts.zeros(2 * rows), example_labels(objective, facts, 2 * rows, rng)
     out = _numpy(model(x, training=False), keras)
@@ -283,10 +284,6 @@ def settle(objective: Objective, model: "keras.Model", facts, examples: Any = No
     split = [(_nest(lambda a, p=p: half(a, p), y), _nest(lambda a, p=p: half(a, p), out)) for p in (0, 1)]
     measures.check_additive(*split[0], *split[1])
     return dataclasses.replace(objective, metric_names=tuple(measures.names))
-
-
-def _first(value):
-    return next(iter(value.values())) if isinstance(value, dict) else value
 
 
 def _nest(fn, value):
