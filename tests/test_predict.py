@@ -47,7 +47,8 @@ def test_predict_on_two_ray_actors_scores_what_evaluate_scores(parquet_run, join
     accuracy = float((rows["prediction"] == rows["label"]).mean())
     metrics = json.loads((run / "eval.json").read_text())
     assert metrics["val_samples"] == 300
-    assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-9), (accuracy, metrics)
+    # evaluate reports a float32 (0.81 is 0.8100000024); one row more or less right moves it by 1/300.
+    assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-6), (accuracy, metrics)
     assert 0.5 < accuracy < 1.0  # a model that learned something, on data it can get wrong
     summary = json.loads((out / "_predict.json").read_text())
     assert summary["rows"] == 300 and summary["options"]["num_workers"] == 2

@@ -2,8 +2,10 @@
 
 On Ray (the default) the rows are a Ray Dataset (files read block by block by Ray Data, as training reads them),
 ``map_batches`` runs them through a pool of ``--num-workers`` actors (``ray.data.ActorPoolStrategy``), each holding
-the model (app.training.predictor: the training path's features, the model, the output columns), and
-``write_parquet`` writes every batch to ``--output`` as it comes. Nothing waits for the whole dataset: memory
+the model (app.training.predictor: the training path's features, the model, the output columns), and this
+process writes the predicted blocks to ``--output`` in the input's order as they come (not Ray's
+``write_parquet``: its tasks write on whichever node they run, and pyarrow's threaded writer inside each task
+reorders the blocks it is given). Nothing waits for the whole dataset: memory
 stays flat as the data grows (the same bounded read-ahead as training: app.data.streamed._streaming), and Ray
 Data's progress bar shows the rows going through. ``--backend local``: the same predictor in this process, a
 bounded batch at a time, written with pyarrow; Ray is not imported.
@@ -179,7 +181,7 @@ def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out
             num_cpus=options.cpus_per_worker, num_gpus=1 if options.use_gpu else 0, udf_modifying_row_count=False,
         )
     try:
-        ds.write_parquet(str(out), min_rows_per_file=ROWS_PER_FILE)
+        _write(ds.iter_batches(batch_size=None, batch_format="pyarrow"), out)
     except ray.exceptions.RayError as e:
         from app.run.failures import summarize, trace_note
 
@@ -187,19 +189,28 @@ def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out
 
 
 def _in_this_process(rows, config, model_file: Path, recipe, out: Path) -> None:
-    import pyarrow.parquet as pq
-
     from app.data import inference
     from app.training.predictor import Predictor
 
     predictor = Predictor(model_file, recipe)
+    _write((predictor(batch) for batch in inference.local_batches(rows, config, recipe.spec, recipe.keep)), out)
+
+
+def _write(tables, out: Path) -> None:
+    """Tables in the order they come, into ``part-NNNNN.parquet`` files of about ``ROWS_PER_FILE`` rows each."""
+    import pyarrow.parquet as pq
+
     out.mkdir(parents=True, exist_ok=True)
-    writer = None
+    writer, rows, part = None, 0, 0
     try:
-        for batch in inference.local_batches(rows, config, recipe.spec, recipe.keep):
-            table = predictor(batch)
-            writer = writer or pq.ParquetWriter(out / "part-00000.parquet", table.schema)
+        for table in tables:
+            if writer is not None and rows >= ROWS_PER_FILE:
+                writer.close()
+                writer, rows, part = None, 0, part + 1
+            writer = writer or pq.ParquetWriter(out / f"part-{part:05d}.parquet", table.schema)
+            table = table if table.schema.equals(writer.schema) else table.cast(writer.schema)
             writer.write_table(table)
+            rows += table.num_rows
     finally:
         if writer is not None:
             writer.close()
