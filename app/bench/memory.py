@@ -42,7 +42,7 @@ replaced, which read the same RssAnon):
     object store's pages            216 MiB      455 MiB   2.104
     train worker, RSS               931 MiB    1,207 MiB   1.297
 
-What bounds it (app/data/streamed.py, ``_streaming``): streamed datasets read
+What bounds it (app/data/streamed.py, ``streaming``): streamed datasets read
 16 MiB blocks instead of Ray Data's 128 MiB, and may hold at most
 ``--stream-buffer-mib`` of the object store each. Before, Ray Data's default
 budget was half the store: reads ran far ahead of training and filled it.

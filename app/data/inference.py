@@ -176,11 +176,11 @@ def ray_dataset(rows: Rows, config: "TrainConfig", columns: Optional[Sequence[st
     in blocks of ``block_rows`` (one block goes to one actor: a single block would leave the others idle)."""
     import ray.data
 
-    from app.data.streamed import _read
+    from app.data.streamed import read
 
     if rows.in_memory:
         table = rows.table
         ds = ray.data.from_arrow([table.slice(i, block_rows) for i in range(0, table.num_rows, block_rows)])
     else:
-        ds = _read(rows.loc, config)
+        ds = read(rows.loc, config)
     return ds.select_columns(list(dict.fromkeys(columns))) if columns else ds

@@ -66,7 +66,7 @@ class Streamed:
     num_val_rows = property(lambda self: self.facts.num_val_rows)
 
 
-def _read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuffle_seed: Optional[int] = None):
+def read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuffle_seed: Optional[int] = None):
     """The raw Ray Dataset of a file source; with ``shuffle_seed``, the file order is reshuffled every epoch."""
     import ray.data
     from ray.data import FileShuffleConfig
@@ -138,7 +138,7 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
     if loc.format == "images":
         spec = image_spec(loc, config)
     else:
-        raw = _read(loc, config)
+        raw = read(loc, config)
         try:
             schema = raw.schema()
         except Exception as e:
@@ -148,8 +148,8 @@ def _inspect(loc: Located, config: "TrainConfig", val_fraction: Optional[float])
         spec = schema_spec(loc, config, schema)
     spec = replace(spec, val_fraction=val_fraction)
 
-    with _streaming(config):
-        per_block = _read(loc, config, spec if loc.format in PROJECTED else None).map_batches(
+    with streaming(config):
+        per_block = read(loc, config, spec if loc.format in PROJECTED else None).map_batches(
             block_stats, batch_format="pyarrow", batch_size=batch_rows(spec), fn_kwargs={"spec": spec}
         )
     try:
@@ -213,8 +213,8 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     num_classes = num_classes_of(config, spec, stats["label_max"])
 
     def pipeline(source: Located, s: Spec, keep: str, weights: bool, shuffle_seed: Optional[int], streamed: bool):
-        with _streaming(config) if streamed else nullcontext():
-            raw = _read(source, config, s if source.format in PROJECTED else None, shuffle_seed)
+        with streaming(config) if streamed else nullcontext():
+            raw = read(source, config, s if source.format in PROJECTED else None, shuffle_seed)
             return raw.map_batches(
                 preprocess, batch_format="pyarrow", batch_size=batch_rows(s),
                 fn_kwargs={"spec": s, "keep": keep, "weights": weights},
@@ -249,7 +249,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
 
 
 @contextmanager
-def _streaming(config: "TrainConfig"):
+def streaming(config: "TrainConfig"):
     """Datasets created inside stream in small blocks with a bounded read-ahead.
 
     Ray Data seals the current DataContext into each Dataset it creates, so
@@ -279,7 +279,7 @@ def _streaming(config: "TrainConfig"):
 
 
 def data_config(datasets: dict[str, "ray.data.Dataset"], cached: dict[str, bool]):
-    """Ray Train's DataConfig: streamed datasets keep their own execution options (``_streaming``).
+    """Ray Train's DataConfig: streamed datasets keep their own execution options (``streaming``).
 
     Without it Ray Train replaces every dataset's options with the driver's
     current defaults. Cached datasets are already whole in the store: they

@@ -6,7 +6,7 @@ the model (app.training.predictor: the training path's features, the model, the 
 process writes the predicted blocks to ``--output`` in the input's order as they come (not Ray's
 ``write_parquet``: its tasks write on whichever node they run, and pyarrow's threaded writer inside each task
 reorders the blocks it is given). Nothing waits for the whole dataset: memory
-stays flat as the data grows (the same bounded read-ahead as training: app.data.streamed._streaming), and Ray
+stays flat as the data grows (the same bounded read-ahead as training: app.data.streamed.streaming), and Ray
 Data's progress bar shows the rows going through. ``--backend local``: the same predictor in this process, a
 bounded batch at a time, written with pyarrow; Ray is not imported.
 
@@ -165,14 +165,14 @@ def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out
     from ray.data import DataContext
 
     from app.data import inference
-    from app.data.streamed import _streaming
+    from app.data.streamed import streaming
     from app.training.predictor import Predictor
 
     columns = [*recipe.spec.features, *recipe.keep]
-    with _streaming(config):  # small blocks, bounded read-ahead: memory flat as the data grows
+    with streaming(config):  # small blocks, bounded read-ahead: memory flat as the data grows
         DataContext.get_current().execution_options.preserve_order = True  # rows out in the order they came in
         # A block goes to one actor, which calls the model on it a batch at a time. Files come in blocks of up to
-        # 16 MiB (_streaming); a repartition into blocks of one batch each, tried so that small data reaches every
+        # 16 MiB (streaming); a repartition into blocks of one batch each, tried so that small data reaches every
         # actor, made 2 actors 5x slower than 1 on this 2-core machine (its tasks took the CPU the reads needed).
         ds = inference.ray_dataset(rows, config, columns, block_rows=16 * options.batch_size)
         ds = ds.map_batches(
