@@ -29,7 +29,9 @@ for _name, _value in KEPT_RAY_ENV.items():
 # The extended set: `python -m pytest -m extended` (about 15 minutes here). The default run (CI's, README
 # command 2) leaves these out to stay within CI's 30 minutes on 2 cores: each is a slow whole run whose claim
 # a cheaper default test also makes on another path (streamed rows once: parquet; resume: tests/test_resume.py;
-# images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the smoke sweep).
+# images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the smoke sweep; one
+# worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's learning check;
+# TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-backends test).
 # Make them cheaper and bring them back: that is the debt this list records.
 EXTENDED = {
     "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
@@ -48,6 +50,8 @@ EXTENDED = {
     "tests/test_start_faults.py::test_workers_killed_while_the_group_starts_are_replaced_under_max_failures",
     "tests/test_pipeline.py::test_cnn_pipeline_on_digits_matches_one_device",
     "tests/test_predict.py::test_app_predict_on_ray_with_arrays",
+    "tests/test_train_ray.py::test_one_worker_learns_the_digits",
+    "tests/test_tfrecord.py::test_a_list_feature_streams_on_two_workers_reshaped_every_row_once",
 }
 
 
@@ -81,13 +85,15 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def two_worker_run(ray_cluster, tmp_path_factory):
-    """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it."""
+    """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it; it audits the
+    sample ids each replica trains on (the ids only: the training is the same)."""
     from app.config import build_config
     from app.run import ray_train
 
     out = tmp_path_factory.mktemp("runs") / "w2"
     result = ray_train.run(
-        build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10})
+        build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10,
+                            "audit_sample_ids": True})
     )
     return out, result
 
@@ -134,25 +140,27 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env or clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python *args`` from the repository, as a user runs it; ``.seconds`` is how long it took."""
+    import time
+
+    started = time.monotonic()
+    p = subprocess.run([sys.executable, *args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    p.seconds = time.monotonic() - started
+    return p
 
 
 def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, str] | None = None,
-                     envs: list[dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+                     envs: list[dict[str, str]] | None = None, at_once: int | None = None
+                     ) -> list[subprocess.CompletedProcess]:
     """Independent job runs side by side (two local trainings a test compares): their start-ups overlap.
 
-    ``envs`` gives each command its own environment (else all get ``env``)."""
+    ``envs`` gives each command its own environment (else all get ``env``). ``at_once`` caps how many run
+    together (default: all): 2 for many short refusals, each mostly a TensorFlow import on one of 2 cores."""
     import concurrent.futures
 
     envs = envs or [env] * len(commands)
-    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(at_once or len(commands)) as pool:
         return list(pool.map(lambda args, e: run_job(*args, timeout=timeout, env=e), commands, envs))
 
 

@@ -124,7 +124,7 @@ def test_app_predict_on_ray_with_arrays(parquet_run, ray_cluster, tmp_path):
                                np.stack(local["probabilities"].to_numpy()), atol=1e-6)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--run", "{tmp}/no-such-run"], "no such run: "),
     (["--checkpoint", "{tmp}"], "is not a checkpoint"),
     (["--keep-columns", "uid"], "column to keep (--keep-columns) 'uid' not found in dataset"),
@@ -132,17 +132,33 @@ def test_app_predict_on_ray_with_arrays(parquet_run, ray_cluster, tmp_path):
     (["--feature-columns", "id", "label"], "do not fit the model: feature column(s) id, label give examples of "
                                            "shape (2,) (2 values), the model takes (16,)"),
     (["--output", "{run}"], "already exists: choose another --output, or --overwrite"),
-])
-def test_bad_input_is_one_line_before_the_pool_starts(parquet_run, tmp_path, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(parquet_run, tmp_path_factory):
+    """Each case's run (the output it must not write, its process), two at a time (each is mostly a TensorFlow
+    import), --backend local."""
     run, test = parquet_run
-    args = [a.format(tmp=tmp_path, run=run) for a in args]
-    what = [] if any(a in args for a in ("--run", "--checkpoint")) else ["--run", str(run)]
-    output = [] if "--output" in args else ["--output", str(tmp_path / "out")]
-    p = run_job("jobs/predict.py", *what, "--dataset", str(test), *output, "--backend", "local", *args, timeout=120)
+    commands, outputs = [], []
+    for i, (args, _) in enumerate(BAD_INPUT):
+        tmp = tmp_path_factory.mktemp(f"bad-input{i}")
+        args = [a.format(tmp=tmp, run=run) for a in args]
+        what = [] if any(a in args for a in ("--run", "--checkpoint")) else ["--run", str(run)]
+        output = [] if "--output" in args else ["--output", str(tmp / "out")]
+        commands.append(["jobs/predict.py", *what, "--dataset", str(test), *output, "--backend", "local", *args])
+        outputs.append(tmp / "out")
+    return list(zip(outputs, run_jobs_at_once(*commands, timeout=120, at_once=2)))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[message[:40] for _, message in BAD_INPUT])
+def test_bad_input_is_one_line_before_the_pool_starts(bad_input_runs, case):
+    message = BAD_INPUT[case][1]
+    out, p = bad_input_runs[case]
     assert p.returncode == 2, p.stderr[-3000:]
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
-    assert not (tmp_path / "out").exists()  # nothing written
+    assert not out.exists()  # nothing written
 
 
 def test_bad_input_on_ray_is_refused_before_any_actor(parquet_run, joined, tmp_path):

@@ -118,14 +118,16 @@ def test_two_workers_equal_one_worker_on_a_regression(ray_cluster, tmp_path):
     assert history_column(tmp_path / "one", "train_loss")[-1] < history_column(tmp_path / "one", "train_loss")[0]
 
 
-def test_every_sample_is_seen_once_per_epoch(ray_cluster, tmp_path):
+def test_every_sample_is_seen_once_per_epoch(two_worker_run):
+    """The shared run's audit: 1438 training rows, a global batch of 64, so 22 steps and 30 rows dropped per epoch."""
+    from app.config import build_config
     from app.data import memory
 
-    config, result, _ = train(tmp_path, "audit", num_workers=2, epochs=2, audit_sample_ids=True, per_replica_batch=50)
-    per_epoch = json.loads((tmp_path / "audit" / "audit_sample_ids.json").read_text())
-    train_ids = set(memory.load_source(config).train.ids.tolist())
+    out, result = two_worker_run
+    per_epoch = json.loads((out / "audit_sample_ids.json").read_text())
+    train_ids = set(memory.load_source(build_config(None, {"output": str(out)})).train.ids.tolist())
     dropped = result["dropped_samples_per_epoch"]
-    assert dropped == 1438 - (1438 // 2 // 50) * 2 * 50 == 38
+    assert dropped == 1438 - (1438 // 2 // 32) * 2 * 32 == 30 and len(per_epoch) == 6
     for ids in per_epoch:
         assert len(ids) == len(set(ids)) == len(train_ids) - dropped  # no repeats, nothing missing but the remainder
         assert set(ids) <= train_ids

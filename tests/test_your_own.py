@@ -193,27 +193,34 @@ def test_an_error_in_the_workers_is_one_line_and_its_trace_is_in_the_log(user_fi
     assert "Traceback" in log and "fails_in_the_workers" in log
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--dataset", "{f}:returns_four"], "returns_four returned a tuple of 4; expected (x, y) or (x, y, "
-                                            "sample_weight)"),
-        (["--dataset", "{f}:raises"], "raises raised ValueError: no such bucket"),
-        (["--dataset", "{f}:nope"], "has no function 'nope'"),
-        (["--model", "{f}:sigmoid_model"], "outputs 1 value(s) per example (shape (1,)), but 10 classes needs 10"),
-        (["--model", "mlp", "--model-args", '{"widht": 64}'], "does not take argument(s) widht"),
-        (["--model", "cnn", "--dataset", "{f}:binary_data"], "cnn needs images"),
-    ],
-)
-def test_bad_plugins_give_one_line_before_anything_starts(user_file, tmp_path, args, message):
-    args = [a.replace("{f}", str(user_file)) for a in args]
-    # --backend local: the checks are the same, and no Ray starts (the cases stay cheap).
-    p = run_job("jobs/train.py", "--backend", "local", "--output", str(tmp_path / "out"), "--epochs", "1", *args,
-                timeout=120)
+BAD_PLUGINS = [
+    (["--dataset", "{f}:returns_four"], "returns_four returned a tuple of 4; expected (x, y) or (x, y, sample_weight)"),
+    (["--dataset", "{f}:raises"], "raises raised ValueError: no such bucket"),
+    (["--dataset", "{f}:nope"], "has no function 'nope'"),
+    (["--model", "{f}:sigmoid_model"], "outputs 1 value(s) per example (shape (1,)), but 10 classes needs 10"),
+    (["--model", "mlp", "--model-args", '{"widht": 64}'], "does not take argument(s) widht"),
+    (["--model", "cnn", "--dataset", "{f}:binary_data"], "cnn needs images"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_plugin_runs(user_file, tmp_path_factory):
+    """Each case's run (its output directory, its process), two at a time: each is mostly a TensorFlow import.
+    --backend local: the checks are the same, and no Ray starts (the cases stay cheap)."""
+    root = tmp_path_factory.mktemp("bad-plugins")
+    commands = [["jobs/train.py", "--backend", "local", "--output", str(root / f"out{i}"), "--epochs", "1",
+                 *(a.replace("{f}", str(user_file)) for a in args)] for i, (args, _) in enumerate(BAD_PLUGINS)]
+    return [(root / f"out{i}", p) for i, p in enumerate(run_jobs_at_once(*commands, timeout=120, at_once=2))]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_PLUGINS)), ids=[message[:40] for _, message in BAD_PLUGINS])
+def test_bad_plugins_give_one_line_before_anything_starts(bad_plugin_runs, case):
+    message = BAD_PLUGINS[case][1]
+    out, p = bad_plugin_runs[case]
     assert p.returncode == 2, p.stderr[-2000:]
     assert message in p.stderr and "Traceback" not in p.stderr
     assert len([line for line in p.stderr.splitlines() if line.startswith("error:")]) == 1, p.stderr
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
     if " raised " in message:  # the user's own traceback is kept where the line says
         trace = re.search(r"\(traceback in (\S+)\)", p.stderr)
         assert trace, p.stderr
