@@ -31,7 +31,9 @@ for _name, _value in KEPT_RAY_ENV.items():
 # a cheaper default test also makes on another path (streamed rows once: parquet; resume: tests/test_resume.py;
 # images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the smoke sweep; one
 # worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's learning check;
-# TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-backends test).
+# TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-backends test;
+# an error raised mid-run on rank 0: test_an_error_in_the_workers_is_one_line...; a finished run resumed: the
+# two-worker run resumed on one worker, then locally).
 # Make them cheaper and bring them back: that is the debt this list records.
 EXTENDED = {
     "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
@@ -52,6 +54,8 @@ EXTENDED = {
     "tests/test_predict.py::test_app_predict_on_ray_with_arrays",
     "tests/test_train_ray.py::test_one_worker_learns_the_digits",
     "tests/test_tfrecord.py::test_a_list_feature_streams_on_two_workers_reshaped_every_row_once",
+    "tests/test_callbacks.py::test_a_callback_that_raises_ends_the_run_in_one_line_and_keeps_the_last_checkpoint",
+    "tests/test_resume.py::test_a_finished_local_run_trains_further_and_a_changed_model_is_refused",
 }
 
 
