@@ -33,7 +33,8 @@ for _name, _value in KEPT_RAY_ENV.items():
 # worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's learning check;
 # TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-backends test;
 # an error raised mid-run on rank 0: test_an_error_in_the_workers_is_one_line...; a finished run resumed: the
-# two-worker run resumed on one worker, then locally).
+# two-worker run resumed on one worker, then locally; float targets from a data function on Ray: the regression
+# equivalence test (its task and metric names), and the local float-target CSV learning).
 # Make them cheaper and bring them back: that is the debt this list records.
 EXTENDED = {
     "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
@@ -49,13 +50,13 @@ EXTENDED = {
     "tests/test_tune.py::test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so",
     "tests/test_your_own.py::test_binary_sigmoid_model_on_a_users_ray_dataset",
     "tests/test_tfrecord.py::test_png_bytes_train_cached_on_two_workers_and_evaluate_agrees",
-    "tests/test_start_faults.py::test_workers_killed_while_the_group_starts_are_replaced_under_max_failures",
     "tests/test_pipeline.py::test_cnn_pipeline_on_digits_matches_one_device",
     "tests/test_predict.py::test_app_predict_on_ray_with_arrays",
     "tests/test_train_ray.py::test_one_worker_learns_the_digits",
     "tests/test_tfrecord.py::test_a_list_feature_streams_on_two_workers_reshaped_every_row_once",
     "tests/test_callbacks.py::test_a_callback_that_raises_ends_the_run_in_one_line_and_keeps_the_last_checkpoint",
     "tests/test_resume.py::test_a_finished_local_run_trains_further_and_a_changed_model_is_refused",
+    "tests/test_your_own.py::test_regression_on_float_targets",
 }
 
 
@@ -166,6 +167,17 @@ def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, 
     envs = envs or [env] * len(commands)
     with concurrent.futures.ThreadPoolExecutor(at_once or len(commands)) as pool:
         return list(pool.map(lambda args, e: run_job(*args, timeout=timeout, env=e), commands, envs))
+
+
+def refusals_at_once(tmp_path_factory, name: str, argv, cases: int, timeout: float = 200,
+                     env: dict[str, str] | None = None) -> list[tuple[Path, subprocess.CompletedProcess]]:
+    """The runs of a parametrized refusal test's cases, made once (a module fixture) two at a time: each is mostly
+    a TensorFlow import on one of 2 cores. ``argv(i, out)`` is case i's command; ``out`` is a directory of its own
+    that a refusal must not create. Returns (out, process) per case."""
+    root = tmp_path_factory.mktemp(name)
+    outs = [root / f"case{i}" for i in range(cases)]
+    return list(zip(outs, run_jobs_at_once(*(argv(i, out) for i, out in enumerate(outs)), timeout=timeout, env=env,
+                                           at_once=2)))
 
 
 # --- clusters a test starts itself (ray start, ray up) -----------------------

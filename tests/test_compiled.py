@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import run_job, run_jobs_at_once, user_module
+from conftest import refusals_at_once, run_job, run_jobs_at_once, user_module
 
 USER_FILE = '''
 import keras
@@ -276,13 +276,13 @@ BAD_COMPILE = [
 
 @pytest.fixture(scope="module")
 def bad_compile_runs(user_file, tmp_path_factory):
-    """Each case's run (the output it must not create, its process), two at a time: each is mostly a
-    TensorFlow import and a model build (--backend local: the checks are the driver's, the same on Ray)."""
-    root = tmp_path_factory.mktemp("bad-compile")
-    commands = [["jobs/train.py", "--model", f"{user_file}:{model}", "--dataset", f"{user_file}:{data}", *extra,
-                 "--backend", "local", "--output", str(root / f"never{i}")]
-                for i, (model, data, extra, _) in enumerate(BAD_COMPILE)]
-    return [(root / f"never{i}", p) for i, p in enumerate(run_jobs_at_once(*commands, timeout=200, at_once=2))]
+    """--backend local: the checks are the driver's, the same on Ray."""
+    def argv(i, out):
+        model, data, extra, _ = BAD_COMPILE[i]
+        return ["jobs/train.py", "--model", f"{user_file}:{model}", "--dataset", f"{user_file}:{data}", *extra,
+                "--backend", "local", "--output", str(out)]
+
+    return refusals_at_once(tmp_path_factory, "bad-compile", argv, len(BAD_COMPILE))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_COMPILE)), ids=[f"{m}-{d}" for m, d, _, _ in BAD_COMPILE])

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once
 
 FULL_BATCH_SGD = [
     "--epochs", "5", "--optimizer", "sgd", "--momentum", "0", "--base-lr", "0.5", "--lr-scaling", "none",
@@ -91,21 +91,27 @@ def test_several_steps_per_call_equal_one_step_per_call(tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--strategy", "tpu"], "--strategy tpu: no TPU found"),
-        (["--strategy", "mirrored", "--devices", "1"], "--strategy mirrored needs 2 or more devices, found 0 GPU(s), 1 CPU"),
-        (["--strategy", "central-storage"], "--strategy central-storage needs 2 or more compute devices"),
-    ],
-)
-def test_impossible_strategy_requests_fail_clearly(tmp_path, args, message):
-    p = run_job("jobs/train.py", "--backend", "local", "--output", str(tmp_path / "o"), *args, timeout=120)
+IMPOSSIBLE = [
+    (["--strategy", "tpu"], "--strategy tpu: no TPU found"),
+    (["--strategy", "mirrored", "--devices", "1"], "--strategy mirrored needs 2 or more devices, found 0 GPU(s), 1 CPU"),
+    (["--strategy", "central-storage"], "--strategy central-storage needs 2 or more compute devices"),
+]
+
+
+@pytest.fixture(scope="module")
+def impossible_runs(tmp_path_factory):
+    return refusals_at_once(tmp_path_factory, "impossible", lambda i, out: [
+        "jobs/train.py", "--backend", "local", "--output", str(out), *IMPOSSIBLE[i][0]], len(IMPOSSIBLE), timeout=120)
+
+
+@pytest.mark.parametrize("case", range(len(IMPOSSIBLE)), ids=[" ".join(args) for args, _ in IMPOSSIBLE])
+def test_impossible_strategy_requests_fail_clearly(impossible_runs, case):
+    out, p = impossible_runs[case]
     assert p.returncode == 2
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], p.stderr
+    assert len(errors) == 1 and IMPOSSIBLE[case][1] in errors[0], p.stderr
     assert "Traceback" not in p.stderr
-    assert not (tmp_path / "o").exists()
+    assert not out.exists()
 
 
 def test_ray_flags_are_refused_for_local_and_vice_versa(tmp_path):

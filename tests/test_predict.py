@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once
 
 
 def read(directory):
@@ -137,18 +137,18 @@ BAD_INPUT = [
 
 @pytest.fixture(scope="module")
 def bad_input_runs(parquet_run, tmp_path_factory):
-    """Each case's run (the output it must not write, its process), two at a time (each is mostly a TensorFlow
-    import), --backend local."""
+    """--backend local: the checks are the same before the pool starts."""
     run, test = parquet_run
-    commands, outputs = [], []
-    for i, (args, _) in enumerate(BAD_INPUT):
-        tmp = tmp_path_factory.mktemp(f"bad-input{i}")
-        args = [a.format(tmp=tmp, run=run) for a in args]
+
+    def argv(i, out):
+        tmp = out.parent / f"tmp{i}"  # a directory that is there, and is not a run or a checkpoint
+        tmp.mkdir()
+        args = [a.format(tmp=tmp, run=run) for a in BAD_INPUT[i][0]]
         what = [] if any(a in args for a in ("--run", "--checkpoint")) else ["--run", str(run)]
-        output = [] if "--output" in args else ["--output", str(tmp / "out")]
-        commands.append(["jobs/predict.py", *what, "--dataset", str(test), *output, "--backend", "local", *args])
-        outputs.append(tmp / "out")
-    return list(zip(outputs, run_jobs_at_once(*commands, timeout=120, at_once=2)))
+        output = [] if "--output" in args else ["--output", str(out)]
+        return ["jobs/predict.py", *what, "--dataset", str(test), *output, "--backend", "local", *args]
+
+    return refusals_at_once(tmp_path_factory, "bad-input", argv, len(BAD_INPUT), timeout=120)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[message[:40] for _, message in BAD_INPUT])

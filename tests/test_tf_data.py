@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_job, user_module
+from conftest import refusals_at_once, run_job, user_module
 
 USER_FILE = '''
 import tensorflow as tf
@@ -74,16 +74,26 @@ def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, 
         assert int(values["train_samples"]) + int(values["dropped_samples"]) == 1438  # every training element
 
 
-@pytest.mark.parametrize("model, function, message", [
+BAD_PIPELINES = [
     ("cnn", "endless", "returned an infinite tf.data.Dataset (repeat()): this product makes the epochs"),
     ("cnn", "tiny", "is larger than"),
     ("image_model", "named_wrong", "the data's inputs are named pixels, but "),
-])
-def test_a_pipeline_that_cannot_train_is_one_line_before_anything(user_file, tmp_path, model, function, message):
-    out = tmp_path / "never"
-    model = model if model == "cnn" else f"{user_file}:{model}"
-    p = run_job("jobs/train.py", "--model", model, "--dataset", f"{user_file}:{function}", "--backend", "local",
-                "--output", str(out), timeout=200)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_pipeline_runs(user_file, tmp_path_factory):
+    def argv(i, out):
+        model, function, _ = BAD_PIPELINES[i]
+        return ["jobs/train.py", "--model", model if model == "cnn" else f"{user_file}:{model}", "--dataset",
+                f"{user_file}:{function}", "--backend", "local", "--output", str(out)]
+
+    return refusals_at_once(tmp_path_factory, "bad-pipelines", argv, len(BAD_PIPELINES))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_PIPELINES)), ids=[f"{m}-{f}" for m, f, _ in BAD_PIPELINES])
+def test_a_pipeline_that_cannot_train_is_one_line_before_anything(bad_pipeline_runs, case):
+    out, p = bad_pipeline_runs[case]
     errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
-    assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stdout + p.stderr
+    assert p.returncode == 2 and len(errors) == 1 and BAD_PIPELINES[case][2] in errors[0], p.stdout + p.stderr
     assert "Traceback" not in p.stderr and not out.exists()

@@ -111,6 +111,7 @@ def test_two_workers_equal_one_worker_on_a_regression(ray_cluster, tmp_path):
     _, two, _ = train(tmp_path, "two", num_workers=2, per_replica_batch=320, **common)
     train(tmp_path, "one", num_workers=1, per_replica_batch=640, **common)
     assert two["task"] == "regression"
+    assert set(two["metrics"]) == {"train_loss", "train_mae", "val_loss", "val_mae"}
     w2 = keras.models.load_model(tmp_path / "two" / "model.keras").get_weights()
     w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
     for a, b in zip(w1, w2):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once
 
 USER_FILE = '''
 import keras
@@ -205,12 +205,10 @@ BAD_PLUGINS = [
 
 @pytest.fixture(scope="module")
 def bad_plugin_runs(user_file, tmp_path_factory):
-    """Each case's run (its output directory, its process), two at a time: each is mostly a TensorFlow import.
-    --backend local: the checks are the same, and no Ray starts (the cases stay cheap)."""
-    root = tmp_path_factory.mktemp("bad-plugins")
-    commands = [["jobs/train.py", "--backend", "local", "--output", str(root / f"out{i}"), "--epochs", "1",
-                 *(a.replace("{f}", str(user_file)) for a in args)] for i, (args, _) in enumerate(BAD_PLUGINS)]
-    return [(root / f"out{i}", p) for i, p in enumerate(run_jobs_at_once(*commands, timeout=120, at_once=2))]
+    """--backend local: the checks are the same, and no Ray starts (the cases stay cheap)."""
+    return refusals_at_once(tmp_path_factory, "bad-plugins", lambda i, out: [
+        "jobs/train.py", "--backend", "local", "--output", str(out), "--epochs", "1",
+        *(a.replace("{f}", str(user_file)) for a in BAD_PLUGINS[i][0])], len(BAD_PLUGINS), timeout=120)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_PLUGINS)), ids=[message[:40] for _, message in BAD_PLUGINS])
