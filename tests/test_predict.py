@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, refusals_at_once, run_jobs_at_once
 
 
 def read(directory):
@@ -162,10 +162,19 @@ def test_bad_input_is_one_line_before_the_pool_starts(bad_input_runs, case):
 
 
 def test_bad_input_on_ray_is_refused_before_any_actor(parquet_run, joined, tmp_path):
-    """On Ray too: the shape is checked on the first rows, read by Ray Data, before the actor pool starts."""
+    """On Ray too: the shape is checked on the first rows, read by Ray Data, before the actor pool starts; and
+    actors that would take every CPU of the cluster (3 here), leaving none for Ray Data's reads of the files, are
+    refused instead of waiting forever (seen: 2 actors x 1 CPU on a `ray start --num-cpus 2` head)."""
     run, test = parquet_run
-    p = run_job("jobs/predict.py", "--run", str(run), "--dataset", str(test), "--output", str(tmp_path / "out"),
-                "--feature-columns", "id", timeout=300, env=joined)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert "do not fit the model" in p.stderr and "MapBatches" not in p.stderr + p.stdout
+    common = ["jobs/predict.py", "--run", str(run), "--dataset", str(test)]
+    shape, full = run_jobs_at_once([*common, "--output", str(tmp_path / "out"), "--feature-columns", "id"],
+                                   [*common, "--output", str(tmp_path / "full"), "--cpus-per-worker", "1.5"],
+                                   timeout=300, env=joined)
+    assert shape.returncode == 2, shape.stderr[-3000:]
+    assert "do not fit the model" in shape.stderr and "MapBatches" not in shape.stderr + shape.stdout
     assert not (tmp_path / "out").exists()
+    assert full.returncode == 2 and full.stderr.strip().splitlines() == [
+        "error: streamed data needs 1 CPU for Ray Data's reads beside the predicting actors' 3, but the cluster has 3 "
+        "CPUs (1 missing): lower --cpus-per-worker to 1 or --num-workers, add a node, or use in-memory data (.npz "
+        "files, data functions returning arrays), which needs no Ray Data task"], full.stderr[-3000:]
+    assert not (tmp_path / "full").exists()

@@ -179,15 +179,16 @@ def _wait_for_early_start() -> None:
 READ_CPUS = 1
 
 
-def check_room_for_reads(config: TrainConfig) -> None:
-    """Streamed data: refuse, before training, a cluster whose CPUs the workers would fill completely."""
+def check_room_for_reads(config: TrainConfig, who: str = "the workers'") -> None:
+    """Streamed data: refuse, before training (or predicting: ``who`` names the actors), a cluster whose CPUs the
+    workers would fill completely."""
     import ray
 
     total = ray.cluster_resources().get("CPU", 0)
     workers = config.num_workers * config.cpus_per_worker
     if total < workers + READ_CPUS:
         raise UserError(
-            f"streamed data needs {READ_CPUS} CPU for Ray Data's reads beside the workers' {workers:g}, but the "
+            f"streamed data needs {READ_CPUS} CPU for Ray Data's reads beside {who} {workers:g}, but the "
             f"cluster has {total:g} CPUs ({workers + READ_CPUS - total:g} missing): lower --cpus-per-worker to "
             f"{max(total - READ_CPUS, 0.1) / config.num_workers:.2g} or --num-workers, add a node, or use "
             "in-memory data (.npz files, data functions returning arrays), which needs no Ray Data task"
