@@ -24,6 +24,9 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
 
     # The whole run, its checks included: libraries' lines stay off the console (app.run.console).
     with console.for_people(config.verbose):
+        from app.run import outputs
+
+        outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
         if config.backend == "local":
             from app.run import local
 

@@ -26,6 +26,20 @@ CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
 
+def check_output_dir(config: TrainConfig) -> None:
+    """Refuse at once (before data, model or Ray) an output directory that a new run would have to touch."""
+    out = config.output_dir()
+    if config.resume or not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not config.overwrite:
+        raise UserError(
+            f"output {str(out)!r} already exists: choose another --output, pass --resume to continue an "
+            "unfinished run there, or --overwrite to replace it"
+        )
+    if not out.is_dir():
+        raise UserError(f"output {str(out)!r} is a file, not a directory")
+
+
 def prepare_output_dir(config: TrainConfig) -> Path:
     """Create the output directory; never touch an existing one without --overwrite or --resume."""
     out = config.output_dir()
@@ -41,13 +55,7 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         (out / CONFIG_FILE).write_text(recorded_config(config, out))
         return out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not config.overwrite:
-            raise UserError(
-                f"output {str(out)!r} already exists: choose another --output, pass --resume to continue an "
-                "unfinished run there, or --overwrite to replace it"
-            )
-        if not out.is_dir():
-            raise UserError(f"output {str(out)!r} is a file, not a directory")
+        check_output_dir(config)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     # Written first, so that even a failed run leaves the config it was started with.
