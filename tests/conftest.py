@@ -26,16 +26,16 @@ for _name, _value in KEPT_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
-# The extended set: `python -m pytest -m extended` (about 15 minutes here). The default run (CI's, README
-# command 2) leaves these out to stay within CI's 30 minutes on 2 cores: each is a slow whole run whose claim
-# a cheaper default test also makes on another path (streamed rows once: parquet; resume: tests/test_resume.py;
-# images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the smoke sweep; one
-# worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's learning check;
-# TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-backends test;
-# an error raised mid-run on rank 0: test_an_error_in_the_workers_is_one_line...; a finished run resumed: the
-# two-worker run resumed on one worker, then locally; float targets from a data function on Ray: the regression
-# equivalence test (its task and metric names), and the local float-target CSV learning).
-# Make them cheaper and bring them back: that is the debt this list records.
+# The extended set: `python -m pytest -m extended` (its first 16 took about 15 minutes here; not timed since). The
+# default run (CI's, README command 2) leaves these out to stay within CI's 30 minutes on 2 cores: each is a slow
+# whole run whose claim a cheaper default test also makes on another path (streamed rows once: parquet; resume:
+# tests/test_resume.py; images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the
+# smoke sweep; one worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's
+# learning check; TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-
+# backends test; an error raised mid-run on rank 0: test_an_error_in_the_workers_is_one_line...; a finished run
+# resumed: the two-worker run resumed on one worker, then locally; float targets from a data function on Ray: the
+# regression equivalence test (its task and metric names), and the local float-target CSV learning). Make them
+# cheaper and bring them back: that is the debt this list records.
 EXTENDED = {
     "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
     "tests/test_cluster_job.py::test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end",
