@@ -144,6 +144,17 @@ def main(body: Callable[[], Any]) -> None:
     except KeyboardInterrupt:
         print("interrupted: continue the run with --output <dir> --resume", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # a defect, or a check we lack: still one line, the whole traceback kept in a file
+        import traceback
+
+        from app.run import console
+
+        trace = "".join(traceback.format_exception(e))
+        kept = console.write_trace(f"unexpected {type(e).__name__}", trace)
+        where = f" (traceback in {kept})" if kept else _kept(trace)
+        message = " ".join(str(e).split())[:400] or "(no message)"
+        print(f"error: {type(e).__name__}: {message}{where}", file=sys.stderr)
+        sys.exit(1)
 
 
 _parsed = {"verbose": False}  # the parsed config's --verbose (it may come from a --config file)

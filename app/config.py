@@ -84,11 +84,24 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if set(self.export) - {"keras", "savedmodel"}:
             problems.append(f"--export takes keras and/or savedmodel (keras,savedmodel), got {','.join(self.export)}")
+        elif "keras" not in self.export:  # evaluate, predict, resume and app.fit's History all read model.keras
+            problems.append("--export savedmodel alone leaves no model.keras, which evaluate, predict, resume and "
+                            "app.fit read: give --export keras,savedmodel")
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_optimizer(cls, values: Any) -> Any:  # a built-in model's own optimizer, where the run sets none
+        if isinstance(values, dict):
+            model = values.get("model", cls.model_fields["model"].default)
+            own = registry.MODEL_OPTIMIZERS.get(model) if isinstance(model, str) else None
+            if own and values.get("optimizer", own["optimizer"]) == own["optimizer"]:  # its LR is for its optimizer
+                values = {**own, **values}
+        return values
 
     @model_validator(mode="before")
     @classmethod

@@ -202,7 +202,8 @@ class OptimSection(_Section):
     per_replica_batch: int = Field(
         32, gt=0, description="Batch size on each replica; global batch = this x replicas."
     )
-    base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch.")
+    base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch (a built-in model may carry "
+        "its own default: transformer 0.001).")
     reference_batch: PositiveInt = Field(32, description="Global batch size at which --base-lr is the right LR.")
     lr_scaling: LrScaling = Field(
         "linear",
@@ -222,7 +223,8 @@ class OptimSection(_Section):
         description="Compute in float16 (GPUs; dynamic loss scaling) or bfloat16 (TPUs, CPUs with bf16 "
         "instructions); variables and the logits stay float32.",
     )
-    optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer (a built-in model may carry its own "
+        "default: transformer adam).")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")
     callbacks: Optional[CallbacksSpec] = Field(None, description="Keras callbacks: file.py:function returning a "
         "list of keras.callbacks.Callback (from Python: the list). Run on rank 0; their stop and LR changes apply to "

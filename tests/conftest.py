@@ -26,44 +26,7 @@ for _name, _value in KEPT_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
-# The extended set: `python -m pytest -m extended` (its first 16 took about 15 minutes here; not timed since). The
-# default run (CI's, README command 2) leaves these out to stay within CI's 30 minutes on 2 cores: each is a slow
-# whole run whose claim a cheaper default test also makes on another path (streamed rows once: parquet; resume:
-# tests/test_resume.py; images: TFRecord's PNG bytes locally; a lost worker: test_sigkilled_worker...; a sweep: the
-# smoke sweep; one worker learns: the 1-worker runs of the equivalence tests, and the shared 2-worker run's
-# learning check; TFRecords streamed: parquet streamed on 2 workers, and TFRecords read by Ray Data in the both-
-# backends test; an error raised mid-run on rank 0: test_an_error_in_the_workers_is_one_line...; a finished run
-# resumed: the two-worker run resumed on one worker, then locally; float targets from a data function on Ray: the
-# regression equivalence test (its task and metric names), and the local float-target CSV learning). Make them
-# cheaper and bring them back: that is the debt this list records.
-EXTENDED = {
-    "tests/test_benchmark.py::test_quick_benchmark_writes_its_table_and_plot",
-    "tests/test_cluster_job.py::test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end",
-    "tests/test_data.py::test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluate_agrees",
-    "tests/test_data.py::test_csv_trains_with_a_separate_validation_file",
-    "tests/test_data.py::test_image_folder_trains_with_two_workers",
-    "tests/test_data.py::test_transformer_learns_a_text_column",
-    "tests/test_parameter_server.py::test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_learns_like_mwms",
-    "tests/test_recovery.py::test_stopped_driver_resumes_from_its_last_checkpoint",
-    "tests/test_recovery.py::test_a_frozen_worker_ends_the_run_within_the_stall_timeout",
-    "tests/test_recovery.py::test_local_crash_and_resume_gives_the_uninterrupted_weights",
-    "tests/test_tune.py::test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so",
-    "tests/test_your_own.py::test_binary_sigmoid_model_on_a_users_ray_dataset",
-    "tests/test_tfrecord.py::test_png_bytes_train_cached_on_two_workers_and_evaluate_agrees",
-    "tests/test_pipeline.py::test_cnn_pipeline_on_digits_matches_one_device",
-    "tests/test_predict.py::test_app_predict_on_ray_with_arrays",
-    "tests/test_train_ray.py::test_one_worker_learns_the_digits",
-    "tests/test_tfrecord.py::test_a_list_feature_streams_on_two_workers_reshaped_every_row_once",
-    "tests/test_callbacks.py::test_a_callback_that_raises_ends_the_run_in_one_line_and_keeps_the_last_checkpoint",
-    "tests/test_resume.py::test_a_finished_local_run_trains_further_and_a_changed_model_is_refused",
-    "tests/test_your_own.py::test_regression_on_float_targets",
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid.split("[")[0] in EXTENDED:
-            item.add_marker(pytest.mark.extended)
     # Tests that start a Ray cluster of their own run last, after the shared
     # one is shut down: only one Ray instance at a time on this machine.
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
@@ -71,7 +34,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray_cluster: the test starts (and stops) its own Ray cluster")
-    config.addinivalue_line("markers", "extended: slow whole runs left out of the default run (see EXTENDED)")
 
 
 @pytest.fixture(scope="session")
@@ -138,6 +100,28 @@ def no_shared_ray():
         ray.shutdown()
 
 
+def ray_sessions() -> set[str]:
+    """Ray's session directories on this machine: a new one means a Ray was started."""
+    return {p.name for p in Path("/tmp/ray").glob("session_2*")}
+
+
+def raylets() -> set[int]:
+    """This user's raylet processes (one per running Ray node)."""
+    found = subprocess.run(["pgrep", "-u", str(os.getuid()), "raylet"], capture_output=True, text=True)
+    return {int(pid) for pid in found.stdout.split()}
+
+
+def no_new_raylet(before: set[int], within: float = 20) -> bool:
+    """No raylet but those of ``before`` left within ``within`` seconds (a local Ray that a job started stops with
+    the job: its raylet sees its parent gone and exits, in a second or so)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while raylets() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not raylets() - before
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in KEPT_RAY_ENV}
     env.update(extra)
@@ -189,6 +173,15 @@ SSH_TOOLS_MISSING = (
 )
 
 
+
+
+@pytest.fixture(scope="session")
+def local_digits_run(tmp_path_factory):
+    """A new user's first run: the built-in digits, one epoch, --backend local (as the README's first commands)."""
+    out = tmp_path_factory.mktemp("local-digits") / "a"
+    p = run_job("jobs/train.py", "--backend", "local", "--epochs", "1", "--output", str(out), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from app import cli, cli_errors
-from conftest import run_job
+from conftest import ray_sessions, run_job
 
 
 def train(*argv: str):
@@ -232,6 +232,7 @@ def test_subprocess_dry_run_one_value_list_int_lists_bools_off_model_args(tmp_pa
                 "--model-args", json.dumps({"hidden_units": [8]}), "--dry-run", timeout=300)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
+    assert "model: mlp, 610 parameters" in p.stdout, p.stdout  # --model-args' hidden_units [8]: 64x8+8 + 8x10+10
     assert not out.exists()
 
 
@@ -240,6 +241,8 @@ def test_subprocess_dry_run_several_values_and_bools_on(tmp_path):
     p = run_job("jobs/train.py", "--output", str(out), "--feature-columns", "f0", "f1", "f2", "--hidden-units", "16",
                 "8", "--shuffle", "--overwrite", "--per-replica-batch", "16", "--dry-run", timeout=300)
     assert p.returncode == 0, p.stderr
+    assert "model: mlp, 1,266 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 64x16+16 + 16x8+8 + 8x10+10
+    assert "global batch 32 (= 16 per replica)" in p.stdout
     assert not out.exists()
 
 
@@ -250,6 +253,7 @@ def test_subprocess_config_file_below_flags(tmp_path):
     p = run_job("jobs/train.py", "--config", str(file), "--output", str(out), "--dry-run",
                 "--epochs", "2", timeout=300)
     assert p.returncode == 0, p.stderr  # the flag replaced the file's invalid value
+    assert ", 2 epochs" in p.stdout and "(sqrt rule:" in p.stdout, p.stdout  # the flag's epochs, the file's rule
     assert not out.exists()
     p = run_job("jobs/train.py", "--config", str(file), "--output", str(out), "--dry-run", timeout=120)
     assert_one_line_error(p, "epochs must be > 0")  # the file's value where no flag was typed
@@ -267,9 +271,10 @@ def test_subprocess_bad_literal_is_one_line(tmp_path):
     (["--num-wrkers", "2"], ["unknown option --num-wrkers", "--num-workers"]),
 ])
 def test_subprocess_bad_value_or_unknown_flag_is_one_line(tmp_path, argv, words):
+    before = ray_sessions()
     p = run_job("jobs/train.py", "--output", str(tmp_path / "out"), *argv, "--dry-run", timeout=120)
     assert_one_line_error(p, *words)
-    assert "Started a local Ray instance" not in p.stdout + p.stderr
+    assert ray_sessions() == before  # refused while parsing: no Ray was started
 
 
 def test_subprocess_help_lists_the_sections():

@@ -85,6 +85,7 @@ def test_several_steps_per_call_equal_one_step_per_call(tmp_path):
     common = ["--strategy", "one-device", "--epochs", "2", "--no-shuffle", "--optimizer", "sgd"]
     # 44 steps/epoch: 8 calls of 5 + one of 4
     local_runs((tmp_path / "k1", *common), (tmp_path / "k5", *common, "--steps-per-execution", "5"))
+    assert json.loads((tmp_path / "k5" / "result.json").read_text())["config"]["steps_per_execution"] == 5
     w1 = keras.models.load_model(tmp_path / "k1" / "model.keras").get_weights()
     w5 = keras.models.load_model(tmp_path / "k5" / "model.keras").get_weights()
     for a, b in zip(w1, w5):

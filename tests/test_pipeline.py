@@ -90,7 +90,9 @@ def test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches(
 
 
 def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
-    """The README's command: the CNN over 2 stages reaches the one-device val accuracy; the model is one model."""
+    """The README's command: the CNN over 2 stages reaches the one-device val accuracy; the model is one model.
+    (Not to the digit: its batch norm normalises each micro-batch, one device the whole batch. The exact math is
+    test_pipeline_over_two_devices_equals_one_device_with_1_and_4_micro_batches's.)"""
     out = tmp_path / "pipe"
     local = ["jobs/train.py", "--backend", "local", *CNN_ON_DIGITS]
     q, p = run_jobs_at_once([*local, "--output", str(tmp_path / "one"), "--strategy", "one-device"],
@@ -99,7 +101,7 @@ def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
     one, pipe = result_of(q, tmp_path / "one"), result_of(p, out)
     assert pipe["strategy"] == "pipeline"
     accuracy = pipe["metrics"]["val_accuracy"]
-    assert abs(accuracy - one["metrics"]["val_accuracy"]) <= 0.01, (pipe["metrics"], one["metrics"])
+    assert accuracy >= one["metrics"]["val_accuracy"] - 0.01, (pipe["metrics"], one["metrics"])
     assert accuracy > 0.95
     stages = pipe["stages"]
     assert [s["device"] for s in stages] == ["/device:CPU:0", "/device:CPU:1"]

@@ -178,3 +178,98 @@ def test_bad_input_on_ray_is_refused_before_any_actor(parquet_run, joined, tmp_p
         "CPUs (1 missing): lower --cpus-per-worker to 1 or --num-workers, add a node, or use in-memory data (.npz "
         "files, data functions returning arrays), which needs no Ray Data task"], full.stderr[-3000:]
     assert not (tmp_path / "full").exists()
+
+
+def test_train_then_predict_as_a_new_user_does(local_digits_run, joined, tmp_path):
+    """The README's first steps: `jobs/train.py --backend local --epochs 1 --output A`, then `jobs/predict.py
+    --model A/model.keras --output P` on the run's own data (the built-in digits, in memory): one row per row
+    (--keep-columns row: each row's position in the data, to check the order)."""
+    import keras
+    from sklearn.datasets import load_digits
+
+    out = tmp_path / "p"
+    p = run_jobs_at_once(["jobs/predict.py", "--model", str(local_digits_run / "model.keras"), "--output", str(out),
+                          "--keep-columns", "row"], env=joined, timeout=400)[0]
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read(out)
+    digits = load_digits()
+    assert len(rows) == len(digits.target) == 1797 and rows["row"].tolist() == list(range(1797))
+    model = keras.models.load_model(local_digits_run / "model.keras")
+    want = model.predict((digits.data / 16.0).astype(np.float32), verbose=0).argmax(axis=1)
+    assert (rows["prediction"].to_numpy() == want).all()
+    assert (rows["prediction"] == digits.target).mean() > 0.8  # one epoch learns most of it
+
+
+TWO_INPUTS = """
+import keras
+import numpy as np
+
+
+def build():
+    a, b = keras.Input((4,), name="a"), keras.Input((2, 3), name="b")
+    h = keras.layers.Concatenate()([a, keras.layers.Flatten()(b)])
+    return keras.Model([a, b], keras.layers.Dense(3, activation="softmax")(h))
+
+
+def named_rows(seed=0):
+    rng = np.random.default_rng(seed)
+    return ({"a": rng.normal(size=(90, 4)).astype("float32"), "b": rng.normal(size=(90, 2, 3)).astype("float32")},
+            rng.integers(0, 3, 90))
+"""
+
+
+def test_app_predict_from_every_in_memory_source(local_digits_run, tmp_path):
+    """app.predict with x alone, (x, y), a data function, and a dict of named inputs for a model of two inputs:
+    each row once, in order, with what Keras's own predict gives."""
+    import importlib.util
+
+    import keras
+    from sklearn.datasets import load_digits
+
+    from app import predict
+    from app.errors import UserError
+
+    run = local_digits_run
+    x = (load_digits().data[:150] / 16.0).astype(np.float32)
+    want = keras.models.load_model(run / "model.keras").predict(x, verbose=0)
+    sources = {"array": x, "pair": (x, np.zeros(150, np.int64)), "function": lambda: (x, np.ones(150, np.int64))}
+    for name, data in sources.items():
+        summary = predict(str(run), data=data, output=str(tmp_path / name), backend="local", batch_size=64,
+                          keep_columns="row")
+        rows = read(tmp_path / name)
+        assert summary["rows"] == 150 and rows["row"].tolist() == list(range(150)), name
+        np.testing.assert_allclose(np.stack(rows["probabilities"].to_numpy()), keras.ops.softmax(want), atol=1e-5)
+
+    spec = importlib.util.spec_from_loader("two_inputs", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(TWO_INPUTS, module.__dict__)
+    model = module.build()
+    model.save(tmp_path / "two.keras")
+    named, _ = module.named_rows()
+    summary = predict(str(tmp_path / "two.keras"), data=named, output=str(tmp_path / "named"), backend="local",
+                      batch_size=32, keep_columns="row")
+    rows = read(tmp_path / "named")
+    assert summary["rows"] == 90 and rows["row"].tolist() == list(range(90))
+    np.testing.assert_allclose(np.stack(rows["probabilities"].to_numpy()), model.predict(named, verbose=0), atol=1e-5)
+    with pytest.raises(UserError, match="the model's inputs are a, b; missing b"):
+        predict(str(tmp_path / "two.keras"), data={"a": named["a"]}, output=str(tmp_path / "half"), backend="local")
+    with pytest.raises(UserError, match="give x as a dict of arrays by input name"):
+        predict(str(tmp_path / "two.keras"), data=named["a"], output=str(tmp_path / "flat"), backend="local")
+    assert not (tmp_path / "half").exists() and not (tmp_path / "flat").exists()
+
+
+def test_a_corrupt_model_file_is_one_line_for_evaluate_and_predict(local_digits_run, tmp_path):
+    """A truncated copy of a model.keras, a file that is not a zip, and an empty one: exit 2, one line naming the
+    file, nothing written."""
+    good = (local_digits_run / "model.keras").read_bytes()
+    bad = {"truncated": good[: len(good) // 2], "text": b"not a model\n", "empty": b""}
+    for name, data in bad.items():
+        (tmp_path / f"{name}.keras").write_bytes(data)
+    commands = [[job, "--model", str(tmp_path / f"{name}.keras"), *(["--output", str(tmp_path / f"out-{name}")]
+                                                                     if job == "jobs/predict.py" else [])]
+                for name in bad for job in ("jobs/evaluate.py", "jobs/predict.py")]
+    for args, p in zip(commands, run_jobs_at_once(*commands, env=clean_env(), timeout=200, at_once=2)):
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1, (args, p.stderr[-2000:])
+        assert lines[0].startswith(f"error: model file {args[2]!r} is not a Keras model"), lines
+    assert not list(tmp_path.glob("out-*"))

@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,6 +183,13 @@ def test_local_crash_and_resume_gives_the_uninterrupted_weights(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     rows = history(out)
     assert [int(r["epoch"]) for r in rows] == list(range(1, 6))
+    # The resumed process restored the checkpoint (a run trained anew would give the same weights: it is
+    # deterministic): its epochs are attempt 1, the crashed process's attempt 0.
+    found = re.search(r"resumed from \S+ \(epoch (\d+)\)", p.stdout + p.stderr)
+    assert found, p.stdout + p.stderr[-2000:]
+    resumed_at = int(found.group(1))
+    assert resumed_at >= 2
+    assert [r["attempt"] for r in rows] == ["0"] * resumed_at + ["1"] * (5 - resumed_at)
     a = keras.models.load_model(tmp_path / "straight" / "model.keras").get_weights()
     b = keras.models.load_model(out / "model.keras").get_weights()
     for x, y in zip(a, b):
@@ -199,7 +207,6 @@ def test_local_non_finite_loss_names_epoch_and_step(tmp_path):
 
 def local_checkpoint_epoch(root: Path) -> int:
     """The epoch of the latest complete local checkpoint (tf.train.CheckpointManager's pointer file), or 0."""
-    import re
 
     pointer = root / "checkpoint"
     found = re.search(r'^model_checkpoint_path: "epoch-(\d+)"', pointer.read_text(), re.M) if pointer.exists() else None
@@ -220,7 +227,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(tf.train.Checkpoint, "_write", dies_mid_write)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk full"):
         checkpoint.LocalCheckpoints(tmp_path, model, optimizer, keep=2).save({"epoch": 2, "history": []})
     monkeypatch.undo()
     latest = checkpoint.LocalCheckpoints(tmp_path, model, optimizer, keep=2)  # what a restarted process sees

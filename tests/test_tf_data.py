@@ -63,6 +63,7 @@ def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, 
     assert result["steps_per_epoch"] == 1438 // 32  # the pipeline's batches of 50 do not count: its elements do
     assert result["metrics"]["val_accuracy"] >= 0.9
     audit = json.loads((out / "audit_sample_ids.json").read_text())
+    assert len(audit) == result["epochs_completed"] > 0
     for epoch in audit.values() if isinstance(audit, dict) else audit:
         ids = epoch["ids"] if isinstance(epoch, dict) else epoch
         assert len(ids) == len(set(ids))  # nothing twice in an epoch

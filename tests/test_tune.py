@@ -95,8 +95,10 @@ def test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_sa
     assert p.returncode == 1, p.stderr[-3000:]
     assert "trial 1 failed: global batch 2048" in p.stdout
     assert "error: no trial reported 'val_accuracy'" in p.stderr
-    assert "(run_trial pid=" in p.stdout + p.stderr  # the trial process's own lines, as Ray prints them
-    assert "(run_trial pid=" in (out / tune_console.LOG_FILE).read_text()
+    # Ray's own lines, which a sweep without --verbose keeps in tune.log only: Tune's controller on the trial that
+    # failed, with its traceback.
+    log = (out / tune_console.LOG_FILE).read_text()
+    assert "ERROR tune_controller.py" in p.stderr and "Trial task failed" in log
 
 
 @pytest.mark.parametrize(
@@ -127,8 +129,11 @@ def test_a_key_both_fixed_and_searched_is_refused(tmp_path):
 
 
 def test_shipped_spaces_parse():
-    for f in (REPO / "tune_spaces").glob("*.yaml"):
-        assert tune.load_space(f, {})
+    spaces = sorted((REPO / "tune_spaces").glob("*.yaml"))
+    assert len(spaces) >= 3, spaces  # the folder moved, or its files did: this test would check nothing
+    for f in spaces:
+        space = tune.load_space(f, {})
+        assert any(tune._is_domain(v) for v in space.values()), f"{f.name} searches nothing"
 
 
 def test_bad_space_fails_before_ray_starts(tmp_path):

@@ -116,7 +116,7 @@ def input_pipeline(payload: dict[str, Any]) -> dict[str, Any]:
     for _ in range(config.epochs):
         start = time.perf_counter()
         for _ in range(plan.steps):
-            x, _, _ = next(iterator)
+            x = next(iterator)[0]
         x.numpy()
         per_epoch.append(plan.steps * plan.step_batch / (time.perf_counter() - start))
     return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "rank": 0, "workers_sharing": world,

@@ -33,6 +33,11 @@ def first(a: Arrays) -> np.ndarray:
     return next(iter(a.values())) if isinstance(a, dict) else a
 
 
+def concatenated(a: Arrays, b: Arrays) -> Arrays:
+    """The rows of ``a`` then those of ``b`` (arrays, or dicts of named arrays with the same names)."""
+    return {k: np.concatenate([v, b[k]]) for k, v in a.items()} if isinstance(a, dict) else np.concatenate([a, b])
+
+
 @dataclass(frozen=True)
 class Split:
     x: Arrays  # float32, (n, *feature_shape); or {input name: (n, *shape)}

@@ -58,13 +58,17 @@ def _column(table: "pa.Table", name: str):
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
 
-def features(table: "pa.Table", spec: Spec) -> np.ndarray:
-    """One block's features as float32 (n, *feature_shape), for training and for prediction (app.data.inference)."""
+def features(table: "pa.Table", spec: Spec) -> Any:
+    """One block's features as float32 (n, *feature_shape), for training and for prediction (app.data.inference);
+    a dict of such arrays, one per input, for kind "named"."""
     import pyarrow.compute as pc
 
     from app.data import text
 
     n = table.num_rows
+    if spec.kind == "named":
+        return {name: pc.list_flatten(_column(table, name)).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+                .reshape(n, *shape) for name, shape in spec.inputs}
     if spec.kind == "scalars":
         x = np.stack(
             [_column(table, c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False) for c in spec.features],

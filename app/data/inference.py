@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 import numpy as np
 
 from app.data import files, local_files, memory
-from app.data.arrays import X
+from app.data.arrays import X, concatenated, first
 from app.data.blocks import batch_rows, features
 from app.data.checks import missing
 from app.data.schema import Spec, schema_spec
@@ -44,6 +44,7 @@ class Rows:
     what: str  # the dataset, as messages name it
     loc: files.Located  # format "arrays" (features in one column, X) or "dataframe" for ``table``
     table: Optional["pa.Table"] = None
+    named: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a dict of arrays: each input's column and example shape
 
     @property
     def in_memory(self) -> bool:
@@ -76,22 +77,41 @@ def _in_memory(value: Any, config: "TrainConfig", what: str) -> Rows:
 
     if type(value).__name__ == "DataFrame" and hasattr(value, "columns"):  # its columns, as a CSV file's
         return Rows(what, files.Located(what, "dataframe", None, "", ()), pa.Table.from_pandas(value, preserve_index=False))
-    if isinstance(value, np.ndarray):
-        x, y = value, None
+    if isinstance(value, (np.ndarray, dict)) and not _is_splits(value):  # x alone: an array, or named arrays
+        x, y = memory.named(value, what, "x"), None
     else:
-        (x, y), val = memory.arrays_from(value, config, what)
+        (x, y, _), val = memory.arrays_from(value, config, what)  # weights do not change a prediction
         if val is not None:  # {"train": ..., "val": ...}: every row, the training rows first
-            x, y = np.concatenate([x, val[0]]), np.concatenate([y, val[1]])
-    if x.ndim < 2 or not len(x) or x.dtype.kind not in "fiub":
-        raise UserError(f"{what}: features of shape {x.shape} and dtype {x.dtype}; expected numbers, one "
-                        "example per row (n, ...)")
-    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)  # reshaped to the model's input later
-    columns = {X: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1]),
-               ROW: pa.array(np.arange(len(x), dtype=np.int64))}
-    if y is not None:
+            x = concatenated(x, val[0])
+            y = concatenated(y, val[1])
+    inputs = x if isinstance(x, dict) else {X: x}
+    n = len(first(x))
+    for name, a in inputs.items():
+        if a.ndim < 2 or len(a) != n or not n or a.dtype.kind not in "fiub":
+            where = f"x[{name!r}]" if isinstance(x, dict) else "x"
+            raise UserError(f"{what}: {where} of shape {a.shape} and dtype {a.dtype}; expected numbers, one "
+                            f"example per row ({n or 'n'}, ...)")
+    if isinstance(x, dict) and (clash := {ROW, config.label_column} & set(x)):
+        raise UserError(f"{what}: an input named {clash.pop()!r}, which predictions use for their own column: "
+                        "rename the model's input")
+    # Each input's examples flattened into one list column: reshaped to the model's input by the spec.
+    columns = {name: _list_column(a) for name, a in inputs.items()}
+    columns[ROW] = pa.array(np.arange(n, dtype=np.int64))
+    if y is not None and not isinstance(y, dict):
         columns[config.label_column] = pa.array(y)
-    table = pa.table(columns)
-    return Rows(what, files.Located(what, "arrays", None, "", ()), table)
+    named = tuple((name, tuple(a.shape[1:])) for name, a in x.items()) if isinstance(x, dict) else ()
+    return Rows(what, files.Located(what, "arrays", None, "", ()), pa.table(columns), named)
+
+
+def _is_splits(value: Any) -> bool:
+    return isinstance(value, dict) and "train" in value
+
+
+def _list_column(a: np.ndarray) -> "pa.Array":
+    import pyarrow as pa
+
+    flat = np.ascontiguousarray(a, dtype=np.float32).reshape(len(a), -1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
 
 
 def first_rows(rows: Rows, config: "TrainConfig", keep: Sequence[str], n: int = 64) -> "pa.Table":
@@ -119,6 +139,8 @@ def spec_for(rows: Rows, config: "TrainConfig", first: "pa.Table", keep: Sequenc
     for name in keep:
         if name not in names:
             raise missing("column to keep (--keep-columns)", name, rows.what, names)
+    if rows.named or isinstance(model_shape, dict):
+        return _named_spec(rows, model_shape)
     if rows.loc.format == "arrays":  # one list column of each example's values
         config = config.model_copy(update={"feature_columns": [X], "text_column": None})
     elif not config.feature_columns and not config.text_column:  # the run's default: every other column
@@ -147,6 +169,28 @@ def spec_for(rows: Rows, config: "TrainConfig", first: "pa.Table", keep: Sequenc
     spec = replace(spec, feature_shape=tuple(shape))
     features(first.slice(0, 2), spec)  # decodes: a column that cannot be read as numbers fails here
     return spec
+
+
+def _named_spec(rows: Rows, model_shapes: Any) -> Spec:
+    """A dict of arrays for a model of several inputs: matched by name, each reshaped to its input."""
+    given = dict(rows.named)
+    if not isinstance(model_shapes, dict):
+        raise UserError(f"{rows.what} is a dict of arrays ({', '.join(given)}) and the model takes one input: give x "
+                        "as one array")
+    if not given:
+        raise UserError(f"the model takes {len(model_shapes)} inputs ({', '.join(model_shapes)}): give x as a dict of "
+                        "arrays by input name (from Python, or a data function returning ({'a': ..., 'b': ...}, y))")
+    if set(given) != set(model_shapes):
+        lacking, unknown = sorted(set(model_shapes) - set(given)), sorted(set(given) - set(model_shapes))
+        raise UserError(f"{rows.what}: the model's inputs are {', '.join(model_shapes)}; "
+                        + "; ".join(filter(None, [f"missing {', '.join(lacking)}" if lacking else "",
+                                                  f"no input named {', '.join(unknown)}" if unknown else ""])))
+    for name, shape in model_shapes.items():
+        if shape is not None and math.prod(shape) != math.prod(given[name]):
+            raise UserError(f"{rows.what}: x[{name!r}] holds examples of shape {given[name]}, the model's input "
+                            f"{name!r} takes {shape}")
+    inputs = tuple((name, tuple(model_shapes[name] or given[name])) for name in model_shapes)
+    return Spec(kind="named", features=tuple(model_shapes), label="", inputs=inputs)
 
 
 def _every_column(rows: Rows, config: "TrainConfig") -> tuple[Spec, Optional[list[str]]]:

@@ -51,7 +51,7 @@ def _pair(value: Any, what: str) -> tuple[Arrays, Arrays, Optional[np.ndarray]]:
         got = f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else \
             f"a {type(value).__name__}"
         raise UserError(f"{what} returned {got}; expected (x, y) or (x, y, sample_weight)")
-    x, y = (_named(a, what, part) for a, part in zip(value[:2], ("x", "y")))
+    x, y = (named(a, what, part) for a, part in zip(value[:2], ("x", "y")))
     w = np.asarray(value[2], dtype=np.float32) if len(value) == 3 else None
     n = len(first(y))
     for part, arrays in (("x", x), ("y", y)):
@@ -73,7 +73,8 @@ def _pair(value: Any, what: str) -> tuple[Arrays, Arrays, Optional[np.ndarray]]:
     return x, y, w
 
 
-def _named(a: Any, what: str, part: str) -> Arrays:
+def named(a: Any, what: str, part: str) -> Arrays:
+    """An array, or a dict of named arrays (several inputs or outputs), as numpy."""
     if isinstance(a, dict):
         if not a:
             raise UserError(f"{what} returned an empty dict as {part}")

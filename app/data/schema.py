@@ -33,6 +33,8 @@ class Spec:
     val_fraction: Optional[float] = None  # None: no split (a separate validation source)
     seed: int = 0
     task: str = "classification"  # from the label column's type and --task, decided once here
+    # kind "named" (a model of several inputs, fed a dict of arrays): each input's column and one example's shape
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 

@@ -61,13 +61,17 @@ def materialise(ds: Any, what: str) -> tuple:
     if looks_batched(spec):
         ds = ds.unbatch()
     chunks, size = [], 0
-    for chunk in ds.batch(CHUNK).as_numpy_iterator():
-        chunks.append(chunk)
-        size += sum(a.nbytes for a in tf.nest.flatten(chunk))
-        if size > MAX_BYTES:
-            raise UserError(f"{what}'s tf.data.Dataset holds more than {MAX_BYTES >> 30} GiB, which the driver reads "
-                            "into memory: give the data as files (parquet, TFRecord: --dataset DIR, streamed) or as "
-                            "a ray.data.Dataset")
+    try:
+        for chunk in ds.batch(CHUNK).as_numpy_iterator():
+            chunks.append(chunk)
+            size += sum(a.nbytes for a in tf.nest.flatten(chunk))
+            if size > MAX_BYTES:
+                raise UserError(f"{what}'s tf.data.Dataset holds more than {MAX_BYTES >> 30} GiB, which the driver "
+                                "reads into memory: give the data as files (parquet, TFRecord: --dataset DIR, "
+                                "streamed) or as a ray.data.Dataset")
+    except tf.errors.OpError as e:  # the pipeline's own error (parts batched differently, a failed map, a file)
+        message = " ".join(e.message.split("[Op:")[0].split("}}")[-1].split())
+        raise UserError(f"{what}'s tf.data.Dataset failed when read: {message}") from None
     if not chunks:
         raise UserError(f"{what} returned an empty tf.data.Dataset")
     return tuple(tf.nest.map_structure(lambda *parts: np.concatenate(parts), *chunks))

@@ -10,7 +10,7 @@ from typing import Any
 from app.config import TrainConfig
 from app.errors import UserError
 from app.run import trained
-from app.training import checkpoint
+from app.training import checkpoint, model_file
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     from app.training.objective import objective_for
     from app.training.step import make_eval_step
 
-    model_path = Path(model_path)
-    if not model_path.is_file():
-        raise UserError(f"model file {str(model_path)!r} does not exist")
-    import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
-
-    model = _load(model_path)
+    model = _load(model_file.check(model_path))
     source = _data(config)
     facts = source.facts
     if facts.task == "classification" and facts.num_classes == 2 and model.output_shape[-1] == 1:
@@ -55,14 +50,11 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
 def _load(model_path: Path):
     """The saved model, with the loss and metrics it was compiled with where Keras can rebuild them (a
     user's own metric class that is not registered cannot be: then the run's defaults score it)."""
-    import keras
-
     try:
-        return keras.models.load_model(model_path)
-    except Exception as e:  # a compile() object Keras cannot deserialize here
-        log.warning("%s: scored without its compile() settings (%s); load_model(compile=False)", model_path,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return keras.models.load_model(model_path, compile=False)
+        return model_file.load(model_path, compile=True)
+    except UserError as e:  # a compile() object Keras cannot deserialize here
+        log.warning("%s: scored without its compile() settings (%s); load_model(compile=False)", model_path, e)
+        return model_file.load(model_path, compile=False)
 
 
 def _data(config: TrainConfig):

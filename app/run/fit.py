@@ -72,9 +72,9 @@ class History:
     @property
     def model(self):
         if self._model is None:
-            import keras
+            from app.training import model_file
 
-            self._model = keras.models.load_model(self.model_file)
+            self._model = model_file.load(self.model_file, compile=True)
         return self._model
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from app.errors import RunFailed, UserError
 from app.run.trained import Trained
@@ -127,24 +127,19 @@ def _check_output(out: Path, overwrite: bool) -> None:
 
 
 def _load(model_file: Path):
-    import keras
+    from app.training import model_file as keras_file
 
-    import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
-
-    try:
-        return keras.models.load_model(model_file, compile=False)
-    except (ValueError, OSError) as e:
-        raise UserError(f"cannot load {str(model_file)!r} as a Keras model: {str(e).splitlines()[0]}") from None
+    return keras_file.load(model_file, compile=False)
 
 
-def _input_shape(model) -> Optional[tuple[int, ...]]:
-    """One example's shape as the model takes it (None: a subclassed model that does not say)."""
+def _input_shape(model) -> Any:
+    """One example's shape as the model takes it (None: a subclassed model that does not say); for a model of
+    several inputs, {input name: shape} (fed from a dict of arrays by name: app.data.inference)."""
     inputs = getattr(model, "inputs", None)
+    known = lambda shape: tuple(shape) if all(isinstance(d, int) for d in shape) else None  # noqa: E731
     if inputs and len(inputs) > 1:
-        raise UserError(f"the model takes {len(inputs)} inputs ({', '.join(i.name for i in inputs)}): predict feeds "
-                        "one features input, as training does; serve it from saved_model/ instead")
-    shape = inputs[0].shape[1:] if inputs else model.get_build_config()["input_shape"][1:]
-    return tuple(shape) if all(isinstance(d, int) for d in shape) else None
+        return {i.name: known(i.shape[1:]) for i in inputs}
+    return known(inputs[0].shape[1:] if inputs else model.get_build_config()["input_shape"][1:])
 
 
 def _task(found: Trained, config, model) -> tuple[str, bool]:

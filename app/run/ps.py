@@ -19,14 +19,12 @@ are where the driver reads them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from app.config import TrainConfig
@@ -302,7 +300,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             finally:
                 tf_cluster.stop()
     latest = done["latest"]
-    state = json.loads(Path(latest + checkpoint.STATE_SUFFIX).read_text())
+    state = checkpoint.read_state(latest + checkpoint.STATE_SUFFIX)
     return outputs.write_outputs(
         config, state, latest + checkpoint.MODEL_SUFFIX, strategy="ParameterServerStrategy", started_at=started_at,
         extra={

@@ -89,7 +89,7 @@ def _local_latest(out: Path) -> Optional[Start]:
         return None
     state_file = located[0]
     prefix = str(state_file)[: -len(checkpoint.STATE_SUFFIX)]
-    return Start(json.loads(state_file.read_text()), "local", prefix, prefix)
+    return Start(checkpoint.read_state(state_file), "local", prefix, prefix)
 
 
 def _ray_latest(config: "TrainConfig") -> Optional[Start]:
@@ -131,6 +131,8 @@ def _trainable_shapes(start: Start) -> list[tuple[int, ...]]:
     """The checkpoint's trainable weight shapes, from its index file alone (copied here when it is remote)."""
     if start.path is not None:
         prefix = str(Path(start.path) / checkpoint.TRAIN_STATE) if start.kind == "ray" else start.path
+        # Every byte read once here: a damaged checkpoint is refused before the run rewrites its outputs.
+        checkpoint.verify(prefix)
         return checkpoint.trainable_shapes(prefix)
     import pyarrow.fs as pafs
 

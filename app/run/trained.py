@@ -16,6 +16,7 @@ from app.config import TrainConfig, build_config, read_yaml
 from app.errors import UserError
 from app.run.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
 from app.training import checkpoint
+from app.training import model_file as keras_file
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,7 @@ def located(model: Any = None, checkpoint_dir: Any = None, run: Any = None,
 
 def from_model_file(model_file: Any, overrides: dict[str, Any]) -> Trained:
     """A .keras file: its run's config.yaml and result.json beside it (if any), then the overrides."""
-    model_file = Path(model_file)
-    if not model_file.is_file():
-        raise UserError(f"model file {str(model_file)!r} does not exist")
+    model_file = keras_file.check(model_file)
     result = model_file.parent / RESULT_FILE
     task = json.loads(result.read_text()).get("task") if result.is_file() else None
     return Trained(model_file, config_for(model_file, overrides), task)
@@ -73,7 +72,8 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
                         "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
                         "output directory")
     state_file, model_file = found
-    state = json.loads(state_file.read_text())
+    keras_file.check(model_file)
+    state = checkpoint.read_state(state_file)
     saved = {k: v for k, v in state["config"].items() if k != "model"}  # the model comes from the file
     config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
     return Trained(model_file, config, state.get("task"), state_file)

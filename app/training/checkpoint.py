@@ -21,11 +21,14 @@ file atomically after the checkpoint is complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from app.errors import UserError
 
 if TYPE_CHECKING:
     import keras
@@ -92,15 +95,44 @@ def save(directory: str | Path, model: "keras.Model", optimizer, state: dict[str
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / STATE_FILE).read_text())
+    return read_state(Path(directory) / STATE_FILE)
+
+
+def read_state(file: str | Path) -> dict[str, Any]:
+    """A checkpoint's state (epoch, config, task, ...); a truncated or foreign file as one line naming it."""
+    try:
+        state = json.loads(Path(file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint state {str(file)!r} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
+                        "incomplete or damaged; give an earlier checkpoint, or train anew without --resume") from None
+    if not isinstance(state, dict) or "epoch" not in state:
+        raise UserError(f"checkpoint state {str(file)!r} holds no epoch: it is not a checkpoint this product wrote")
+    return state
+
+
+@contextlib.contextmanager
+def _readable(prefix: str | Path, doing: str = "read"):
+    """TensorFlow's errors on a damaged checkpoint (truncated, foreign, another model's) as one line naming it."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except (tf.errors.OpError, ValueError, IndexError) as e:  # IndexError: a data file cut short
+        message = " ".join((e.message if isinstance(e, tf.errors.OpError) else str(e)).split())[:300]
+        raise UserError(f"checkpoint {str(prefix)!r} cannot be {doing} ({message}): it is damaged, incomplete or "
+                        "another model's; give an earlier checkpoint, or train anew without --resume") from None
+
+
+def _read_into(checkpoint: Any, prefix: str) -> None:
+    with _readable(prefix, "restored"):
+        checkpoint.read(prefix).assert_existing_objects_matched()
 
 
 def restore(directory: str | Path, model: "keras.Model", optimizer) -> dict[str, Any]:
     """Load weights and optimizer state into already-built objects; return state.json."""
     import tensorflow as tf
 
-    status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(str(Path(directory) / TRAIN_STATE))
-    status.assert_existing_objects_matched()
+    _read_into(tf.train.Checkpoint(model=model, optimizer=optimizer), str(Path(directory) / TRAIN_STATE))
     return load_state(directory)
 
 
@@ -115,8 +147,19 @@ def restore_from(path: str | Path, model: "keras.Model", optimizer) -> dict[str,
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return restore(path, model, optimizer)
-    tf.train.Checkpoint(model=model, optimizer=optimizer).read(str(path)).assert_existing_objects_matched()
-    return json.loads(Path(str(path) + STATE_SUFFIX).read_text())
+    _read_into(tf.train.Checkpoint(model=model, optimizer=optimizer), str(path))
+    return read_state(str(path) + STATE_SUFFIX)
+
+
+def verify(prefix: str | Path) -> None:
+    """Read every tensor of the checkpoint at ``prefix`` (TensorFlow checks each one's length and checksum as it
+    reads it): a truncated or damaged file as one line, before anything is restored or written."""
+    import tensorflow as tf
+
+    with _readable(prefix):
+        reader = tf.train.load_checkpoint(str(prefix))
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
 
 
 def trainable_shapes(prefix: str | Path) -> list[tuple[int, ...]]:
@@ -125,7 +168,9 @@ def trainable_shapes(prefix: str | Path) -> list[tuple[int, ...]]:
 
     from app import internals
 
-    return internals.checkpoint_trainable_shapes(tf.train.list_variables(str(prefix)))
+    with _readable(prefix):
+        listed = tf.train.list_variables(str(prefix))
+    return internals.checkpoint_trainable_shapes(listed)
 
 
 # --- the local backend: tf.train.CheckpointManager, the model file and state beside each checkpoint ---
@@ -169,14 +214,14 @@ class LocalCheckpoints:
 
     def restore_state(self) -> dict[str, Any]:
         """The latest checkpoint's state.json, without loading weights."""
-        return json.loads(Path(self.latest + STATE_SUFFIX).read_text())
+        return read_state(self.latest + STATE_SUFFIX)
 
     def restore(self) -> dict[str, Any] | None:
         """Load the latest checkpoint into the model and optimizer; its state, or None when there is none."""
         if self.latest is None:
             return None
-        self.manager.checkpoint.restore(self.latest).assert_existing_objects_matched()
-        return json.loads(Path(self.latest + STATE_SUFFIX).read_text())
+        _read_into(self.manager.checkpoint, self.latest)
+        return read_state(self.latest + STATE_SUFFIX)
 
 
 MODEL_SUFFIX = ".keras"

@@ -30,9 +30,9 @@ def export_saved_model(model: Any, directory: str | Path) -> dict[str, Any]:
     import keras
 
     if not isinstance(model, keras.Model):
-        import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
+        from app.training import model_file
 
-        model = keras.models.load_model(model, compile=False)
+        model = model_file.load(model, compile=False)
     directory = Path(directory)
     if directory.exists():
         shutil.rmtree(directory)

@@ -97,6 +97,17 @@ class _Head:
     metrics: list[tuple["keras.metrics.Metric", bool]]  # (metric, weighted)
 
 
+def _resolved(kind: str, identifier: Any, y_example: np.ndarray, out_example: np.ndarray) -> Any:
+    """A compile() loss or metric as fit() resolves it; one that Keras does not know, as one line naming it."""
+    resolve = internals.resolve_loss if kind == "loss" else internals.resolve_metric
+    try:
+        return resolve(identifier, y_example, out_example)
+    except ValueError as e:
+        raise UserError(f"the model's compile() names {kind} {identifier!r}, which Keras does not know "
+                        f"({' '.join(str(e).split())[:200]}): give a name keras.{kind}{'es' if kind == 'loss' else 's'}"
+                        f".get() takes or a keras.{'losses.Loss' if kind == 'loss' else 'metrics.Metric'}") from None
+
+
 class Measures:
     """The loss and the metrics of ``objective``, as ``model`` (this process's) was compiled."""
 
@@ -112,12 +123,12 @@ class Measures:
         for i, (name, label_shape, output_shape, dtype, _task) in enumerate(outputs):
             y_ex, out_ex = np.zeros((2, *label_shape), dtype), np.zeros((2, *output_shape), np.float32)
             if objective.compiled_loss:
-                loss = internals.resolve_loss(per_output(args["loss"], i, names, "loss"), y_ex, out_ex).call
+                loss = _resolved("loss", per_output(args["loss"], i, names, "loss"), y_ex, out_ex).call
             else:
                 loss = default_loss(objective)
             weight = per_output(args.get("loss_weights"), i, names, "loss_weights") if objective.compiled_loss else None
             if objective.compiled_metrics:
-                metrics = [(internals.resolve_metric(m, y_ex, out_ex), weighted)
+                metrics = [(_resolved("metric", m, y_ex, out_ex), weighted)
                            for key, weighted in (("metrics", False), ("weighted_metrics", True))
                            for m in _flat(per_output(args.get(key), i, names, key, listed=True))]
             else:

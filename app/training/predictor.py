@@ -52,26 +52,26 @@ class Predictor:
             from app.training.strategy import set_thread_counts
 
             set_thread_counts(recipe.cpus)  # before TensorFlow initialises: an actor's own process
-        import keras
-
-        import app.layers  # noqa: F401  (registers the custom layers a saved model may hold, for load_model)
+        from app.training import model_file
 
         self.recipe = recipe
         if isinstance(model, bytes):
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "model.keras")
                 Path(path).write_bytes(model)
-                self.model = keras.models.load_model(path, compile=False)
+                self.model = model_file.load(path, compile=False)
         else:
-            self.model = keras.models.load_model(model, compile=False)
+            self.model = model_file.load(model, compile=False)
 
     def __call__(self, table: "pa.Table") -> "pa.Table":
         import pyarrow as pa
 
         r = self.recipe
-        x = features(table, r.spec)
+        x = features(table, r.spec)  # an array, or a dict of them (a model of named inputs)
+        rows = lambda i: {k: v[i : i + r.batch_size] for k, v in x.items()} if isinstance(x, dict) \
+            else x[i : i + r.batch_size]  # noqa: E731
         # predict_on_batch: one traced function for every batch of a size (the last, smaller one traces once more).
-        out = [np.asarray(self.model.predict_on_batch(x[i : i + r.batch_size])) for i in range(0, len(x), r.batch_size)]
+        out = [np.asarray(self.model.predict_on_batch(rows(i))) for i in range(0, table.num_rows, r.batch_size)]
         outputs = output_columns(np.concatenate(out) if out else np.zeros((0, 1), np.float32), r.task, r.from_logits)
         return pa.table({**outputs, **{name: table.column(name) for name in r.keep}})
 
