@@ -98,6 +98,8 @@ def test_export_takes_a_comma_list_and_refuses_other_formats():
 
     assert build_config(None, {}).export == ["keras", "savedmodel"]  # both by default
     assert build_config(None, {"export": "keras,savedmodel"}).export == ["keras", "savedmodel"]
-    assert build_config(None, {"export": ["savedmodel"]}).export == ["savedmodel"]
+    assert build_config(None, {"export": ["keras"]}).export == ["keras"]
+    with pytest.raises(UserError, match="--export savedmodel alone leaves no model.keras"):
+        build_config(None, {"export": ["savedmodel"]})
     with pytest.raises(UserError, match="--export takes keras and/or savedmodel"):
         build_config(None, {"export": "onnx"})

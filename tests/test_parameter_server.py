@@ -50,7 +50,9 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     from app.config import build_config
     from app.run import ray_train
 
-    out, stall = tmp_path / "ps", 15
+    # The stall bound is above a killed worker's own recovery (Ray restarts its actor, the coordinator re-runs its
+    # steps: up to ~20 s on a loaded 2-core machine), so only the frozen server trips it.
+    out, stall = tmp_path / "ps", 30
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     cmd = [sys.executable, "jobs/train.py", "--strategy", "parameter-server", "--num-workers", "2", "--num-ps", "2",
            "--cpus-per-worker", "0.5", "--cpus-per-ps", "0.5", *flags(TEXT), "--max-failures", "1",
@@ -92,7 +94,7 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     assert driver.returncode == 0, stderr[-3000:]
     console = stdout + stderr
     assert "Traceback" not in console and "pid=" not in console, console
-    assert re.search(r"no step, evaluation or checkpoint for 1[5-9] s \(--stall-timeout-s\).*restart 1 of 1",
+    assert re.search(r"no step, evaluation or checkpoint for 3[0-9] s \(--stall-timeout-s\).*restart 1 of 1",
                      console), console
     resumed = re.search(r"resumed from the checkpoint of epoch (\d)", console)
     assert resumed and int(resumed.group(1)) >= 2, console
