@@ -109,6 +109,14 @@ def build_model():
     ({"validation_data": (X, Y), "val_fraction": 0.1}, "val_fraction is the product's own validation set"),
     ({"batch_size": 32, "per_replica_batch": 16}, "batch_size is the global batch and per_replica_batch"),
     ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of x arrays"),
+    # Keras's fit arguments this product does not take as Keras means them: each named, with what to use.
+    ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3)"),
+    ({"initial_epoch": 2}, "initial_epoch continues an earlier run in Keras: here, give that run's output and resume=True"),
+    ({"steps_per_epoch": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
+    ({"validation_steps": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
+    ({"validation_batch_size": 8}, "validation_batch_size: validation runs at the training batch here"),
+    ({"validation_freq": 2}, "validation_freq=2: every epoch is validated here"),
+    ({"max_queue_size": 8}, "unknown key 'max_queue_size'"),
 ])
 def test_fit_refuses_in_one_line_before_anything_starts(tmp_path, kwargs, message):
     from app import fit

@@ -40,7 +40,7 @@ def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: Epoc
     with strategy.scope():
         model = build_model(config, facts)
     objective = objective_for(config, facts, model, check_output(model, facts, "model"))
-    lr_plan = plan_lr(config, plan.global_batch, plan.steps, base_lr=objective.base_lr)
+    lr_plan = plan_lr(config, plan.global_batch, plan.steps, objective)
     with strategy.scope():
         optimizer = make_optimizer(config, lr_plan, compiled=model.optimizer if objective.compiled_optimizer else None)
     measures = Measures(objective, model)

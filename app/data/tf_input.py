@@ -50,24 +50,27 @@ def train_batches_from_arrays(
     """Per-replica (x, y, id, sample weight) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
 
     Epoch e's order is shuffled with seed (seed, e), so a resumed or restarted
-    run sees exactly the order an uninterrupted one would have. Worker
-    ``rank`` takes rows [rank * n // world, (rank + 1) * n // world) of that
-    order; a strategy with R local replicas takes R consecutive batches per
-    step, hence ``take(steps * R)``.
+    run sees exactly the order an uninterrupted one would have. Step s's global
+    batch is rows [s * G, (s + 1) * G) of that order, whatever the number of
+    workers (G: the global batch), and worker ``rank`` takes its slice of it:
+    rows [s * G + rank * G / world, s * G + (rank + 1) * G / world). So N
+    workers train on the very batches one worker with the global batch does,
+    as Keras's ``fit`` with ``shuffle=False`` takes them (rows 0..G-1 first).
+    A strategy with R local replicas cuts its slice into R consecutive batches.
     """
     import tensorflow as tf
 
     x, y = (tf.nest.map_structure(tf.constant, a) for a in (split.x, split.y))
     ids, w = tf.constant(split.ids), tf.constant(split.weights())
-    per_worker = len(split) // world
+    local = plan.step_batch * plan.replicas_per_worker  # this worker's rows of each global step
 
     def one_epoch(epoch):
         order = tf.range(len(split), dtype=tf.int64)
         if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
             order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
-        mine = order[rank * per_worker: (rank + 1) * per_worker]
-        batches = tf.data.Dataset.from_tensor_slices(mine).batch(plan.step_batch, drop_remainder=True)
-        return batches.take(plan.steps * plan.replicas_per_worker)
+        steps = tf.reshape(order[: plan.steps * world * local], (plan.steps, world, local))
+        mine = tf.reshape(steps[:, rank, :], (-1,))
+        return tf.data.Dataset.from_tensor_slices(mine).batch(plan.step_batch, drop_remainder=True)
 
     def gather(index):
         rows = lambda t: tf.gather(t, index)  # noqa: E731

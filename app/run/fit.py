@@ -25,6 +25,13 @@ The arguments mean what they mean in ``keras.Model.fit``:
   random ``val_fraction`` (default 0.2) of the rows, as app.train does, and does not train on them.
 - ``callbacks``: a list of ``keras.callbacks.Callback``, run as app.train runs them (app.training.callbacks: on
   rank 0, their stop and LR decisions taken by every worker).
+- A compiled model trains with its compiled optimizer at its own learning rate or ``LearningRateSchedule``, as
+  ``model.fit`` does: no scaling rule, warmup or decay of the product's unless a keyword asks for them
+  (``lr_scaling``, ``warmup_epochs``, ``lr_decay``, ``base_lr``, ``reference_batch``). Each step's global batch
+  holds the same rows on any number of workers (tests/test_keras_parity.py: weights equal to ``model.fit``'s).
+- ``shuffle`` as in Keras; ``verbose`` takes Keras's values (every epoch is one line on the console either way);
+  ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and ``validation_freq``
+  other than their defaults are refused in one line that says what to use.
 - Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
   a YAML file of them.
 
@@ -112,10 +119,20 @@ def fit(
     num_workers: int = 2,
     sample_weight: Any = None,
     class_weight: Optional[dict] = None,
+    verbose: Any = "auto",
+    shuffle: bool = True,
+    initial_epoch: int = 0,
+    steps_per_epoch: Optional[int] = None,
+    validation_steps: Optional[int] = None,
+    validation_batch_size: Optional[int] = None,
+    validation_freq: int = 1,
     **fields: Any,
 ) -> History:
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
     from app.run.api import run_training
+
+    _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
+    fields["shuffle"] = shuffle
 
     if "model" in fields:
         raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
@@ -131,6 +148,26 @@ def fit(
     result = run_training(config)
     out = config.output_dir()
     return History(result, read_records(out / result["history_file"]), out / result["model_file"])
+
+
+def _keras_only(verbose: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
+                validation_batch_size: Optional[int], validation_freq: int) -> None:
+    """fit()'s arguments that this product takes as Keras means them, or refuses in one line naming what to use."""
+    if verbose not in (0, 1, 2, "auto") or isinstance(verbose, bool):
+        raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r}); every epoch is one "
+                        "line on the console either way (Ray's and TensorFlow's own lines: <output>/train.log)")
+    if initial_epoch:
+        raise UserError("initial_epoch continues an earlier run in Keras: here, give that run's output and "
+                        "resume=True (app.fit(..., output=<run>, resume=True, epochs=<total>))")
+    if steps_per_epoch is not None or validation_steps is not None:
+        raise UserError("steps_per_epoch and validation_steps cut epochs short in Keras: here every epoch visits each "
+                        "training row once and validation scores every validation row; leave them out")
+    if validation_batch_size is not None:
+        raise UserError("validation_batch_size: validation runs at the training batch here (a batch size does not "
+                        "change the validation numbers); leave it out")
+    if validation_freq != 1:
+        raise UserError(f"validation_freq={validation_freq!r}: every epoch is validated here (its record and "
+                        "checkpoint need the numbers); leave it out")
 
 
 def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, fields: dict,

@@ -82,8 +82,14 @@ def recorded_config(config: TrainConfig, out: Path) -> str:
             lines.append(f"# {name}: {values[name]} was a function passed from Python, which this file cannot "
                          f"load: pass it again (app.train({'data' if name == 'dataset' else name}=..., config=<this "
                          f"file>), or --{name} file.py:function)")
-    kept = {k: v for k, v in values.items() if k not in _NOT_RECORDED}
-    return "\n".join(lines) + "\n" + yaml.safe_dump(kept, sort_keys=False)
+    # Only what the run set: a default left to the product stays a default when the file is read back (--config,
+    # --resume), where the product decides from the model (a compiled optimizer's own LR, a built-in model's
+    # optimizer); the defaults in force follow, commented out.
+    chosen = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k in config.model_fields_set}
+    defaults = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k not in chosen}
+    commented = ["# Defaults in force (not set for this run):",
+                 *(f"# {line}" for line in yaml.safe_dump(defaults, sort_keys=False).splitlines())] if defaults else []
+    return "\n".join(lines) + "\n" + yaml.safe_dump(chosen, sort_keys=False) + "\n".join(commented) + "\n"
 
 
 def write_history(path: Path, history: list[dict[str, Any]]) -> None:
@@ -163,7 +169,8 @@ def write_outputs(
         out / CURVES_FILE,
         subtitle=f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
         f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
-        f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)",
+        + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != "as compiled"
+           else "LR as compiled"),
     )
     if "audit_sample_ids" in state:
         (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))

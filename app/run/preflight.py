@@ -144,6 +144,17 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
     return checked
 
 
+def lr_line(lr, objective, config: "TrainConfig") -> str:
+    """The plan's learning-rate line: as compiled (what model.fit would do), or the product's scaled schedule."""
+    if lr.as_compiled:
+        what = f"{lr.base_lr:g}" if lr.base_lr is not None else f"the compiled {objective.compiled_optimizer}'s schedule"
+        return (f"learning rate: {what} as compiled (no scaling, no warmup, no decay: as model.fit; "
+                "--lr-scaling, --warmup-epochs, --lr-decay or --base-lr ask for them)")
+    return (f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} "
+            f"({dict(objective.sources).get('learning rate', '--base-lr')}) at batch "
+            f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {lr.decay}")
+
+
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
                strategy: str) -> list[str]:
     """The plan a --dry-run prints (and a real run logs at its start)."""
@@ -153,7 +164,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     asynchronous = config.strategy == "parameter-server"
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous)
     objective = checked.objective
-    lr = plan_lr(config, plan.update_batch, plan.updates, base_lr=objective.base_lr)
+    lr = plan_lr(config, plan.update_batch, plan.updates, objective)
     run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
     if asynchronous:
@@ -169,9 +180,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
         f"{run}, {config.epochs} epochs",
-        f"learning rate: {lr.peak_lr:.4g} after scaling ({lr.rule} rule: base {lr.base_lr:g} "
-        f"({dict(objective.sources).get('learning rate', '--base-lr')}) at batch "
-        f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {config.lr_decay}",
+        lr_line(lr, objective, config),
     ]
     if m.get("callbacks") is not None:
         lines.append(f"callbacks: {', '.join(m['callbacks']) or 'none'} (on rank 0; a stop or LR change applies to "

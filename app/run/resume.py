@@ -190,7 +190,7 @@ def plan_line(config: "TrainConfig", start: Optional[Start], plan: "EpochPlan", 
 def _setup(backend: str, workers, replicas, global_batch, peak_lr, steps) -> str:
     who = f"{workers} worker{'s' if workers != 1 else ''}" if backend == "ray" else \
         f"{replicas} local replica{'s' if replicas != 1 else ''}"
-    lr = f"{peak_lr:.4g}" if isinstance(peak_lr, (int, float)) else "?"
+    lr = f"{peak_lr:.4g}" if isinstance(peak_lr, (int, float)) else "as compiled"  # None: a compiled schedule
     return f"{who} (global batch {global_batch}, lr {lr}, {steps} steps per epoch)"
 
 

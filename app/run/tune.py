@@ -314,7 +314,9 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
         raise RunFailed(f"no trial reported {metric!r}; see {out / RESULTS_FILE} and the trial logs in {out}")
 
     best = results.get_best_result(metric=metric, mode=mode, scope="last")
-    best_config = {**base.model_dump(mode="json"), **best.config}
+    # What the best trial set (the sweep's fixed flags and its point in the space), not the defaults: read back, a
+    # default stays the product's to decide from the model, as in the trial (app.run.outputs.recorded_config).
+    best_config = {**base.model_dump(mode="json", exclude_unset=True), **best.config}
     for key in ("output", "overwrite", "resume"):
         best_config.pop(key, None)
     (out / BEST_CONFIG_FILE).write_text(yaml.safe_dump(best_config, sort_keys=False))

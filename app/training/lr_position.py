@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 def continued(plan: LrPlan, restored: dict[str, Any], epoch: int, steps_done: int, updates: int) -> LrPlan:
     """``plan`` (this attempt's) positioned after a restore: ``restored`` is the checkpoint's state.json,
     ``epoch`` its epoch, ``steps_done`` the optimizer steps it took, ``updates`` the updates per epoch now."""
+    if plan.base_lr is None:  # a compiled schedule reads the optimizer's own step count, restored: as in Keras
+        return plan
     before = restored.get("lr_plan") or {}
     epochs_before = (restored.get("config") or {}).get("epochs") or 0
     updates_before = before.get("total_steps", 0) // epochs_before if epochs_before else None

@@ -66,6 +66,12 @@ def metric_names_in(record: dict) -> list[str]:
     return ["loss", *(k[4:] for k in record if k.startswith("val_") and k not in ("val_loss", "val_samples"))]
 
 
+# The flags that ask for the product's LR scaling features; a compiled optimizer without any of them trains at its
+# own LR, as model.fit would (field name -> flag, for messages).
+LR_FLAGS = {"base_lr": "--base-lr", "lr_scaling": "--lr-scaling", "reference_batch": "--reference-batch",
+            "warmup_epochs": "--warmup-epochs", "lr_decay": "--lr-decay"}
+
+
 @dataclass(frozen=True)
 class Objective:
     """The run's loss, metrics and optimizer source, decided by the driver; handed to every worker."""
@@ -80,6 +86,9 @@ class Objective:
     compiled_metrics: bool = False
     compiled_optimizer: Optional[str] = None  # the compiled optimizer's class; None: --optimizer
     base_lr: Optional[float] = None  # the compiled optimizer's LR, where the scaling rule starts; None: --base-lr
+    # The compiled optimizer's LR (a number or its own schedule) trains as compiled, as model.fit would: no scaling
+    # rule, warm-up or decay, because the run typed none of LR_FLAGS (app.training.optim.plan_lr).
+    lr_as_compiled: bool = False
     class_weights: Optional[tuple[float, ...]] = None  # --class-weight, per class id
     # A model with several outputs: per output (name, label shape, output shape, label dtype, task); else ().
     outputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...], str, str], ...] = ()
@@ -161,6 +170,8 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
 
     optimizer, base_lr = None, None
     compiled = args.get("optimizer") is not None and "optimizer" not in typed
+    scaling = sorted(typed & set(LR_FLAGS))
+    as_compiled = compiled and not scaling
     if compiled:
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # compile() may wrap it for fp16
         optimizer = type(inner).__name__
@@ -170,17 +181,24 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         elif isinstance(lr, (int, float)):
             base_lr = float(lr)
             sources.append(("learning rate", "compile()"))
+        elif as_compiled and config.strategy != "parameter-server":
+            # Its own LearningRateSchedule, stepped by the optimizer's iterations as in model.fit.
+            sources.append(("learning rate", "compile()'s schedule"))
+        elif as_compiled:
+            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, which asynchronous "
+                            "parameter-server workers cannot step (they lose counts of the optimizer's iterations): "
+                            "compile with a number as the learning rate, or use the default strategy")
         else:
-            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule: this product schedules "
-                            "the LR itself (--lr-scaling, --warmup-epochs, --lr-decay): compile with a number as the "
-                            "learning rate (the base LR the scaling starts from)")
+            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, and {LR_FLAGS[scaling[0]]} "
+                            "asks this product to schedule the LR itself: drop the flag to train with the compiled "
+                            "schedule as it is, or compile with a number (the base LR the scaling starts from)")
     sources.insert(0, ("optimizer", "compile()" if compiled else "--optimizer" if "optimizer" in typed else "default"))
 
     objective = Objective(
         task=facts.task, loss_name=loss, from_logits=from_logits if facts.task != "regression" else False,
         label_shape=tuple(facts.label_shape), output_shape=tuple(output_shape),
         compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
-        compiled_optimizer=optimizer, base_lr=base_lr,
+        compiled_optimizer=optimizer, base_lr=base_lr, lr_as_compiled=as_compiled,
         class_weights=class_weights(config, facts), sources=tuple(sources), outputs=outputs,
     )
     return objective

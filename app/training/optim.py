@@ -21,16 +21,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LrPlan:
     rule: str
-    base_lr: float
+    base_lr: Optional[float]  # None: the compiled optimizer's own schedule (decay "as compiled")
     reference_batch: int
     global_batch: int
-    peak_lr: float  # the LR after warmup: base_lr x factor(global / reference)
+    peak_lr: Optional[float]  # the LR after warmup: base_lr x factor(global / reference)
     warmup_steps: int
     total_steps: int
     # The schedule is read at optimizer step + step_offset (app.training.lr_position.schedule). Not 0 only
     # after a resume with another number of updates per epoch: the re-planned schedule then goes on from the
     # restored epoch's boundary.
     step_offset: int = 0
+    # After the warmup: cosine or constant (--lr-decay), or "as compiled": a compiled optimizer trained at its own
+    # LR or schedule, as model.fit trains it (no rule, no warmup: app.training.objective.LR_FLAGS).
+    decay: str = "cosine"
+
+    @property
+    def as_compiled(self) -> bool:
+        return self.decay == AS_COMPILED
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -42,9 +49,17 @@ def scaled_lr(base_lr: float, rule: str, global_batch: int, reference_batch: int
     return base_lr * factor
 
 
-def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int, base_lr: Optional[float] = None) -> LrPlan:
-    """``base_lr``: the compiled optimizer's LR (app.training.objective), else --base-lr."""
-    base = config.base_lr if base_lr is None else base_lr
+AS_COMPILED = "as compiled"
+
+
+def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int, objective: Any = None) -> LrPlan:
+    """The run's LR plan. ``objective`` (app.training.objective): a compiled optimizer's LR (where the scaling rule
+    starts), or its LR as compiled (no rule, warmup or decay: what model.fit does); None: --base-lr and the rule."""
+    total = config.epochs * steps_per_epoch
+    if objective is not None and objective.lr_as_compiled:
+        return LrPlan("none", objective.base_lr, global_batch, global_batch, objective.base_lr, 0, total,
+                      decay=AS_COMPILED)
+    base = config.base_lr if objective is None or objective.base_lr is None else objective.base_lr
     return LrPlan(
         rule=config.lr_scaling,
         base_lr=base,
@@ -52,7 +67,8 @@ def plan_lr(config: "TrainConfig", global_batch: int, steps_per_epoch: int, base
         global_batch=global_batch,
         peak_lr=scaled_lr(base, config.lr_scaling, global_batch, config.reference_batch),
         warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
-        total_steps=config.epochs * steps_per_epoch,
+        total_steps=total,
+        decay=config.lr_decay,
     )
 
 
@@ -65,7 +81,7 @@ def lr_schedule(config: "TrainConfig", plan: LrPlan, factor: Any = None
     """
     import keras
 
-    alpha = 0.0 if config.lr_decay == "cosine" else 1.0
+    alpha = 0.0 if plan.decay == "cosine" else 1.0  # constant, and a compiled number kept as it is
     decay_steps = max(plan.total_steps - plan.warmup_steps, 1)
     if plan.warmup_steps == 0:
         schedule = keras.optimizers.schedules.CosineDecay(plan.peak_lr, decay_steps, alpha=alpha)
@@ -114,7 +130,14 @@ def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False,
     """
     import keras
 
-    schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan, lr_factor)
+    if compiled is not None and plan.base_lr is None:  # its own schedule, as compiled (times a callback's factor)
+        inner = getattr(compiled, "inner_optimizer", compiled)
+        schedule = keras.optimizers.schedules.deserialize(inner.get_config()["learning_rate"])
+        schedule = schedule if lr_factor is None else _scaled_class()(schedule, lr_factor)
+        if driven_lr:
+            raise ValueError("a compiled LR schedule cannot be driven by the caller")  # refused in preflight
+    else:
+        schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan, lr_factor)
     if compiled is not None:
         inner = getattr(compiled, "inner_optimizer", compiled)  # compile() wraps it in a LossScaleOptimizer for fp16
         optimizer = type(inner).from_config({**inner.get_config(), "learning_rate": schedule})

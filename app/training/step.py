@@ -50,6 +50,16 @@ def agree_on_overflow(grads):
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
 
+def with_penalties(model: "keras.Model", per_example_loss):
+    """The loss as Keras reports it (``loss``, ``val_loss``): each example's loss plus the model's own penalties
+    (``model.losses``: weight regularisers, ``add_loss``), which are per batch, so once per row of a mean."""
+    import tensorflow as tf
+
+    if not model.losses:
+        return per_example_loss
+    return per_example_loss + tf.cast(tf.add_n(model.losses), per_example_loss.dtype)
+
+
 def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied."""
     import keras
@@ -71,8 +81,8 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss),
-                                                             weight)
+        return tape.gradient(loss, variables), measures.sums(y, out, with_penalties(model, per_example_loss),
+                                                             tf.ones_like(per_example_loss), weight)
 
     def train_step(x, y, sample_weight):
         if grad_accum == 1:
@@ -138,7 +148,7 @@ def eval_sums(model, measures: "Measures"):
 
     def eval_step(x, y, w):
         out = model(x, training=False)
-        return measures.sums(y, out, measures.loss(y, out), w)
+        return measures.sums(y, out, with_penalties(model, measures.loss(y, out)), w)
 
     return eval_step
 

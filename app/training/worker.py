@@ -89,7 +89,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     asynchronous = session.coordinator is not None
     replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
     plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
-    lr_plan = plan_lr(config, plan.update_batch, plan.updates, base_lr=job.objective.base_lr)
+    lr_plan = plan_lr(config, plan.update_batch, plan.updates, job.objective)
     with strategy.scope():
         # A compiled model brings its optimizer: a new one of its class and settings, the planned LR.
         model = build_model(config, job.facts)

@@ -1,0 +1,145 @@
+"""app.fit is model.fit: a compiled model trains with its own optimizer, learning rate (or schedule) and batch, as
+Keras's own loop trains it, weight for weight; and on 2 Ray workers as on 1 (each step's global batch holds the
+same rows whatever the number of workers).
+
+One fresh script (the user's, joined to the session's Ray) trains each case with ``keras.Model.fit`` in its own
+process and with ``app.fit`` on 1 and 2 workers, from the same initial weights (set by the model function from a
+seeded numpy generator) and the same order (``shuffle=False``), and writes the weights and histories.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_job
+
+SCRIPT = '''
+import json
+import sys
+
+import keras
+import numpy as np
+
+import app
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype("float32")
+y = (np.argmax(x[:, :3], axis=1) + (x[:, 3] > 1.2)).clip(0, 2)
+xv = rng.normal(size=(128, 8)).astype("float32")
+yv = np.argmax(xv[:, :3], axis=1)
+weights = rng.uniform(0.5, 1.5, size=512).astype("float32")
+
+
+def initial(model):
+    """The same starting point in every process: weights from a seeded generator, not from Keras's initialisers."""
+    start = np.random.default_rng(1)
+    model.set_weights([start.normal(scale=0.4, size=w.shape).astype("float32") for w in model.get_weights()])
+    return model
+
+
+def sgd_momentum_l2():
+    model = initial(keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(3, activation="softmax"),
+    ]))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def adam_schedule():
+    model = initial(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                      keras.layers.Dense(3)]))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=4, decay_rate=0.7)
+    model.compile(optimizer=keras.optimizers.Adam(schedule),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], weighted_metrics=["accuracy"])
+    return model
+
+
+def dropout_class_weights():
+    model = initial(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dropout(0.3, seed=7), keras.layers.Dense(3, activation="softmax")]))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+CASES = {  # name: (model function, extra fit arguments, worker counts)
+    "sgd_momentum_l2": (sgd_momentum_l2, {}, (1, 2)),
+    "adam_schedule_sample_weights": (adam_schedule, {"sample_weight": weights}, (1, 2)),
+    # Dropout draws its masks per replica: 2 workers draw other masks than 1 (each over its half of the batch).
+    "dropout_class_weights": (dropout_class_weights, {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, (1,)),
+}
+out = sys.argv[1]
+found = {}
+for name, (build, extra, workers) in CASES.items():
+    common = dict(batch_size=64, epochs=2, shuffle=False, validation_data=(xv, yv), **extra)
+    model = build()
+    history = model.fit(x, y, verbose=0, **common)
+    found[name] = {"keras": {"weights": [w.tolist() for w in model.get_weights()], "history": history.history,
+                             "evaluate": model.evaluate(xv, yv, batch_size=64, verbose=0, return_dict=True)}}
+    for n in workers:
+        run = app.fit(build, x, y, num_workers=n, output=f"{out}/{name}-{n}", **common)
+        found[name][n] = {"weights": [w.tolist() for w in run.model.get_weights()], "history": run.history,
+                          "lr_plan": run.result["lr_plan"], "global_batch": run.result["global_batch_size"]}
+json.dump(found, open(out + "/parity.json", "w"))
+'''
+
+
+@pytest.fixture(scope="module")
+def parity(joined, tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    script = out / "keras_script.py"
+    script.write_text(SCRIPT)
+    p = run_job(str(script), str(out), timeout=900, env=joined)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((out / "parity.json").read_text()), p
+
+
+def same_weights(a, b, what):
+    assert len(a) == len(b) > 0, what
+    for i, (u, v) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(np.array(v), np.array(u), rtol=0, atol=1e-5, err_msg=f"{what}: weight {i}")
+
+
+def same_history(keras_history, ours, what):
+    for key, values in keras_history.items():
+        assert key in ours, (what, key, sorted(ours))
+        np.testing.assert_allclose(ours[key], values, rtol=0, atol=1e-5, err_msg=f"{what}: {key}")
+
+
+CASES = ["sgd_momentum_l2", "adam_schedule_sample_weights", "dropout_class_weights"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_worker_trains_as_keras_fit_weight_for_weight(parity, case):
+    found, _ = parity
+    keras_run, one = found[case]["keras"], found[case]["1"]
+    same_weights(keras_run["weights"], one["weights"], f"{case}: keras fit vs app.fit on 1 worker")
+    same_history(keras_run["history"], one["history"], f"{case}: history")
+    # The compiled LR as it is: no scaling rule, no warmup, no decay of the product's.
+    assert one["lr_plan"]["decay"] == "as compiled" and one["lr_plan"]["warmup_steps"] == 0
+    assert one["global_batch"] == 64
+    # Trained weights moved (the comparison would be empty otherwise), and dropout is off at evaluation: the
+    # validation loss is what keras's evaluate() says of the trained model.
+    assert keras_run["history"]["loss"][-1] < keras_run["history"]["loss"][0]
+    assert keras_run["history"]["val_loss"][-1] == pytest.approx(keras_run["evaluate"]["loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum_l2", "adam_schedule_sample_weights"])
+def test_two_workers_train_as_one_with_the_same_global_batch(parity, case):
+    found, _ = parity
+    one, two = found[case]["1"], found[case]["2"]
+    same_weights(one["weights"], two["weights"], f"{case}: 1 vs 2 workers")
+    same_history(one["history"], two["history"], f"{case}: 1 vs 2 workers")
+    assert two["global_batch"] == 64
+
+
+def test_the_plan_says_the_lr_is_as_compiled(parity):
+    _, p = parity
+    assert "learning rate: 0.05 as compiled (no scaling, no warmup, no decay: as model.fit" in p.stdout + p.stderr
+    assert "learning rate: the compiled Adam's schedule as compiled" in p.stdout + p.stderr
