@@ -81,6 +81,8 @@ def test_job_submit_to_a_two_node_cluster_spreads_the_workers(no_shared_ray, tmp
 
 
 @pytest.mark.own_ray_cluster
+# tests/test_ray_up.py's cluster is exactly the workers' size too, and makes the same two checks there.
+@pytest.mark.skipif(not SSH_TOOLS_MISSING, reason="tests/test_ray_up.py runs an exact-size cluster through ray up")
 def test_a_cluster_exactly_the_size_of_the_workers_runs_to_the_end(no_shared_ray, tmp_path):
     """`ray start --head --num-cpus 2` and 2 workers x 1 CPU: no CPU left beside the workers.
 

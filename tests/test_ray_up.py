@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -109,7 +112,7 @@ def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboar
     config = yaml.safe_load((REPO / "cluster_ssh.yaml").read_text())
     ray_temp = root / "ray"  # short: Ray's socket paths must stay under 107 characters
     start = (
-        f"RAY_AUTH_MODE=token exec ray start --head --block --port={gcs_port} --num-cpus=3 "
+        f"RAY_AUTH_MODE=token exec ray start --head --block --port={gcs_port} --num-cpus=1 "
         f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --temp-dir={ray_temp} "
         f"--ray-client-server-port={free_port()} --dashboard-agent-listen-port={free_port()} "
         "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"
@@ -139,7 +142,10 @@ def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboar
 
 def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
     """ray up (head), a second node joins with `ray start --address` (as a lab machine would), a job with
-    --placement-strategy SPREAD puts one worker on each node, then ray down leaves nothing running."""
+    --placement-strategy SPREAD puts one worker on each node, then ray down leaves nothing running.
+
+    The cluster is exactly the size of the workers (1 CPU per node, 2 workers x 1 CPU): in-memory data needs no
+    Ray task per epoch, so the job runs to the end; a streamed job is refused in one line."""
     root = Path(tempfile.mkdtemp(prefix="rayup", dir="/tmp"))
     remote_home, local_home = root / "remote", root / "local"
     for d in (remote_home / "bin", local_home / ".ray"):
@@ -202,6 +208,25 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
         cluster_nodes = {n["node_id"] for n in json.loads(listed.stdout) if n["state"] == "ALIVE"}
         assert len(cluster_nodes) == 2
         assert len(set(result["worker_nodes"])) == 2 and set(result["worker_nodes"]) == cluster_nodes
+
+        # The cluster is exactly the workers' size (1 CPU per node): streamed data, whose reads need a CPU of
+        # Ray Data's beside the workers, is refused with one line that says what to change, not left waiting.
+        pq_dir = root / "pq"
+        pq_dir.mkdir()
+        rng = np.random.default_rng(0)
+        pq.write_table(pa.table({"x": pa.array(list(rng.normal(size=(256, 4)).astype("float32")),
+                                               type=pa.list_(pa.float32())), "label": rng.integers(0, 2, 256)}),
+                       pq_dir / "p.parquet")
+        refused = subprocess.run(
+            [ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--", "python",
+             "jobs/train.py", "--epochs", "1", "--dataset", str(pq_dir), "--output", str(root / "refused")],
+            env=job_env, capture_output=True, text=True, timeout=300,
+        )
+        assert refused.returncode != 0
+        lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+        # (ray job submit may show the job's log twice: once streamed, once at the end)
+        assert len(set(lines)) == 1 and "streamed data needs 1 CPU for Ray Data's reads" in lines[0], lines
+        assert "Traceback" not in refused.stdout + refused.stderr
         stop_node(nodes_started.pop())
 
         head_pgid = int((remote_home / "ray-head.pgid").read_text())
