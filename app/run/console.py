@@ -31,7 +31,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from app import internals
 
@@ -140,14 +140,18 @@ def for_people(verbose: bool = False, marked: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def routed(log_file: Path, verbose: bool = False, marked: bool = True) -> Iterator[Path]:
+def routed(log_file: Path, verbose: bool = False, marked: bool = True, plan: Sequence[str] = ()) -> Iterator[Path]:
     """Route the driver's logging and the Ray workers' output as the module docstring says, while inside.
 
-    ``marked``: as for ``for_people``.
+    ``marked``: as for ``for_people``. ``plan``: the run's plan lines, written first into the file (the console
+    had them already; from Python, as app.fit, which prints only the epochs, the file is where they are).
     """
     global _current
     file_handler = logging.FileHandler(log_file)
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for line in plan:
+        file_handler.handle(logging.makeLogRecord({"name": "app.plan", "levelno": logging.INFO,
+                                                   "levelname": "INFO", "msg": line}))
     root = logging.getLogger()
     root_level = root.level
     root.setLevel(min(root_level, logging.INFO))  # the file gets every library's INFO lines

@@ -270,7 +270,8 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
     started_at = started_at or time.time()
     checked = check(config)
-    for line in plan_lines(config, checked, config.num_workers, 1, strategy_line(config)):
+    lines = plan_lines(config, checked, config.num_workers, 1, strategy_line(config))
+    for line in lines:
         log.info(line)
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
@@ -279,7 +280,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     train, val = ray.put(checked.source.train), ray.put(checked.source.val)
     shipped = ray_train.for_workers(config)
     restore = config.resume
-    with console.routed(out / console.LOG_FILE, config.verbose):
+    with console.routed(out / console.LOG_FILE, config.verbose, plan=lines):
         for attempt in range(config.max_failures + 1):
             tf_cluster = start_cluster(config)
             try:

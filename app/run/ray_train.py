@@ -356,14 +356,15 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     checked = check(config)
     from app.run.preflight import plan_lines
 
-    for line in plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy"):
+    lines = plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy")
+    for line in lines:
         log.info(line)
     cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     start = checked.resumed
     name = _ray_run_name(config, out, start)
-    with console.routed(out / console.LOG_FILE, config.verbose):
+    with console.routed(out / console.LOG_FILE, config.verbose, plan=lines):
         result = fit(config, checked, name=name, start_from=start.path if start and start.kind == "local" else None)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = outputs.write_outputs(
