@@ -68,24 +68,27 @@ def dropout_class_weights():
     return model
 
 
-CASES = {  # name: (model function, extra fit arguments, worker counts)
-    "sgd_momentum_l2": (sgd_momentum_l2, {}, (1, 2)),
-    "adam_schedule_sample_weights": (adam_schedule, {"sample_weight": weights}, (1, 2)),
+CASES = {  # name: (model function, training rows, extra fit arguments, worker counts)
+    "sgd_momentum_l2": (sgd_momentum_l2, 512, {}, (1,)),  # on 2 workers: short_last_batch, its 7 full steps
+    "adam_schedule_sample_weights": (adam_schedule, 512, {"sample_weight": weights}, (1, 2)),
     # Dropout draws its masks per replica: 2 workers draw other masks than 1 (each over its half of the batch).
-    "dropout_class_weights": (dropout_class_weights, {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, (1,)),
+    "dropout_class_weights": (dropout_class_weights, 512, {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, (1,)),
+    # 499 rows: 7 batches of 64, then a short one of 51 (25 + 26 rows on 2 workers).
+    "short_last_batch": (sgd_momentum_l2, 499, {}, (1, 2)),
 }
 out = sys.argv[1]
 found = {}
-for name, (build, extra, workers) in CASES.items():
+for name, (build, rows, extra, workers) in CASES.items():
     common = dict(batch_size=64, epochs=2, shuffle=False, validation_data=(xv, yv), **extra)
     model = build()
-    history = model.fit(x, y, verbose=0, **common)
+    history = model.fit(x[:rows], y[:rows], verbose=0, **common)
     found[name] = {"keras": {"weights": [w.tolist() for w in model.get_weights()], "history": history.history,
                              "evaluate": model.evaluate(xv, yv, batch_size=64, verbose=0, return_dict=True)}}
     for n in workers:
-        run = app.fit(build, x, y, num_workers=n, output=f"{out}/{name}-{n}", **common)
+        run = app.fit(build, x[:rows], y[:rows], num_workers=n, output=f"{out}/{name}-{n}", **common)
         found[name][n] = {"weights": [w.tolist() for w in run.model.get_weights()], "history": run.history,
-                          "lr_plan": run.result["lr_plan"], "global_batch": run.result["global_batch_size"]}
+                          "lr_plan": run.result["lr_plan"], "global_batch": run.result["global_batch_size"],
+                          "steps": run.result["steps_per_epoch"], "dropped": run.result["dropped_samples_per_epoch"]}
 json.dump(found, open(out + "/parity.json", "w"))
 '''
 
@@ -112,7 +115,7 @@ def same_history(keras_history, ours, what):
         np.testing.assert_allclose(ours[key], values, rtol=0, atol=1e-5, err_msg=f"{what}: {key}")
 
 
-CASES = ["sgd_momentum_l2", "adam_schedule_sample_weights", "dropout_class_weights"]
+CASES = ["sgd_momentum_l2", "adam_schedule_sample_weights", "dropout_class_weights", "short_last_batch"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -124,28 +127,31 @@ def test_one_worker_trains_as_keras_fit_weight_for_weight(parity, case):
     # The compiled LR as it is: no scaling rule, no warmup, no decay of the product's.
     assert one["lr_plan"]["decay"] == "as compiled" and one["lr_plan"]["warmup_steps"] == 0
     assert one["global_batch"] == 64
+    # Every row trained, every epoch: 8 steps, the last one short (499 - 7 x 64 = 51 rows) where 499 rows do not divide by 64.
+    assert one["steps"] == 8 and one["dropped"] == 0
     # Trained weights moved (the comparison would be empty otherwise), and dropout is off at evaluation: the
     # validation loss is what keras's evaluate() says of the trained model.
     assert keras_run["history"]["loss"][-1] < keras_run["history"]["loss"][0]
     assert keras_run["history"]["val_loss"][-1] == pytest.approx(keras_run["evaluate"]["loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("case", ["sgd_momentum_l2", "adam_schedule_sample_weights"])
+@pytest.mark.parametrize("case", ["adam_schedule_sample_weights", "short_last_batch"])
 def test_two_workers_train_as_one_with_the_same_global_batch(parity, case):
     found, *_ = parity
     one, two = found[case]["1"], found[case]["2"]
     same_weights(one["weights"], two["weights"], f"{case}: 1 vs 2 workers")
     same_history(one["history"], two["history"], f"{case}: 1 vs 2 workers")
-    assert two["global_batch"] == 64
+    assert two["global_batch"] == 64 and two["steps"] == 8 and two["dropped"] == 0
 
 
 def test_the_plan_says_the_lr_is_as_compiled(parity):
     """app.fit prints only its epochs (as model.fit does); the run's plan, with its learning-rate line, heads each
     run's train.log."""
     _, p, out = parity
-    sgd = (out / "sgd_momentum_l2-2" / "train.log").read_text()
+    sgd = (out / "short_last_batch-2" / "train.log").read_text()
     assert "learning rate: 0.05 as compiled (no scaling, no warmup, no decay: as model.fit" in sgd
     assert "run: backend ray, MultiWorkerMirroredStrategy, 2 worker(s)" in sgd
+    assert "each epoch ends with a short batch of the 51 rows left over, as model.fit (split over the 2 replica" in sgd
     adam = (out / "adam_schedule_sample_weights-1" / "train.log").read_text()
     assert "learning rate: the compiled Adam's schedule as compiled" in adam
     assert "learning rate:" not in p.stdout + p.stderr

@@ -110,7 +110,7 @@ def input_pipeline(payload: dict[str, Any]) -> dict[str, Any]:
     set_thread_counts(config.cpus_per_worker)
     source = load_source(config)
     plan = EpochPlan.for_run(config, len(source.train), world)
-    batches = train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs, 0, world)
+    batches = train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs, 0)
     iterator = iter(batches)
     per_epoch = []
     for _ in range(config.epochs):

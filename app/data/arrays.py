@@ -74,6 +74,8 @@ class DataFacts:
     # Named outputs (a dict y): each one's label shape and task (classification, binary, regression).
     outputs: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
     sample_weights: bool = False  # the training rows carry the data function's sample weights
+    # Streamed files (Ray Data deals each worker its shard of whole batches): never a short last batch.
+    streamed: bool = False
 
     @property
     def example_shape(self) -> Any:

@@ -238,7 +238,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None, not cached["val"])
     if cached["val"]:
         val = val.materialize()
-    facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val)
+    facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, streamed=True)
     val = padded(val, n_val, num_workers, facts)
     log.info(
         "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",

@@ -1,6 +1,7 @@
 """A worker's data -> per-replica tf.data batches, with the same rules on every path.
 
-Rules: a seeded reshuffle every epoch, whole batches only, the same number of
+Rules: a seeded reshuffle every epoch, whole batches only (but for the short
+last batch of a plan that has one: app.data.plan), the same number of
 steps on every worker (MWMS's all-reduce waits forever for a missing peer),
 every sample at most once per epoch, validation padded with weight-0 rows so
 that every worker runs the same number of eval batches and no row is lost.
@@ -44,33 +45,34 @@ def _batch_signature(facts: DataFacts, third: "tf.DType", weights: bool = False)
 
 
 def train_batches_from_arrays(
-    split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int,
-    rank: int = 0, world: int = 1,
+    split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int, rank: "int | tf.Tensor" = 0,
 ) -> "tf.data.Dataset":
     """Per-replica (x, y, id, sample weight) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
 
     Epoch e's order is shuffled with seed (seed, e), so a resumed or restarted
     run sees exactly the order an uninterrupted one would have. Step s's global
     batch is rows [s * G, (s + 1) * G) of that order, whatever the number of
-    workers (G: the global batch), and worker ``rank`` takes its slice of it:
-    rows [s * G + rank * G / world, s * G + (rank + 1) * G / world). So N
+    workers (G: the global batch), and each replica takes its part of it
+    (``plan.slices``: worker ``rank``'s parts, its local replicas' one after
+    the other; ``rank`` may be a tensor, as a parameter-server worker's). So N
     workers train on the very batches one worker with the global batch does,
-    as Keras's ``fit`` with ``shuffle=False`` takes them (rows 0..G-1 first).
-    A strategy with R local replicas cuts its slice into R consecutive batches.
+    as Keras's ``fit`` with ``shuffle=False`` takes them
+    (rows 0..G-1 first), the short last one included where the plan has one.
     """
     import tensorflow as tf
 
     x, y = (tf.nest.map_structure(tf.constant, a) for a in (split.x, split.y))
     ids, w = tf.constant(split.ids), tf.constant(split.weights())
-    local = plan.step_batch * plan.replicas_per_worker  # this worker's rows of each global step
+    starts, sizes = (tf.gather(tf.constant(a), rank) for a in plan.slices())
+    # Whole batches only: a static batch size, as before the short last batch existed.
+    size = None if plan.last_rows else plan.step_batch
 
     def one_epoch(epoch):
         order = tf.range(len(split), dtype=tf.int64)
         if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
             order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
-        steps = tf.reshape(order[: plan.steps * world * local], (plan.steps, world, local))
-        mine = tf.reshape(steps[:, rank, :], (-1,))
-        return tf.data.Dataset.from_tensor_slices(mine).batch(plan.step_batch, drop_remainder=True)
+        return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(
+            lambda start, n: tf.ensure_shape(order[start:start + n], (size,)))
 
     def gather(index):
         rows = lambda t: tf.gather(t, index)  # noqa: E731

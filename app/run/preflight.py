@@ -135,7 +135,8 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
         from app.training.callbacks import check as check_callbacks
 
         summary["callbacks"] = check_callbacks(config, objective)
-    EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker).check()
+    EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker,
+                      short_last=objective.short_last_batch).check()
     checked = Checked(source, facts, objective, summary)
     if config.resume:
         from app.run import resume
@@ -155,6 +156,17 @@ def lr_line(lr, objective, config: "TrainConfig") -> str:
             f"{lr.reference_batch}), {lr.warmup_steps} warmup steps, then {lr.decay}")
 
 
+def batches_line(plan: EpochPlan) -> str:
+    """What the plan does with the rows that whole batches leave over."""
+    if plan.last_rows:
+        return (f"each epoch ends with a short batch of the {plan.last_rows} rows left over, as model.fit "
+                f"(split over the {plan.num_workers * plan.replicas_per_worker} replica(s))")
+    if plan.short_last and plan.dropped:
+        return (f"{plan.dropped} training rows dropped per epoch (fewer than one per replica: a short last batch "
+                "would leave a replica none)")
+    return f"{plan.dropped} training rows dropped per epoch (whole batches on every replica)"
+
+
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
                strategy: str) -> list[str]:
     """The plan a --dry-run prints (and a real run logs at its start)."""
@@ -162,8 +174,9 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
 
     facts = checked.facts
     asynchronous = config.strategy == "parameter-server"
-    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous)
     objective = checked.objective
+    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous,
+                             objective.short_last_batch)
     lr = plan_lr(config, plan.update_batch, plan.updates, objective)
     run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
@@ -173,8 +186,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     m = checked.model
     lines = [
         f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
-        f"{facts.example_shape}, {facts.task} ({target}); {plan.dropped} training rows dropped per epoch "
-        "(whole batches on every replica)",
+        f"{facts.example_shape}, {facts.task} ({target}); {batches_line(plan)}",
         f"model: {m['name']}, {m['parameters']:,} parameters, output shape {_shape(m['output_shape'])} "
         f"({m['outputs']})",
         objective_line(config, objective),

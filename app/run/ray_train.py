@@ -84,7 +84,7 @@ class RaySession:
 
             def train(_):
                 return tf_input.train_batches_from_arrays(
-                    train_split, plan, config.seed, config.shuffle, start_epoch, config.epochs, self.rank, self.world
+                    train_split, plan, config.seed, config.shuffle, start_epoch, config.epochs, self.rank
                 )
 
             def val(_):

@@ -111,13 +111,13 @@ class ParameterServerSession:
 
         from app.data import tf_input
 
-        config, train, workers = self.config, self.train, self.world
+        config, train = self.config, self.train
 
         def worker_batches(_):
             # Runs inside each remote worker; its index comes from the coordinator at run time.
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             return tf_input.train_batches_from_arrays(
-                train, plan, config.seed, config.shuffle, start_epoch, config.epochs, index, workers
+                train, plan, config.seed, config.shuffle, start_epoch, config.epochs, index
             ).repeat()  # endless: a fast worker may run past its slice of the last epoch
 
         per_worker = self.coordinator.create_per_worker_dataset(strategy.distribute_datasets_from_function(worker_batches))

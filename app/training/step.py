@@ -60,13 +60,24 @@ def with_penalties(model: "keras.Model", per_example_loss):
     return per_example_loss + tf.cast(tf.add_n(model.losses), per_example_loss.dtype)
 
 
-def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int):
-    """The per-replica step: gradients of the loss averaged over the *global* batch, then applied."""
+def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int,
+                       short_last: bool = False):
+    """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
+
+    ``short_last``: the plan ends each epoch with a short step (app.data.plan), so the global batch is counted in
+    every step (one scalar all-reduce) instead of taken from the plan.
+    """
     import keras
     import tensorflow as tf
 
     variables = model.trainable_variables
     scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def rows_in_step(sample_weight):
+        if not short_last:
+            return global_batch
+        rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
+        return tf.cast(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, rows), tf.int32)
 
     def micro_batch_gradients(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
@@ -76,7 +87,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
             # Divide by the *global* batch (all replicas, all micro-batches): the
             # all-reduce then sums replica gradients into the gradient of the mean
             # over the global batch.
-            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch)
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=rows_in_step(sample_weight))
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
             if scales_loss:
@@ -117,12 +128,14 @@ class TrainSteps:
 
 
 def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
-                     audit_sample_ids: bool = False, replica_step: Optional[Callable] = None) -> TrainSteps:
-    """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual."""
+                     audit_sample_ids: bool = False, replica_step: Optional[Callable] = None,
+                     short_last: bool = False) -> TrainSteps:
+    """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
+    ``short_last``: as for ``replica_train_step``."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last)
 
     @tf.function
     def one(batch):

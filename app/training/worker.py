@@ -88,7 +88,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
     asynchronous = session.coordinator is not None
     replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
-    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
+    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
+                             job.objective.short_last_batch)
     lr_plan = plan_lr(config, plan.update_batch, plan.updates, job.objective)
     with strategy.scope():
         # A compiled model brings its optimizer: a new one of its class and settings, the planned LR.
@@ -186,7 +187,7 @@ def step_runner(config: "TrainConfig", session: Session, strategy, model, optimi
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
                          config.audit_sample_ids,
                          pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None),
+                         if pipe else None, short_last=plan.last_rows > 0),
         make_eval_step(strategy, pipe if pipe is not None else model, measures),
         make_replica_state_average(strategy, model),
         steps_per_execution=config.steps_per_execution,
