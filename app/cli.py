@@ -59,7 +59,7 @@ def train_args(description: str, argv: list[str] | None = None) -> TrainArgs:
     """Every TrainConfig field as a flag, plus --config FILE and --dry-run."""
     own, typed = cli_errors.guarded(lambda: _parse(description, argv, "train", _train_flags(), set(TrainConfig.model_fields)))
     config = cli_errors.guarded(lambda: build_config(_base_file(own["config"], typed), typed))
-    _parsed["verbose"] = config.verbose
+    _parsed["show_logs"] = config.show_logs
     return TrainArgs(config, own["dry_run"])
 
 
@@ -157,16 +157,16 @@ def main(body: Callable[[], Any]) -> None:
         sys.exit(1)
 
 
-_parsed = {"verbose": False}  # the parsed config's --verbose (it may come from a --config file)
+_parsed = {"show_logs": False}  # the parsed config's --show-logs (it may come from a --config file)
 
 
 def _kept(trace: str) -> str:
-    """Keep the user's traceback where the one line says (no run directory exists yet); --verbose prints it."""
+    """Keep the user's traceback where the one line says (no run directory exists yet); --show-logs prints it."""
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", prefix="ray-tf-train-error-", suffix=".txt", delete=False) as f:
         f.write(trace)
-    if "--verbose" in sys.argv[1:] or _parsed["verbose"]:
+    if "--show-logs" in sys.argv[1:] or _parsed["show_logs"]:
         print(trace, file=sys.stderr, end="")
     return f" (traceback in {f.name})"
 

@@ -105,6 +105,13 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
 
     @model_validator(mode="before")
     @classmethod
+    def _renamed(cls, values: Any) -> Any:  # config.yaml of a run made before the rename
+        if isinstance(values, dict) and "verbose" in values and "show_logs" not in values:
+            values = {k: v for k, v in values.items() if k != "verbose"} | {"show_logs": values["verbose"]}
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
     def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
         for name in ("split_at", "export"):
             cut = values.get(name) if isinstance(values, dict) else None

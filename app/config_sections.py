@@ -263,9 +263,10 @@ class OutputSection(_Section):
     audit_sample_ids: bool = Field(
         False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
     )
-    verbose: bool = Field(
+    # Not "verbose": app.fit takes Keras's verbose (0, 1, 2, "auto"), beside every config field.
+    show_logs: bool = Field(
         False, description="Show Ray's and TensorFlow's own log lines on the console too (they always go to "
-        "<output>/train.log)."
+        "<output>/train.log), and an error's traceback."
     )
 
 

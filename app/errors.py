@@ -20,7 +20,7 @@ class UserCodeError(UserError):
     """The user's own code (a model or data function, their file's import) raised.
 
     The message is the one line; ``trace`` keeps the user's whole traceback, which
-    the entry scripts write to a file the line names (and print with --verbose).
+    the entry scripts write to a file the line names (and print with --show-logs).
     It crosses processes (a model function that raises in a Ray worker): pickled as
     the message and the trace.
     """

@@ -35,12 +35,12 @@ y = np.argmax(x[:, :3], axis=1)
 out = sys.argv[1]
 
 split = app.fit(build_model, x, y, batch_size=64, epochs=2, validation_split=0.2, num_workers=2,
-                warmup_epochs=0, output=out + "/split")
+                warmup_epochs=0, output=out + "/split", verbose=2)
 # Keras's cut: floor(507 * 0.8) = 405 training rows, the last 102 validate.
 xv, yv = x[405:], y[405:]
 p = split.model.predict(xv, verbose=0)
 given = app.fit(build_model, x[:300], y[:300], epochs=1, validation_data=(x[300:401], y[300:401]),
-                num_workers=2, output=out + "/given")
+                num_workers=2, output=out + "/given", verbose=0)
 json.dump({
     "history": split.history, "epoch": split.epoch, "records": split.records, "result": split.result,
     "loss_on_last_rows": float(np.mean(keras.losses.sparse_categorical_crossentropy(yv, p))),
@@ -82,6 +82,10 @@ def test_fit_from_a_fresh_script_keras_history_and_the_last_rows_validate(joined
     assert got["given_records"][-1]["val_samples"] == 101
     assert got["given_records"][-1]["train_samples"] + got["given_records"][-1]["dropped_samples"] == 300
     assert len(got["given_history"]["val_loss"]) == 1
+    # verbose=2: a line per epoch; verbose=0 (the second run, 1 epoch): nothing on the console, its epoch in train.log.
+    console = p.stdout + p.stderr
+    assert "epoch   1/2" in console and "epoch   2/2" in console and "epoch   1/1" not in console
+    assert "epoch   1/1" in (tmp_path / "given" / "train.log").read_text()
 
 
 X = np.zeros((100, 4), dtype="float32")
@@ -110,7 +114,7 @@ def build_model():
     ({"batch_size": 32, "per_replica_batch": 16}, "batch_size is the global batch and per_replica_batch"),
     ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of x arrays"),
     # Keras's fit arguments this product does not take as Keras means them: each named, with what to use.
-    ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3)"),
+    ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3): 0 prints nothing"),
     ({"initial_epoch": 2}, "initial_epoch continues an earlier run in Keras: here, give that run's output and resume=True"),
     ({"steps_per_epoch": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
     ({"validation_steps": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),

@@ -85,18 +85,18 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
 
 
-def test_a_verbose_sweep_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so(ray_cluster, tmp_path):
-    """--verbose: what went to tune.log is on the console as well. One trial that fails at once keeps it cheap."""
+def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so(ray_cluster, tmp_path):
+    """--show-logs: what went to tune.log is on the console as well. One trial that fails at once keeps it cheap."""
     out = tmp_path / "sweep"
     space = tmp_path / "space.yaml"
     space.write_text("num_workers: 2\nper_replica_batch: 1024\n")
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5", "--output", str(out),
-                "--verbose", timeout=300, env=env)
+                "--show-logs", timeout=300, env=env)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "trial 1 failed: global batch 2048" in p.stdout
     assert "error: no trial reported 'val_accuracy'" in p.stderr
-    # Ray's own lines, which a sweep without --verbose keeps in tune.log only: Tune's controller on the trial that
+    # Ray's own lines, which a sweep without --show-logs keeps in tune.log only: Tune's controller on the trial that
     # failed, with its traceback.
     log = (out / tune_console.LOG_FILE).read_text()
     assert "ERROR tune_controller.py" in p.stderr and "Trial task failed" in log

@@ -23,7 +23,7 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
     from app.run import console
 
     # The whole run, its checks included: libraries' lines stay off the console (app.run.console).
-    with console.for_people(config.verbose):
+    with console.for_people(config.show_logs):
         from app.run import outputs
 
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
@@ -44,7 +44,7 @@ def dry_run(config: TrainConfig) -> list[str]:
     """Validate, inspect the data, build the model once, and return the plan; trains nothing, writes nothing."""
     from app.run import console
 
-    with console.for_people(config.verbose):
+    with console.for_people(config.show_logs):
         return _dry_run(config)
 
 

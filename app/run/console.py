@@ -9,9 +9,9 @@ sorts those lines while a run trains:
   are printed as they are, without Ray's prefix, once (in a sweep, whose
   console tells each trial's epochs itself, they go to the file with the rest);
 - Ray's distributed progress bars (``ray.experimental.tqdm_ray``: ours, and Ray
-  Data's with --verbose) are drawn;
+  Data's with --show-logs) are drawn;
 - everything else goes to the run's log file, and to the console as well with
-  ``--verbose``.
+  ``--show-logs``.
 
 The messages the cluster publishes for this job (the raylet's warnings and
 errors, printed by a thread of Ray's of their own) go to the file and to the
@@ -84,7 +84,8 @@ def say(line: str) -> None:
 
 # Set by ``for_people`` for the duration of a run; "sticky": until the process ends (``for_this_process``).
 # "marked": workers' marked lines go to the console (a training run) or, False, to the log file (a sweep).
-_people = {"active": False, "verbose": False, "sticky": False, "marked": True}
+# "silent": nothing but warnings and errors on the console (app.fit(verbose=0), as model.fit(verbose=0)).
+_people = {"active": False, "verbose": False, "sticky": False, "marked": True, "silent": False}
 
 
 def for_this_process() -> None:
@@ -101,6 +102,8 @@ class _ConsoleFilter(logging.Filter):
     errors with whole tracebacks; the run turns them into one line of its own)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if _people["silent"] and record.levelno < logging.WARNING:
+            return False
         if not _people["active"] or _people["verbose"]:
             return True
         return record.name == "app" or record.name.startswith("app.") or record.levelno >= logging.CRITICAL
@@ -117,6 +120,18 @@ def quiet_now() -> None:
             handler.addFilter(_ConsoleFilter())
     if _people["active"]:
         _WorkerLines.install()
+
+
+@contextlib.contextmanager
+def silent() -> Iterator[None]:
+    """Inside: the run's epoch lines and our other lines for people go to its log file only; warnings and errors
+    still reach the console (app.fit(verbose=0): model.fit(verbose=0) prints nothing)."""
+    before = _people["silent"]
+    _people["silent"] = True
+    try:
+        yield
+    finally:
+        _people["silent"] = before
 
 
 @contextlib.contextmanager
@@ -192,7 +207,7 @@ class _WorkerLines:
     """Takes the place of Ray's printer of worker output: one batch (Ray's log batch dict) at a time, sorted.
 
     Marked lines to the console, progress bars drawn, the rest to the run's log
-    file (kept in memory until it exists) and, with --verbose, to Ray's printer.
+    file (kept in memory until it exists) and, with --show-logs, to Ray's printer.
     Ray's own events (the autoscaler's "cannot be scheduled", the raylet's) go to
     Ray's printer as well: they are what a user waiting on a full cluster needs.
     """
@@ -257,7 +272,7 @@ class _WorkerLines:
         people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
         bars = [line for line in lines if RAY_TQDM_MAGIC in line]
         rest = [line for line in lines if not line.startswith(MARK) and RAY_TQDM_MAGIC not in line]
-        if not _people["marked"]:  # a sweep: the trials' epoch lines are its console's, not each worker's
+        if not _people["marked"] or _people["silent"]:  # a sweep (its console tells the trials' epochs), verbose=0
             people, rest = [], people + rest
         bar_manager = tqdm_ray.instance()
         if people:
@@ -290,7 +305,7 @@ _RAY_NOISE = ("PYTHON worker processes have been started",)
 class _RayMessages:
     """Takes the place of Ray's printer of the messages the cluster publishes for this job (the raylet's warnings
     and errors: a worker killed for memory, say): each to the log file, and to the console (Ray's printer) unless it
-    is ``_RAY_NOISE`` and not --verbose."""
+    is ``_RAY_NOISE`` and not --show-logs."""
 
     def __init__(self, ray_printer):
         self.ray_printer = ray_printer

@@ -29,7 +29,8 @@ The arguments mean what they mean in ``keras.Model.fit``:
   ``model.fit`` does: no scaling rule, warmup or decay of the product's unless a keyword asks for them
   (``lr_scaling``, ``warmup_epochs``, ``lr_decay``, ``base_lr``, ``reference_batch``). Each step's global batch
   holds the same rows on any number of workers (tests/test_keras_parity.py: weights equal to ``model.fit``'s).
-- ``shuffle`` as in Keras; ``verbose`` takes Keras's values (every epoch is one line on the console either way);
+- ``shuffle`` as in Keras; ``verbose`` takes Keras's values: 0 prints nothing but warnings and errors (the epochs
+  go to <output>/train.log), 1, 2 and "auto" one line per epoch (Ray's and TensorFlow's own lines: train.log);
   ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and ``validation_freq``
   other than their defaults are refused in one line that says what to use.
 - Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
@@ -40,6 +41,7 @@ Everything refusable is refused with one line before the data is checked or Ray 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -145,7 +147,10 @@ def fit(
     values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields, sample_weight),
               "model": model_fn, "epochs": epochs, "num_workers": num_workers, "callbacks": callbacks or None}
     config = _with_global_batch(config_file, values, batch_size)
-    result = run_training(config)
+    from app.run import console
+
+    with console.silent() if verbose == 0 else contextlib.nullcontext():
+        result = run_training(config)
     out = config.output_dir()
     return History(result, read_records(out / result["history_file"]), out / result["model_file"])
 
@@ -154,8 +159,8 @@ def _keras_only(verbose: Any, initial_epoch: int, steps_per_epoch: Optional[int]
                 validation_batch_size: Optional[int], validation_freq: int) -> None:
     """fit()'s arguments that this product takes as Keras means them, or refuses in one line naming what to use."""
     if verbose not in (0, 1, 2, "auto") or isinstance(verbose, bool):
-        raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r}); every epoch is one "
-                        "line on the console either way (Ray's and TensorFlow's own lines: <output>/train.log)")
+        raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r}): 0 prints "
+                        "nothing, the others one line per epoch (Ray's and TensorFlow's own lines: <output>/train.log)")
     if initial_epoch:
         raise UserError("initial_epoch continues an earlier run in Keras: here, give that run's output and "
                         "resume=True (app.fit(..., output=<run>, resume=True, epochs=<total>))")

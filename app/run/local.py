@@ -97,7 +97,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     start = checked.resumed
     session = LocalSession(config, strategy, checked.source, start.path if start and start.kind == "ray" else None)
     try:
-        with console.routed(out / console.LOG_FILE, config.verbose, plan=lines):
+        with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
             train_worker(config, job, session)
     except NonFiniteLoss as e:
         raise RunFailed(str(e)) from None

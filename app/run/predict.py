@@ -64,7 +64,7 @@ def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[
     from app.run import console
 
     # Libraries' lines (Ray Data's plans, the actors' TensorFlow notices) go to _predict.log, not the console.
-    with console.for_people(found.config.verbose):
+    with console.for_people(found.config.show_logs):
         return _predict(found, options, given)
 
 
@@ -104,7 +104,7 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     pool_started = time.time()
-    with console.routed(out / LOG_FILE, found.config.verbose):
+    with console.routed(out / LOG_FILE, found.config.show_logs):
         if config.backend == "local":
             _in_this_process(rows, config, found.model_file, recipe, out)
         else:

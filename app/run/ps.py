@@ -280,7 +280,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     train, val = ray.put(checked.source.train), ray.put(checked.source.val)
     shipped = ray_train.for_workers(config)
     restore = config.resume
-    with console.routed(out / console.LOG_FILE, config.verbose, plan=lines):
+    with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
         for attempt in range(config.max_failures + 1):
             tf_cluster = start_cluster(config)
             try:

@@ -336,7 +336,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
 
         # Datasets seal the current context when created: set before any is. Their
         # progress bars are Ray's internals (read tasks, split coordinators), not ours.
-        DataContext.get_current().enable_progress_bars = config.verbose
+        DataContext.get_current().enable_progress_bars = config.show_logs
         console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
     if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
@@ -364,7 +364,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     start = checked.resumed
     name = _ray_run_name(config, out, start)
-    with console.routed(out / console.LOG_FILE, config.verbose, plan=lines):
+    with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
         result = fit(config, checked, name=name, start_from=start.path if start and start.kind == "local" else None)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = outputs.write_outputs(

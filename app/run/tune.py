@@ -219,7 +219,7 @@ def sweep(
         raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
     cluster.check_fits_locally(base)
     # Ray's and the libraries' lines stay off the console from Ray's start on (app.run.console).
-    with console.for_people(base.verbose, marked=False):
+    with console.for_people(base.show_logs, marked=False):
         cluster.connect(base)
         if metric is None or mode is None:
             from app.run import preflight
@@ -231,7 +231,7 @@ def sweep(
             mode = mode or metric_mode(metric) or "min"
         at_once = concurrency(base, max_concurrent)
         out.mkdir(parents=True, exist_ok=True)
-        with console.routed(out / tune_console.LOG_FILE, base.verbose, marked=False):
+        with console.routed(out / tune_console.LOG_FILE, base.show_logs, marked=False):
             for line in tune_console.plan_lines(
                     space_file, read_yaml(space_file), searched, tune_console.trial_count(space, num_samples),
                     scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric), metric, mode, base,

@@ -5,7 +5,7 @@ Tune's own reporter (status tables every 30 s, each trial's config and result as
 controller in the driver and says it in one line: a trial started (its sampled values), each epoch's
 metric, stopped early by the scheduler, finished, failed (its one-line reason). What Ray and TensorFlow
 print in the driver and in every trial's processes goes to ``<output>/tune.log`` (app.run.console.routed,
-as for a training run; the workers' own epoch lines too), and with --verbose to the console as well.
+as for a training run; the workers' own epoch lines too), and with --show-logs to the console as well.
 """
 
 from __future__ import annotations
