@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep, keras, predict suites.
+"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -9,6 +9,7 @@
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
     python jobs/benchmark.py keras   /   predict          # compiled model vs fit()  /  batch prediction: rows/s, memory
+    python jobs/benchmark.py input                        # parquet, TFRecord, tf.data vs arrays in memory
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml; quick.yaml with --quick; --preset FILE):
 parameters (flags override them), a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override).
@@ -21,7 +22,7 @@ import sys
 import _bootstrap  # noqa: F401
 from app import cli
 
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "predict")
+SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "input", "predict")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
     add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
+    i = add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
+    i.add_argument("--rows", type=int, help="Rows of the dataset."), i.add_argument(
+        "--runs", type=int, help="Runs of each source (the best counts).")
     add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     return top
 

@@ -10,6 +10,8 @@
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
 - keras (app.bench.keras_fit): a compiled model (two metrics) on this product's loop against Keras's own
   model.fit, local and on one Ray worker -> keras.json
+- input (app.bench.input_sources): the same rows as parquet (streamed, cached), TFRecord and tf.data against
+  arrays in memory, on Ray workers -> input.json
 - predict (app.bench.predict_cost): batch prediction's rows/s (Ray, 1 and 2 actors) against model.predict, and its
   memory at 1x and scale x the data -> predict.json
 """
@@ -24,6 +26,7 @@ from app.bench import (
     breakdown,
     checkpoint_cost,
     exit_gap,
+    input_sources,
     keras_fit,
     memory,
     predict_cost,
@@ -34,7 +37,8 @@ from app.bench import (
 from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "predict": predict_cost}
+          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
+          "predict": predict_cost}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
