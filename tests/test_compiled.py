@@ -155,7 +155,9 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     console = p.stdout + p.stderr
     assert "objective: optimizer Adam (compile()), loss categorical_crossentropy (compile()), metrics accuracy, " \
            "auc (compile()" in console
-    assert "base 0.001 (compile())" in console
+    # Its Adam trains at the LR it was compiled with, as model.fit would: no scaling, warmup or decay.
+    assert "learning rate: 0.001 as compiled (no scaling, no warmup, no decay" in console
+    assert result_lr(out) == {"rule": "none", "peak_lr": 0.001, "warmup_steps": 0, "decay": "as compiled"}
     result = json.loads((out / "result.json").read_text())
     assert result["objective"]["optimizer"] == "Adam" and result["objective"]["loss"] == "categorical_crossentropy"
     assert result["objective"]["metrics"] == ["accuracy", "auc"] and result["metric"] == "val_accuracy"
@@ -173,6 +175,11 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     accuracy.update_state(val.y, probabilities)
     assert abs(result["metrics"]["val_auc"] - float(auc.result())) < 1e-6
     assert abs(result["metrics"]["val_accuracy"] - float(accuracy.result())) < 1e-6
+
+
+def result_lr(out) -> dict:
+    plan = json.loads((out / "result.json").read_text())["lr_plan"]
+    return {k: plan[k] for k in ("rule", "peak_lr", "warmup_steps", "decay")}
 
 
 def test_tf_keras_model_with_class_weights_on_two_workers(user_file, ray_cluster, tmp_path):
