@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from app.config_sections import SECTIONS
 
-REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs/reference/cli.md"
 
 HEADER = """# Configuration reference
 

@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (the default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict.
+"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict (--help).
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -8,12 +8,10 @@
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
-    python jobs/benchmark.py keras   /   predict          # compiled model vs fit()  /  batch prediction: rows/s, memory
-    python jobs/benchmark.py input                        # parquet, TFRecord, tf.data vs arrays in memory
 
-Each suite reads its section of a preset (app/bench/presets/full.yaml; quick.yaml with --quick; --preset FILE):
-parameters (flags override them), a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override).
-Results go to --output (default: under runs/). BENCHMARKS.md has figures.
+Each suite reads its section of a preset (app/bench/presets/full.yaml; --quick: quick.yaml; --preset FILE): params
+(flags override them) and a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override). Results go
+to --output (default: under runs/). BENCHMARKS.md has figures.
 """
 
 import argparse
@@ -56,9 +54,7 @@ def parser() -> argparse.ArgumentParser:
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
     add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
-    i = add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
-    i.add_argument("--rows", type=int, help="Rows of the dataset."), i.add_argument(
-        "--runs", type=int, help="Runs of each source (the best counts).")
+    add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
     add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     return top
 

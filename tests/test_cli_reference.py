@@ -19,7 +19,7 @@ def test_the_cli_reference_is_not_stale():
 def test_the_cli_reference_names_the_flags_of_jobs_train_py():
     helped = subprocess.run([sys.executable, "jobs/train.py", "--help"], cwd=REPO, capture_output=True, text=True,
                             timeout=120, env={"COLUMNS": "200", "PATH": ""}).stdout
-    documented = set(re.findall(r"^\| `([^`]+)`", (REPO / "docs" / "reference" / "cli.md").read_text(), re.M))
+    documented = set(re.findall(r"^\| `([^`]+)`", (REPO / "docs/reference/cli.md").read_text(), re.M))
     flags = {flag for row in documented for flag in row.split(", ")}
     # (a flag cut at the end of a help line leaves "--synthetic-": not a flag)
     taken = {f for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", helped) if not f.endswith("-")}
