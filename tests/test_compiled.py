@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from conftest import refusals_at_once, run_job, run_jobs_at_once, user_module
@@ -213,28 +212,6 @@ def test_class_weights_scale_the_loss_as_keras_does(user_file, tmp_path):
     assert doubled["objective"]["class_weights"] == [2.0] * 10
     # Validation is unweighted, as in Keras's fit: the same model up to Adam's epsilon, the same val loss.
     assert doubled["metrics"]["val_loss"] == pytest.approx(plain["metrics"]["val_loss"], rel=2e-3)
-
-
-def test_two_workers_equal_one_worker_for_a_two_input_model(user_file, ray_cluster, tmp_path):
-    """The compiled Adam and named inputs (a dict of arrays) through the exact path: 2 x B = 1 x 2B, full-batch
-    steps, the same weights and the same exact metrics. (One-hot labels and a state-heavy metric, AUC, are exact
-    over 2 workers in test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly.)"""
-    import keras
-
-    from app import train
-
-    common = dict(model=f"{user_file}:two_input_model", data=f"{user_file}:two_inputs", epochs=3,
-                  lr_scaling="none", warmup_epochs=0, lr_decay="constant", shuffle=False, seed=3)
-    two = train(num_workers=2, per_replica_batch=480, output=str(tmp_path / "two"), **common)
-    one = train(num_workers=1, per_replica_batch=960, output=str(tmp_path / "one"), **common)
-    w2 = keras.models.load_model(tmp_path / "two" / "model.keras", compile=False).get_weights()
-    w1 = keras.models.load_model(tmp_path / "one" / "model.keras", compile=False).get_weights()
-    for a, b in zip(w1, w2):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-    assert two["num_replicas"] == 2 and abs(two["metrics"]["val_accuracy"] - one["metrics"]["val_accuracy"]) < 1e-6
-    assert two["objective"]["optimizer"] == one["objective"]["optimizer"] == "Adam"
-    losses = pd.read_csv(tmp_path / "one" / "history.csv")["train_loss"]
-    assert losses.iloc[-1] < losses.iloc[0]  # 3 full-batch Adam steps moved the weights
 
 
 def test_a_two_output_model_on_two_workers_reports_each_outputs_metrics(user_file, ray_cluster, tmp_path):

@@ -9,9 +9,6 @@ every tag is listed) and only wheels (nothing to build there).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from packaging.requirements import Requirement
 
@@ -54,25 +51,24 @@ def test_the_cpu_extra_picks_the_tensorflow_each_platform_has():
     assert not any(r.startswith("tensorflow") for r in requirements_for({"sys_platform": "darwin"}, "gpu"))
 
 
-def test_pip_resolves_the_cpu_extra_for_a_mac_and_for_linux_aarch64(tmp_path):
+def test_pip_resolves_the_cpu_extra_for_a_mac_and_for_linux_aarch64_and_not_the_cpu_only_build_on_a_mac(tmp_path):
+    """The two resolutions, and what the markers are for (the CPU-only build has no Mac wheel: before them,
+    `.[cpu]` failed there), side by side: each is mostly waiting on the package index."""
+    def dry_run(tags, *requirements):
+        return ["-m", "pip", "install", "--dry-run", "--quiet", "--target", str(tmp_path / "target"),
+                "--only-binary=:all:", "--python-version", "3.11", *(f"--platform={tag}" for tag in tags),
+                *requirements]
+
     commands = []
     for name, (environment, tags) in TARGETS.items():
         requirements = tmp_path / f"{name.replace(' ', '-')}.txt"
         requirements.write_text("\n".join(requirements_for(environment, "cpu")) + "\n")
-        commands.append(["-m", "pip", "install", "--dry-run", "--quiet", "--target", str(tmp_path / "target"),
-                         "--only-binary=:all:", "--python-version", "3.11",
-                         *(f"--platform={tag}" for tag in tags), "-r", str(requirements)])
-    for name, p in zip(TARGETS, run_jobs_at_once(*commands, timeout=600)):
+        commands.append(dry_run(tags, "-r", str(requirements)))
+    commands.append(dry_run(TARGETS["macOS arm64"][1], "--no-deps", "tensorflow-cpu==2.21.0"))
+    *resolved, cpu_only_on_a_mac = run_jobs_at_once(*commands, timeout=600)
+    for name, p in zip(TARGETS, resolved):
         if "Could not fetch URL" in p.stderr or "NewConnectionError" in p.stderr:
             pytest.fail(f"{name}: the package index is out of reach: {p.stderr[-500:]}")
         assert p.returncode == 0, f"{name}: {p.stderr[-2000:]}"
-
-
-def test_pip_names_no_tensorflow_cpu_wheel_for_a_mac(tmp_path):
-    """What the markers are for: the CPU-only build has no Mac wheel (before them, `.[cpu]` failed there)."""
-    environment, tags = TARGETS["macOS arm64"]
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--target",
-                        str(tmp_path), "--only-binary=:all:", "--python-version", "3.11",
-                        *(f"--platform={tag}" for tag in tags), "tensorflow-cpu==2.21.0"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "No matching distribution found for tensorflow-cpu==2.21.0" in p.stderr
+    assert cpu_only_on_a_mac.returncode != 0
+    assert "No matching distribution found for tensorflow-cpu==2.21.0" in cpu_only_on_a_mac.stderr

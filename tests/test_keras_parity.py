@@ -3,8 +3,11 @@ Keras's own loop trains it, weight for weight; and on 2 Ray workers as on 1 (eac
 same rows whatever the number of workers).
 
 One fresh script (the user's, joined to the session's Ray) trains each case with ``keras.Model.fit`` in its own
-process and with ``app.fit`` on 1 and 2 workers, from the same initial weights (set by the model function from a
-seeded numpy generator) and the same order (``shuffle=False``), and writes the weights and histories.
+process and with ``app.fit`` on 1 (and 2) workers, from the same initial weights (set by the model function from a
+seeded numpy generator) and the same order (``shuffle=False``), and writes the weights and histories. Each case puts
+several of Keras's features in one model (one run checks them all): SGD with momentum, L2 regularisation, dropout
+(off at evaluation) and class weights; Adam with a LearningRateSchedule, two named inputs and sample weights; both
+on 499 rows in batches of 64, so every epoch ends with a short batch.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ def initial(model):
     return model
 
 
-def sgd_momentum_l2():
+def sgd_l2_dropout():
     model = initial(keras.Sequential([
         keras.Input((8,)),
         keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dropout(0.3, seed=7),
         keras.layers.Dense(3, activation="softmax"),
     ]))
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="sparse_categorical_crossentropy",
@@ -51,9 +55,10 @@ def sgd_momentum_l2():
     return model
 
 
-def adam_schedule():
-    model = initial(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                                      keras.layers.Dense(3)]))
+def adam_schedule_two_inputs():
+    a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Dense(16, activation="tanh")(keras.layers.Concatenate()([a, b]))
+    model = initial(keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h)))
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=4, decay_rate=0.7)
     model.compile(optimizer=keras.optimizers.Adam(schedule),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -61,31 +66,30 @@ def adam_schedule():
     return model
 
 
-def dropout_class_weights():
-    model = initial(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dropout(0.3, seed=7), keras.layers.Dense(3, activation="softmax")]))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+def named(rows):
+    return {"a": x[:rows, :5], "b": x[:rows, 5:]}
 
 
-CASES = {  # name: (model function, training rows, extra fit arguments, worker counts)
-    "sgd_momentum_l2": (sgd_momentum_l2, 512, {}, (1,)),  # on 2 workers: short_last_batch, its 7 full steps
-    "adam_schedule_sample_weights": (adam_schedule, 512, {"sample_weight": weights}, (1, 2)),
+# name: (model function, its inputs of the first `rows` rows, validation inputs, extra fit arguments, worker counts).
+# 499 rows in batches of 64: 7 whole batches, then a short one of 51 rows (25 + 26 on 2 workers).
+CASES = {
     # Dropout draws its masks per replica: 2 workers draw other masks than 1 (each over its half of the batch).
-    "dropout_class_weights": (dropout_class_weights, 512, {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, (1,)),
-    # 499 rows: 7 batches of 64, then a short one of 51 (25 + 26 rows on 2 workers).
-    "short_last_batch": (sgd_momentum_l2, 499, {}, (1, 2)),
+    "sgd_momentum_l2_dropout_class_weights": (sgd_l2_dropout, lambda rows: x[:rows], xv,
+                                              {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, (1,)),
+    "adam_schedule_two_inputs_sample_weights": (adam_schedule_two_inputs, named, {"a": xv[:, :5], "b": xv[:, 5:]},
+                                                {"sample_weight": weights[:499]}, (1, 2)),
 }
+rows = 499
 out = sys.argv[1]
 found = {}
-for name, (build, rows, extra, workers) in CASES.items():
-    common = dict(batch_size=64, epochs=2, shuffle=False, validation_data=(xv, yv), **extra)
+for name, (build, inputs, val_inputs, extra, workers) in CASES.items():
+    common = dict(batch_size=64, epochs=2, shuffle=False, validation_data=(val_inputs, yv), **extra)
     model = build()
-    history = model.fit(x[:rows], y[:rows], verbose=0, **common)
+    history = model.fit(inputs(rows), y[:rows], verbose=0, **common)
     found[name] = {"keras": {"weights": [w.tolist() for w in model.get_weights()], "history": history.history,
-                             "evaluate": model.evaluate(xv, yv, batch_size=64, verbose=0, return_dict=True)}}
+                             "evaluate": model.evaluate(val_inputs, yv, batch_size=64, verbose=0, return_dict=True)}}
     for n in workers:
-        run = app.fit(build, x[:rows], y[:rows], num_workers=n, output=f"{out}/{name}-{n}", **common)
+        run = app.fit(build, inputs(rows), y[:rows], num_workers=n, output=f"{out}/{name}-{n}", **common)
         found[name][n] = {"weights": [w.tolist() for w in run.model.get_weights()], "history": run.history,
                           "lr_plan": run.result["lr_plan"], "global_batch": run.result["global_batch_size"],
                           "steps": run.result["steps_per_epoch"], "dropped": run.result["dropped_samples_per_epoch"]}
@@ -115,7 +119,7 @@ def same_history(keras_history, ours, what):
         np.testing.assert_allclose(ours[key], values, rtol=0, atol=1e-5, err_msg=f"{what}: {key}")
 
 
-CASES = ["sgd_momentum_l2", "adam_schedule_sample_weights", "dropout_class_weights", "short_last_batch"]
+CASES = ["sgd_momentum_l2_dropout_class_weights", "adam_schedule_two_inputs_sample_weights"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -127,7 +131,7 @@ def test_one_worker_trains_as_keras_fit_weight_for_weight(parity, case):
     # The compiled LR as it is: no scaling rule, no warmup, no decay of the product's.
     assert one["lr_plan"]["decay"] == "as compiled" and one["lr_plan"]["warmup_steps"] == 0
     assert one["global_batch"] == 64
-    # Every row trained, every epoch: 8 steps, the last one short (499 - 7 x 64 = 51 rows) where 499 rows do not divide by 64.
+    # Every row trained, every epoch: 8 steps, the last one short (499 - 7 x 64 = 51 rows).
     assert one["steps"] == 8 and one["dropped"] == 0
     # Trained weights moved (the comparison would be empty otherwise), and dropout is off at evaluation: the
     # validation loss is what keras's evaluate() says of the trained model.
@@ -135,7 +139,7 @@ def test_one_worker_trains_as_keras_fit_weight_for_weight(parity, case):
     assert keras_run["history"]["val_loss"][-1] == pytest.approx(keras_run["evaluate"]["loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("case", ["adam_schedule_sample_weights", "short_last_batch"])
+@pytest.mark.parametrize("case", ["adam_schedule_two_inputs_sample_weights"])
 def test_two_workers_train_as_one_with_the_same_global_batch(parity, case):
     found, *_ = parity
     one, two = found[case]["1"], found[case]["2"]
@@ -148,10 +152,10 @@ def test_the_plan_says_the_lr_is_as_compiled(parity):
     """app.fit prints only its epochs (as model.fit does); the run's plan, with its learning-rate line, heads each
     run's train.log."""
     _, p, out = parity
-    sgd = (out / "short_last_batch-2" / "train.log").read_text()
+    sgd = (out / "sgd_momentum_l2_dropout_class_weights-1" / "train.log").read_text()
     assert "learning rate: 0.05 as compiled (no scaling, no warmup, no decay: as model.fit" in sgd
-    assert "run: backend ray, MultiWorkerMirroredStrategy, 2 worker(s)" in sgd
-    assert "each epoch ends with a short batch of the 51 rows left over, as model.fit (split over the 2 replica" in sgd
-    adam = (out / "adam_schedule_sample_weights-1" / "train.log").read_text()
+    adam = (out / "adam_schedule_two_inputs_sample_weights-2" / "train.log").read_text()
     assert "learning rate: the compiled Adam's schedule as compiled" in adam
+    assert "run: backend ray, MultiWorkerMirroredStrategy, 2 worker(s)" in adam
+    assert "each epoch ends with a short batch of the 51 rows left over, as model.fit (split over the 2 replica" in adam
     assert "learning rate:" not in p.stdout + p.stderr

@@ -246,6 +246,11 @@ class Pipeline:
             internals.set_keras_history(t, h)
         return cls(placed, parts, devices, needs_input)
 
+    @property
+    def losses(self) -> list:
+        """Every stage's own losses (weight regularisers, add_loss): the model's, as its reported loss includes them."""
+        return [loss for stage in self.stages for loss in stage.losses]
+
     def _call(self, k: int, h, x, training: bool):
         return self.stages[k]([h, x] if self.needs_input[k] else h, training=training)
 
@@ -263,6 +268,8 @@ class Pipeline:
         """The per-replica step for ``strategy.run``: (x, y, w) -> the same exact sums as app.training.step's."""
         import keras
         import tensorflow as tf
+
+        from app.training.step import with_penalties
 
         variables = [stage.trainable_variables for stage in self.stages]
         scale = optimizer.scale_loss if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else (lambda v: v)
@@ -285,7 +292,9 @@ class Pipeline:
                         weight = measures.train_weights(y, w)
                         per_example_loss = measures.loss(y, out, weight)
                         targets = [scale(tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch))]
-                        sums = measures.sums(y, out, per_example_loss, tf.ones_like(per_example_loss), weight)
+                        # The loss reported, as Keras reports it: each example's plus every stage's penalties.
+                        sums = measures.sums(y, out, with_penalties(self, per_example_loss),
+                                             tf.ones_like(per_example_loss), weight)
                     if (reg := regularization(k)) is not None:
                         targets.append(reg)
                 taped.append((tape, h, targets))
