@@ -11,7 +11,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 LrScaling = Literal["linear", "sqrt", "none"]
-PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (README)
+PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (docs/guides/pipeline.md)
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
 # a path/URI (datasets), or, from Python (app.train), the function itself.

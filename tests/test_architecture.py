@@ -137,7 +137,7 @@ def test_app_internals_is_a_leaf_that_imports_libraries_only_inside_functions():
 def test_every_markdown_file_the_repository_cites_is_in_it():
     """The repository stands alone: a comment or doc names a file that is here (docs/design.md), not notes elsewhere."""
     sources = [*APP.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "jobs").glob("*.py"),
-               *(REPO / "docs").glob("*.md"), *REPO.glob("*.md"), REPO / "pyproject.toml"]
+               *(REPO / "docs").rglob("*.md"), *REPO.glob("*.md"), REPO / "pyproject.toml"]
     missing = [f"{path.relative_to(REPO)}:{i}: {name}"
                for path in sources for i, line in enumerate(path.read_text().splitlines(), 1)
                for name in re.findall(r"[\w./-]*\w\.md\b", line)

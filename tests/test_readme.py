@@ -15,13 +15,22 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert install_and_test in (REPO / ".ci" / "run").read_text()
 
 
+def test_the_readme_is_short():
+    """Five minutes for a newcomer: the rest is in docs/guides/, each guide linked from it."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    guides = sorted(p.name for p in (REPO / "docs" / "guides").glob("*.md"))
+    assert guides and all(f"docs/guides/{name}" in readme for name in guides), guides
+
+
 def test_every_file_flag_and_test_the_readme_names_exists():
-    """A README that names a file, a flag or a test that is not there sends a user (or a reviewer) nowhere."""
+    """A README or a guide that names a file, a flag or a test that is not there sends a user (or a reviewer)
+    nowhere."""
     import re
     import subprocess
     import sys
 
-    readme = (REPO / "README.md").read_text()
+    readme = "".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs" / "guides").glob("*.md")])
     files = set(re.findall(r"\b((?:app|jobs|tests|tune_spaces|docs|\.ci)/[\w./-]*\w)", readme))
     missing_files = sorted(f for f in files if not (REPO / f).exists() and "<" not in f and "*" not in f)
     assert not missing_files, missing_files

@@ -237,7 +237,8 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
     rng = np.random.default_rng(0)
     pq.write_table(pa.table({"a": rng.normal(size=200), "b": rng.normal(size=200), "y": rng.integers(0, 2, 200)}),
                    tmp_path / "train" / "part-0.parquet")
-    commands = [line.strip() for line in (REPO / "README.md").read_text().splitlines()
+    docs = [REPO / "README.md", *sorted((REPO / "docs" / "guides").glob("*.md"))]
+    commands = [line.strip() for doc in docs for line in doc.read_text().splitlines()
                 if line.strip().startswith("python jobs/train.py") and "--help" not in line
                 # No TPU here: tests/test_local.py checks that request's one-line refusal.
                 and "--strategy tpu" not in line]
