@@ -8,46 +8,14 @@
 ``app.ShardedEmbedding`` (app.layers) is an embedding table in K shards for your own
 models: spread over the parameter servers under --strategy parameter-server.
 
-The functions are imported on first use, so that ``import app`` stays light.
+The functions are the ones in app.run.api and app.run.fit, with their own signatures and docstrings
+(``help(app.fit)``); importing them imports neither TensorFlow nor Ray (they load when a run starts).
 """
 
 from typing import Any
 
-
-def train(*args: Any, **kwargs: Any) -> dict:
-    """app.run.api.train: train and return what result.json holds."""
-    from app.run.api import train as _train
-
-    return _train(*args, **kwargs)
-
-
-def tune(*args: Any, **kwargs: Any) -> dict:
-    """app.run.api.tune: sweep hyperparameters with Ray Tune."""
-    from app.run.api import tune as _tune
-
-    return _tune(*args, **kwargs)
-
-
-def fit(*args: Any, **kwargs: Any) -> Any:
-    """app.run.fit.fit: keras.Model.fit's arguments (x, y, global batch_size, validation_split, ...) on Ray
-    workers; returns a History (``.history``, ``.result``, ``.model``)."""
-    from app.run.fit import fit as _fit
-
-    return _fit(*args, **kwargs)
-
-
-def evaluate(*args: Any, **kwargs: Any) -> dict:
-    """app.run.api.evaluate: score an exported model."""
-    from app.run.api import evaluate as _evaluate
-
-    return _evaluate(*args, **kwargs)
-
-
-def predict(*args: Any, **kwargs: Any) -> dict:
-    """app.run.api.predict: apply a trained model to a dataset, predictions written as parquet."""
-    from app.run.api import predict as _predict
-
-    return _predict(*args, **kwargs)
+from app.run.api import evaluate, predict, train, tune
+from app.run.fit import fit
 
 
 def __getattr__(name: str) -> Any:
