@@ -9,7 +9,7 @@ are used by Ray Datasets and by the tf.data input on the workers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
@@ -74,8 +74,9 @@ class DataFacts:
     # Named outputs (a dict y): each one's label shape and task (classification, binary, regression).
     outputs: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
     sample_weights: bool = False  # the training rows carry the data function's sample weights
-    # Streamed files (Ray Data deals each worker its shard of whole batches): never a short last batch.
-    streamed: bool = False
+    # Streamed files (Ray Data deals each worker its shard of whole batches): never a short last batch. How the rows
+    # arrive, not what they are: two sources of the same rows have equal facts.
+    streamed: bool = field(default=False, compare=False)
 
     @property
     def example_shape(self) -> Any:
