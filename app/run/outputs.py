@@ -16,6 +16,7 @@ from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
 from app.training.export import SAVED_MODEL_DIR, export_saved_model
 from app.training.objective import metric_in, metric_mode, metric_names_in
+from app.training.optim import AS_COMPILED
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def write_outputs(
         out / CURVES_FILE,
         subtitle=f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
         f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
-        + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != "as compiled"
+        + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != AS_COMPILED
            else "LR as compiled"),
     )
     if "audit_sample_ids" in state:
