@@ -87,6 +87,8 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         elif "keras" not in self.export:  # evaluate, predict, resume and app.fit's History all read model.keras
             problems.append("--export savedmodel alone leaves no model.keras, which evaluate, predict, resume and "
                             "app.fit read: give --export keras,savedmodel")
+        if self.inputs is not None:
+            problems.extend(_inputs_problems(self))
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if problems:
@@ -113,7 +115,9 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
     @model_validator(mode="before")
     @classmethod
     def _split_at_commas(cls, values: Any) -> Any:  # --split-at a,b = --split-at a b = split_at: "a,b" in YAML
-        for name in ("split_at", "export"):
+        if isinstance(values, dict) and isinstance(values.get("inputs"), dict):  # {input: column} from Python, YAML
+            values = {**values, "inputs": [f"{k}={v}" for k, v in values["inputs"].items()]}
+        for name in ("split_at", "export", "inputs"):
             cut = values.get(name) if isinstance(values, dict) else None
             if isinstance(cut, (str, list)):
                 parts = [p for c in ([cut] if isinstance(cut, str) else cut) for p in str(c).split(",") if p]
@@ -125,11 +129,30 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         # A function (or a list of callbacks) given from Python is recorded by name in config.yaml and result.json.
         return value if value is None or isinstance(value, str) else registry.describe(value)
 
+    def input_columns(self) -> dict[str, str]:
+        """--inputs as {model input name: file column} ({} without it): NAME reads the column NAME."""
+        pairs = (item.split("=", 1) for item in self.inputs or [])
+        return {pair[0]: pair[-1] for pair in pairs}
+
     def output_dir(self) -> Path:
         return Path(self.output).expanduser().resolve()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _inputs_problems(config: TrainConfig) -> list[str]:
+    problems = []
+    names = [item.split("=", 1)[0] for item in config.inputs or []]
+    if not names or any(not part for item in config.inputs for part in item.split("=", 1)):
+        problems.append(f"--inputs takes NAME or NAME=COLUMN items, one per model input, got {config.inputs}")
+    elif len(set(names)) != len(names):
+        problems.append(f"--inputs names an input twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    for flag, value in (("--feature-columns", config.feature_columns), ("--text-column", config.text_column),
+                        ("--feature-shape", config.feature_shape)):
+        if value:
+            problems.append(f"--inputs gives each named input its column: leave out {flag}")
+    return problems
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}

@@ -98,6 +98,11 @@ class DataSection(_Section):
         description="Feature columns (numeric scalars, or one list/tensor column; for .npz/.npy the array name). "
         "Default: every column but the label and text columns.",
     )
+    inputs: Optional[list[str]] = Field(
+        None,
+        description="A model of several named inputs (keras.Input(name=...)) fed from file columns: one item per "
+        "input, NAME (the column of that name) or NAME=COLUMN. Each column holds numbers or lists of numbers.",
+    )
     label_column: str = Field("label", description="Column of integer class ids 0..K-1.")
     text_column: Optional[str] = Field(
         None, description="A string column to tokenize into --sequence-length token ids (the features, for text)."

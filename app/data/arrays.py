@@ -17,6 +17,7 @@ import numpy as np
 from app.errors import UserError
 
 X, Y, ID, W = "x", "y", "id", "w"
+
 Task = Literal["classification", "binary", "regression"]
 
 
@@ -27,6 +28,21 @@ Arrays = Union[np.ndarray, dict[str, np.ndarray]]
 def nest_map(fn: Callable[[np.ndarray], Any], a: Any) -> Any:
     """``fn`` on an array, or on each array of a dict of named arrays."""
     return {k: fn(v) for k, v in a.items()} if isinstance(a, dict) else fn(a)
+
+
+def input_column(name: str) -> str:
+    """The column of a preprocessed Ray Dataset that holds named input ``name`` (one X column without names)."""
+    return f"{X}/{name}"
+
+
+def x_columns(x: Arrays) -> dict[str, np.ndarray]:
+    """Features as a preprocessed Ray Dataset's columns: X, or one column per named input."""
+    return {input_column(k): v for k, v in x.items()} if isinstance(x, dict) else {X: x}
+
+
+def x_of(batch: dict[str, np.ndarray], input_names: Optional[Any]) -> Arrays:
+    """A batch of those columns back as the model's input (``input_names``: None for one input)."""
+    return {k: batch[input_column(k)] for k in input_names} if input_names is not None else batch[X]
 
 
 def first(a: Arrays) -> np.ndarray:

@@ -36,14 +36,14 @@ hashing costs one pass over each row's bytes per preprocessing run.
 from __future__ import annotations
 
 import hashlib
-import math
+import json
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app.data import images
-from app.data.arrays import ID, W, X, Y
+from app.data.arrays import ID, W, Y, nest_map, x_columns
 from app.data.schema import Spec, class_of
 from app.errors import UserError
 
@@ -66,9 +66,9 @@ def features(table: "pa.Table", spec: Spec) -> Any:
     from app.data import text
 
     n = table.num_rows
-    if spec.kind == "named":
-        return {name: pc.list_flatten(_column(table, name)).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-                .reshape(n, *shape) for name, shape in spec.inputs}
+    if spec.kind == "named":  # each input from its column: numbers, or lists of numbers flattened
+        return {name: _numbers(_column(table, column)).reshape(n, *shape)
+                for (name, shape), column in zip(spec.inputs, spec.features)}
     if spec.kind == "scalars":
         x = np.stack(
             [_column(table, c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False) for c in spec.features],
@@ -91,6 +91,24 @@ def features(table: "pa.Table", spec: Spec) -> Any:
     else:
         raise AssertionError(spec.kind)
     return x.reshape(n, *(spec.feature_shape or spec.stored_shape))
+
+
+def _numbers(column) -> np.ndarray:
+    """A column of numbers or of lists of numbers (a Ray tensor column too) as one flat float32 array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column.type, pa.ExtensionType):
+        column = column.storage
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+            or pa.types.is_fixed_size_list(column.type):
+        column = pc.list_flatten(column)
+    return column.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+
+
+def values_in_first_row(table: "pa.Table", column: str) -> int:
+    """How many numbers the first row of ``column`` holds (1 for a number, a list's length)."""
+    return _numbers(_column(table.slice(0, 1), column)).size
 
 
 def _decoded(table: "pa.Table", spec: Spec) -> np.ndarray:
@@ -168,7 +186,8 @@ def _row_ids(table: "pa.Table", spec: Spec, x: np.ndarray, y: np.ndarray) -> np.
         data = _column(table, spec.features[0]).to_pylist()
         rows = [d + b"\0" + str(label).encode() for d, label in zip(data, y.tolist())]
     else:
-        flat = np.ascontiguousarray(x.reshape(n, -1))
+        parts = list(x.values()) if isinstance(x, dict) else [x]  # named inputs: their values one after the other
+        flat = np.ascontiguousarray(np.concatenate([p.reshape(n, -1) for p in parts], axis=1))
         rows = ((flat[i], y[i : i + 1]) for i in range(n))  # features then label, hashed row by row: no copy
     ids = np.fromiter((_hash63(*parts) if isinstance(parts, tuple) else _hash63(parts) for parts in rows),
                       dtype=np.int64, count=n)
@@ -207,8 +226,7 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     table = _conformed(table, spec)
     n = table.num_rows
     stats: dict[str, Any] = {"rows": n, "val_rows": 0, "label_min": 0, "label_max": 0, "label_nulls": 0}
-    stats.update({"nulls_column": "", "nulls": 0, "len_min": -1, "len_max": -1, "nonfinite_column": "",
-                  "nonfinite": 0})
+    stats.update({"nulls_column": "", "nulls": 0, "nonfinite_column": "", "nonfinite": 0})
     if spec.kind != "images":
         label = _column(table, spec.label)
         stats["label_nulls"] = label.null_count
@@ -225,20 +243,50 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         bad = 0 if stats["nonfinite"] else _nonfinite(column)
         if bad:
             stats["nonfinite_column"], stats["nonfinite"] = name, bad
-    if spec.kind == "list" and n:
-        lengths = pc.list_value_length(_column(table, spec.features[0]))
-        mm = pc.min_max(lengths)
-        stats["len_min"], stats["len_max"] = mm["min"].as_py(), mm["max"].as_py()
-    ok = not stats["label_nulls"] and not stats["nulls"] and stats["len_min"] == stats["len_max"]
+    lengths = _lengths(table, spec)
+    stats["lengths"] = json.dumps(lengths)
+    ok = not stats["label_nulls"] and not stats["nulls"] and all(low == high for low, high in lengths.values())
     if spec.kind == "encoded" and ok and spec.val_fraction is None:
         _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
     if n and ok and spec.val_fraction is not None:
-        if spec.kind == "list":  # the stored length is only known here; ids hash the flat row
-            spec = replace(spec, stored_shape=(stats["len_min"],), feature_shape=(stats["len_min"],))
+        spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
         y = _labels(table, spec)
         ids = _row_ids(table, spec, features(table, spec), y)
         stats["val_rows"] = int(in_validation(ids, spec.seed, spec.val_fraction).sum())
     return pa.table({k: [v] for k, v in stats.items()})
+
+
+def _lengths(table: "pa.Table", spec: Spec) -> dict[str, tuple[int, int]]:
+    """{column: (shortest, longest)} of the values per row of the columns whose length the data says: a list
+    feature column; named inputs' number (1) and list columns. Empty blocks say nothing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not table.num_rows or spec.kind not in ("list", "named"):
+        return {}
+    shapes = dict(zip(spec.features, [s for _, s in spec.inputs])) if spec.kind == "named" else {}
+    found = {}
+    for name in spec.features:
+        column = _column(table, name)
+        if isinstance(column.type, pa.ExtensionType) or len(shapes.get(name, ())) > 1:
+            continue  # a tensor column: its type has the shape
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+                or pa.types.is_fixed_size_list(column.type)):
+            found[name] = (1, 1)
+            continue
+        mm = pc.min_max(pc.list_value_length(column))
+        found[name] = (mm["min"].as_py(), mm["max"].as_py())
+    return found
+
+
+def _with_lengths(spec: Spec, length: dict[str, int]) -> Spec:
+    """The spec with each list column's length as its examples' shape."""
+    if spec.kind == "list" and spec.features[0] in length:
+        return replace(spec, stored_shape=(length[spec.features[0]],), feature_shape=(length[spec.features[0]],))
+    if spec.kind == "named":
+        return replace(spec, inputs=tuple((name, (length[column],) if column in length else shape)
+                                          for (name, shape), column in zip(spec.inputs, spec.features)))
+    return spec
 
 
 def _nonfinite(column) -> int:
@@ -269,7 +317,7 @@ def rows(table: "pa.Table", spec: Spec, keep: str = "all") -> tuple[np.ndarray, 
         chosen = in_validation(ids, spec.seed, spec.val_fraction)
         if keep == "train":
             chosen = ~chosen
-        x, y, ids = x[chosen], y[chosen], ids[chosen]
+        x, y, ids = nest_map(lambda a: a[chosen], x), y[chosen], ids[chosen]
     return x, y, ids
 
 
@@ -279,7 +327,8 @@ def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.T
     from ray.data.extensions import ArrowTensorArray
 
     x, y, ids = rows(table, spec, keep)
-    columns = {X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids)}
+    columns = {**{k: ArrowTensorArray.from_numpy(a) for k, a in x_columns(x).items()}, Y: pa.array(y),
+               ID: pa.array(ids)}
     if weights:
         columns[W] = pa.array(np.ones(len(y), dtype=np.float32))
     return pa.table(columns)
@@ -291,5 +340,4 @@ def batch_rows(spec: Spec) -> int:
     A block can hold a whole file (or more): preprocessing it in one call would
     make a task's memory grow with the files, not with this bound.
     """
-    row_bytes = 4 * math.prod(spec.stored_shape or (1024,))
-    return max(16, (16 << 20) // row_bytes)
+    return max(16, (16 << 20) // (4 * spec.values_per_row()))

@@ -23,7 +23,7 @@ import numpy as np
 
 from app.data import files, local_files, memory
 from app.data.arrays import X, concatenated, first
-from app.data.blocks import batch_rows, features
+from app.data.blocks import batch_rows, features, values_in_first_row
 from app.data.checks import missing
 from app.data.schema import Spec, schema_spec
 from app.errors import UserError
@@ -139,6 +139,8 @@ def spec_for(rows: Rows, config: "TrainConfig", first: "pa.Table", keep: Sequenc
     for name in keep:
         if name not in names:
             raise missing("column to keep (--keep-columns)", name, rows.what, names)
+    if isinstance(model_shape, dict) and not rows.named and rows.loc.format != "arrays":
+        return _columns_spec(rows, config, first, model_shape)
     if rows.named or isinstance(model_shape, dict):
         return _named_spec(rows, model_shape)
     if rows.loc.format == "arrays":  # one list column of each example's values
@@ -191,6 +193,28 @@ def _named_spec(rows: Rows, model_shapes: Any) -> Spec:
                             f"{name!r} takes {shape}")
     inputs = tuple((name, tuple(model_shapes[name] or given[name])) for name in model_shapes)
     return Spec(kind="named", features=tuple(model_shapes), label="", inputs=inputs)
+
+
+def _columns_spec(rows: Rows, config: "TrainConfig", first: "pa.Table", model_shapes: dict) -> Spec:
+    """A model of several named inputs on file (or DataFrame) rows: each input from the column the run's --inputs
+    names for it, else the column of its own name; each reshaped to its input."""
+    names = first.column_names
+    columns = {name: config.input_columns().get(name, name) for name in model_shapes}
+    lacking = [f"{name!r}" + (f" (column {column!r})" if column != name else "")
+               for name, column in columns.items() if column not in names]
+    if lacking:
+        raise UserError(f"{rows.what} has no column for the model's input(s) {', '.join(lacking)}; its columns are "
+                        f"{', '.join(names)}: name each input's column with --inputs NAME=COLUMN")
+    inputs = []
+    for name, column in columns.items():
+        values, shape = values_in_first_row(first, column), model_shapes[name]
+        if shape is not None and math.prod(shape) != values:
+            raise UserError(f"{rows.what}: column {column!r} holds {values} value(s) per row, the model's input "
+                            f"{name!r} takes {shape}")
+        inputs.append((name, tuple(shape) if shape is not None else (values,)))
+    spec = Spec(kind="named", features=tuple(columns.values()), label="", inputs=tuple(inputs))
+    features(first.slice(0, 2), spec)  # the first rows decode to these shapes
+    return spec
 
 
 def _every_column(rows: Rows, config: "TrainConfig") -> tuple[Spec, Optional[list[str]]]:

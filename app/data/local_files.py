@@ -15,15 +15,15 @@ line that names ``--backend ray`` (which streams it).
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
 from app.data import images, tfrecord
-from app.data.arrays import DataFacts, Source, Split
+from app.data.arrays import DataFacts, Source, Split, concatenated
 from app.data.blocks import batch_rows, block_stats, in_validation, rows
 from app.data.files import Located, locate
 from app.data.schema import Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
@@ -51,7 +51,8 @@ def load(config: "TrainConfig", loc: Located) -> Source:
     spec, (x, y, ids), total = _read_checked(loc, config)
     if val_loc is None:
         held = in_validation(ids, config.seed, config.val_fraction)
-        train, val = Split(x[~held], y[~held], ids[~held]), Split(x[held], y[held], ids[held])
+        whole = Split(x, y, ids)
+        train, val = whole.rows(~held), whole.rows(held)
         if not len(train) or not len(val):
             raise UserError(f"val_fraction={config.val_fraction} leaves an empty train or val set for {len(y)} rows")
         label_max = total["label_max"]
@@ -64,10 +65,11 @@ def load(config: "TrainConfig", loc: Located) -> Source:
     num_classes = num_classes_of(config, spec, label_max)
     log.info(
         "dataset %s (%s, read in this process): %d training rows, %d validation rows, examples of shape %s, %s",
-        loc.uri, loc.format, len(train), len(val), spec.feature_shape,
+        loc.uri, loc.format, len(train), len(val), spec.input_shapes or spec.feature_shape,
         f"{num_classes} classes" if num_classes else "float targets",
     )
-    return Source(train, val, DataFacts(spec.feature_shape, spec.task, num_classes, len(train), len(val)))
+    return Source(train, val, DataFacts(spec.feature_shape, spec.task, num_classes, len(train), len(val),
+                                        input_shapes=spec.input_shapes))
 
 
 def _read_checked(loc: Located, config: "TrainConfig"):
@@ -88,7 +90,7 @@ def _read_checked(loc: Located, config: "TrainConfig"):
     parts = []
     while tables:  # each raw batch is let go once preprocessed
         parts.append(rows(tables.pop(0), spec))
-    x, y, ids = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    x, y, ids = (functools.reduce(concatenated, [p[i] for p in parts]) for i in range(3))
     return spec, (x, y, ids), total
 
 
@@ -97,7 +99,8 @@ def _check_fits(loc: Located, rows_total: int, read: int, raw_bytes: int, spec: 
     if not read:
         return
     # A list column's length is only known from the data: its raw values stand in for the float32 features.
-    row_bytes = 4 * math.prod(spec.stored_shape) if spec.stored_shape else raw_bytes / read
+    known = spec.kind == "named" and all(shape for _, shape in spec.inputs) or bool(spec.stored_shape)
+    row_bytes = 4 * spec.values_per_row() if known else raw_bytes / read
     need = rows_total * (raw_bytes / read + COPIES * (row_bytes + 16))  # + y and id, 8 bytes each
     if need > budget:
         raise UserError(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.data.arrays import ID, DataFacts, Split, W, X, Y, padded_with_zero_weight, zero_weight_padding
+from app.data.arrays import ID, DataFacts, Split, W, Y, nest_map, padded_with_zero_weight, x_columns, zero_weight_padding
 
 if TYPE_CHECKING:
     import ray.data
@@ -21,9 +21,10 @@ def padded(val: "ray.data.Dataset", rows: int, num_workers: int, facts: DataFact
     pad = zero_weight_padding(rows, num_workers)
     if not pad:
         return val
-    one = Split(np.zeros((1, *facts.feature_shape), np.float32), np.zeros(1, facts.label_dtype), np.zeros(1, np.int64))
-    x, y, ids, w = (a[1:] for a in padded_with_zero_weight(one, pad + 1))
-    table = pa.table({X: ArrowTensorArray.from_numpy(x), Y: pa.array(y), ID: pa.array(ids), W: pa.array(w)})
+    one = Split(facts.zeros(1), np.zeros(1, facts.label_dtype), np.zeros(1, np.int64))
+    x, y, ids, w = (nest_map(lambda a: a[1:], a) for a in padded_with_zero_weight(one, pad + 1))
+    table = pa.table({**{k: ArrowTensorArray.from_numpy(a) for k, a in x_columns(x).items()}, Y: pa.array(y),
+                      ID: pa.array(ids), W: pa.array(w)})
     return val.union(ray.data.from_arrow(table))
 
 

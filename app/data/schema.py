@@ -33,9 +33,19 @@ class Spec:
     val_fraction: Optional[float] = None  # None: no split (a separate validation source)
     seed: int = 0
     task: str = "classification"  # from the label column's type and --task, decided once here
-    # kind "named" (a model of several inputs, fed a dict of arrays): each input's column and one example's shape
+    # kind "named" (a model of several inputs, fed a dict of arrays): each input's name and one example's shape,
+    # read from the column features[i] (() until a list column's length is known from the data)
     inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
+    @property
+    def input_shapes(self) -> Optional[dict[str, tuple[int, ...]]]:
+        """{input name: one example's shape} for named inputs (DataFacts.input_shapes), else None."""
+        return dict(self.inputs) if self.kind == "named" else None
+
+    def values_per_row(self, unknown: int = 1024) -> int:
+        """float32 values of one example's features (``unknown`` per list whose length the data has not told)."""
+        shapes = [s for _, s in self.inputs] if self.kind == "named" else [self.feature_shape or self.stored_shape]
+        return sum(math.prod(s) if s else unknown for s in shapes)
 
 
 def _type_kind(t: "pa.DataType") -> str:
@@ -81,6 +91,8 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
         if _type_kind(types[config.text_column]) not in ("string", "binary"):  # binary: UTF-8 bytes
             raise UserError(f"text column {config.text_column!r} has type {types[config.text_column]}, expected strings")
         return Spec(kind="text", features=(config.text_column,), stored_shape=(config.sequence_length,), **common)
+    if config.inputs:
+        return _named_spec(loc, config, names, types, common)
     features = config.feature_columns or [n for n in names if n != config.label_column]
     for name in features:
         if name not in types:
@@ -104,13 +116,33 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
     if len(features) > 1:
         raise UserError(
             f"feature columns {', '.join(features)} mix list/tensor/image-bytes and other columns: name one list, "
-            "tensor or image-bytes column, or only scalar columns, with --feature-columns"
+            "tensor or image-bytes column, or only scalar columns, with --feature-columns (a model of several named "
+            "inputs: give each one its column with --inputs NAME or NAME=COLUMN)"
         )
     (name,) = features
     if kinds[name] == "binary":  # encoded images (PNG, JPEG), decoded as an image folder's files are
         return Spec(kind="encoded", features=(name,), stored_shape=_image_shape(config), **common)
     shape = tuple(types[name].shape) if kinds[name] == "tensor" else ()  # lists: length from the data
     return Spec(kind=kinds[name], features=(name,), stored_shape=shape, **common)
+
+
+def _named_spec(loc: Located, config: "TrainConfig", names: list[str], types: dict, common: dict) -> Spec:
+    """--inputs: each named input from its own column; a number per row is shape (1,), a list's length comes from
+    the data (app.data.blocks.block_stats), a tensor column keeps its shape."""
+    import pyarrow as pa
+
+    inputs = []
+    for name, column in config.input_columns().items():
+        if column not in types:
+            raise missing(f"column for input {name!r} (--inputs)", column, loc.uri, names)
+        kind, t = _type_kind(types[column]), types[column]
+        if kind not in ("scalar", "list", "tensor"):
+            raise UserError(f"column {column!r} (input {name!r}) has type {t}: a named input takes numbers or lists "
+                            "of numbers (tokenize text or decode images in your model, or train on one input)")
+        fixed = kind == "list" and pa.types.is_fixed_size_list(t)
+        shape = (1,) if kind == "scalar" else tuple(t.shape) if kind == "tensor" else (t.list_size,) if fixed else ()
+        inputs.append((name, shape))
+    return Spec(kind="named", features=tuple(config.input_columns().values()), inputs=tuple(inputs), **common)
 
 
 def _task(config: "TrainConfig", label_type: "pa.DataType") -> str:
@@ -169,15 +201,13 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
         column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
         count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
         raise UserError(f"column {column!r} has {count} NaN or infinite values {NONFINITE_FIX}")
+    length = _list_lengths(stats)
     if spec.kind == "list":
-        lengths = [(s["len_min"], s["len_max"]) for s in stats if s["rows"]]
-        low, high = min(a for a, _ in lengths), max(b for _, b in lengths)
-        if low != high:
-            raise UserError(
-                f"feature column {spec.features[0]!r} has ragged feature shapes: lists of length {low} to {high} "
-                "(every example must have the same shape)"
-            )
-        spec = replace(spec, stored_shape=(low,))
+        spec = replace(spec, stored_shape=(length[spec.features[0]],))
+    if spec.kind == "named":  # numbers and lists: (length,) per example; a tensor column keeps its shape
+        inputs = tuple((name, (length[column],) if column in length else shape)
+                       for (name, shape), column in zip(spec.inputs, spec.features))
+        return replace(spec, inputs=inputs), _label_totals(config, spec, stats, total)
     # A shape the spec already knows: a Ray Data tensor column read by pyarrow alone (app.data.local_files).
     shape = tuple(config.feature_shape) if config.feature_shape else (spec.feature_shape or spec.stored_shape)
     if math.prod(shape) != math.prod(spec.stored_shape):
@@ -185,7 +215,27 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
             f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
             f"{spec.features[0]!r} has {math.prod(spec.stored_shape)} per example"
         )
-    spec = replace(spec, feature_shape=shape)
+    return replace(spec, feature_shape=shape), _label_totals(config, spec, stats, total)
+
+
+def _list_lengths(stats: list[dict]) -> dict[str, int]:
+    """Each list column's length (every example's must be the same), from the blocks' {column: [min, max]}."""
+    import json
+
+    spans: dict[str, list[int]] = {}
+    for s in stats:
+        for column, (low, high) in json.loads(s["lengths"]).items():
+            span = spans.setdefault(column, [low, high])
+            span[:] = min(span[0], low), max(span[1], high)
+    for column, (low, high) in spans.items():
+        if low != high:
+            raise UserError(f"feature column {column!r} has ragged feature shapes: lists of length {low} to {high} "
+                            "(every example must have the same shape)")
+    return {column: low for column, (low, _) in spans.items()}
+
+
+def _label_totals(config: "TrainConfig", spec: Spec, stats: list[dict], total: dict[str, int]) -> dict[str, int]:
+    """The label range over every block, checked against the task."""
     if spec.kind == "images":
         total["label_min"], total["label_max"] = 0, len(spec.classes) - 1
     else:
@@ -197,15 +247,14 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     if spec.task == "binary" and total["label_max"] > 1:
         raise UserError(f"label column {spec.label!r} has values {total['label_min']}..{total['label_max']}, "
                         "but --task binary needs labels 0 or 1")
-    return spec, total
+    return total
 
 
 def check_val_spec(spec: Spec, val_spec: Spec) -> None:
     """--val-dataset's examples must look like the training data's."""
-    if val_spec.feature_shape != spec.feature_shape:
-        raise UserError(
-            f"--val-dataset examples have shape {val_spec.feature_shape}, the training data {spec.feature_shape}"
-        )
+    if (val_spec.feature_shape, val_spec.inputs) != (spec.feature_shape, spec.inputs):
+        shape = lambda s: s.input_shapes or s.feature_shape  # noqa: E731
+        raise UserError(f"--val-dataset examples have shape {shape(val_spec)}, the training data {shape(spec)}")
     if spec.kind == "images" and val_spec.classes != spec.classes:
         raise UserError(
             f"--val-dataset has class folders {', '.join(val_spec.classes)}, the training data "

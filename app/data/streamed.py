@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import re
 from contextlib import contextmanager, nullcontext
@@ -169,7 +168,7 @@ def _unreadable(loc: Located, error: Exception) -> UserError:
 def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> bool:
     import ray
 
-    row_bytes = 4 * math.prod(spec.feature_shape) + 8 + 8 + 4  # x float32, y, id, w
+    row_bytes = 4 * spec.values_per_row() + 8 + 8 + 4  # x float32, y, id, w
     need = rows * row_bytes
     budget = CACHE_SHARE * ray.cluster_resources().get("object_store_memory", 0)
     if config.data_cache != "auto":
@@ -238,11 +237,12 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     val = pipeline(val_loc or loc, val_spec, "val" if val_loc is None else "all", True, None, not cached["val"])
     if cached["val"]:
         val = val.materialize()
-    facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, streamed=True)
+    facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, input_shapes=spec.input_shapes,
+                      streamed=True)
     val = padded(val, n_val, num_workers, facts)
     log.info(
         "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",
-        loc.uri, loc.format, n_train, n_val, spec.feature_shape,
+        loc.uri, loc.format, n_train, n_val, spec.input_shapes or spec.feature_shape,
         f"{num_classes} classes" if num_classes else "float targets",
     )
     return Streamed(train, val, facts, shuffle_buffer, cached)

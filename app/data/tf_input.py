@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from app.data.arrays import ID, DataFacts, Split, W, X, Y, nest_map, padded_with_zero_weight
+from app.data.arrays import ID, DataFacts, Split, W, Y, nest_map, padded_with_zero_weight, x_of
 from app.data.plan import EpochPlan
 
 if TYPE_CHECKING:
@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 
 def _batch_signature(facts: DataFacts, third: "tf.DType", weights: bool = False) -> tuple:
-    """A streamed batch: (x, y, ids or weights) [+ sample weights]; streamed data has one input and one label."""
+    """A streamed batch: (x, y, ids or weights) [+ sample weights]; streamed data has one label, and one input or
+    named inputs (--inputs)."""
     import tensorflow as tf
 
+    x = lambda shape: tf.TensorSpec((None, *shape), tf.float32)  # noqa: E731
     return (
-        tf.TensorSpec((None, *facts.feature_shape), tf.float32),
+        {k: x(shape) for k, shape in facts.input_shapes.items()} if facts.input_shapes else x(facts.feature_shape),
         tf.TensorSpec((None, *facts.label_shape), tf.as_dtype(facts.label_dtype)),
         tf.TensorSpec((None,), third),
     ) + ((tf.TensorSpec((None,), tf.float32),) if weights else ())
@@ -142,7 +144,7 @@ def train_batches_from_shard(
         ):
             if taken < plan.steps:
                 taken += 1
-                yield batch[X], batch[Y], batch[ID], np.ones(len(batch[ID]), np.float32)
+                yield x_of(batch, facts.input_shapes), batch[Y], batch[ID], np.ones(len(batch[ID]), np.float32)
             else:
                 extra += 1
         if taken < plan.steps:
@@ -163,6 +165,6 @@ def eval_batches_from_shard(shard, batch_size: int, facts: DataFacts) -> "tf.dat
 
     def epoch():
         for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
-            yield batch[X], batch[Y], batch[W]
+            yield x_of(batch, facts.input_shapes), batch[Y], batch[W]
 
     return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.float32))

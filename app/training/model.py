@@ -75,13 +75,15 @@ def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
         given, wanted = sorted(facts.input_shapes), sorted(getattr(t, "name", "") for t in (model.inputs or []))
         if getattr(model, "inputs", None) and given != wanted:
             raise UserError(f"the data's inputs are named {', '.join(given)}, but {name}'s inputs are "
-                            f"{', '.join(wanted)}: name the arrays as the model's keras.Input(name=...)")
+                            f"{', '.join(wanted)}: name the arrays (or, from file columns, --inputs NAME=COLUMN) as "
+                            "the model's keras.Input(name=...)")
     elif len(getattr(model, "inputs", None) or []) > 1:
         # Files (and arrays) give one features input: several named inputs come from a data function.
         wanted = ", ".join(getattr(t, "name", "?") for t in model.inputs)
         raise UserError(f"{name} takes {len(model.inputs)} inputs ({wanted}), but the data gives one features input "
-                        f"of shape {facts.example_shape}: return a dict of arrays keyed {wanted} from a data function "
-                        "(--dataset file.py:function), or give the model one input")
+                        f"of shape {facts.example_shape}: name each input's file column with --inputs "
+                        f"{' '.join(getattr(t, 'name', '?') for t in model.inputs)} (or NAME=COLUMN), return a dict of "
+                        f"arrays keyed {wanted} from a data function, or give the model one input")
     try:
         out = model(facts.zeros(2), training=False)
     except Exception as e:
