@@ -11,7 +11,7 @@ import json
 import pytest
 
 from app import cli, cli_errors
-from conftest import ray_sessions, run_job
+from conftest import ray_sessions, run_job, run_jobs_at_once
 
 
 def train(*argv: str):
@@ -225,38 +225,48 @@ def test_importing_cli_stays_light():
 # --- subprocess: python jobs/train.py <flags> --dry-run ----------------------------------------------------------
 
 
-def test_subprocess_dry_run_one_value_list_int_lists_bools_off_model_args(tmp_path):
-    out = tmp_path / "out"
-    p = run_job("jobs/train.py", "--output", str(out), "--feature-columns", "features", "--synthetic-shape", "8", "8",
-                "3", "--image-size", "32", "32", "--no-shuffle", "--no-use-gpu",
-                "--model-args", json.dumps({"hidden_units": [8]}), "--dry-run", timeout=300)
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, joined):
+    """The dry runs below, two at a time, joining the session's Ray (as a job would): {name: (output, process)}."""
+    root = tmp_path_factory.mktemp("dry-runs")
+    (root / "my.yaml").write_text("epochs: 0\nlr_scaling: sqrt\n")
+    runs = {
+        "one value": ["--feature-columns", "features", "--synthetic-shape", "8", "8", "3", "--image-size", "32", "32",
+                      "--no-shuffle", "--no-use-gpu", "--model-args", json.dumps({"hidden_units": [8]})],
+        "several values": ["--feature-columns", "f0", "f1", "f2", "--hidden-units", "16", "8", "--shuffle",
+                           "--overwrite", "--per-replica-batch", "16"],
+        "flag over file": ["--config", str(root / "my.yaml"), "--epochs", "2"],
+        "file alone": ["--config", str(root / "my.yaml")],
+    }
+    commands = [["jobs/train.py", *flags, "--output", str(root / name), "--dry-run"] for name, flags in runs.items()]
+    done = run_jobs_at_once(*commands, timeout=300, env=joined, at_once=2)
+    return {name: (root / name, p) for name, p in zip(runs, done)}
+
+
+def test_subprocess_dry_run_one_value_list_int_lists_bools_off_model_args(dry_runs):
+    out, p = dry_runs["one value"]
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
     assert "model: mlp, 610 parameters" in p.stdout, p.stdout  # --model-args' hidden_units [8]: 64x8+8 + 8x10+10
     assert not out.exists()
 
 
-def test_subprocess_dry_run_several_values_and_bools_on(tmp_path):
-    out = tmp_path / "out"
-    p = run_job("jobs/train.py", "--output", str(out), "--feature-columns", "f0", "f1", "f2", "--hidden-units", "16",
-                "8", "--shuffle", "--overwrite", "--per-replica-batch", "16", "--dry-run", timeout=300)
+def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
+    out, p = dry_runs["several values"]
     assert p.returncode == 0, p.stderr
     assert "model: mlp, 1,266 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 64x16+16 + 16x8+8 + 8x10+10
     assert "global batch 32 (= 16 per replica)" in p.stdout
     assert not out.exists()
 
 
-def test_subprocess_config_file_below_flags(tmp_path):
-    file = tmp_path / "my.yaml"
-    file.write_text("epochs: 0\nlr_scaling: sqrt\n")
-    out = tmp_path / "out"
-    p = run_job("jobs/train.py", "--config", str(file), "--output", str(out), "--dry-run",
-                "--epochs", "2", timeout=300)
+def test_subprocess_config_file_below_flags(dry_runs):
+    out, p = dry_runs["flag over file"]
     assert p.returncode == 0, p.stderr  # the flag replaced the file's invalid value
     assert ", 2 epochs" in p.stdout and "(sqrt rule:" in p.stdout, p.stdout  # the flag's epochs, the file's rule
     assert not out.exists()
-    p = run_job("jobs/train.py", "--config", str(file), "--output", str(out), "--dry-run", timeout=120)
+    out, p = dry_runs["file alone"]
     assert_one_line_error(p, "epochs must be > 0")  # the file's value where no flag was typed
+    assert not out.exists()
 
 
 def test_subprocess_bad_literal_is_one_line(tmp_path):

@@ -251,7 +251,8 @@ BAD_COMPILE = [
      "not add up over batches"),
     ("two_input_model", "renamed_inputs", (), "the data's inputs are named left, right, but "),
     ("two_input_model", "digits_ids", (), "takes 2 inputs (a, b), but the data gives one features input of shape "
-     "(64,): return a dict of arrays keyed a, b from a data function"),
+     "(64,): name each input's file column with --inputs a b (or NAME=COLUMN), return a dict of arrays keyed a, b "
+     "from a data function"),
     ("two_output_model", "mislabelled_outputs", (), "the labels are named kind, length, but "),
     ("categorical_loss_model", "digits_one_hot", ("--class-weight", "{\"0\": oops}"),
      "--class-weight '{\"0\": oops}': give 'balanced' or a JSON object"),

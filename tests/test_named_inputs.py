@@ -103,7 +103,7 @@ def test_parquet_feeds_named_inputs_on_two_ray_workers_and_the_mapping_serves_pr
     root, models = files
     run = tmp_path / "run"
     p = run_job("jobs/train.py", "--dataset", str(root / "parquet"), "--model", f"{models}:two_inputs", "--inputs",
-                "a", "b=category", "--num-workers", "2", "--epochs", "4", "--no-tensorboard", "--output", str(run))
+                "a", "b=category", "--num-workers", "2", "--epochs", "4", "--no-tensorboard", "--output", str(run), env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = json.loads((run / "result.json").read_text())["metrics"]
     assert metrics["val_accuracy"] >= 0.83, metrics

@@ -81,8 +81,16 @@ class TFConfig(BackendConfig):
         return _TFConfigBackend
 
 
+# Ray Train's controller polls the workers every 2 s by default: a run's end (and a failure) is seen up to 2 s late,
+# on every run and Tune trial. The poll is a cheap remote call per worker, and a missed one is not a failure (only a
+# worker whose polls hang for minutes is). The user's own setting wins.
+HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+
+
 def trainer(**kwargs):
     """A DataParallelTrainer with the TF_CONFIG backend: what TensorflowTrainer(**kwargs) is, minus the import."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    # Read by the driver when it starts the controller, which passes it on (Ray Train's ENV_VARS_TO_PROPAGATE).
+    os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S)
     return DataParallelTrainer(backend_config=TFConfig(), **kwargs)
