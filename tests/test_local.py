@@ -17,10 +17,6 @@ FULL_BATCH_SGD = [
 ]
 
 
-def local_run(out, *args):
-    return local_runs((out, *args))[0]
-
-
 def local_runs(*runs):
     """(out, *flags) runs of jobs/train.py --backend local, side by side; their result.json."""
     done = run_jobs_at_once(*(["jobs/train.py", "--backend", "local", "--output", str(out), *args]
@@ -49,31 +45,45 @@ def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
     assert last < first - 0.3  # the 5 full-batch steps really trained
 
 
-def test_auto_picks_one_cpu_device_here_and_says_why(tmp_path):
-    result = local_run(tmp_path / "auto", "--epochs", "4")
+@pytest.fixture(scope="module")
+def local_set(tmp_path_factory):
+    """Local runs that do not depend on each other, side by side: {name: (output, result.json)}."""
+    root = tmp_path_factory.mktemp("local-set")
+    runs = {"auto": ["--epochs", "4"],
+            "audit": ["--strategy", "mirrored", "--devices", "2", "--epochs", "2", "--per-replica-batch", "50",
+                      "--audit-sample-ids"],
+            "cs": ["--strategy", "central-storage", "--devices", "2", "--epochs", "3"],
+            "cnn": ["--strategy", "mirrored", "--devices", "2", "--dataset", "synthetic", "--synthetic-rows", "512",
+                    "--synthetic-shape", "8", "8", "3", "--model", "cnn", "--conv-filters", "4", "8", "--epochs", "2",
+                    "--per-replica-batch", "16"]}
+    results = local_runs(*((root / name, *flags) for name, flags in runs.items()))
+    return {name: (root / name, result) for name, result in zip(runs, results)}
+
+
+def test_auto_picks_one_cpu_device_here_and_says_why(local_set):
+    out, result = local_set["auto"]
     assert result["strategy"] == "OneDeviceStrategy"
     assert result["strategy_reason"] == "no TPU, no GPU -> OneDeviceStrategy on the CPU"
     assert result["metrics"]["val_accuracy"] >= 0.95
     # The exported model scores the same in a plain process.
-    p = run_job("jobs/evaluate.py", "--run", str(tmp_path / "auto"), timeout=300)
+    p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)
     assert p.returncode == 0, p.stderr
-    assert json.loads((tmp_path / "auto" / "eval.json").read_text())["val_accuracy"] == pytest.approx(
+    assert json.loads((out / "eval.json").read_text())["val_accuracy"] == pytest.approx(
         result["metrics"]["val_accuracy"], abs=1e-6
     )
 
 
-def test_mirrored_sees_every_sample_once_per_epoch(tmp_path):
-    result = local_run(tmp_path / "audit", "--strategy", "mirrored", "--devices", "2", "--epochs", "2",
-                       "--per-replica-batch", "50", "--audit-sample-ids")
-    per_epoch = json.loads((tmp_path / "audit" / "audit_sample_ids.json").read_text())
+def test_mirrored_sees_every_sample_once_per_epoch(local_set):
+    out, result = local_set["audit"]
+    per_epoch = json.loads((out / "audit_sample_ids.json").read_text())
     assert result["dropped_samples_per_epoch"] == 1438 - (1438 // 100) * 100 == 38
     for ids in per_epoch:
         assert len(ids) == len(set(ids)) == 1438 - 38
     assert per_epoch[0] != per_epoch[1]  # reshuffled
 
 
-def test_central_storage_trains(tmp_path):
-    result = local_run(tmp_path / "cs", "--strategy", "central-storage", "--devices", "2", "--epochs", "3")
+def test_central_storage_trains(local_set):
+    _, result = local_set["cs"]
     assert result["strategy"] == "CentralStorageStrategy" and result["num_replicas"] == 2
     assert result["metrics"]["val_accuracy"] > 0.9
 
@@ -134,17 +144,14 @@ print("no ray")
     assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
 
 
-def test_cnn_batch_norm_state_is_one_value_across_replicas(tmp_path):
+def test_cnn_batch_norm_state_is_one_value_across_replicas(local_set):
     """Each replica updates its own batch-norm moving statistics; the loop averages them every epoch.
 
     Without that, replica 1 evaluates with different statistics from the ones
     rank 0 exports, and the in-training val metrics disagree with the exported
     model's.
     """
-    out = tmp_path / "cnn"
-    result = local_run(out, "--strategy", "mirrored", "--devices", "2", "--dataset", "synthetic",
-                       "--synthetic-rows", "512", "--synthetic-shape", "8", "8", "3", "--model", "cnn",
-                       "--conv-filters", "4", "8", "--epochs", "2", "--per-replica-batch", "16")
+    out, result = local_set["cnn"]
     p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     scored = json.loads((out / "eval.json").read_text())
