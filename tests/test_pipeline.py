@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 from app import cli
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once, user_module
 
 CNN_ON_DIGITS = ["--model", "cnn", "--feature-shape", "8", "8", "1", "--epochs", "5"]
 
@@ -146,17 +146,26 @@ def one_error_line(p) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("args, words", [
+CUTS = [
     (["--devices", "2", "--split-at", "block_3"], ["--split-at block_3: 2 tensors that depend on weights cross there",
                                                   "can be cut at: block_2, head"]),
     (["--devices", "1"], ["--strategy pipeline needs 2 or more devices (one per stage), found 0 GPU(s), 1 CPU"]),
-])
-def test_a_cut_that_cannot_be_made_is_one_line_before_training(tmp_path, args, words):
-    (tmp_path / "my_models.py").write_text(USER_MODELS)
-    out = tmp_path / "o"
-    line = one_error_line(run(out, "--strategy", "pipeline", "--model", f"{tmp_path / 'my_models.py'}:residual", *args,
-                              timeout=120))
-    for word in words:
+]
+
+
+@pytest.fixture(scope="module")
+def cut_refusals(tmp_path_factory):
+    models = user_module(tmp_path_factory, "my_models.py", USER_MODELS)
+    return refusals_at_once(tmp_path_factory, "cuts", lambda i, out: [
+        "jobs/train.py", "--backend", "local", "--output", str(out), "--strategy", "pipeline", "--model",
+        f"{models}:residual", *CUTS[i][0]], len(CUTS), timeout=120)
+
+
+@pytest.mark.parametrize("case", range(len(CUTS)), ids=[" ".join(args) for args, _ in CUTS])
+def test_a_cut_that_cannot_be_made_is_one_line_before_training(cut_refusals, case):
+    out, p = cut_refusals[case]
+    line = one_error_line(p)
+    for word in CUTS[case][1]:
         assert word in line, line
     assert not out.exists()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.config import build_config
 from app.run import ray_train
-from conftest import run_job
+from conftest import run_job, run_jobs_at_once
 
 
 def history(out: Path) -> list[dict]:
@@ -67,13 +67,17 @@ def test_a_finished_local_run_trains_further_and_a_changed_model_is_refused(tmp_
     first = history(out)
     kept = {name: (out / name).read_bytes() for name in ("result.json", "history.csv", "config.yaml", "model.keras")}
 
+    # Two refusals that only read the run, side by side.
+    finished, changed = run_jobs_at_once(
+        ["jobs/train.py", "--output", str(out), "--resume"],
+        ["jobs/train.py", "--output", str(out), "--resume", "--epochs", "5", "--hidden-units", "32"])
     # Nothing left to train: one line.
-    p = run_job("jobs/train.py", "--output", str(out), "--resume")
+    p = finished
     assert p.returncode == 2 and len(errors(p)) == 1, p.stderr[-2000:]
     assert "already finished its 3 epochs" in errors(p)[0] and "--epochs" in errors(p)[0]
 
     # A model that is not the checkpoint's: which weights differ, names and shapes, before any training.
-    p = run_job("jobs/train.py", "--output", str(out), "--resume", "--epochs", "5", "--hidden-units", "32")
+    p = changed
     assert p.returncode == 2 and len(errors(p)) == 1, p.stderr[-2000:]
     assert "does not fit the model: dense_0/kernel is (64, 128) in the checkpoint, (64, 32) in the model" \
         in errors(p)[0], errors(p)
