@@ -196,18 +196,26 @@ def test_tf_keras_model_with_class_weights_on_two_workers(user_file, ray_cluster
     assert result["metrics"]["val_top3"] >= result["metrics"]["val_accuracy"] > 0.5
 
 
-def test_class_weights_scale_the_loss_as_keras_does(user_file, tmp_path):
+@pytest.fixture(scope="module")
+def weighted_runs(user_file, tmp_path_factory):
+    """Three local runs of the same compiled model, side by side: plain, every class weighed 2, and a data function
+    that returns sample weights of 1. {name: output}."""
+    root = tmp_path_factory.mktemp("weighted")
+    common = ["jobs/train.py", "--model", f"{user_file}:build_model", "--backend", "local", "--strategy",
+              "one-device", "--epochs", "1", "--no-shuffle", "--warmup-epochs", "0", "--lr-decay", "constant"]
+    digits = ["--dataset", f"{user_file}:digits_one_hot"]
+    runs = {"plain": digits, "doubled": [*digits, "--class-weight", json.dumps({str(c): 2.0 for c in range(10)})],
+            "ones": ["--dataset", f"{user_file}:ones_as_sample_weights"]}
+    done = run_jobs_at_once(*([*common, *flags, "--output", str(root / name)] for name, flags in runs.items()))
+    for p in done:
+        assert p.returncode == 0, p.stderr[-2000:]
+    return {name: root / name for name in runs}
+
+
+def test_class_weights_scale_the_loss_as_keras_does(weighted_runs):
     """Every class weighed 2: the reported loss doubles, and Adam (invariant to the gradient's scale) takes
     the same steps (local backend: the loss code is the one every backend runs)."""
-
-    common = ["jobs/train.py", "--model", f"{user_file}:build_model", "--dataset", f"{user_file}:digits_one_hot",
-              "--backend", "local", "--strategy", "one-device", "--epochs", "1", "--no-shuffle",
-              "--warmup-epochs", "0", "--lr-decay", "constant"]
-    weights = json.dumps({str(c): 2.0 for c in range(10)})
-    runs = run_jobs_at_once([*common, "--output", str(tmp_path / "plain")],
-                            [*common, "--output", str(tmp_path / "doubled"), "--class-weight", weights])
-    assert all(p.returncode == 0 for p in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    plain, doubled = (json.loads((tmp_path / n / "result.json").read_text()) for n in ("plain", "doubled"))
+    plain, doubled = (json.loads((weighted_runs[n] / "result.json").read_text()) for n in ("plain", "doubled"))
     assert doubled["metrics"]["train_loss"] == pytest.approx(2 * plain["metrics"]["train_loss"], rel=1e-3)
     assert doubled["objective"]["class_weights"] == [2.0] * 10
     # Validation is unweighted, as in Keras's fit: the same model up to Adam's epsilon, the same val loss.
@@ -226,18 +234,12 @@ def test_a_two_output_model_on_two_workers_reports_each_outputs_metrics(user_fil
     assert result["metrics"]["val_size_mae"] > 0
 
 
-def test_sample_weights_of_one_are_no_weights(user_file, tmp_path):
+def test_sample_weights_of_one_are_no_weights(weighted_runs):
     """(x, y, sample_weight) from a data function, all 1: the very same training as (x, y)."""
     import keras
 
-    common = ["jobs/train.py", "--model", f"{user_file}:build_model", "--backend", "local", "--strategy",
-              "one-device", "--epochs", "1"]
-    runs = run_jobs_at_once([*common, "--dataset", f"{user_file}:digits_one_hot", "--output", str(tmp_path / "a")],
-                            [*common, "--dataset", f"{user_file}:ones_as_sample_weights", "--output",
-                             str(tmp_path / "b")])
-    assert all(p.returncode == 0 for p in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    wa = keras.models.load_model(tmp_path / "a" / "model.keras", compile=False).get_weights()
-    wb = keras.models.load_model(tmp_path / "b" / "model.keras", compile=False).get_weights()
+    wa = keras.models.load_model(weighted_runs["plain"] / "model.keras", compile=False).get_weights()
+    wb = keras.models.load_model(weighted_runs["ones"] / "model.keras", compile=False).get_weights()
     for a, b in zip(wa, wb):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
 
