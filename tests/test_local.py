@@ -17,6 +17,10 @@ FULL_BATCH_SGD = [
 ]
 
 
+def local_run(out, *args):
+    return local_runs((out, *args))[0]
+
+
 def local_runs(*runs):
     """(out, *flags) runs of jobs/train.py --backend local, side by side; their result.json."""
     done = run_jobs_at_once(*(["jobs/train.py", "--backend", "local", "--output", str(out), *args]
