@@ -45,8 +45,7 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     theirs = {"--head", "--num-cpus", "--address", "--working-dir", "--submission-id", "--port", "--block",
               "--dashboard-host", "--dashboard-port", "--temp-dir", "--no-config-cache", "--yes", "--dir",
               "--tag_set", "--signature_def", "--all", "--model_base_path", "--model_name", "--rest_api_port",
-              "--durations", "--editable", "--upgrade", "--no-compile", "--logdir", "--ray-client-server-port",
-              "--disable-usage-stats",
+              "--durations", "--editable", "--upgrade", "--logdir", "--ray-client-server-port", "--disable-usage-stats",
               "--autoscaling-config", "--dashboard-agent-listen-port", "--help",
               "--follow", "--generate",  # ray job logs --follow, ray get-auth-token --generate
               "--tag", "--signature"}  # saved_model_cli's --tag_set and --signature_def, as the pattern below cuts them
