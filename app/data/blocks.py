@@ -93,17 +93,27 @@ def features(table: "pa.Table", spec: Spec) -> Any:
     return x.reshape(n, *(spec.feature_shape or spec.stored_shape))
 
 
-def _numbers(column) -> np.ndarray:
-    """A column of numbers or of lists of numbers (a Ray tensor column too) as one flat float32 array."""
+def _is_list(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _flat(column):
+    """A column's values with every level of lists (and a Ray tensor column's list storage) flattened away."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if isinstance(column.type, pa.ExtensionType):
+    if isinstance(column.type, pa.ExtensionType):  # Ray's tensor columns: a list array underneath
         column = column.storage
-    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
-            or pa.types.is_fixed_size_list(column.type):
+    while _is_list(column.type):
         column = pc.list_flatten(column)
-    return column.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    return column
+
+
+def _numbers(column) -> np.ndarray:
+    """A column of numbers or of lists of numbers (a Ray tensor column too) as one flat float32 array."""
+    return _flat(column).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
 
 
 def values_in_first_row(table: "pa.Table", column: str) -> int:
@@ -270,8 +280,7 @@ def _lengths(table: "pa.Table", spec: Spec) -> dict[str, tuple[int, int]]:
         column = _column(table, name)
         if isinstance(column.type, pa.ExtensionType) or len(shapes.get(name, ())) > 1:
             continue  # a tensor column: its type has the shape
-        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-                or pa.types.is_fixed_size_list(column.type)):
+        if not _is_list(column.type):
             found[name] = (1, 1)
             continue
         mm = pc.min_max(pc.list_value_length(column))
@@ -294,11 +303,7 @@ def _nonfinite(column) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if isinstance(column.type, pa.ExtensionType):  # Ray's tensor columns: a list array underneath
-        column = column.storage
-    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
-            or pa.types.is_fixed_size_list(column.type):
-        column = pc.list_flatten(column)
+    column = _flat(column)
     if not pa.types.is_floating(column.type):
         return 0
     return len(column) - column.null_count - (pc.sum(pc.is_finite(column)).as_py() or 0)
