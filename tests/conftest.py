@@ -122,6 +122,17 @@ def no_new_raylet(before: set[int], within: float = 20) -> bool:
     return not raylets() - before
 
 
+def alive_actors(ray, class_name: str) -> list:
+    """The session cluster's live actors of one class. Its address is given: without one, Ray's state API
+    takes the cluster named in /tmp/ray/ray_current_cluster, which is the last `ray start` on this machine
+    (a test's head, stopped since, or someone else's) and never this session's local Ray; seen in CI: a
+    stale address there, and "Timed out while waiting for GCS" after 60 s."""
+    from ray.util.state import list_actors
+
+    return list_actors(address=ray.get_runtime_context().gcs_address,
+                       filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in KEPT_RAY_ENV}
     env.update(extra)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, run_job
+from conftest import REPO, alive_actors, clean_env, run_job
 
 # A small transformer on the built-in generated texts: learns in 3 epochs (val accuracy ~0.95).
 TEXT = {"model": "transformer", "dataset": "synthetic-text", "synthetic_text_rows": 800, "vocab_size": 512,
@@ -45,8 +45,6 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     worker is SIGKILLed (the run goes on); after epoch 2 a parameter server is SIGSTOPped (nothing moves for
     --stall-timeout-s: the driver's restart loop restarts the cluster from the last checkpoint). Every epoch
     completes, the shards sit on both servers, and val accuracy is within 10% of the MWMS run's."""
-    from ray.util.state import list_actors
-
     from app.config import build_config
     from app.run import ray_train
 
@@ -67,7 +65,7 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     mwms_thread.start()
 
     def alive(kind: str) -> list:
-        return list_actors(filters=[("class_name", "=", kind), ("state", "=", "ALIVE")])
+        return alive_actors(ray_cluster, kind)
 
     def wait_for_checkpoint(epoch: int) -> None:
         deadline = time.time() + 240

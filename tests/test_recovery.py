@@ -21,7 +21,7 @@ import pytest
 from app.config import build_config
 from app.run import ray_train
 from app.training import checkpoint
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, alive_actors, clean_env, run_job, run_jobs_at_once
 
 
 def history(out: Path) -> list[dict]:
@@ -46,8 +46,6 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_worker_run, tmp_path):
-    from ray.util.state import list_actors
-
     out = tmp_path / "killed"
     config = build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "max_failures": 2})
     outcome: dict = {}
@@ -58,7 +56,7 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
     # (a report waits until the previous one is taken); a kill within the ~0.5 s before
     # registration would lose that checkpoint (measured: docs/design.md, "A lost worker restarts the whole group").
     wait_for(lambda: checkpointed_epoch(out / "ray") >= 2, 180, "the checkpoint of epoch 2")
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    workers = alive_actors(ray_cluster, "RayTrainWorker")
     assert len(workers) == 2
     os.kill(workers[0].pid, signal.SIGKILL)  # from outside, by PID, as an OOM killer or a lost node would
     killed_at = time.time()
@@ -83,8 +81,6 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
 
 def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_path):
     """A SIGSTOPped worker (not dead: its peer's all-reduce waits on it) ends the run with one line."""
-    from ray.util.state import list_actors
-
     out, stall = tmp_path / "frozen", 12
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "50", "--stall-timeout-s", str(stall)]
@@ -93,7 +89,7 @@ def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_
     try:
         wait_for(lambda: checkpointed_epoch(out / "ray") >= 1 or driver.poll() is not None, 240,
                  "the checkpoint of epoch 1")
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        workers = alive_actors(ray_cluster, "RayTrainWorker")
         assert len(workers) == 2 and driver.poll() is None
         frozen = workers[1].pid
         os.kill(frozen, signal.SIGSTOP)  # alive but silent, as a stuck device or a partition would leave it
