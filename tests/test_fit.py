@@ -160,3 +160,72 @@ def test_validation_split_is_the_last_rows_cut_as_keras_cuts():
     x, y = np.arange(507 * 2).reshape(507, 2), np.arange(507)
     (xt, yt), (xv, yv) = split_last(x, y, 0.2)
     assert len(yt) == 405 and list(yv) == list(range(405, 507)) and (xv == x[405:]).all()
+
+
+BARS = '''
+import sys
+
+import keras
+import numpy as np
+
+import app
+from app.training.loop import EpochBar
+
+EpochBar.DELAY_S = 0.0  # every epoch long enough for a bar: only verbose decides
+
+
+def build_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+x, y = np.random.default_rng(0).normal(size=(256, 4)).astype("float32"), np.arange(256) % 3
+for verbose in (1, 2):
+    print(f"== verbose {verbose}", file=sys.stderr, flush=True)
+    app.fit(build_model, x, y, batch_size=32, epochs=1, verbose=verbose, backend="local",
+            output=f"{sys.argv[1]}/v{verbose}")
+'''
+
+
+def test_at_a_terminal_verbose_1_draws_an_epoch_bar_and_verbose_2_only_the_epoch_lines(tmp_path):
+    """As model.fit: verbose=1 a progress bar inside the epoch, verbose=2 one line per epoch (stderr a terminal)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    from conftest import REPO, clean_env
+
+    script = tmp_path / "bars.py"
+    script.write_text(BARS)
+    main, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 0 columns: tqdm draws nothing
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=clean_env(), stdin=subprocess.DEVNULL,
+                         stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    seen, deadline = b"", time.monotonic() + 300
+    while time.monotonic() < deadline:  # read as it comes (a full pty would block the script) until EOF (EIO)
+        if not select.select([main], [], [], 1)[0]:
+            continue
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        seen += chunk
+    if p.poll() is None:  # the 300 s passed
+        p.kill()
+    assert p.wait(timeout=10) == 0, seen.decode(errors="replace")[-3000:]
+    os.close(main)
+    one, two = seen.decode(errors="replace").split("== verbose 2")
+    # Both print their epoch line (from a script that set up no logging, as model.fit prints its own).
+    assert "epoch 1/1: " in one and "%|" in one  # tqdm's bar: "epoch 1/1:  50%|#####     | 4/8 ..."
+    assert one.count("epoch   1/1  train_loss") == 1 and two.count("epoch   1/1  train_loss") == 1
+    assert "%|" not in two

@@ -38,7 +38,7 @@ def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
         (tmp_path / "one", "--strategy", "one-device", "--per-replica-batch", "1438", *FULL_BATCH_SGD),
     )
     assert two["strategy"] == "MirroredStrategy" and two["num_replicas"] == 2
-    assert one["strategy"] == "OneDeviceStrategy" and one["num_replicas"] == 1
+    assert one["strategy"] == "default strategy (one replica)" and one["num_replicas"] == 1
     assert two["global_batch_size"] == one["global_batch_size"] == 1438
     w2 = keras.models.load_model(tmp_path / "two" / "model.keras").get_weights()
     w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
@@ -66,8 +66,8 @@ def local_set(tmp_path_factory):
 
 def test_auto_picks_one_cpu_device_here_and_says_why(local_set):
     out, result = local_set["auto"]
-    assert result["strategy"] == "OneDeviceStrategy"
-    assert result["strategy_reason"] == "no TPU, no GPU -> OneDeviceStrategy on the CPU"
+    assert result["strategy"] == "default strategy (one replica)"
+    assert result["strategy_reason"] == "no TPU, no GPU -> one replica on the CPU"
     assert result["metrics"]["val_accuracy"] >= 0.95
     # The exported model scores the same in a plain process.
     p = run_job("jobs/evaluate.py", "--run", str(out), timeout=300)

@@ -35,7 +35,8 @@ def check_learned(out, result, workers):
     assert result["learning_rate"] == pytest.approx(0.05 * workers)  # linear rule, reference batch 32
     assert result["lr_scaling"] == "linear" and result["base_lr"] == 0.05
     assert result["epochs_completed"] == 6
-    assert result["strategy"] == "MultiWorkerMirroredStrategy"
+    # A worker alone trains under TensorFlow's default strategy: nothing to all-reduce (app.training.strategy).
+    assert result["strategy"] == ("MultiWorkerMirroredStrategy" if workers > 1 else "default strategy (one replica)")
     assert result["samples_per_second"] > 0 and result["wall_seconds"] > 0
     assert json.loads((out / "result.json").read_text()) == result
     assert len(history_column(out, "epoch")) == 6

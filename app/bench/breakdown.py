@@ -4,8 +4,9 @@ Runs the project's training loop (app.bench.training) in a plain process,
 without Ray Train, for every combination of
 
 - strategy: none (TensorFlow's default strategy, the thread count set as a
-  worker sets it), or MultiWorkerMirroredStrategy with one worker (no
-  TF_CONFIG), as in a 1-worker Ray run;
+  worker sets it: what a 1-worker Ray run trains under), or
+  MultiWorkerMirroredStrategy with one worker (no TF_CONFIG): the cost of
+  MWMS's scope itself, which every worker of a larger group pays;
 - input: ``arrays``, tf.data from the arrays in memory
   (``train_batches_from_arrays``: what a Ray worker and the local backend
   read for in-memory data), or ``raydata``, a Ray Data shard of the same rows,
@@ -37,7 +38,7 @@ INPUTS = ("arrays", "raydata")
 
 
 def _strategy(kind: str, config: TrainConfig):
-    if kind == "mwms":  # no TF_CONFIG: a one-worker MWMS, as in a 1-worker Ray run
+    if kind == "mwms":  # no TF_CONFIG: MWMS over this one process
         from app.training.strategy import multi_worker_strategy
 
         return multi_worker_strategy(config.cpus_per_worker)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from app.config import TrainConfig, build_config
+from app.training.strategy import ray_strategy_name
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
@@ -69,7 +70,7 @@ def _dry_run(config: TrainConfig) -> list[str]:
 
             checked, strategy = ps.check(config, require_fit=False), ps.strategy_line(config)
         else:
-            checked, strategy = ray_train.check(config, require_fit=False), "MultiWorkerMirroredStrategy"
+            checked, strategy = ray_train.check(config, require_fit=False), ray_strategy_name(config.num_workers)
         lines = preflight.plan_lines(config, checked, config.num_workers, 1, strategy) + fits
     return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
 

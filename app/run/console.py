@@ -85,7 +85,13 @@ def say(line: str) -> None:
 # Set by ``for_people`` for the duration of a run; "sticky": until the process ends (``for_this_process``).
 # "marked": workers' marked lines go to the console (a training run) or, False, to the log file (a sweep).
 # "silent": nothing but warnings and errors on the console (app.fit(verbose=0), as model.fit(verbose=0)).
-_people = {"active": False, "verbose": False, "sticky": False, "marked": True, "silent": False}
+# "no_bars": the epoch lines without a progress bar inside the epochs (app.fit(verbose=2), as model.fit(verbose=2)).
+_people = {"active": False, "verbose": False, "sticky": False, "marked": True, "silent": False, "no_bars": False}
+
+
+def bars() -> bool:
+    """Whether rank 0 draws a progress bar inside long epochs: for a person at a terminal, unless told not to."""
+    return sys.stderr.isatty() and not _people["silent"] and not _people["no_bars"]
 
 
 def for_this_process() -> None:
@@ -126,12 +132,25 @@ def quiet_now() -> None:
 def silent() -> Iterator[None]:
     """Inside: the run's epoch lines and our other lines for people go to its log file only; warnings and errors
     still reach the console (app.fit(verbose=0): model.fit(verbose=0) prints nothing)."""
-    before = _people["silent"]
-    _people["silent"] = True
+    with _set("silent"):
+        yield
+
+
+@contextlib.contextmanager
+def no_bars() -> Iterator[None]:
+    """Inside: one line per epoch and no progress bar (app.fit(verbose=2), as model.fit(verbose=2))."""
+    with _set("no_bars"):
+        yield
+
+
+@contextlib.contextmanager
+def _set(rule: str) -> Iterator[None]:
+    before = _people[rule]
+    _people[rule] = True
     try:
         yield
     finally:
-        _people["silent"] = before
+        _people[rule] = before
 
 
 @contextlib.contextmanager
@@ -144,10 +163,18 @@ def for_people(verbose: bool = False, marked: bool = True) -> Iterator[None]:
     if not saved["active"]:
         _WorkerLines.early.clear()  # lines of an earlier run's checks are not this run's
     _people.update(active=True, verbose=verbose, marked=marked)
+    # From a Python script that configured no logging (app.fit, as model.fit is called), the root has no handler
+    # and the epoch lines of a run in this process (the local backend) reached no one; the job scripts have one.
+    own = None if _console_handlers() else logging.StreamHandler(sys.stderr)
+    if own is not None:
+        own.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger().addHandler(own)
     quiet_now()
     try:
         yield
     finally:
+        if own is not None:
+            logging.getLogger().removeHandler(own)
         if not _people["sticky"]:
             _people.update(saved)
             if not saved["active"]:

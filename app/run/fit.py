@@ -30,7 +30,8 @@ The arguments mean what they mean in ``keras.Model.fit``:
   (``lr_scaling``, ``warmup_epochs``, ``lr_decay``, ``base_lr``, ``reference_batch``). Each step's global batch
   holds the same rows on any number of workers (tests/test_keras_parity.py: weights equal to ``model.fit``'s).
 - ``shuffle`` as in Keras; ``verbose`` takes Keras's values: 0 prints nothing but warnings and errors (the epochs
-  go to <output>/train.log), 1, 2 and "auto" one line per epoch (Ray's and TensorFlow's own lines: train.log);
+  go to <output>/train.log), 2 one line per epoch, 1 and "auto" the same and a progress bar inside long epochs
+  at a terminal (Ray's and TensorFlow's own lines: train.log);
   ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and ``validation_freq``
   other than their defaults are refused in one line that says what to use.
 - Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
@@ -149,7 +150,8 @@ def fit(
     config = _with_global_batch(config_file, values, batch_size)
     from app.run import console
 
-    with console.silent() if verbose == 0 else contextlib.nullcontext():
+    quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
+    with quiet():
         result = run_training(config)
     out = config.output_dir()
     return History(result, read_records(out / result["history_file"]), out / result["model_file"])

@@ -9,7 +9,6 @@ never imported here.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -17,6 +16,7 @@ from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import console, outputs
 from app.training import checkpoint
+from app.training import strategy as strategy_lib
 from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     pipeline = checked.model.get("pipeline")  # --strategy pipeline: the StagePlan
-    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty(),
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars(),
                     stages=pipeline)
     start = checked.resumed
     session = LocalSession(config, strategy, checked.source, start.path if start and start.kind == "ray" else None)
@@ -115,20 +115,17 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 def plan(config: TrainConfig):
     """(strategy, its name, why, the checks, the plan lines): what a run logs first and --dry-run prints."""
     from app.run import preflight
-    from app.training.strategy import stage_devices
 
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
-    devices = stage_devices() if config.strategy == "pipeline" else []
+    devices = strategy_lib.stage_devices() if config.strategy == "pipeline" else []
     checked = preflight.check(config, 1, replicas, stage_devices=devices)
-    name = "pipeline" if devices else type(strategy).__name__
+    name = "pipeline" if devices else strategy_lib.name_of(strategy)
     return strategy, name, reason, checked, preflight.plan_lines(config, checked, 1, replicas, f"{name} ({reason})")
 
 
 def make_strategy(config: TrainConfig):
     """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
-    from app.training import strategy as strategy_lib
-
     try:
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:

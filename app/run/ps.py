@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,7 +275,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     cluster.connect(config)
-    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=sys.stderr.isatty())
+    job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars())
     train, val = ray.put(checked.source.train), ray.put(checked.source.val)
     shipped = ray_train.for_workers(config)
     restore = config.resume

@@ -18,6 +18,7 @@ from app.config import TrainConfig
 from app.errors import RunFailed
 from app.run import cluster, console, failures, outputs, resume
 from app.training import checkpoint
+from app.training.strategy import ray_strategy_name
 from app.training.worker import WorkerJob, train_worker
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,9 @@ class RaySession:
             self._shards = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
 
     def strategy(self):
-        from app.training.strategy import multi_worker_strategy
+        from app.training.strategy import ray_worker_strategy
 
-        return multi_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s)
+        return ray_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s, self.world)
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         import ray.train
@@ -204,7 +205,7 @@ def fit(
     inputs["facts"] = checked.facts
     datasets = {"train": source.train, "val": source.val} if source.streamed else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
-                    progress_bars=sys.stderr.isatty())
+                    progress_bars=console.bars())
     config = for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
@@ -356,7 +357,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     checked = check(config)
     from app.run.preflight import plan_lines
 
-    lines = plan_lines(config, checked, config.num_workers, 1, "MultiWorkerMirroredStrategy")
+    lines = plan_lines(config, checked, config.num_workers, 1, ray_strategy_name(config.num_workers))
     for line in lines:
         log.info(line)
     cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
@@ -371,8 +372,9 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             config,
             checkpoint.load_state(ckpt_dir),
             Path(ckpt_dir) / checkpoint.MODEL_FILE,
-            strategy="MultiWorkerMirroredStrategy",
+            strategy=ray_strategy_name(config.num_workers),
             started_at=started_at,
-            extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"},
+            extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"
+                   if config.num_workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce"},
         )
     return summary

@@ -32,6 +32,47 @@ def set_thread_counts(cpus: float) -> int:
     return threads
 
 
+# The name a run records for TensorFlow's default strategy: one replica, no tf.distribute scope of its own.
+ONE_REPLICA = "default strategy (one replica)"
+
+
+def one_replica() -> "tf.distribute.Strategy":
+    """One replica where TensorFlow places ops by default (the first GPU, else the CPU): the default strategy, what
+    a plain Keras script runs under.
+
+    Not OneDeviceStrategy, nor MWMS with one worker: under either scope a compiled Keras step runs at half to
+    two thirds of its speed on a CPU (Keras's own model.fit: 3,497-3,728 samples/s plainly, 1,254-1,282 under
+    OneDeviceStrategy; a 1-worker Ray run: 1,620-1,888 under MWMS, 2,767-3,136 without; BENCHMARKS.md, "A compiled
+    Keras model"). With one replica there is nothing to all-reduce, and the default strategy's run, reduce, gather
+    and datasets compute the same values.
+    """
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
+def name_of(strategy: "tf.distribute.Strategy") -> str:
+    """The strategy's name for the plan and result.json: its class, or ONE_REPLICA for the default strategy."""
+    import tensorflow as tf
+
+    return ONE_REPLICA if strategy is tf.distribute.get_strategy() else type(strategy).__name__
+
+
+def ray_strategy_name(num_workers: int) -> str:
+    """What ``ray_worker_strategy`` builds in a group of ``num_workers``, named before any worker starts."""
+    return "MultiWorkerMirroredStrategy" if num_workers > 1 else ONE_REPLICA
+
+
+def ray_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None,
+                        num_workers: int) -> "tf.distribute.Strategy":
+    """A Ray Train worker's strategy: MWMS in a group, one replica when alone (nothing to all-reduce, and MWMS's
+    scope would halve a compiled step: ``one_replica``). Call it before any other TensorFlow op."""
+    if num_workers > 1:
+        return multi_worker_strategy(cpus_per_worker, stall_timeout_s)
+    set_thread_counts(cpus_per_worker)
+    return one_replica()
+
+
 def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None = None) -> "tf.distribute.Strategy":
     """MWMS for a Ray Train worker. Call it before any other TensorFlow op.
 
@@ -117,13 +158,13 @@ def local_strategy(name: str, devices: int | None, cpus: float | None = None) ->
         if len(gpu_devices) >= 2:
             return tf.distribute.MirroredStrategy(gpu_devices), f"no TPU; {len(gpu_devices)} GPUs -> MirroredStrategy"
         if len(gpu_devices) == 1:
-            return tf.distribute.OneDeviceStrategy(gpu_devices[0]), "no TPU; 1 GPU -> OneDeviceStrategy on it"
+            return one_replica(), "no TPU; 1 GPU -> one replica on it"
         if len(cpu_devices) >= 2:
             return (
                 tf.distribute.MirroredStrategy(cpu_devices),
                 f"no TPU, no GPU; --devices {len(cpu_devices)} logical CPUs -> MirroredStrategy",
             )
-        return tf.distribute.OneDeviceStrategy(cpu_devices[0]), "no TPU, no GPU -> OneDeviceStrategy on the CPU"
+        return one_replica(), "no TPU, no GPU -> one replica on the CPU"
 
     if name == "mirrored":
         if len(compute) < 2:
@@ -133,7 +174,7 @@ def local_strategy(name: str, devices: int | None, cpus: float | None = None) ->
             )
         return tf.distribute.MirroredStrategy(compute), f"requested; {len(compute)} devices"
     if name == "one-device":
-        return tf.distribute.OneDeviceStrategy(compute[0]), f"requested; on {compute[0]}"
+        return one_replica(), f"requested; on {compute[0]}"
     if name == "central-storage":
         if len(compute) < 2:
             raise StrategyUnavailable(
