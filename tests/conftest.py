@@ -139,19 +139,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository, as a user runs it; ``.seconds`` is how long it took."""
+def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None,
+            cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository (or ``cwd``), as a user runs it; ``.seconds`` is how long it took."""
     import time
 
     started = time.monotonic()
-    p = subprocess.run([sys.executable, *args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
                        timeout=timeout)
     p.seconds = time.monotonic() - started
     return p
 
 
 def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, str] | None = None,
-                     envs: list[dict[str, str]] | None = None, at_once: int | None = None
+                     envs: list[dict[str, str]] | None = None, at_once: int | None = None, cwd: Path = REPO
                      ) -> list[subprocess.CompletedProcess]:
     """Independent job runs side by side (two local trainings a test compares): their start-ups overlap.
 
@@ -161,7 +162,7 @@ def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, 
 
     envs = envs or [env] * len(commands)
     with concurrent.futures.ThreadPoolExecutor(at_once or len(commands)) as pool:
-        return list(pool.map(lambda args, e: run_job(*args, timeout=timeout, env=e), commands, envs))
+        return list(pool.map(lambda args, e: run_job(*args, timeout=timeout, env=e, cwd=cwd), commands, envs))
 
 
 def refusals_at_once(tmp_path_factory, name: str, argv, cases: int, timeout: float = 200,

@@ -31,7 +31,7 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     import sys
 
     readme = "".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs" / "guides").glob("*.md")])
-    files = set(re.findall(r"\b((?:app|jobs|tests|tune_spaces|docs|\.ci)/[\w./-]*\w)", readme))
+    files = set(re.findall(r"\b((?:app|jobs|tests|tune_spaces|docs|examples|\.ci)/[\w./-]*\w)", readme))
     missing_files = sorted(f for f in files if not (REPO / f).exists() and "<" not in f and "*" not in f)
     assert not missing_files, missing_files
 

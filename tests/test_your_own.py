@@ -247,7 +247,9 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
 
     def dry_run(command: str):
         # The first line of a continued command (its own flags), without a trailing comment.
-        command = re.split(r"\s#\s", command)[0].rstrip("\\ ").replace("my_example.py", str(user_file))
+        command = re.split(r"\s#\s", command)[0].rstrip("\\ ")
+        # A guide's my_example.py is the test's file of functions; the README's examples/my_example.py is there.
+        command = re.sub(r"(?<![/\w])my_example\.py", str(user_file), command)
         command = command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")).replace("data/train/", f"{tmp_path}/train/")
         args = shlex.split(command)[2:]
         # Joining the session's Ray (as a job would) spares each dry run a Ray start-up of its own.

@@ -1,0 +1,21 @@
+"""The README's model and data functions, for the command line:
+
+    python jobs/train.py --model examples/my_example.py:build_model --dataset examples/my_example.py:load_data
+"""
+
+import keras
+from sklearn.datasets import load_digits
+
+
+def build_model(input_shape, num_classes):
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(num_classes, activation="softmax"),
+    ])
+
+
+def load_data():
+    d = load_digits()
+    return (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32"), d.target
