@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,10 +134,40 @@ def alive_actors(ray, class_name: str) -> list:
                        filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
 
 
+# A shell command in the README's or a guide's code blocks: an indented line that starts with a program.
+_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|ray|tensorboard|pip|docker|curl|saved_model_cli)\s")
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(document, command) for every command the README and the guides give, as a reader would type it: a line
+    continued with ``\\`` joined to the next, a trailing ``# comment`` cut, and each program of a chain
+    (``a && b``, ``ray job submit ... -- python jobs/train.py ...``) a command of its own."""
+    found = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs" / "guides").glob("*.md"))]:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            command = lines[i].strip()
+            if lines[i].startswith("    ") and _PROGRAM.match(command):
+                while command.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    command = command[:-1].rstrip() + " " + lines[i].strip()
+                command = re.split(r"\s#\s", command)[0]
+                found += [(doc.name, part.strip()) for part in re.split(r"\s&&\s|\s--\s", command)]
+            i += 1
+    return found
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in KEPT_RAY_ENV}
     env.update(extra)
     return env
+
+
+def venv_env() -> dict[str, str]:
+    """clean_env with this interpreter's scripts first on PATH (saved_model_cli, tensorboard, ray), as in an activated
+    venv: the tests may run as `.venv/bin/python -m pytest` without activating it."""
+    return clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None,

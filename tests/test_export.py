@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, venv_env
 
 # A fresh process: TensorFlow and the SavedModel alone, no app. Prints each model's outputs as JSON.
 SERVE = """
@@ -61,6 +61,13 @@ def test_saved_model_serves_what_the_keras_model_predicts(parquet_run, two_input
     assert result["saved_model"]["path"] == "saved_model" and result["saved_model"]["signature"] == "serving_default"
     assert result["saved_model"]["inputs"] == {"x": {"dtype": "float32", "shape": [-1, 16]}}  # any batch size
     assert result["saved_model"]["outputs"] == {"output_0": {"dtype": "float32", "shape": [-1, 4]}}
+    # What the serving guide's saved_model_cli shows of it: the signature, its input and its output.
+    shown = subprocess.run(["saved_model_cli", "show", "--dir", str(run / "saved_model"), "--tag_set", "serve",
+                            "--signature_def", "serving_default"], env=venv_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "inputs['x'] tensor_info" in shown.stdout and "shape: (-1, 16)" in shown.stdout, shown.stdout
+    assert "outputs['output_0'] tensor_info" in shown.stdout and "shape: (-1, 4)" in shown.stdout, shown.stdout
     two, described = two_input_model
     assert described["inputs"] == {"extra": {"dtype": "float32", "shape": [-1, 3]},
                                    "numbers": {"dtype": "float32", "shape": [-1, 4]}}

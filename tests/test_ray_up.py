@@ -150,8 +150,6 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
     remote_home, local_home = root / "remote", root / "local"
     for d in (remote_home / "bin", local_home / ".ray"):
         d.mkdir(parents=True)
-    token = secrets.token_hex(32)
-    (local_home / ".ray" / "auth_token").write_text(token)
     key = root / "id_ed25519"
     keygen(key)
     shutil.copyfile(f"{key}.pub", root / "authorized_keys")
@@ -169,11 +167,18 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
     config_path = root / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(config))
     local_env = clean_env(HOME=str(local_home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    # The guide's step 2: the cluster's token, made on "your machine" (this home) for ray up to copy to the head.
+    made = subprocess.run([ray_cli(), "get-auth-token", "--generate"], env=local_env, capture_output=True, text=True,
+                          timeout=60)
+    assert made.returncode == 0, made.stderr
+    token = (local_home / ".ray" / "auth_token").read_text()
+    assert made.stdout.strip() == token and len(token) >= 32
     state_files = [Path(f"/tmp/ray/cluster-{config['cluster_name']}.{ext}") for ext in ("state", "lock")]
     out = root / "run"
 
     sshd = start_sshd(root, ssh_port, remote_home)
     nodes_started = []
+    tunnels: list[subprocess.Popen] = []
     try:
         up = subprocess.run([ray_cli(), "up", "-y", "--no-config-cache", str(config_path)], env=local_env,
                             capture_output=True, text=True, timeout=300)
@@ -188,15 +193,38 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
         second = start_node(["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "1", "--temp-dir",
                              str(root / "ray2")], job_env, root)
         nodes_started.append(second)
-        address = f"http://127.0.0.1:{dashboard_port}"
+        # The guide's step 4: `ray dashboard` forwards a local port to the head's job server over SSH (a port of
+        # its own here, not 8265); the jobs are submitted through that tunnel, as from a laptop.
+        tunnel_port = free_port()
+        tunnel = subprocess.Popen([ray_cli(), "dashboard", "--port", str(tunnel_port), "--remote-port",
+                                   str(dashboard_port), "--no-config-cache", str(config_path)], env=local_env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        tunnels.append(tunnel)
+        address = f"http://127.0.0.1:{tunnel_port}"
+        waited = subprocess.run([str(remote_home / "bin" / "wait-for-url"), f"{address}/api/version"], timeout=120)
+        assert waited.returncode == 0 and tunnel.poll() is None, "the ray dashboard tunnel did not come up"
         submit = subprocess.run(
-            [ray_cli(), "job", "submit", "--address", address, "--working-dir", str(REPO), "--", "python",
-             "jobs/train.py", "--epochs", "1", "--output", str(out), "--placement-strategy", "SPREAD",
-             "--worker-start-timeout-s", "60", "--mixed-precision", "bf16", "--grad-accum", "2"],
+            [ray_cli(), "job", "submit", "--address", address, "--submission-id", "digits-spread", "--working-dir",
+             str(REPO), "--", "python", "jobs/train.py", "--epochs", "1", "--output", str(out),
+             "--placement-strategy", "SPREAD", "--worker-start-timeout-s", "60", "--mixed-precision", "bf16",
+             "--grad-accum", "2"],
             env=job_env, capture_output=True, text=True, timeout=600,
         )
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "succeeded" in submit.stdout
+        # The guide's step 5, after the job: its status and log by the submission id, its outputs copied back.
+        status = subprocess.run([ray_cli(), "job", "status", "--address", address, "digits-spread"], env=job_env,
+                                capture_output=True, text=True, timeout=60)
+        assert "Job 'digits-spread' succeeded" in status.stdout, status.stdout + status.stderr
+        logs = subprocess.run([ray_cli(), "job", "logs", "--address", address, "--follow", "digits-spread"],
+                              env=job_env, capture_output=True, text=True, timeout=120)
+        assert logs.returncode == 0 and "epoch   1/1" in logs.stdout, logs.stdout[-3000:] + logs.stderr[-3000:]
+        copied = root / "copied"
+        down_copy = subprocess.run([ray_cli(), "rsync-down", str(config_path), f"{out}/", str(copied)],
+                                   env=local_env, capture_output=True, text=True, timeout=120)
+        assert down_copy.returncode == 0, down_copy.stdout[-3000:] + down_copy.stderr[-3000:]
+        assert (copied / "result.json").read_text() == (out / "result.json").read_text()
         result = json.loads((out / "result.json").read_text())
         assert result["epochs_completed"] == 1 and result["num_replicas"] == 2
         # The performance levers across nodes: bf16 policy in every worker, 2 micro-batches per all-reduce.
@@ -235,6 +263,9 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
         assert down.returncode == 0, down.stdout[-4000:] + down.stderr[-4000:]
         assert_process_group_gone(head_pgid)  # `ray down` left nothing of the cluster running
     finally:
+        for tunnel in tunnels:  # the SSH port forward `ray dashboard` left running, by its process group
+            os.killpg(tunnel.pid, 15)
+            tunnel.wait(timeout=30)
         for node in nodes_started:
             stop_node(node)
         pgid_file = remote_home / "ray-head.pgid"

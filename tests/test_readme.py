@@ -57,3 +57,58 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     sources = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
     named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", readme)) - {p.stem for p in (REPO / "tests").glob("test_*.py")}
     assert not sorted(n for n in named if f"def {n}" not in sources), named
+
+
+# Commands of other programs whose product-side part is checked elsewhere, and where.
+ELSEWHERE = {
+    'pip install -e ".[cpu]"': "tests/test_install.py (the cpu extra resolves; CI installs it with the test extra)",
+    "pip install boto3": "S3's client library for --storage-path s3://, not this project's (no S3 here)",
+    "docker run": "TensorFlow Serving's image (no Docker here); tests/test_export.py serves the same SavedModel "
+                  "signature in a process that never imports this project",
+    "curl": "the request to TensorFlow Serving above",
+}
+
+
+def test_every_command_of_the_readme_and_the_guides_is_run_by_a_test_or_an_example():
+    """A command a reader copies runs somewhere in the default test run: jobs/train.py's as dry runs
+    (tests/test_your_own.py::test_dry_run_prints_the_plan_for_every_readme_command, which takes the same list), the
+    two commands as CI's own, and every other one's program with each of its flags in a test or an example."""
+    import ast
+    import re
+
+    from conftest import doc_commands
+
+    # What each test function or example runs (a job script, an app module, a subcommand of ray or of a tool), with
+    # every flag written in that function.
+    runs: dict[str, set[str]] = {}
+    for path in [*(REPO / "tests").glob("test_*.py"), *(REPO / "examples").glob("*.py")]:
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef):
+                body = ast.get_source_segment(text, node)
+                programs = set(re.findall(r"jobs/\w+\.py|app\.\w+", body))
+                programs |= {" ".join(("ray", *(w for w in words if w))) for *words, in re.findall(
+                    r'ray_cli\(\), "([a-z-]+)"(?:, "(submit|logs|status|stop)")?', body)}
+                programs |= {" ".join(w for w in words if w) for *words, in re.findall(
+                    r'"(saved_model_cli|tensorboard)"(?:, "([a-z_]+)")?', body)}
+                for name in programs:
+                    runs.setdefault(name, set()).update(re.findall(r'"(--[a-z][a-z0-9_-]*)"', body))
+    ci = (REPO / ".ci" / "run").read_text()
+
+    def program(command: str) -> str:
+        words = re.sub(r"^(?:[A-Z_]+=\S+\s+)*", "", command).split()
+        if words[0] == "python":
+            return words[2] if words[1] == "-m" else words[1]
+        if words[0] == "ray" and words[1] == "job" or words[0] == "saved_model_cli":
+            return " ".join(words[:3] if words[0] == "ray" else words[:2])
+        return " ".join(words[:2]) if words[0] == "ray" else words[0]
+
+    unrun = []
+    for doc, command in doc_commands():
+        if command in ci or command.startswith("python jobs/train.py") or any(map(command.startswith, ELSEWHERE)):
+            continue
+        found = runs.get(program(command))
+        flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", command)
+        if found is None or not set(flags) <= found:
+            unrun.append(f"{doc}: {command}" + (f" (not run with {sorted(set(flags) - found)})" if found else ""))
+    assert not unrun, "commands no test or example runs:\n" + "\n".join(unrun)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
 
 from app.config import build_config
 from app.run import ray_train
-from conftest import run_job, tensorboard_scalars
+from conftest import run_job, tensorboard_scalars, venv_env
 
 
 def train(tmp_path, name, **overrides):
@@ -136,6 +137,10 @@ def test_rank0_writes_tensorboard_scalars_per_epoch_and_every_n_steps(two_worker
     step_loss = [v for _, v in scalars["step/train_loss"]]
     assert step_loss[-1] < step_loss[0] / 3
     assert all(v > 0 for _, v in scalars["step/samples_per_second"])
+    # The configuration guide's `tensorboard --logdir`, in its mode that prints what it would show.
+    shown = subprocess.run(["tensorboard", "--logdir", str(out / "tensorboard"), "--inspect"], env=venv_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "epoch/val_accuracy" in shown.stdout + shown.stderr, shown.stderr[-3000:]
 
 
 def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):

@@ -22,11 +22,13 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     # A per-replica batch of 1024 on 2 workers is more than the digits' training rows: that trial fails at once.
     space = tmp_path / "space.yaml"
-    space.write_text("epochs: 2\nnum_workers: 2\nper_replica_batch: {grid: [1024, 16, 32]}\n")
+    space.write_text("per_replica_batch: {grid: [1024, 16, 32]}\n")
     # A list-valued field fixed for every trial (--hidden-units) once crashed the summary after the whole sweep.
     # --storage-path: every trial's Ray Train checkpoints under <storage-path>/<sweep>/<trial>/train.
     storage = tmp_path / "storage"
-    p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5",
+    # Flags fix a field for every trial (the sweeps guide's --num-workers, --epochs), --max-concurrent caps the trials.
+    p = run_job("jobs/tune.py", "--space", str(space), "--num-workers", "2", "--epochs", "2", "--max-concurrent", "2",
+                "--cpus-per-worker", "0.5",
                 "--hidden-units", "32", "16", "--scheduler", "fifo", "--output", str(out),
                 "--storage-path", str(storage), timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -91,7 +93,9 @@ def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_fa
     space = tmp_path / "space.yaml"
     space.write_text("num_workers: 2\nper_replica_batch: 1024\n")
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5", "--output", str(out),
+    # Flags fix a field for every trial (the sweeps guide's --num-workers, --epochs), --max-concurrent caps the trials.
+    p = run_job("jobs/tune.py", "--space", str(space), "--num-workers", "2", "--epochs", "2", "--max-concurrent", "2",
+                "--cpus-per-worker", "0.5", "--output", str(out),
                 "--show-logs", timeout=300, env=env)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "trial 1 failed: global batch 2048" in p.stdout

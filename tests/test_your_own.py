@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, refusals_at_once, run_job, run_jobs_at_once
+from conftest import clean_env, doc_commands, refusals_at_once, run_job, run_jobs_at_once
 
 USER_FILE = '''
 import keras
@@ -237,17 +237,14 @@ def test_dry_run_prints_the_plan_for_every_readme_command(user_file, joined, tmp
     rng = np.random.default_rng(0)
     pq.write_table(pa.table({"a": rng.normal(size=200), "b": rng.normal(size=200), "y": rng.integers(0, 2, 200)}),
                    tmp_path / "train" / "part-0.parquet")
-    docs = [REPO / "README.md", *sorted((REPO / "docs" / "guides").glob("*.md"))]
-    commands = [line.strip() for doc in docs for line in doc.read_text().splitlines()
-                if line.strip().startswith("python jobs/train.py") and "--help" not in line
-                # No TPU here: tests/test_local.py checks that request's one-line refusal.
-                and "--strategy tpu" not in line]
+    # Every jobs/train.py command of the README and the guides (tests/test_readme.py checks the other commands).
+    commands = [command for _, command in doc_commands() if command.startswith("python jobs/train.py")
+                # --help is read by tests/test_readme.py; no TPU here: tests/test_local.py checks its one-line refusal.
+                and "--help" not in command and "--strategy tpu" not in command]
     commands = list(dict.fromkeys(commands))  # a command the README and a guide both give: one dry run
     assert len(commands) >= 5
 
     def dry_run(command: str):
-        # The first line of a continued command (its own flags), without a trailing comment.
-        command = re.split(r"\s#\s", command)[0].rstrip("\\ ")
         # A guide's my_example.py is the test's file of functions; the README's examples/my_example.py is there.
         command = re.sub(r"(?<![/\w])my_example\.py", str(user_file), command)
         command = command.replace("my_run.yaml", str(tmp_path / "my_run.yaml")).replace("data/train/", f"{tmp_path}/train/")
