@@ -1,4 +1,4 @@
-"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict (--help).
+"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -19,8 +19,7 @@ import sys
 
 import _bootstrap  # noqa: F401
 from app import cli
-
-SUITES = ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "input", "predict")
+from app.bench import suites  # light: no TensorFlow, no Ray (they are imported by the suite that runs)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
                         help="A TrainConfig field of the workload (repeatable), e.g. --set epochs=3.")
     common.add_argument("--output", help="Directory for the results (default: under runs/).")
     top = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = top.add_subparsers(dest="suite", metavar="{" + ",".join(SUITES) + "}", help="default: throughput")
+    sub = top.add_subparsers(dest="suite", metavar="{" + ",".join(suites.SUITES) + "}", help="default: throughput")
     add = lambda name, text: sub.add_parser(name, parents=[common], help=text, description=text)  # noqa: E731
     t = add("throughput", "The Ray path vs a plain TF loop, 1..N workers, the N-process ceiling, input, start-up.")
     t.add_argument("--workers", type=int, nargs="+", help="Ray worker counts (default: 1 2, more with the CPUs).")
@@ -56,19 +55,20 @@ def parser() -> argparse.ArgumentParser:
     add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
     add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
     add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
+    el = add("elastic", "Ray Train's elastic resize, 1 -> 2 -> 1 workers as a node joins and stops (TF_CONFIG backend).")
+    el.add_argument("--monitor-s", type=float, help="How often Ray looks for room to grow."), el.add_argument(
+        "--start-timeout-s", type=float, help="Ray Train's bound on a worker group's start.")
     return top
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    if not argv or argv[0] not in (*SUITES, "-h", "--help"):
+    if not argv or argv[0] not in (*suites.SUITES, "-h", "--help"):
         argv = ["throughput", *argv]  # the default suite
     args = parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in {"suite", "quick", "preset", "config", "set", "output"}}
 
     def body() -> None:
-        from app.bench import suites
-
         preset = suites.load_preset(args.suite, args.preset, args.quick, flags, args.config, args.set)
         written = suites.run(preset, args.output, " ".join(["python", "jobs/benchmark.py", *sys.argv[1:]]))
         print(f"results written to {', '.join(map(str, written))}")

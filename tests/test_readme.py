@@ -38,7 +38,7 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     # Flags of our scripts, from their --help; other tools' flags (ray, pip, docker, pytest) are theirs.
     commands = [["train"], ["tune"], ["evaluate"], ["predict"], *[["benchmark", suite] for suite in
                 ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "input",
-                                  "predict")]]
+                                  "predict", "elastic")]]
     helps = "".join(subprocess.run([sys.executable, f"jobs/{job}.py", *rest, "--help"], cwd=REPO, capture_output=True,
                                    text=True, timeout=120).stdout for job, *rest in commands)
     ours = set(re.findall(r"(--[a-z][a-z0-9-]*)", helps))

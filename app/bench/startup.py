@@ -54,7 +54,7 @@ def running_cluster(flags: list[str], runs: int, out: Path, cpus: int) -> dict[s
                        "--include-dashboard", "true", "--dashboard-port", str(free_port()),
                        "--ray-client-server-port", str(free_port())], env, REPO)
     try:
-        _wait_until_up(head, f"127.0.0.1:{port}", env)
+        wait_until_up(head, f"127.0.0.1:{port}", env)
         env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
         seconds = [_first_step(flags, out / f"cluster-{i}", env) for i in range(runs)]
     finally:
@@ -63,7 +63,7 @@ def running_cluster(flags: list[str], runs: int, out: Path, cpus: int) -> dict[s
                     + " ".join(flags))
 
 
-def _wait_until_up(head, address: str, env: dict[str, str], timeout: float = 120) -> None:
+def wait_until_up(head, address: str, env: dict[str, str], timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while subprocess.run([ray_cli(), "status", "--address", address], env=env, capture_output=True).returncode != 0:
         if head.poll() is not None:

@@ -14,6 +14,8 @@
   arrays in memory, on Ray workers -> input.json
 - predict (app.bench.predict_cost): batch prediction's rows/s (Ray, 1 and 2 actors) against model.predict, and its
   memory at 1x and scale x the data -> predict.json
+- elastic (app.bench.elastic): Ray Train's elastic resize (1 -> 2 -> 1 workers as a node joins and leaves) under
+  this product's TF_CONFIG backend: seconds to the first step at the new size, steps done again -> elastic.json
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Iterable, Optional
 from app.bench import (
     breakdown,
     checkpoint_cost,
+    elastic,
     exit_gap,
     input_sources,
     keras_fit,
@@ -38,7 +41,7 @@ from app.bench.preset import Preset, load, parse_sets, preset_file
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
-          "predict": predict_cost}
+          "predict": predict_cost, "elastic": elastic}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,
