@@ -26,7 +26,9 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            submodules = [f"{node.module}.{a.name}" for a in node.names]
+            # `from app import errors` imports the module app.errors, not what app/__init__.py defines.
+            names = submodules if all(s in known for s in submodules) else [node.module, *submodules]
         for name in names:
             if name in known:
                 found.add(name)
@@ -71,6 +73,42 @@ def test_no_import_cycle_in_app_lazy_imports_included():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# The rooms of app/, bottom to top: a module imports from its own room and the rooms below it, never above
+# (docs/design.md draws them). `app` itself is the public API (app/__init__.py), on top.
+LAYERS = [
+    {"app.errors", "app.internals", "app.tf_import", "app.layers"},
+    {"app.registry", "app.config_sections", "app.models", "app.cli_errors"},
+    {"app.config", "app.cluster_config", "app.cli_reference"},
+    {"app.data"},
+    {"app.training"},
+    {"app.run"},
+    {"app.bench", "app.cli", "app"},
+]
+
+
+def room(module: str) -> str:
+    """A module's room: its package under app/ (app.run.api -> app.run), or the module itself at the top level."""
+    return ".".join(module.split(".")[:2])
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    level = {name: i for i, names in enumerate(LAYERS) for name in names}
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
+                  if room(a) != room(b) and level[room(b)] >= level[room(a)])
+
+
+def test_imports_point_down_the_rooms():
+    graph = app_graph()
+    assert not {room(m) for m in graph} - set().union(*LAYERS), "a room that LAYERS does not place"
+    assert not imports_up(graph), "imports that point up or sideways:\n" + "\n".join(imports_up(graph))
+
+
+def test_the_direction_check_finds_an_import_that_points_up():
+    assert imports_up({"app.data.memory": {"app.training.model", "app.errors"}, "app.errors": set()}) == [
+        "app.data.memory -> app.training.model"]
+    assert imports_up({"app.cli": {"app.bench.suites"}}) == ["app.cli -> app.bench.suites"]
 
 
 def test_modules_stay_small():
