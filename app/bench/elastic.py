@@ -108,8 +108,10 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
                         "a step on 1 worker after the node stopped")
         driver.wait(timeout=60 + p["steps"] * p["step_seconds"] * 2)
         # The driver's own last word, among the lines Ray forwards from the workers after it.
-        ended = json.loads([line for line in (out / "driver.log").read_text().splitlines()
-                            if line.startswith('{"error": ')][-1])
+        said = [line for line in (out / "driver.log").read_text().splitlines() if line.startswith('{"error": ')]
+        if driver.returncode != 0 or not said:
+            raise RunFailed(f"the elastic run failed (exit {driver.returncode}): see {out / 'driver.log'}")
+        ended = json.loads(said[-1])
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()
@@ -160,6 +162,7 @@ def _first(path: Path, driver: subprocess.Popen, matches: Callable[[dict], bool]
         if found:
             return found[0]
         if driver.poll() is not None:
-            raise RunFailed(f"the elastic run ended before {what} (exit {driver.returncode}): see its driver.log")
+            raise RunFailed(f"the elastic run ended before {what} (exit {driver.returncode}): see its driver.log "
+                            f"beside {path}")
         time.sleep(0.5)
     raise RunFailed(f"no {what} within {timeout:.0f} s")
