@@ -17,23 +17,19 @@ log = logging.getLogger(__name__)
 
 def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any]:
     """Val loss and metric of a .keras model on the config's validation split, summed exactly as in training."""
-    from dataclasses import replace
-
     import tensorflow as tf
 
     from app.data import tf_input
     from app.run import preflight
     from app.training.loop import evaluate
     from app.training.measures import Measures, settle
-    from app.training.model import check_output
+    from app.training.model import check_output, task_with_model
     from app.training.objective import objective_for
     from app.training.step import make_eval_step
 
     model = _load(model_file.check(model_path))
     source = _data(config)
-    facts = source.facts
-    if facts.task == "classification" and facts.num_classes == 2 and model.output_shape[-1] == 1:
-        facts = replace(facts, task="binary")
+    facts = task_with_model(source.facts, model, config.task)
     objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts,
                        preflight.examples(source))
     measures = Measures(objective, model)

@@ -10,7 +10,7 @@ problem is one UserError line; nothing here creates the output directory.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from app.data.arrays import DataFacts, Source
@@ -79,15 +79,12 @@ def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence
     device (a StagePlan).
     """
     from app.training.measures import settle
-    from app.training.model import build_model, check_output, model_name
+    from app.training.model import build_model, check_output, model_name, task_with_model
     from app.training.objective import objective_for
 
     name = model_name(config)
     model = build_model(config, facts)
-    if config.task == "auto" and facts.task == "classification" and facts.num_classes == 2 \
-            and _outputs(model, facts) == 1:
-        # Two classes and a model with one output whatever it is asked for (a sigmoid head): binary.
-        facts = replace(facts, task="binary")
+    facts = task_with_model(facts, model, config.task)
     shape = check_output(model, facts, name)
     objective = settle(objective_for(config, facts, model, shape), model, facts, examples)
     summary = {"name": name, "parameters": int(model.count_params()),
@@ -111,18 +108,6 @@ def examples(source) -> Any:
         return None
     rows = source.train.rows(np.arange(min(128, len(source.train))))
     return rows.x, rows.y
-
-
-def _outputs(model, facts: DataFacts) -> int:
-    import numpy as np
-
-    try:
-        out = model(facts.zeros(1), training=False)
-    except Exception:
-        return -1
-    if isinstance(out, (dict, list, tuple)):  # several outputs: not a binary head
-        return -1
-    return int(np.prod(out.shape[1:])) if len(out.shape) > 1 else 1
 
 
 def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,

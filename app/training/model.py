@@ -10,6 +10,7 @@ functional, Sequential or subclassed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from app import registry
@@ -62,6 +63,28 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     if not isinstance(model, keras.Model):
         raise UserError(f"{name} returned a {type(model).__name__}; expected a keras.Model")
     return model
+
+
+def task_with_model(facts: DataFacts, model: "keras.Model", requested: str = "auto") -> DataFacts:
+    """The task once the model is known, decided here for training, evaluation and the plan: labels of two classes
+    and a model with one output (a sigmoid head) are a binary task, unless a task was asked for (--task)."""
+    if requested == "auto" and facts.task == "classification" and facts.num_classes == 2 \
+            and _single_output(model, facts) == 1:
+        return replace(facts, task="binary")
+    return facts
+
+
+def _single_output(model: "keras.Model", facts: DataFacts) -> int:
+    """The size of the model's one output for one example (-1: several outputs, or a model that does not run)."""
+    import numpy as np
+
+    try:
+        out = model(facts.zeros(1), training=False)
+    except Exception:
+        return -1
+    if isinstance(out, (dict, list, tuple)):  # several outputs: not a binary head
+        return -1
+    return int(np.prod(out.shape[1:])) if len(out.shape) > 1 else 1
 
 
 def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
