@@ -154,6 +154,12 @@ def test_binary_sigmoid_model_on_a_users_ray_dataset(user_file, joined, tmp_path
                        env=joined)
     assert result["task"] == "binary" and result["num_replicas"] == 2
     assert result["metrics"]["val_accuracy"] > 0.9
+    # Evaluation decides the task as training did (one sigmoid output over two classes: binary), so it scores the
+    # exported model as the workers did.
+    p = run_job("jobs/evaluate.py", "--run", str(tmp_path / "bin"), timeout=300, env=joined)
+    assert p.returncode == 0, p.stderr[-3000:]
+    scored = json.loads((tmp_path / "bin" / "eval.json").read_text())
+    assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
 
 
 def test_python_api_with_functions_defined_here(ray_cluster, tmp_path):
