@@ -93,9 +93,7 @@ def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_fa
     space = tmp_path / "space.yaml"
     space.write_text("num_workers: 2\nper_replica_batch: 1024\n")
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    # Flags fix a field for every trial (the sweeps guide's --num-workers, --epochs), --max-concurrent caps the trials.
-    p = run_job("jobs/tune.py", "--space", str(space), "--num-workers", "2", "--epochs", "2", "--max-concurrent", "2",
-                "--cpus-per-worker", "0.5", "--output", str(out),
+    p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5", "--output", str(out),
                 "--show-logs", timeout=300, env=env)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "trial 1 failed: global batch 2048" in p.stdout
