@@ -36,9 +36,9 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     assert not missing_files, missing_files
 
     # Flags of our scripts, from their --help; other tools' flags (ray, pip, docker, pytest) are theirs.
-    commands = [["train"], ["tune"], ["evaluate"], ["predict"], *[["benchmark", suite] for suite in
-                ("throughput", "breakdown", "checkpoint", "memory", "exit", "ps", "sweep", "keras", "input",
-                                  "predict", "elastic")]]
+    from app.bench.suites import SUITES
+
+    commands = [["train"], ["tune"], ["evaluate"], ["predict"], *[["benchmark", suite] for suite in SUITES]]
     helps = "".join(subprocess.run([sys.executable, f"jobs/{job}.py", *rest, "--help"], cwd=REPO, capture_output=True,
                                    text=True, timeout=120).stdout for job, *rest in commands)
     ours = set(re.findall(r"(--[a-z][a-z0-9-]*)", helps))
