@@ -81,6 +81,7 @@ LAYERS = [
     {"app.errors", "app.internals", "app.tf_import", "app.layers"},
     {"app.registry", "app.config_sections", "app.models", "app.cli_errors"},
     {"app.config", "app.cluster_config", "app.cli_reference"},
+    {"app.backend"},
     {"app.data"},
     {"app.training"},
     {"app.run"},
@@ -109,6 +110,56 @@ def test_the_direction_check_finds_an_import_that_points_up():
     assert imports_up({"app.data.memory": {"app.training.model", "app.errors"}, "app.errors": set()}) == [
         "app.data.memory -> app.training.model"]
     assert imports_up({"app.cli": {"app.bench.suites"}}) == ["app.cli -> app.bench.suites"]
+
+
+# Every backend and strategy name: comparing one of them (`config.strategy == "parameter-server"`,
+# `backend in ("ray", "local")`) decides a backend's behaviour, which app/backend.py does once.
+BACKEND_NAMES = {"ray", "local", "parameter-server", "auto", "mirrored", "tpu", "one-device", "central-storage",
+                 "pipeline"}
+NAMED_HERE = {"app/backend.py", "app/config.py", "app/cli.py"}  # the choice, the cross-field rules, the CLI
+
+
+def _strings(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _named(node: ast.AST) -> str:
+    return getattr(node, "attr", getattr(node, "id", ""))
+
+
+def name_comparisons(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each comparison of a backend or strategy name: with a field or variable called backend
+    or strategy, or with a name that is nothing but a backend's ("parameter-server", "one-device", ...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = set().union(*(_strings(s) for s in sides)) & BACKEND_NAMES
+        about_backend = any(_named(s) in ("backend", "strategy") for s in sides)
+        if names and (about_backend or names - {"auto", "local", "ray"}):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_backend_and_strategy_names_are_compared_in_three_modules():
+    compared = {}
+    for path in [*APP.rglob("*.py"), *(REPO / "jobs").glob("*.py")]:
+        rel = str(path.relative_to(REPO))
+        if rel not in NAMED_HERE and (found := name_comparisons(path.read_text())):
+            compared[rel] = found
+    assert not compared, f"backend or strategy names compared outside {sorted(NAMED_HERE)} (ask app.backend): {compared}"
+    assert all(name_comparisons((REPO / rel).read_text()) for rel in NAMED_HERE - {"app/cli.py"})
+
+
+def test_the_name_check_finds_a_comparison_of_a_backend_name():
+    assert name_comparisons('if config.backend == "local": pass') == [(1, "config.backend == 'local'")]
+    assert name_comparisons('ok = s in ("parameter-server", "pipeline")') != []
+    assert name_comparisons('if task == "auto" or fmt != "local": pass') == []
 
 
 def test_modules_stay_small():

@@ -86,7 +86,7 @@ def located(config: "TrainConfig") -> Optional[Located]:
     return locate(dataset, config.data_format)
 
 
-def streams(loc: Optional[Located], backend: str) -> bool:
+def streams(loc: Optional[Located], on_ray: bool) -> bool:
     """On the Ray backend, parquet, CSV, TFRecord and image folders (and a function's Ray Dataset) go through Ray Data;
     the local backend reads them in its own process (app.data.local_files); numpy files load in memory."""
-    return loc is not None and loc.format != "numpy" and backend == "ray"
+    return loc is not None and loc.format != "numpy" and on_ray

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from app.backend import backend_of
 from app.data import files, local_files, memory
 from app.data.arrays import X, concatenated, first
 from app.data.blocks import batch_rows, features, values_in_first_row
@@ -118,7 +119,7 @@ def first_rows(rows: Rows, config: "TrainConfig", keep: Sequence[str], n: int = 
     """A few raw rows, read the way the predictions will read them (Ray Data's reader on Ray)."""
     if rows.in_memory:
         return rows.table.slice(0, n)
-    if config.backend == "local":
+    if not backend_of(config).on_ray:
         if rows.loc.format == "ray-dataset":
             raise UserError(f"{rows.what} returned a ray.data.Dataset, which streams through Ray Data: predict on it "
                             "with --backend ray, or return arrays")

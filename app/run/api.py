@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from app.backend import backend_of
 from app.config import TrainConfig, build_config
-from app.training.strategy import ray_strategy_name
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
@@ -28,17 +28,15 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
         from app.run import outputs
 
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
-        if config.backend == "local":
-            from app.run import local
+        return driver(config).run(config, started_at)
 
-            return local.run(config, started_at)
-        if config.strategy == "parameter-server":
-            from app.run import ps
 
-            return ps.run(config, started_at)
-        from app.run import ray_train
+def driver(config: TrainConfig):
+    """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
+    its ``dry_run_lines(config)`` is the plan. Imported on first use: only the chosen one loads."""
+    from app.run import local, ps, ray_train
 
-        return ray_train.run(config, started_at)
+    return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
 
 
 def dry_run(config: TrainConfig) -> list[str]:
@@ -50,29 +48,7 @@ def dry_run(config: TrainConfig) -> list[str]:
 
 
 def _dry_run(config: TrainConfig) -> list[str]:
-    from app.run import preflight
-
-    if config.backend == "local":
-        from app.run import local
-
-        lines = local.plan(config)[-1]
-    else:
-        from app.errors import UserError
-        from app.run import cluster, ray_train
-
-        try:
-            cluster.check_fits_locally(config)
-            fits = []
-        except UserError as e:  # the plan is still worth seeing: it may be meant for a cluster
-            fits = [f"warning: {e}"]
-        if config.strategy == "parameter-server":
-            from app.run import ps
-
-            checked, strategy = ps.check(config, require_fit=False), ps.strategy_line(config)
-        else:
-            checked, strategy = ray_train.check(config, require_fit=False), ray_strategy_name(config.num_workers)
-        lines = preflight.plan_lines(config, checked, config.num_workers, 1, strategy) + fits
-    return [*lines, f"output: {config.output_dir()} (not created: --dry-run)"]
+    return [*driver(config).dry_run_lines(config), f"output: {config.output_dir()} (not created: --dry-run)"]
 
 
 def result_line(result: dict[str, Any]) -> str:

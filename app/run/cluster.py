@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 
+from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import UserError
 
@@ -21,8 +22,17 @@ def joining_a_cluster() -> bool:
 
 def cpus_needed(config: TrainConfig) -> float:
     """CPUs the run's workers (and parameter servers) reserve."""
-    ps = config.num_ps * config.cpus_per_ps if config.strategy == "parameter-server" else 0
+    ps = config.num_ps * config.cpus_per_ps if backend_of(config).parameter_servers else 0
     return config.num_workers * config.cpus_per_worker + ps
+
+
+def fit_warnings(config: TrainConfig) -> list[str]:
+    """--dry-run: why the local Ray would not hold the run, as a warning (the plan may be meant for a cluster)."""
+    try:
+        check_fits_locally(config)
+    except UserError as e:
+        return [f"warning: {e}"]
+    return []
 
 
 def check_fits_locally(config: TrainConfig) -> None:
@@ -33,7 +43,7 @@ def check_fits_locally(config: TrainConfig) -> None:
     need_cpus = cpus_needed(config)
     if need_cpus > cpus:
         servers = (f" + {config.num_ps} parameter servers x {config.cpus_per_ps:g}"
-                   if config.strategy == "parameter-server" else "")
+                   if backend_of(config).parameter_servers else "")
         raise UserError(
             f"{config.num_workers} workers x {config.cpus_per_worker:g}{servers} CPUs need {need_cpus:g} CPUs, but "
             f"this machine has {cpus}: lower --num-workers or --cpus-per-worker"

@@ -36,6 +36,7 @@ from typing import Iterator, Optional, Sequence
 from app import internals
 
 LOG_FILE = "train.log"
+RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune")  # they keep their own handlers
 # ASCII "record separator": starts a worker's line meant for the console; invisible if ever printed raw.
 MARK = "\x1e"
 BAR_PREFIX = "epoch "  # our progress bars' descriptions start so (app.training.worker)
@@ -216,8 +217,8 @@ def routed(log_file: Path, verbose: bool = False, marked: bool = True, plan: Seq
 
 def _own_handler_loggers() -> list[logging.Logger]:
     """Loggers that do not propagate to the root (Ray's), so that the file gets their lines too."""
-    return [logging.getLogger(name) for name in ("ray", "ray.data", "ray.train", "ray.tune")
-            if not logging.getLogger(name).propagate]
+    loggers = [logging.getLogger(name) for name in RAY_LOGGERS]
+    return [logger for logger in loggers if not logger.propagate]
 
 
 def _console_handlers() -> list[logging.Handler]:

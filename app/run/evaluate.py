@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import UserError
 from app.run import trained
@@ -61,7 +62,7 @@ def _data(config: TrainConfig):
     from app.run import preflight
 
     loc = files.located(config)
-    if files.streams(loc, config.backend):
+    if files.streams(loc, backend_of(config).on_ray):
         from app.run import cluster
 
         cluster.connect(config.model_copy(update={"num_workers": 1}))

@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from app.backend import backend_of
 from app.config import TrainConfig, build_config
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
@@ -298,15 +299,10 @@ def _given(data: Any, name: str) -> Callable[[], Any]:
 
 def replicas(config: TrainConfig) -> tuple[int, str]:
     """How many replicas a global batch is split over, and why that many."""
-    if config.backend == "ray" and config.strategy == "parameter-server":
-        return 1, "--strategy parameter-server: each update is one worker's batch"
-    if config.backend == "ray":
-        return config.num_workers, f"{config.num_workers} Ray worker(s), one replica each"
-    if config.strategy in ("one-device", "pipeline"):
-        return 1, f"--strategy {config.strategy}: one replica"
-    if config.devices:
-        return config.devices, f"--devices {config.devices}"
-    if config.strategy == "tpu":
+    backend = backend_of(config)
+    if backend.replicas is not None:
+        return backend.replicas, backend.replicas_why
+    if not backend.counts_gpus:  # a TPU
         raise UserError("batch_size with --strategy tpu: the TPU's cores are not known before it starts; give "
                         "per_replica_batch= instead")
     from app import tf_import

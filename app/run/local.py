@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import console, outputs
@@ -95,7 +96,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars(),
                     stages=pipeline)
     start = checked.resumed
-    session = LocalSession(config, strategy, checked.source, start.path if start and start.kind == "ray" else None)
+    session = LocalSession(config, strategy, checked.source, start.path if start and start.ray_train else None)
     try:
         with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
             train_worker(config, job, session)
@@ -112,13 +113,18 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     return summary
 
 
+def dry_run_lines(config: TrainConfig) -> list[str]:
+    """--dry-run's plan (app.run.api.driver)."""
+    return plan(config)[-1]
+
+
 def plan(config: TrainConfig):
     """(strategy, its name, why, the checks, the plan lines): what a run logs first and --dry-run prints."""
     from app.run import preflight
 
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
-    devices = strategy_lib.stage_devices() if config.strategy == "pipeline" else []
+    devices = strategy_lib.stage_devices() if backend_of(config).pipeline else []
     checked = preflight.check(config, 1, replicas, stage_devices=devices)
     name = "pipeline" if devices else strategy_lib.name_of(strategy)
     return strategy, name, reason, checked, preflight.plan_lines(config, checked, 1, replicas, f"{name} ({reason})")

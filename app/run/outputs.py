@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app import registry
+from app.backend import backend_of
 from app.config import CONFIG_FILE, TrainConfig
 from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
@@ -44,7 +45,7 @@ def check_output_dir(config: TrainConfig) -> None:
 def prepare_output_dir(config: TrainConfig) -> Path:
     """Create the output directory; never touch an existing one without --overwrite or --resume."""
     out = config.output_dir()
-    if config.storage_path and (config.backend == "local" or config.strategy == "parameter-server"):
+    if config.storage_path and not backend_of(config).ray_train:
         log.warning("--storage-path is where Ray Train keeps checkpoints; this run keeps its own in %s",
                     out / LOCAL_CHECKPOINTS)
     if config.resume:

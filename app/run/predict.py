@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from app.backend import BACKENDS, backend_of
 from app.errors import RunFailed, UserError
 from app.run.trained import Trained
 
@@ -52,8 +53,8 @@ class PredictOptions:
         for name in ("num_workers", "cpus_per_worker", "batch_size"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
-        if self.backend not in ("ray", "local"):
-            raise UserError(f"--backend must be ray or local (got {self.backend!r})")
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend must be {' or '.join(BACKENDS)} (got {self.backend!r})")
         if not self.output:
             raise UserError("--output is required: the directory the predictions are written to")
 
@@ -83,7 +84,8 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     rows = inference.rows_of(config, given)
     model = _load(found.model_file)
     task, from_logits = _task(found, config, model)
-    if config.backend == "ray":
+    on_ray = backend_of(config).on_ray
+    if on_ray:
         from app.run import cluster
 
         cluster.check_fits_locally(config)
@@ -96,19 +98,18 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     from app.training.predictor import Recipe
 
     # An actor gives TensorFlow its CPUs' threads; this process (local) has TensorFlow initialised already.
-    recipe = Recipe(spec, task, from_logits, keep, options.batch_size, 0 if config.backend == "local" else
-                    config.cpus_per_worker)
+    recipe = Recipe(spec, task, from_logits, keep, options.batch_size, config.cpus_per_worker if on_ray else 0)
     log.info("predicting with %s on %s: %s, examples of shape %s, %s", found.model_file, rows.what, task,
-             spec.feature_shape, f"{options.num_workers} Ray actor(s)" if config.backend == "ray" else "this process")
+             spec.feature_shape, f"{options.num_workers} Ray actor(s)" if on_ray else "this process")
     if options.overwrite and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     pool_started = time.time()
     with console.routed(out / LOG_FILE, found.config.show_logs):
-        if config.backend == "local":
-            _in_this_process(rows, config, found.model_file, recipe, out)
-        else:
+        if on_ray:
             _on_ray(rows, config, found.model_file, recipe, options, out)
+        else:
+            _in_this_process(rows, config, found.model_file, recipe, out)
     pool_seconds = time.time() - pool_started
     summary = {"model": str(found.model_file), "dataset": rows.what, "task": task, "output": str(out),
                "rows": _rows_written(out), "columns": _columns(out), "seconds": round(time.time() - started, 3),

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from app.backend import backend_of
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
 from app.errors import UserError
@@ -45,7 +46,7 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     from app.data import files, memory
 
     loc = loc or files.located(config)
-    if files.streams(loc, config.backend):
+    if files.streams(loc, backend_of(config).on_ray):
         from app.data import streamed
 
         return streamed.prepare(config, num_workers, loc)
@@ -61,7 +62,7 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     if memory.is_ray_dataset(value):
         from app.data import streamed
 
-        if config.backend == "local":
+        if not backend_of(config).on_ray:
             raise UserError(f"{name} returned a ray.data.Dataset, which streams through Ray Data: train on it with "
                             "--backend ray, or return (x, y) arrays")
         from app.run import cluster
@@ -158,7 +159,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     from app.training.optim import plan_lr
 
     facts = checked.facts
-    asynchronous = config.strategy == "parameter-server"
+    asynchronous = backend_of(config).parameter_servers
     objective = checked.objective
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous,
                              objective.short_last_batch)
@@ -182,8 +183,8 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     if m.get("callbacks") is not None:
         lines.append(f"callbacks: {', '.join(m['callbacks']) or 'none'} (on rank 0; a stop or LR change applies to "
                      "every worker)")
-    if "pipeline" in m:
-        stages = m["pipeline"].stages
+    if (stage_plan := m.get("pipeline")) is not None:  # --strategy pipeline: its StagePlan
+        stages = stage_plan.stages
         where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
                           for s in stages)
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "

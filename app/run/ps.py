@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import RunFailed, UserError
 from app.run import cluster, console, failures, outputs, ray_train
@@ -239,7 +240,7 @@ def check(config: TrainConfig, require_fit: bool = True):
     from app.data import files
 
     loc = files.located(config)
-    if files.streams(loc, config.backend):
+    if files.streams(loc, backend_of(config).on_ray):
         raise UserError(STREAMED.format(what=f"--dataset {config.dataset}"))
     checked = ray_train.check(config, require_fit, loc)
     check_data(checked)
@@ -313,6 +314,15 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             "variable_placement": done["variable_placement"],
         },
     )
+
+
+def dry_run_lines(config: TrainConfig) -> list[str]:
+    """--dry-run's plan (app.run.api.driver)."""
+    from app.run import preflight
+
+    fits = cluster.fit_warnings(config)
+    return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
+                                strategy_line(config)) + fits
 
 
 def strategy_line(config: TrainConfig) -> str:

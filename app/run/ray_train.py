@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import RunFailed
 from app.run import cluster, console, failures, outputs, resume
@@ -301,7 +302,7 @@ def _ray_run_name(config: TrainConfig, out: Path, start: Optional[resume.Start] 
     (``start``): then a new Ray run starts from that checkpoint.
     """
     recorded = out / RUN_NAME_FILE
-    if config.resume and recorded.is_file() and (start is None or start.kind == "ray"):
+    if config.resume and recorded.is_file() and (start is None or start.ray_train):
         return recorded.read_text().strip()
     name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     recorded.write_text(name)
@@ -321,7 +322,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     from app.run import preflight
 
     loc = loc or files.located(config)  # listed once for the whole run
-    streamed_files = files.streams(loc, config.backend)
+    streamed_files = files.streams(loc, backend_of(config).on_ray)
     joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
 
     if require_fit:
@@ -366,7 +367,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     start = checked.resumed
     name = _ray_run_name(config, out, start)
     with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
-        result = fit(config, checked, name=name, start_from=start.path if start and start.kind == "local" else None)
+        result = fit(config, checked, name=name, start_from=start.path if start and not start.ray_train else None)
     with result.checkpoint.as_directory() as ckpt_dir:
         summary = outputs.write_outputs(
             config,
@@ -378,3 +379,12 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
                    if config.num_workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce"},
         )
     return summary
+
+
+def dry_run_lines(config: TrainConfig) -> list[str]:
+    """--dry-run's plan (app.run.api.driver)."""
+    from app.run import preflight
+
+    fits = cluster.fit_warnings(config)
+    return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
+                                ray_strategy_name(config.num_workers)) + fits

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from app.backend import backend_of, runs_on_ray
 from app.errors import UserError
 from app.training import checkpoint
 
@@ -36,10 +37,10 @@ class Start:
     """The checkpoint a resumed run goes on from."""
 
     state: dict[str, Any]  # its state.json
-    kind: str  # "ray": in Ray Train's storage; "local": in <output>/checkpoint
+    ray_train: bool  # True: in Ray Train's storage; False: in <output>/checkpoint
     where: str  # for people
     path: Optional[str]  # what a process on this machine restores from (checkpoint.restore_from); None if remote
-    ray_run: Optional[str] = None  # the Ray Train run it belongs to (kind "ray")
+    ray_run: Optional[str] = None  # the Ray Train run it belongs to (ray_train)
 
     @property
     def epoch(self) -> int:
@@ -64,10 +65,11 @@ def check(config: "TrainConfig", weights: Sequence[tuple[str, tuple[int, ...]]])
             f"(more than {start.epoch}) with --resume to train it further, use a new --output, or --overwrite to "
             "train it again from scratch"
         )
-    if start.kind == "ray" and config.strategy == "parameter-server":
+    backend = backend_of(config)
+    if start.ray_train and backend.parameter_servers:
         raise UserError(f"the newest checkpoint of {str(out)!r} is a Ray Train one ({start.where}); "
                         "--strategy parameter-server goes on only from checkpoints in <output>/checkpoint")
-    if start.path is None and config.backend == "local":
+    if start.path is None and not backend.on_ray:
         raise UserError(f"the newest checkpoint of {str(out)!r} is in remote storage ({start.where}): "
                         "continue it with --backend ray")
     _check_weights(start, weights, out)
@@ -79,8 +81,8 @@ def latest(config: "TrainConfig") -> Optional[Start]:
     found = [s for s in (_ray_latest(config), _local_latest(config.output_dir())) if s is not None]
     if not found:
         return None
-    own = "local" if config.backend == "local" or config.strategy == "parameter-server" else "ray"
-    return max(found, key=lambda s: (s.epoch, s.kind == own))  # a tie: this backend's own
+    own = backend_of(config).ray_train
+    return max(found, key=lambda s: (s.epoch, s.ray_train == own))  # a tie: this backend's own
 
 
 def _local_latest(out: Path) -> Optional[Start]:
@@ -89,7 +91,7 @@ def _local_latest(out: Path) -> Optional[Start]:
         return None
     state_file = located[0]
     prefix = str(state_file)[: -len(checkpoint.STATE_SUFFIX)]
-    return Start(checkpoint.read_state(state_file), "local", prefix, prefix)
+    return Start(checkpoint.read_state(state_file), False, prefix, prefix)
 
 
 def _ray_latest(config: "TrainConfig") -> Optional[Start]:
@@ -124,13 +126,13 @@ def _ray_latest(config: "TrainConfig") -> Optional[Start]:
     state, path = best
     local = isinstance(fs, pafs.LocalFileSystem)
     where = path if local else f"{storage.rstrip('/')}/{name}/{path.rsplit('/', 1)[-1]}"
-    return Start(state, "ray", where, path if local else None, ray_run=name)
+    return Start(state, True, where, path if local else None, ray_run=name)
 
 
 def _trainable_shapes(start: Start) -> list[tuple[int, ...]]:
     """The checkpoint's trainable weight shapes, from its index file alone (copied here when it is remote)."""
     if start.path is not None:
-        prefix = str(Path(start.path) / checkpoint.TRAIN_STATE) if start.kind == "ray" else start.path
+        prefix = str(Path(start.path) / checkpoint.TRAIN_STATE) if start.ray_train else start.path
         # Every byte read once here: a damaged checkpoint is refused before the run rewrites its outputs.
         checkpoint.verify(prefix)
         return checkpoint.trainable_shapes(prefix)
@@ -177,18 +179,19 @@ def plan_line(config: "TrainConfig", start: Optional[Start], plan: "EpochPlan", 
     steps = (state.get("history") or [{}])[-1].get("optimizer_steps")
     carried = f"optimizer state ({steps} steps taken) carries over" if steps is not None else \
         "optimizer state carries over"
-    before = _setup(before_config.get("backend", "ray"), before_plan.get("workers"),
+    before = _setup(runs_on_ray(before_config.get("backend", "ray")), before_plan.get("workers"),
                     before_plan.get("replicas_per_worker", 1), before_plan.get("global_batch"),
                     before_lr.get("peak_lr"), before_plan.get("steps"))
-    now = _setup(config.backend, plan.num_workers, plan.replicas_per_worker, plan.global_batch, lr.peak_lr, plan.steps)
+    now = _setup(runs_on_ray(config.backend), plan.num_workers, plan.replicas_per_worker, plan.global_batch,
+                 lr.peak_lr, plan.steps)
     if before == now:
         return f"{head} on the same {now}; {carried}; from {start.where}"
     schedule = "the LR schedule re-planned for the new steps per epoch goes on from that epoch's end"
     return f"{head}: it ran on {before}, now {now}; {carried}, {schedule}; from {start.where}"
 
 
-def _setup(backend: str, workers, replicas, global_batch, peak_lr, steps) -> str:
-    who = f"{workers} worker{'s' if workers != 1 else ''}" if backend == "ray" else \
+def _setup(on_ray: bool, workers, replicas, global_batch, peak_lr, steps) -> str:
+    who = f"{workers} worker{'s' if workers != 1 else ''}" if on_ray else \
         f"{replicas} local replica{'s' if replicas != 1 else ''}"
     lr = f"{peak_lr:.4g}" if isinstance(peak_lr, (int, float)) else "as compiled"  # None: a compiled schedule
     return f"{who} (global batch {global_batch}, lr {lr}, {steps} steps per epoch)"

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from app import internals
+from app.backend import backend_of
 from app.config import TrainConfig, build_config, read_yaml
 from app.errors import RunFailed, UserError
 
@@ -210,7 +211,7 @@ def sweep(
     # The values every trial shares (flags, and the space's plain values) make the base config.
     base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
     out = Path(output).expanduser().resolve()
-    if base.strategy == "parameter-server" or "strategy" in searched:
+    if backend_of(base).parameter_servers or "strategy" in searched:
         raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
                         "it and train parameter-server runs with jobs/train.py")
     restoring = tune.Tuner.can_restore(str(out))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from app import internals
+from app.backend import backend_of
 from app.errors import UserError
 
 DEFAULT_LOSS = {
@@ -184,7 +185,7 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         elif isinstance(lr, (int, float)):
             base_lr = float(lr)
             sources.append(("learning rate", "compile()"))
-        elif as_compiled and config.strategy != "parameter-server":
+        elif as_compiled and not backend_of(config).parameter_servers:
             # Its own LearningRateSchedule, stepped by the optimizer's iterations as in model.fit.
             sources.append(("learning rate", "compile()'s schedule"))
         elif as_compiled:
@@ -203,7 +204,7 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
         compiled_optimizer=optimizer, base_lr=base_lr, lr_as_compiled=as_compiled,
         short_last_batch=as_compiled and not facts.streamed and config.grad_accum == 1
-        and config.strategy not in ("parameter-server", "pipeline"),
+        and backend_of(config).short_last_batch,
         class_weights=class_weights(config, facts), sources=tuple(sources), outputs=outputs,
     )
     return objective

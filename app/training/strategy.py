@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -142,58 +143,95 @@ def local_strategy(name: str, devices: int | None, cpus: float | None = None) ->
         if gpus:
             raise StrategyUnavailable(f"--devices splits the CPU, but {len(gpus)} GPU(s) were found: drop --devices")
         _split_cpu(devices)
-    cpu_devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    gpu_devices = [d.name for d in tf.config.list_logical_devices("GPU")]
-    compute = gpu_devices or cpu_devices
-    found = f"{len(gpu_devices)} GPU(s), {len(cpu_devices)} CPU device(s)"
+    if name not in _LOCAL:
+        raise StrategyUnavailable(f"unknown strategy {name!r}")
+    return _LOCAL[name](_Devices.found())
 
-    if name == "tpu" or name == "auto":
-        resolver, why_not = _find_tpu()
-        if resolver is not None:
-            return tf.distribute.TPUStrategy(resolver), f"a TPU resolved ({resolver.master()})"
-        if name == "tpu":
-            raise StrategyUnavailable(f"--strategy tpu: no TPU found ({why_not}); found {found}")
 
-    if name == "auto":
-        if len(gpu_devices) >= 2:
-            return tf.distribute.MirroredStrategy(gpu_devices), f"no TPU; {len(gpu_devices)} GPUs -> MirroredStrategy"
-        if len(gpu_devices) == 1:
-            return one_replica(), "no TPU; 1 GPU -> one replica on it"
-        if len(cpu_devices) >= 2:
-            return (
-                tf.distribute.MirroredStrategy(cpu_devices),
-                f"no TPU, no GPU; --devices {len(cpu_devices)} logical CPUs -> MirroredStrategy",
-            )
-        return one_replica(), "no TPU, no GPU -> one replica on the CPU"
+@dataclass(frozen=True)
+class _Devices:
+    cpu: list[str]
+    gpu: list[str]
 
-    if name == "mirrored":
-        if len(compute) < 2:
-            raise StrategyUnavailable(
-                f"--strategy mirrored needs 2 or more devices, found {found}: "
-                "use --devices N to split the CPU, or --strategy one-device"
-            )
-        return tf.distribute.MirroredStrategy(compute), f"requested; {len(compute)} devices"
-    if name == "one-device":
-        return one_replica(), f"requested; on {compute[0]}"
-    if name == "central-storage":
-        if len(compute) < 2:
-            raise StrategyUnavailable(
-                f"--strategy central-storage needs 2 or more compute devices, found {found}: "
-                "use --devices N to split the CPU"
-            )
-        return (
-            tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=cpu_devices[0]),
-            f"requested; variables on {cpu_devices[0]}, compute on {len(compute)} devices",
-        )
-    if name == "pipeline":
-        # Not a tf.distribute strategy: the default one feeds the data; app.training.pipeline places the stages.
-        if len(compute) < 2:
-            raise StrategyUnavailable(
-                f"--strategy pipeline needs 2 or more devices (one per stage), found {found}: "
-                "use --devices N to split the CPU"
-            )
-        return tf.distribute.get_strategy(), f"requested; {len(compute)} stages, one per device"
-    raise StrategyUnavailable(f"unknown strategy {name!r}")
+    @classmethod
+    def found(cls) -> "_Devices":
+        import tensorflow as tf
+
+        return cls([d.name for d in tf.config.list_logical_devices("CPU")],
+                   [d.name for d in tf.config.list_logical_devices("GPU")])
+
+    @property
+    def compute(self) -> list[str]:
+        return self.gpu or self.cpu
+
+    def __str__(self) -> str:
+        return f"{len(self.gpu)} GPU(s), {len(self.cpu)} CPU device(s)"
+
+    def at_least_two(self, request: str, for_what: str = "devices", other: str = "") -> list[str]:
+        if len(self.compute) < 2:
+            raise StrategyUnavailable(f"--strategy {request} needs 2 or more {for_what}, found {self}: "
+                                      f"use --devices N to split the CPU{other}")
+        return self.compute
+
+
+def _tpu(found: _Devices):
+    import tensorflow as tf
+
+    resolver, why_not = _find_tpu()
+    if resolver is None:
+        raise StrategyUnavailable(f"--strategy tpu: no TPU found ({why_not}); found {found}")
+    return tf.distribute.TPUStrategy(resolver), f"a TPU resolved ({resolver.master()})"
+
+
+def _auto(found: _Devices):
+    import tensorflow as tf
+
+    resolver, _ = _find_tpu()
+    if resolver is not None:
+        return tf.distribute.TPUStrategy(resolver), f"a TPU resolved ({resolver.master()})"
+    if len(found.gpu) >= 2:
+        return tf.distribute.MirroredStrategy(found.gpu), f"no TPU; {len(found.gpu)} GPUs -> MirroredStrategy"
+    if len(found.gpu) == 1:
+        return one_replica(), "no TPU; 1 GPU -> one replica on it"
+    if len(found.cpu) >= 2:
+        return (tf.distribute.MirroredStrategy(found.cpu),
+                f"no TPU, no GPU; --devices {len(found.cpu)} logical CPUs -> MirroredStrategy")
+    return one_replica(), "no TPU, no GPU -> one replica on the CPU"
+
+
+def _mirrored(found: _Devices):
+    import tensorflow as tf
+
+    compute = found.at_least_two("mirrored", other=", or --strategy one-device")
+    return tf.distribute.MirroredStrategy(compute), f"requested; {len(compute)} devices"
+
+
+def _central_storage(found: _Devices):
+    import tensorflow as tf
+
+    compute = found.at_least_two("central-storage", "compute devices")
+    return (tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=found.cpu[0]),
+            f"requested; variables on {found.cpu[0]}, compute on {len(compute)} devices")
+
+
+def _pipeline(found: _Devices):
+    import tensorflow as tf
+
+    # Not a tf.distribute strategy: the default one feeds the data; app.training.pipeline places the stages.
+    compute = found.at_least_two("pipeline", "devices (one per stage)")
+    return tf.distribute.get_strategy(), f"requested; {len(compute)} stages, one per device"
+
+
+# --strategy (--backend local) -> its builder; each raises StrategyUnavailable for a request this machine
+# cannot meet.
+_LOCAL = {
+    "auto": _auto,
+    "tpu": _tpu,
+    "mirrored": _mirrored,
+    "one-device": lambda found: (one_replica(), f"requested; on {found.compute[0]}"),
+    "central-storage": _central_storage,
+    "pipeline": _pipeline,
+}
 
 
 def stage_devices() -> list[str]:

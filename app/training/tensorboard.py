@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from typing import Any, Optional
 
+from app.backend import backend_of
+
 
 def epoch_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """An epoch record's curves: the losses, every metric (train and val), the LR, the speed."""
@@ -41,7 +43,7 @@ def logdir_for(config, run_name: str) -> Optional[str]:
         return config.tensorboard_dir
     # --storage-path is Ray Train's (shared storage every node reaches): local and parameter-server runs
     # keep everything in their output directory (app.run.outputs warns that it is not used).
-    if config.storage_path and config.backend == "ray" and config.strategy != "parameter-server":
+    if config.storage_path and backend_of(config).ray_train:
         return f"{config.storage_path.rstrip('/')}/{run_name}/tensorboard"
     return str(config.output_dir() / "tensorboard")
 

@@ -1,0 +1,68 @@
+"""Which backend runs a training, decided here once from ``--backend`` and ``--strategy``.
+
+Everything that differs between the backends is a field of `Backend`: who starts the workers and where they
+run, who keeps the checkpoints, how many replicas share a global batch before anything starts, whether an epoch
+may end on a short batch. The rest of the code reads these fields and never compares a backend's or a
+strategy's name (``tests/test_architecture.py::test_backend_and_strategy_names_are_compared_in_three_modules``):
+only this module, the config's cross-field rules (app.config) and the command line (app.cli) name them.
+The driver that runs each backend is looked up by `Backend.name` (app.run.api).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
+
+BACKENDS = ("ray", "local")  # --backend: where the workers run (jobs/predict.py's --backend too)
+PARAMETER_SERVER = "parameter-server"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # the driver: "ray" (Ray Train + MultiWorkerMirroredStrategy), "parameter-server", "local"
+    strategy: str  # the --strategy each worker meets
+    on_ray: bool  # the workers are Ray processes: the run needs a cluster, files stream through Ray Data
+    ray_train: bool  # Ray Train starts the workers and keeps the checkpoints (checkpoint_* in its storage)
+    parameter_servers: bool  # asynchronous workers, each update one worker's batch, variables on PS actors
+    pipeline: bool  # one model cut into stages over this process's devices
+    # Replicas a global batch is split over, when known before anything starts (None: the devices decide).
+    replicas: Optional[int]
+    replicas_why: str
+    counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores: known once started)
+    short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
+
+    @property
+    def checkpoints(self) -> str:
+        """Where its checkpoints live, as resume reads them."""
+        return "Ray Train's storage" if self.ray_train else "<output>/checkpoint"
+
+
+def runs_on_ray(backend: str) -> bool:
+    """``--backend`` (of training or of jobs/predict.py): True for Ray workers, False for this process."""
+    return backend == "ray"
+
+
+def backend_of(config: "TrainConfig") -> Backend:
+    """The backend ``config`` asks for (its cross-field rules, app.config, have refused impossible pairs)."""
+    strategy = config.strategy
+    if runs_on_ray(config.backend) and strategy == PARAMETER_SERVER:
+        return Backend(PARAMETER_SERVER, strategy, on_ray=True, ray_train=False, parameter_servers=True,
+                       pipeline=False, replicas=1, replicas_why="--strategy parameter-server: each update is one "
+                       "worker's batch", counts_gpus=False, short_last_batch=False)
+    if runs_on_ray(config.backend):
+        return Backend("ray", strategy, on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
+                       replicas=config.num_workers, replicas_why=f"{config.num_workers} Ray worker(s), one replica each",
+                       counts_gpus=False, short_last_batch=True)
+    one_replica = strategy in ("one-device", "pipeline")
+    if one_replica:
+        replicas, why = 1, f"--strategy {strategy}: one replica"
+    elif config.devices:
+        replicas, why = config.devices, f"--devices {config.devices}"
+    else:
+        replicas, why = None, "the devices found"
+    return Backend("local", strategy, on_ray=False, ray_train=False, parameter_servers=False,
+                   pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
+                   counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline")
