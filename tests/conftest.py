@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +123,21 @@ def no_new_raylet(before: set[int], within: float = 20) -> bool:
     while raylets() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     return not raylets() - before
+
+
+@contextlib.contextmanager
+def frozen_by_the_test(driver: subprocess.Popen):
+    """Yields the list of pids the test SIGSTOPs; at the end, however the test went, the driver is killed if it
+    still runs and every stopped process is resumed (so that Ray can stop it)."""
+    frozen: list[int] = []
+    try:
+        yield frozen
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def alive_actors(ray, class_name: str) -> list:

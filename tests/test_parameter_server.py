@@ -7,7 +7,6 @@ MWMS run does while one of its workers is SIGKILLed; with one worker (no asynchr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, alive_actors, clean_env, run_job
+from conftest import REPO, alive_actors, clean_env, frozen_by_the_test, run_job
 
 # A small transformer on the built-in generated texts: learns in 3 epochs (val accuracy ~0.95).
 TEXT = {"model": "transformer", "dataset": "synthetic-text", "synthetic_text_rows": 800, "vocab_size": 512,
@@ -74,21 +73,14 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
             time.sleep(0.2)
         assert driver.poll() is None, driver.communicate()[1][-3000:]
 
-    frozen = None
-    try:
+    with frozen_by_the_test(driver) as frozen:
         wait_for_checkpoint(1)
         assert len(alive("Worker")) == 2 and len(alive("ParameterServer")) == 2
         os.kill(alive("Worker")[0].pid, signal.SIGKILL)
         wait_for_checkpoint(2)
-        frozen = alive("ParameterServer")[1].pid
-        os.kill(frozen, signal.SIGSTOP)  # alive but silent, as a stuck host or a partition leaves it
+        frozen.append(alive("ParameterServer")[1].pid)
+        os.kill(frozen[0], signal.SIGSTOP)  # alive but silent, as a stuck host or a partition leaves it
         stdout, stderr = driver.communicate(timeout=400)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        if frozen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(frozen, signal.SIGCONT)
     assert driver.returncode == 0, stderr[-3000:]
     console = stdout + stderr
     assert "Traceback" not in console and "pid=" not in console, console

@@ -21,7 +21,7 @@ import pytest
 from app.config import build_config
 from app.run import ray_train
 from app.training import checkpoint
-from conftest import REPO, alive_actors, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, alive_actors, clean_env, frozen_by_the_test, run_job, run_jobs_at_once
 
 
 def history(out: Path) -> list[dict]:
@@ -85,23 +85,16 @@ def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "50", "--stall-timeout-s", str(stall)]
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    frozen = None
-    try:
+    with frozen_by_the_test(driver) as frozen:
         wait_for(lambda: checkpointed_epoch(out / "ray") >= 1 or driver.poll() is not None, 240,
                  "the checkpoint of epoch 1")
         workers = alive_actors(ray_cluster, "RayTrainWorker")
         assert len(workers) == 2 and driver.poll() is None
-        frozen = workers[1].pid
-        os.kill(frozen, signal.SIGSTOP)  # alive but silent, as a stuck device or a partition would leave it
+        frozen.append(workers[1].pid)
+        os.kill(frozen[0], signal.SIGSTOP)  # alive but silent, as a stuck device or a partition would leave it
         stopped_at = time.time()
         stdout, stderr = driver.communicate(timeout=stall + 120)
         took = time.time() - stopped_at
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        if frozen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(frozen, signal.SIGCONT)
     assert driver.returncode == 1, stderr[-3000:]
     assert took < stall + 60, f"the run took {took:.0f} s to end after a worker froze (--stall-timeout-s {stall})"
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -49,10 +49,9 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "ps_over_mwms_steady": rows["parameter-server"]["steady_samples_per_s"] / rows["mwms"]["steady_samples_per_s"],
         "ps_over_mwms_whole_run": rows["parameter-server"]["samples_per_s"] / rows["mwms"]["samples_per_s"],
     }
-    path = report.write_json(out / "ps.json", result)
     print(f"parameter-server / MWMS samples/s: steady {result['ps_over_mwms_steady']:.2f}, "
           f"whole run {result['ps_over_mwms_whole_run']:.2f}")
-    return [path]
+    return [report.write_json(out / "ps.json", result)]
 
 
 def _summary(output: Path) -> dict[str, Any]:

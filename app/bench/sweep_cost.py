@@ -46,10 +46,9 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "asha_worker_seconds_over_grid": asha["worker_seconds"] / grid["worker_seconds"],
         "asha_best_minus_grid_best": asha["best"] - grid["best"],
     }
-    path = report.write_json(out / "sweep.json", result)
     print(f"ASHA / grid worker-seconds: {result['asha_worker_seconds_over_grid']:.2f}; best {asha['metric']}: "
           f"ASHA {asha['best']:.4f}, grid {grid['best']:.4f} ({result['asha_best_minus_grid_best']:+.4f})")
-    return [path]
+    return [report.write_json(out / "sweep.json", result)]
 
 
 def _summary(output: Path) -> dict[str, Any]:
