@@ -52,3 +52,20 @@ def test_elastic_benchmark_grows_and_shrinks_a_tensorflow_group_on_two_nodes(no_
         assert resize["seconds_to_first_step"] > 0
     # (How long a shrink takes is not asserted: the group-start bound plus ~6 s when Ray still counts the lost node's
     # CPU and first starts a group of the old size, ~7 s when it does not; BENCHMARKS.md.)
+
+
+@pytest.mark.own_ray_cluster
+def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_shared_ray, tmp_path):
+    """They build the model, optimizer and step runner with the worker's own functions
+    (app.training.worker.build_training, replica_steps) after the driver's model check: a change there that
+    they did not follow fails here, not in the next benchmark run."""
+    for suite, report in (("checkpoint", "checkpoint.json"), ("breakdown", "breakdown.json")):
+        p = run_job("jobs/benchmark.py", suite, "--quick", "--output", str(tmp_path / suite), timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        result = json.loads((tmp_path / suite / report).read_text())
+        if suite == "checkpoint":
+            assert result["parameters"] > 0 and result["steps_per_epoch"] > 0
+        else:
+            assert {(r["strategy"], r["input"]) for r in result["results"]} == {
+                (s, i) for s in ("none", "mwms") for i in ("arrays", "raydata")}
+            assert all(r["samples_per_second"] > 0 for r in result["results"])

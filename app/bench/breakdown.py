@@ -79,7 +79,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     strategy = _strategy(payload["strategy"], config)
     source = load_source(config)
     plan = EpochPlan.for_run(config, len(source.train), 1)
-    training = build_training(config, strategy, source.facts, plan)
+    training = build_training(config, strategy, source, plan)
     if payload["input"] == "arrays":
         batches = tf_input.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs)
     else:

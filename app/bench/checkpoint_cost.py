@@ -40,27 +40,27 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     source = load_source(config)
     strategy = tf.distribute.get_strategy()
     plan = EpochPlan.for_run(config, len(source.train), 1)
-    training = build_training(config, strategy, source.facts, plan)
+    timed = build_training(config, strategy, source, plan)
     iterator = distributed(strategy, train_batches_from_arrays(source.train, plan, config.seed, True, 0, repeats + 1))
-    training.epoch(iterator, plan)  # trace once
+    timed.epoch(iterator, plan)  # trace once
     epochs, saves = [], []
     progress = checkpoint.Progress()
     for epoch in range(1, repeats + 1):
         start = time.perf_counter()
-        training.epoch(iterator, plan, epoch)
+        timed.epoch(iterator, plan, epoch)
         epochs.append(time.perf_counter() - start)
         progress.epoch = epoch
-        state = progress.state(config=config, lr_plan=training.lr_plan, plan=plan, task=source.facts.task)
+        state = progress.state(config=config, lr_plan=timed.training.lr_plan, plan=plan, task=source.facts.task)
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            checkpoint.save(tmp, training.model, training.optimizer, state)
+            checkpoint.save(tmp, timed.training.model, timed.training.optimizer, state)
             saves.append(time.perf_counter() - start)
     epoch_s, save_s = statistics.median(epochs), statistics.median(saves)
     result = {
         "command": command,
         "preset": preset.as_dict(),
         "model": config.model if isinstance(config.model, str) else str(config.model),
-        "parameters": int(training.model.count_params()),
+        "parameters": int(timed.training.model.count_params()),
         "steps_per_epoch": plan.steps,
         "repeats": repeats,
         "epoch_ms": [s * 1000 for s in epochs],

@@ -1,8 +1,9 @@
-"""The project's own training loop in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
+"""The product's training in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
 
-Model, optimizer, LR plan and compiled train step are built as
-app.training.worker.train_worker builds them, and epochs run through the same
-EpochDriver; there is no evaluation, checkpointing or reporting in between.
+Nothing here is a copy: the driver's model check and objective (app.run.preflight.check_model), the
+worker's model, optimizer and LR plan (app.training.worker.build_training), its step runner
+(app.training.worker.replica_steps) and the epoch driver (app.training.loop.EpochDriver). What is left out is
+what a run adds between epochs: evaluation, checkpoints, reports.
 """
 
 from __future__ import annotations
@@ -10,18 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
+    from app.training.worker import Training
 
 
 @dataclass
-class Training:
-    model: Any
-    optimizer: Any
-    lr_plan: Any
+class Timed:
+    training: "Training"
     driver: Any  # app.training.loop.EpochDriver
 
     def epoch(self, iterator, plan: EpochPlan, epoch: int = 0):
@@ -29,25 +28,15 @@ class Training:
         return self.driver.train_epoch(iterator, plan.steps, epoch)
 
 
-def build_training(config: "TrainConfig", strategy, facts: DataFacts, plan: EpochPlan) -> Training:
-    from app.training.loop import EpochDriver, ReplicaSteps
-    from app.training.measures import Measures
-    from app.training.model import build_model, check_output
-    from app.training.objective import objective_for
-    from app.training.optim import make_optimizer, plan_lr
-    from app.training.step import make_train_steps
+def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan) -> Timed:
+    """``source``: the in-memory data (app.data.memory.load_source)."""
+    from app.run import preflight
+    from app.training.loop import EpochDriver
+    from app.training.worker import WorkerJob, build_training, replica_steps
 
-    with strategy.scope():
-        model = build_model(config, facts)
-    objective = objective_for(config, facts, model, check_output(model, facts, "model"))
-    lr_plan = plan_lr(config, plan.global_batch, plan.steps, objective)
-    with strategy.scope():
-        optimizer = make_optimizer(config, lr_plan, compiled=model.optimizer if objective.compiled_optimizer else None)
-    measures = Measures(objective, model)
-    steps = make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum)
-    driver = EpochDriver(ReplicaSteps(strategy, optimizer, measures, steps,
-                                      steps_per_execution=config.steps_per_execution), measures)
-    return Training(model, optimizer, lr_plan, driver)
+    facts, objective, _ = preflight.check_model(config, source.facts, examples=preflight.examples(source))
+    training = build_training(config, WorkerJob(facts, objective, None), strategy, plan)
+    return Timed(training, EpochDriver(replica_steps(config, strategy, training, plan), training.measures))
 
 
 def distributed(strategy, batches):

@@ -74,22 +74,25 @@ class Session(Protocol):
         """Training moved on (steps ran, an evaluation ended): a sign of life for a driver that watches for stalls."""
 
 
-def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
-    from app.training import lr_position
-    from app.training.loop import EpochBar, EpochDriver
-    from app.training.metrics import progress_line
+@dataclass
+class Training:
+    """What one worker trains, built by ``build_training`` for every backend and for the benchmarks."""
+
+    model: Any
+    optimizer: Any
+    measures: Measures
+    lr_plan: Any  # app.training.optim.LrPlan
+    lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
+    pipe: Optional["Pipeline"]  # --strategy pipeline: the stages that run ``model``
+
+
+def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
+                   asynchronous: bool = False) -> Training:
+    """Model, optimizer and LR plan under ``strategy``, as the driver's objective (``job.objective``) says."""
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
     from app.training.pipeline import Pipeline
-    from app.training.tensorboard import TensorBoard
 
-    strategy = session.strategy()
-    # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
-    # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
-    asynchronous = session.coordinator is not None
-    replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
-    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
-                             job.objective.short_last_batch)
     lr_plan = plan_lr(config, plan.update_batch, plan.updates, job.objective)
     with strategy.scope():
         # A compiled model brings its optimizer: a new one of its class and settings, the planned LR.
@@ -103,7 +106,24 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
     # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
     pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
-    model = pipe.model if pipe else model
+    return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
+
+
+def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
+    from app.training import lr_position
+    from app.training.loop import EpochBar, EpochDriver
+    from app.training.metrics import progress_line
+    from app.training.tensorboard import TensorBoard
+
+    strategy = session.strategy()
+    # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
+    # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
+    asynchronous = session.coordinator is not None
+    replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
+    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
+                             job.objective.short_last_batch)
+    training = build_training(config, job, strategy, plan, asynchronous)
+    model, optimizer, lr_plan, lr_factor = training.model, training.optimizer, training.lr_plan, training.lr_factor
 
     # A restarted worker group (a worker died) or a resumed run starts from the
     # last checkpoint: weights, optimizer (hence the LR schedule position),
@@ -126,9 +146,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
-        step_runner(config, session, strategy, model, optimizer, measures, plan, lr_plan, pipe, progress.history,
-                    lr_factor),
-        measures,
+        step_runner(config, session, strategy, training, plan, lr_plan, progress.history),
+        training.measures,
         # Log points are collectives on synchronous replicas: every worker must agree on them.
         log_every_steps=config.log_every_steps if config.tensorboard or config.callbacks else 0,
     )
@@ -168,20 +187,29 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         tensorboard.close()
 
 
-def step_runner(config: "TrainConfig", session: Session, strategy, model, optimizer, measures: Measures,
-                plan: EpochPlan, lr_plan, pipe: Optional["Pipeline"], history: list[dict[str, Any]], lr_factor=None):
-    """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``."""
+def step_runner(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan, lr_plan,
+                history: list[dict[str, Any]]):
+    """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``.
+    ``lr_plan``: the training's, or where a resumed run's schedule goes on from (app.training.lr_position)."""
     from app.training import lr_position
-    from app.training.loop import ReplicaSteps
-    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
 
     if session.coordinator is not None:
         from app.training.parameter_server import ScheduledSteps
 
         # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
         done = history[-1]["optimizer_steps"] if history else 0
-        return ScheduledSteps(session.coordinator, strategy, model, optimizer, measures, plan,
-                              lr_position.schedule(config, lr_plan, lr_factor), steps_taken=done)
+        return ScheduledSteps(session.coordinator, strategy, training.model, training.optimizer, training.measures,
+                              plan, lr_position.schedule(config, lr_plan, training.lr_factor), steps_taken=done)
+    return replica_steps(config, strategy, training, plan, session.rank, session.world)
+
+
+def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan, rank: int = 0,
+                  world: int = 1):
+    """Synchronous replicas' step runner (``strategy.run`` of the compiled steps); the benchmarks time it too."""
+    from app.training.loop import ReplicaSteps
+    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
+
+    model, optimizer, measures, pipe = training.model, training.optimizer, training.measures, training.pipe
     return ReplicaSteps(
         strategy, optimizer, measures,
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
@@ -192,5 +220,5 @@ def step_runner(config: "TrainConfig", session: Session, strategy, model, optimi
         make_replica_state_average(strategy, model),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,
-        rank=session.rank, world=session.world,
+        rank=rank, world=world,
     )
