@@ -112,13 +112,13 @@ class PredictArgs:
     model: str | None  # --model: an exported .keras file
     checkpoint: str | None
     run: str | None
-    options: Any  # app.run.predict.PredictOptions: the script's own flags
+    options: Any  # app.tools.predict.PredictOptions: the script's own flags
     overrides: dict[str, Any]  # data flags typed: they override the run's config
 
 
 def predict_args(description: str, argv: list[str] | None = None) -> PredictArgs:
     """What to predict with (as evaluate), the data flags (as evaluate), and the prediction's own flags."""
-    from app.run.predict import PredictOptions
+    from app.tools.predict import PredictOptions
 
     own, typed = cli_errors.guarded(lambda: _parse(description, argv, "predict", _predict_flags(), set(EVALUATE_FIELDS)))
     what = {k: own.pop(k) for k in ("model", "checkpoint", "run")}
@@ -129,7 +129,7 @@ def predict_args(description: str, argv: list[str] | None = None) -> PredictArgs
 
 def main(body: Callable[[], Any]) -> None:
     """Run an entry script: user errors become one line on stderr and exit status 2."""
-    # Our INFO lines; other libraries' only from WARNING on (a run's log file gets their INFO: app.run.console).
+    # Our INFO lines; other libraries' only from WARNING on (a run's log file gets their INFO: app.ui.console).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("app").setLevel(logging.INFO)
     try:
@@ -147,8 +147,7 @@ def main(body: Callable[[], Any]) -> None:
     except Exception as e:  # a defect, or a check we lack: still one line, the whole traceback kept in a file
         import traceback
 
-        from app.run import console
-
+        from app.ui import console
         trace = "".join(traceback.format_exception(e))
         kept = console.write_trace(f"unexpected {type(e).__name__}", trace)
         where = f" (traceback in {kept})" if kept else _kept(trace)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-# --- Ray: the driver's printer of worker output (app.run.console) --------------------------------------------
+# --- Ray: the driver's printer of worker output (app.ui.console) --------------------------------------------
 #
 # Ray prints every worker's stdout/stderr lines on the driver through one dispatcher
 # (ray/_private/ray_logging/__init__.py, ``global_worker_stdstream_dispatcher``), to which
@@ -47,7 +47,7 @@ def swap_worker_line_printer(replace: Callable[[Callable[[dict], None]], Callabl
         dispatcher.handlers = [(name, replace(h) if name == RAY_PRINTER else h) for name, h in dispatcher.handlers]
 
 
-# --- Ray: the driver's printer of the cluster's messages for this job (app.run.console) ------------------------
+# --- Ray: the driver's printer of the cluster's messages for this job (app.ui.console) ------------------------
 #
 # The raylet's warnings and errors for this job are printed on the driver by a thread of Ray's
 # (``listen_error_messages`` in ray/_private/worker.py) through that module's ``print_to_stdstream``,
@@ -66,13 +66,13 @@ def swap_ray_message_printer(replace: Callable[[Callable[..., None]], Callable[.
         worker.print_to_stdstream = replace(worker.print_to_stdstream)
 
 
-# --- Ray Tune: its console reporter (app.run.tune) ----------------------------------------------------------
+# --- Ray Tune: its console reporter (app.tools.tune) ----------------------------------------------------------
 #
 # Tune's reporter of Ray 2.60 (ray/tune/experimental/output.py, TuneTerminalReporter) prints the
 # experiment's box and a paragraph per errored trial even at RunConfig(verbose=0), and Tune adds it
 # whatever callbacks are given (ray/tune/utils/callback.py, _create_default_callbacks). Its older
 # engine, chosen by this environment variable (read by get_air_verbosity in the driver), prints
-# nothing at verbose=0: a sweep's console is then its own (app.run.tune_console).
+# nothing at verbose=0: a sweep's console is then its own (app.ui.tune_console).
 
 TUNE_NEW_OUTPUT_ENV_VAR = "RAY_AIR_NEW_OUTPUT"  # "0": Tune's older output engine
 
@@ -98,7 +98,7 @@ def ray_up_validate_config(config: dict[str, Any]) -> None:
     validate_config(config)
 
 
-# --- Ray Train V2: controller callbacks (app.run.start_guard) -------------------------------------------------
+# --- Ray Train V2: controller callbacks (app.backends.start_guard) -------------------------------------------------
 #
 # A worker group whose start fails half-way is shut down only by a callback on the Train
 # controller. Ray Train's callback classes (ray/train/v2/_internal/execution/callback.py) are

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ INFO/WARN
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app import tf_import
-from app.run import console
+from app.ui import console
 
 tf_import.install()  # the INFO lines TF_CPP_MIN_LOG_LEVEL does not stop (see there)
 console.for_this_process()  # the console stays for people until the script ends

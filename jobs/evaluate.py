@@ -20,8 +20,7 @@ def main() -> None:
     args = cli.evaluate_args(__doc__)
 
     def body() -> None:
-        from app.run import evaluate, trained
-
+        from app.tools import evaluate, trained
         if args.checkpoint:
             metrics, out_file = evaluate.evaluate_checkpoint(args.checkpoint, args.overrides)
         else:

@@ -19,8 +19,7 @@ def main() -> None:
     args = cli.predict_args(__doc__)
 
     def body() -> None:
-        from app.run import predict, trained
-
+        from app.tools import predict, trained
         found = trained.located(args.model, args.checkpoint, args.run, args.overrides)
         summary = predict.predict(found, args.options)
         print(json.dumps({k: summary[k] for k in ("rows", "columns", "seconds")}))

@@ -41,10 +41,10 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.run.cluster.connect)."""
+    """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.driver.cluster.connect)."""
     import ray
 
-    # As app.run.cluster does for a local Ray it starts (this is one): nothing preempts its node, so the runs
+    # As app.driver.cluster does for a local Ray it starts (this is one): nothing preempts its node, so the runs
     # made in this process start no preemption watcher (one more process on their critical path). Jobs that
     # join this Ray from the command line keep theirs, as on any cluster they join.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
@@ -57,9 +57,8 @@ def ray_cluster():
 def two_worker_run(ray_cluster, tmp_path_factory):
     """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it; it audits the
     sample ids each replica trains on (the ids only: the training is the same)."""
+    from app.backends import ray_train
     from app.config import build_config
-    from app.run import ray_train
-
     out = tmp_path_factory.mktemp("runs") / "w2"
     result = ray_train.run(
         build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10,

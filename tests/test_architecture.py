@@ -84,6 +84,10 @@ LAYERS = [
     {"app.backend"},
     {"app.data"},
     {"app.training"},
+    {"app.ui"},
+    {"app.driver"},
+    {"app.backends"},
+    {"app.tools"},
     {"app.run"},
     {"app.bench", "app.cli", "app"},
 ]

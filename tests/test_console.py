@@ -15,8 +15,8 @@ import pytest
 
 from app.data import blocks, streamed
 from app.data.files import Located
-from app.run import console, failures
 from app.training.loop import EpochBar
+from app.ui import console, failures
 from conftest import REPO
 
 

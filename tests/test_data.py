@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from app import evaluate
+from app.backends import ray_train
 from app.config import build_config
 from app.data import blocks, memory, streamed, text
 from app.errors import UserError
-from app.run import ray_train
 from conftest import clean_env, run_job
 
 ROWS, CLASSES, LENGTH = 320, 3, 16
@@ -313,8 +313,7 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
 
 def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_path, good_parquet):
     """The local backend reads parquet in its process (tests/test_local_files.py); its split is the Ray path's."""
-    from app.run import preflight
-
+    from app.driver import preflight
     local = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
                                                     "dataset": str(good_parquet)}), 1)
     on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY,

@@ -20,8 +20,9 @@ import ray
 from ray.train._internal.base_worker_group import BaseWorkerGroup
 
 from app import internals
+from app.backends import tf_config
 from app.cluster_config import load_cluster_config
-from app.run import console, tf_config
+from app.ui import console
 from conftest import REPO
 
 # --- Ray Train: the TF_CONFIG backend ----------------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_rays_tensorflow_backend_still_takes_the_address_from_the_helpers_ours_c
     assert "ray.util.get_node_ip_address()" in inspect.getsource(get_address_and_port)
 
 
-# --- Ray: the driver's printer of worker lines (app.run.console) ---------------------------------------------
+# --- Ray: the driver's printer of worker lines (app.ui.console) ---------------------------------------------
 
 
 def test_ray_init_registers_its_printer_of_worker_lines_under_the_name_the_console_replaces():
@@ -182,7 +183,7 @@ def test_rays_printer_of_the_clusters_messages_is_still_looked_up_by_name_and_th
         worker.print_to_stdstream = original
 
 
-# --- Ray Tune: its console reporter (app.run.tune) ----------------------------------------------------------
+# --- Ray Tune: its console reporter (app.tools.tune) ----------------------------------------------------------
 
 
 def test_tunes_older_output_engine_is_still_chosen_by_the_variable_and_silent_at_verbose_0(
@@ -229,7 +230,7 @@ def test_prepare_and_validate_accept_the_shipped_cluster_configs(name):
         assert isinstance(node_type["min_workers"], int) and isinstance(node_type["max_workers"], int)
 
 
-# --- Ray Train V2: controller callbacks (app.run.start_guard) ------------------------------------------------
+# --- Ray Train V2: controller callbacks (app.backends.start_guard) ------------------------------------------------
 
 
 def test_train_callback_bases_still_have_the_hooks_start_guard_uses():
@@ -245,7 +246,7 @@ def test_train_callback_bases_still_have_the_hooks_start_guard_uses():
     assert "RAY_TRAIN_CALLBACKS_ENV_VAR" in inspect.getsource(_initialize_env_callbacks)  # read by fit()
 
 
-# --- Ray: the loggers app.run.cluster quiets by name ---------------------------------------------------------
+# --- Ray: the loggers app.driver.cluster quiets by name ---------------------------------------------------------
 
 
 def test_the_ray_loggers_app_run_cluster_names_are_still_ray_modules():
@@ -309,7 +310,7 @@ def test_keras_history_names_the_layer_that_made_a_tensor_and_can_be_put_back():
 
 @pytest.mark.parametrize("loss_scale", [False, True])
 def test_a_checkpoints_trainable_weights_are_the_optimizers_list_in_the_models_order(tmp_path, loss_scale):
-    """app.run.resume compares these shapes with a model's: the keys must still be the optimizer's list, in order."""
+    """app.driver.resume compares these shapes with a model's: the keys must still be the optimizer's list, in order."""
     import tensorflow as tf
 
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),

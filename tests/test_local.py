@@ -138,7 +138,7 @@ def test_local_backend_never_imports_ray(tmp_path):
     code = f"""
 import sys
 from app.config import build_config
-from app.run import local as local_train
+from app.backends import local as local_train
 local_train.run(build_config(None, {{"backend": "local", "epochs": 1, "output": {str(tmp_path / "o")!r}}}))
 assert "ray" not in sys.modules, sorted(m for m in sys.modules if m.startswith("ray"))
 print("no ray")

@@ -150,9 +150,8 @@ def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):
     from test_data import bad_data_cases
 
     from app.config import build_config
+    from app.driver import preflight
     from app.errors import UserError
-    from app.run import preflight
-
     for args, words in bad_data_cases(tmp_path)[:4]:  # the file cases
         config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1]})
         with pytest.raises(UserError) as info:
@@ -164,9 +163,8 @@ def test_data_larger_than_memory_is_refused_naming_the_ray_backend(tmp_path, mon
     import psutil
 
     from app.config import build_config
+    from app.driver import preflight
     from app.errors import UserError
-    from app.run import preflight
-
     x, y = learnable()
     pq.write_table(pa.table({"pixels": pa.array(list(x), type=pa.list_(pa.float32())), "label": y}),
                    tmp_path / "d.parquet")
@@ -183,8 +181,7 @@ def test_a_tensor_column_ray_data_wrote_keeps_its_shape_locally(tmp_path):
     from ray.data.extensions import ArrowTensorArray  # only to write the file: nothing of Ray runs
 
     from app.config import build_config
-    from app.run import preflight
-
+    from app.driver import preflight
     x, y = learnable()
     pq.write_table(pa.table({"t": ArrowTensorArray.from_numpy(x.reshape(-1, 4, 4)), "label": y}),
                    tmp_path / "d.parquet")

@@ -44,9 +44,8 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     worker is SIGKILLed (the run goes on); after epoch 2 a parameter server is SIGSTOPped (nothing moves for
     --stall-timeout-s: the driver's restart loop restarts the cluster from the last checkpoint). Every epoch
     completes, the shards sit on both servers, and val accuracy is within 10% of the MWMS run's."""
+    from app.backends import ray_train
     from app.config import build_config
-    from app.run import ray_train
-
     # The stall bound is above a killed worker's own recovery (Ray restarts its actor, the coordinator re-runs its
     # steps: up to ~20 s on a loaded 2-core machine), so only the frozen server trips it.
     out, stall = tmp_path / "ps", 30

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.backends import ray_train
 from app.config import build_config
-from app.run import ray_train
 from app.training import checkpoint
 from conftest import REPO, alive_actors, clean_env, frozen_by_the_test, run_job, run_jobs_at_once
 

@@ -8,8 +8,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from app.backends import ray_train
 from app.config import build_config
-from app.run import ray_train
 from conftest import run_job, run_jobs_at_once
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from app.config import build_config
-from app.run import outputs
+from app.driver import outputs
 from conftest import REPO, clean_env, ray_sessions, raylets, run_job, run_jobs_at_once
 
 USER_FILE = '''

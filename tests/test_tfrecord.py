@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from app import evaluate
+from app.backends import ray_train
 from app.config import build_config
 from app.data import streamed, text
+from app.driver import preflight
 from app.errors import UserError
-from app.run import preflight, ray_train
 
 ROWS, CLASSES, LENGTH = 240, 3, 16
 TINY = dict(num_workers=2, epochs=1, per_replica_batch=16, hidden_units=[16], warmup_epochs=0)

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
+from app.backends import ray_train
 from app.config import build_config
-from app.run import ray_train
 from conftest import run_job, tensorboard_scalars, venv_env
 
 

@@ -1,4 +1,4 @@
-"""Ray Tune sweeps: every trial a real Ray Train run (app.run.ray_train); bad spaces refused before any trial."""
+"""Ray Tune sweeps: every trial a real Ray Train run (app.backends.ray_train); bad spaces refused before any trial."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from app.errors import UserError
-from app.run import tune, tune_console
+from app.tools import tune
+from app.ui import tune_console
 from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 

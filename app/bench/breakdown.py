@@ -58,7 +58,7 @@ def _ray_data_shard(config: TrainConfig, split):
 
     from app.data.arrays import ID, X, Y
     from app.data.ray_input import shuffled_each_epoch
-    from app.run.cluster import connect
+    from app.driver.cluster import connect
 
     connect(config)
     ds = ray.data.from_arrow(pa.table({X: ArrowTensorArray.from_numpy(split.x), Y: pa.array(split.y),

@@ -2,7 +2,7 @@
 
 What elastic runs (``--num-workers MIN:MAX``) would be built on, measured before they exist: a head started with
 `ray start --head --num-cpus 1`, a Ray Train run with ``ScalingConfig(num_workers=(1, 2))`` and the product's
-TF_CONFIG backend (app.run.tf_config), whose workers run MultiWorkerMirroredStrategy when there are two of them
+TF_CONFIG backend (app.backends.tf_config), whose workers run MultiWorkerMirroredStrategy when there are two of them
 and all-reduce every step. While it runs, a second node joins (`ray start --address ... --num-cpus 1`) and is
 later stopped by its process group. Ray 2.60 resizes by restarting the group from the latest checkpoint, so each
 resize costs the seconds from the event to the first step at the new size, plus the steps done since that
@@ -35,7 +35,7 @@ _DRIVER = """
 import json, sys
 import ray, ray.train
 from app.bench.elastic import worker_loop
-from app.run import tf_config
+from app.backends import tf_config
 p = json.loads(sys.argv[1])
 ray.init(logging_level="WARNING")
 trainer = tf_config.trainer(

@@ -105,9 +105,10 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     """One training run in this process: ``{"data": DIR, "out": DIR, "workers": N, "workload": {...}}``."""
     import ray
 
+    from app.backends import ray_train
     from app.bench.sampler import ProcessPeaks
     from app.config import build_config
-    from app.run import cluster, ray_train
+    from app.driver import cluster
     from app.training.metrics import peak_rss_mib
 
     config = build_config(None, {**payload["workload"], "dataset": payload["data"], "output": payload["out"],

@@ -6,7 +6,7 @@
 2. rows/s, each in a process of its own:
    - ``model.predict`` in one plain process on the 1x rows, the model loaded and the features in memory (the call
      alone is timed, after a warm-up call), TensorFlow on 1 thread and on every core;
-   - the Ray path (app.run.predict, what jobs/predict.py calls), actors x 1 CPU, each run with a local Ray of its
+   - the Ray path (app.tools.predict, what jobs/predict.py calls), actors x 1 CPU, each run with a local Ray of its
      own: 2 actors on the 1x rows, 1 and 2 actors on the scale x rows (the start-up amortised). rows /
      ``predict_seconds`` (from the pool's start to the last file written: the actors' start, their TensorFlow
      import and model load, reading, predicting, writing) and rows / the whole call (Ray's start and the checks on
@@ -66,13 +66,13 @@ def plain(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_ray(payload: dict[str, Any]) -> dict[str, Any]:
-    """app.run.predict on a local Ray this process starts: ``{"run", "data", "out", "workers", "batch_size",
+    """app.tools.predict on a local Ray this process starts: ``{"run", "data", "out", "workers", "batch_size",
     "sample"}``. ``sample``: the processes' memory every 2 s (reading every process's smaps costs CPU: seen taking
     most of a core at 0.5 s on this 2-core machine, so runs timed for rows/s are not sampled)."""
     import ray
 
     from app.bench.sampler import ProcessPeaks
-    from app.run import predict, trained
+    from app.tools import predict, trained
     from app.training.metrics import peak_rss_mib
 
     found = trained.located(run=payload["run"], overrides={"dataset": payload["data"]})

@@ -1,6 +1,6 @@
 """The product's training in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
 
-Nothing here is a copy: the driver's model check and objective (app.run.preflight.check_model), the
+Nothing here is a copy: the driver's model check and objective (app.driver.preflight.check_model), the
 worker's model, optimizer and LR plan (app.training.worker.build_training), its step runner
 (app.training.worker.replica_steps) and the epoch driver (app.training.loop.EpochDriver). What is left out is
 what a run adds between epochs: evaluation, checkpoints, reports.
@@ -30,7 +30,7 @@ class Timed:
 
 def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan) -> Timed:
     """``source``: the in-memory data (app.data.memory.load_source)."""
-    from app.run import preflight
+    from app.driver import preflight
     from app.training.loop import EpochDriver
     from app.training.worker import WorkerJob, build_training, replica_steps
 

@@ -1,7 +1,7 @@
 """Rows to predict on, from every source --dataset takes, prepared as training prepares them.
 
 - parquet, CSV, image folders: read a batch at a time in this process (app.data.local_files, --backend local), or
-  by Ray Data (app.data.streamed's reader) for the actors of app.run.predict;
+  by Ray Data (app.data.streamed's reader) for the actors of app.tools.predict;
 - in memory: a built-in dataset, ``.npz``/``.npy`` files, a data function's (x, y) arrays, dict of splits or
   DataFrame, or what app.predict was given (x alone too): one pyarrow table, the features as an ``x`` tensor column;
 - a data function's (or app.predict's) ``ray.data.Dataset``: as it is (Ray only).

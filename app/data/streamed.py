@@ -49,7 +49,7 @@ PROJECTED = ("parquet", "ray-dataset", "tfrecord")
 
 @dataclass
 class Streamed:
-    """Ray Datasets ready for the Ray Train run (app.run.ray_train), and the numbers the workers need."""
+    """Ray Datasets ready for the Ray Train run (app.backends.ray_train), and the numbers the workers need."""
 
     train: "ray.data.Dataset"
     val: "ray.data.Dataset"

@@ -149,8 +149,7 @@ def fit(
     values = {**fields, **_data_fields(x, y, validation_data, validation_split, fields, sample_weight),
               "model": model_fn, "epochs": epochs, "num_workers": num_workers, "callbacks": callbacks or None}
     config = _with_global_batch(config_file, values, batch_size)
-    from app.run import console
-
+    from app.ui import console
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         result = run_training(config)

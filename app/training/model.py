@@ -74,6 +74,13 @@ def task_with_model(facts: DataFacts, model: "keras.Model", requested: str = "au
     return facts
 
 
+def task_without_labels(model: "keras.Model") -> str:
+    """The task of a model no run recorded, for rows without labels (prediction): its output alone decides
+    (one value is a regression, unless a sigmoid makes it binary)."""
+    outputs = int(model.output_shape[-1]) if len(model.output_shape) > 1 else 1
+    return "classification" if outputs > 1 else "binary" if ends_in_probabilities(model) else "regression"
+
+
 def _single_output(model: "keras.Model", facts: DataFacts) -> int:
     """The size of the model's one output for one example (-1: several outputs, or a model that does not run)."""
     import numpy as np

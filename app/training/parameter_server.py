@@ -1,6 +1,6 @@
 """Parameter-server training, the coordinator's side: asynchronous steps scheduled on remote workers.
 
-The chief (a Ray actor started by app.run.ps) builds the model and the
+The chief (a Ray actor started by app.backends.ps) builds the model and the
 optimizer under ``ParameterServerStrategy.scope()``, which places every
 variable (and each shard of an app.layers.ShardedEmbedding) round-robin on
 the parameter servers. ``ClusterCoordinator.schedule`` then runs each train
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from app.training.measures import Measures
 
 # Steps scheduled between two waits for them all: each wait is a sign of life for the driver's
-# stall watch (app.run.ps) and a progress bar update, for one idle moment per worker per chunk.
+# stall watch (app.backends.ps) and a progress bar update, for one idle moment per worker per chunk.
 STEPS_PER_WORKER_PER_CHUNK = 16
 
 

@@ -42,7 +42,7 @@ def logdir_for(config, run_name: str) -> Optional[str]:
     if config.tensorboard_dir:
         return config.tensorboard_dir
     # --storage-path is Ray Train's (shared storage every node reaches): local and parameter-server runs
-    # keep everything in their output directory (app.run.outputs warns that it is not used).
+    # keep everything in their output directory (app.driver.outputs warns that it is not used).
     if config.storage_path and backend_of(config).ray_train:
         return f"{config.storage_path.rstrip('/')}/{run_name}/tensorboard"
     return str(config.output_dir() / "tensorboard")

@@ -110,7 +110,6 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
 
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
-    from app.training import lr_position
     from app.training.loop import EpochBar, EpochDriver
     from app.training.metrics import progress_line
     from app.training.tensorboard import TensorBoard
@@ -123,26 +122,10 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
                              job.objective.short_last_batch)
     training = build_training(config, job, strategy, plan, asynchronous)
-    model, optimizer, lr_plan, lr_factor = training.model, training.optimizer, training.lr_plan, training.lr_factor
+    model, optimizer = training.model, training.optimizer
 
-    # A restarted worker group (a worker died) or a resumed run starts from the
-    # last checkpoint: weights, optimizer (hence the LR schedule position),
-    # epoch counter and history.
-    progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
-    state = session.restore(model, optimizer)
-    if state is not None:
-        progress = checkpoint.Progress.resumed_from(state, progress)
-        # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
-        # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
-        steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
-            else int(optimizer.iterations.numpy())
-        lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
-        if lr_plan.step_offset and not asynchronous:
-            optimizer.learning_rate = lr_position.schedule(config, lr_plan, lr_factor)
-        if session.rank == 0:
-            log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
-                     progress.epoch, progress.attempt, steps_done,
-                     f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
+    # A restarted worker group (a worker died) or a resumed run starts from the last checkpoint.
+    progress, state, lr_plan = restore(config, session, strategy, training, plan, asynchronous)
 
     train_iter, val = session.inputs(strategy, plan, progress.epoch)
     driver = EpochDriver(
@@ -154,7 +137,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
     make_bar = session.progress_bar if job.progress_bars and session.rank == 0 else None
     # Keras callbacks run on rank 0; every worker takes their decisions (stop, LR) at the same points.
-    hooks = callbacks.hooks_for(config, session.rank, model, optimizer, lr_factor, driver.runner,
+    hooks = callbacks.hooks_for(config, session.rank, model, optimizer, training.lr_factor, driver.runner,
                                 lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
     last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
 
@@ -185,6 +168,32 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         return  # a callback raised on rank 0, whose error ends the run
     finally:
         tensorboard.close()
+
+
+def restore(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan,
+            asynchronous: bool) -> tuple[checkpoint.Progress, Optional[dict[str, Any]], Any]:
+    """The last checkpoint, if any, restored into the training: weights, optimizer (hence the LR schedule's
+    position), epoch counter and history. Returns the progress, the checkpoint's state and the LR plan."""
+    from app.training import lr_position
+
+    progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
+    lr_plan, optimizer = training.lr_plan, training.optimizer
+    state = session.restore(training.model, optimizer)
+    if state is None:
+        return progress, None, lr_plan
+    progress = checkpoint.Progress.resumed_from(state, progress)
+    # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
+    # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
+    steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
+        else int(optimizer.iterations.numpy())
+    lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
+    if lr_plan.step_offset and not asynchronous:
+        optimizer.learning_rate = lr_position.schedule(config, lr_plan, training.lr_factor)
+    if session.rank == 0:
+        log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
+                 progress.epoch, progress.attempt, steps_done,
+                 f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
+    return progress, state, lr_plan
 
 
 def step_runner(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan, lr_plan,

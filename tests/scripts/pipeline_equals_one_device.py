@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 from app.config import build_config
-from app.run import preflight
+from app.driver import preflight
 from app.training import optim
 from app.training import strategy as strategy_lib
 from app.training.measures import Measures

@@ -78,7 +78,7 @@ def write_trace(title: str, text: str) -> Optional[Path]:
 
 
 def say(line: str) -> None:
-    """A line for people on stdout (a sweep's console: app.run.tune_console), and in the run's log file."""
+    """A line for people on stdout (a sweep's console: app.ui.tune_console), and in the run's log file."""
     print(line, flush=True)
     _said_log.info("%s", line)
 

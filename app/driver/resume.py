@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RUN_NAME_FILE = "ray_run_name"  # <output>/ray_run_name: the Ray Train run whose storage holds the checkpoints
-RESULT_FILE = "result.json"  # app.run.outputs writes it when a run finishes
+RESULT_FILE = "result.json"  # app.driver.outputs writes it when a run finishes
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.backend import backend_of
+from app.backends import ray_train
 from app.config import TrainConfig
+from app.driver import cluster, outputs
 from app.errors import RunFailed, UserError
-from app.run import cluster, console, failures, outputs, ray_train
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
+from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +267,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train on a parameter-server cluster of Ray actors, and write the outputs."""
     import ray
 
-    from app.run.preflight import plan_lines
+    from app.driver.preflight import plan_lines
     from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()
@@ -318,8 +320,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
 def dry_run_lines(config: TrainConfig) -> list[str]:
     """--dry-run's plan (app.run.api.driver)."""
-    from app.run import preflight
-
+    from app.driver import preflight
     fits = cluster.fit_warnings(config)
     return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
                                 strategy_line(config)) + fits

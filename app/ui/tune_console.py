@@ -4,7 +4,7 @@ Tune's own reporter (status tables every 30 s, each trial's config and result as
 (``RunConfig(verbose=0)``). ``TrialLines``, a ``ray.tune.Callback``, is told each event by Tune's
 controller in the driver and says it in one line: a trial started (its sampled values), each epoch's
 metric, stopped early by the scheduler, finished, failed (its one-line reason). What Ray and TensorFlow
-print in the driver and in every trial's processes goes to ``<output>/tune.log`` (app.run.console.routed,
+print in the driver and in every trial's processes goes to ``<output>/tune.log`` (app.ui.console.routed,
 as for a training run; the workers' own epoch lines too), and with --show-logs to the console as well.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Optional
 from ray.tune import Callback
 
 from app.errors import RunFailed, UserError
-from app.run import console
+from app.ui import console
 
 LOG_FILE = "tune.log"
 
@@ -123,7 +123,7 @@ def one_line(error: Any) -> str:
     if error is None:
         return "unknown error (see the trial's error.txt)"
     cause = getattr(error, "cause", None) or error
-    if isinstance(cause, (UserError, RunFailed)):  # already one line (app.run.failures for Train's errors)
+    if isinstance(cause, (UserError, RunFailed)):  # already one line (app.ui.failures for Train's errors)
         return str(cause)
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     if isinstance(cause, str):  # the error file's text: its last line is the exception

@@ -11,37 +11,37 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from app.backend import backend_of
 from app.config import TrainConfig
+from app.data.arrays import DataFacts
+from app.driver import cluster, outputs, resume
 from app.errors import RunFailed
-from app.run import cluster, console, failures, outputs, resume
 from app.training import checkpoint
 from app.training.strategy import ray_strategy_name
 from app.training.worker import WorkerJob, train_worker
+from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- #
-# Worker                                                                      #
-# --------------------------------------------------------------------------- #
-
+# What each worker runs (in a Ray Train worker process).
 
 class RaySession:
     """A Ray Train worker's side of ``train_worker``: MWMS, its input, ray.train checkpoints and reports."""
 
     coordinator = None  # synchronous replicas
 
-    def __init__(self, config: TrainConfig, inputs: dict[str, Any], start_from: Optional[str] = None):
+    def __init__(self, config: TrainConfig, inputs: "WorkerInputs", start_from: Optional[str] = None):
         import ray.train
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.config, self._inputs, self.start_from = config, inputs, start_from
-        if inputs.get("streamed"):
+        if inputs.streamed:
             # The shards first: asking for them starts Ray Data's split coordinators (new
             # processes) while this one imports TensorFlow, instead of after it (~3 s).
             self._shards = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
@@ -67,14 +67,14 @@ class RaySession:
 
         from app.data import tf_input
 
-        config, facts = self.config, self._inputs["facts"]
-        if self._inputs.get("streamed"):
+        config, facts = self.config, self._inputs.facts
+        if self._inputs.streamed:
             train_shard, val_shard = self._shards
 
             def train(_):
                 return tf_input.train_batches_from_shard(
                     train_shard, plan, facts, config.epochs - start_epoch,
-                    shuffle_buffer=self._inputs["shuffle_buffer"], seed=config.seed,
+                    shuffle_buffer=self._inputs.shuffle_buffer, seed=config.seed,
                 )
 
             def val(_):
@@ -82,7 +82,7 @@ class RaySession:
         else:
             # Put in the object store once by the driver; each worker takes its slice of a
             # seeded permutation every epoch: no Ray task per epoch, exactly once by construction.
-            train_split, val_split = ray.get([self._inputs["train"], self._inputs["val"]])
+            train_split, val_split = ray.get([self._inputs.train, self._inputs.val])
 
             def train(_):
                 return tf_input.train_batches_from_arrays(
@@ -124,7 +124,7 @@ class RaySession:
 
 
 def progress_bar(total: int, desc: str) -> "_Flushed":
-    """A bar for a Ray actor's epoch, drawn by the driver (app.run.console): ray.experimental.tqdm_ray."""
+    """A bar for a Ray actor's epoch, drawn by the driver (app.ui.console): ray.experimental.tqdm_ray."""
     from ray.experimental import tqdm_ray
 
     return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
@@ -151,43 +151,46 @@ _KEPT_UNTIL_EXIT: list[Any] = []
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: the one per-worker function, with a Ray session."""
     # Our lines are marked for the driver's console; the rest of this process's output
-    # (Ray Train's reports, TensorFlow's notices) goes to the run's log file (app.run.console).
+    # (Ray Train's reports, TensorFlow's notices) goes to the run's log file (app.ui.console).
     console.mark_worker_console("app")
     session = RaySession(payload["config"], payload["inputs"], payload.get("start_from"))
     train_worker(payload["config"], payload["job"], session)
 
 
-# --------------------------------------------------------------------------- #
-# Driver                                                                      #
-# --------------------------------------------------------------------------- #
+# What the driver runs.
+
+@dataclass(frozen=True)
+class WorkerInputs:
+    """What every worker reads its data from, decided once in the driver (``of``): its shards of the Ray
+    Datasets (streamed files; Ray Train hands each worker its shard by name), or the splits put in the object
+    store once (in-memory data; each worker takes its slice of every epoch's permutation)."""
+
+    facts: DataFacts  # as the driver's checks settled them (the task once the model is known)
+    streamed: bool
+    shuffle_buffer: int = 0  # streamed: rows each worker's shuffle buffer holds
+    train: Any = None  # in memory: the ObjectRef of the training Split
+    val: Any = None  # in memory: the ObjectRef of the validation Split
+
+    @classmethod
+    def of(cls, source, facts: DataFacts) -> "WorkerInputs":
+        import ray
+
+        if source.streamed:
+            return cls(facts, streamed=True, shuffle_buffer=source.shuffle_buffer)
+        return cls(facts, streamed=False, train=ray.put(source.train), val=ray.put(source.val))
 
 
-def worker_inputs(source) -> dict[str, Any]:
-    """What each worker reads its data from: Ray Datasets (streamed) or arrays put in the object store once."""
-    import ray
+def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_path: str | None = None,
+        name: str | None = None, start_from: str | None = None) -> Any:
+    """Run Ray Train with the TF_CONFIG backend (app.backends.tf_config) and return Ray's Result (raises RunFailed).
 
-    if source.streamed:
-        return {"streamed": True, "facts": source.facts, "shuffle_buffer": source.shuffle_buffer}
-    return {"facts": source.facts, "train": ray.put(source.train), "val": ray.put(source.val)}
-
-
-def fit(
-    config: TrainConfig,
-    checked,
-    callbacks: list | None = None,
-    storage_path: str | None = None,
-    name: str | None = None,
-    start_from: str | None = None,
-) -> Any:
-    """Run Ray Train with the TF_CONFIG backend (app.run.tf_config) and return Ray's Result (raises RunFailed).
-
-    ``checked`` is app.run.preflight's result; ``callbacks`` run on the Train
+    ``checked`` is app.driver.preflight's result; ``callbacks`` run on the Train
     controller (Tune passes its TuneReportCallback); ``start_from``: a checkpoint of
-    another backend that a resumed run goes on from (app.run.resume).
+    another backend that a resumed run goes on from (app.driver.resume).
     """
     import ray.train
 
-    from app.run import start_guard, tf_config
+    from app.backends import start_guard, tf_config
     from app.training.tensorboard import logdir_for
 
     # Both are propagated by Ray Train V2 from the driver to its controller.
@@ -198,12 +201,11 @@ def fit(
     # to one per 2 s. Polling every 0.5 s costs one small actor call per worker.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # A worker lost while the group starts must not leave its placement group holding the CPUs
-    # that the restarted group waits for (app.run.start_guard).
+    # that the restarted group waits for (app.backends.start_guard).
     start_guard.install()
     out = config.output_dir()
     source = checked.source
-    inputs = worker_inputs(source)
-    inputs["facts"] = checked.facts
+    inputs = WorkerInputs.of(source, checked.facts)
     datasets = {"train": source.train, "val": source.val} if source.streamed else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
                     progress_bars=console.bars())
@@ -219,21 +221,8 @@ def fit(
         ),
         datasets=datasets,
         dataset_config=_data_config(source, datasets) if datasets else None,
-        run_config=ray.train.RunConfig(
-            name=name or out.name,
-            storage_path=storage_path or config.storage_path or str(out / "ray"),
-            callbacks=callbacks,
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=config.keep_checkpoints,
-                checkpoint_score_attribute=f"val_{checked.objective.metric}",
-                checkpoint_score_order=checked.objective.mode,
-            ),
-            # Start failures (a worker lost while the group starts, placement timed out) are the
-            # controller's, retried without limit by default: they get the same budget as the rest.
-            failure_config=ray.train.FailureConfig(max_failures=config.max_failures,
-                                                   controller_failure_limit=config.max_failures),
-            worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
-        ),
+        run_config=_run_config(config, checked.objective, name or out.name,
+                               storage_path or config.storage_path or str(out / "ray"), callbacks),
     )
     try:
         result = trainer.fit()
@@ -250,6 +239,26 @@ def fit(
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     return result
+
+
+def _run_config(config: TrainConfig, objective, name: str, storage_path: str, callbacks: list | None):
+    import ray.train
+
+    return ray.train.RunConfig(
+        name=name,
+        storage_path=storage_path,
+        callbacks=callbacks,
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=config.keep_checkpoints,
+            checkpoint_score_attribute=f"val_{objective.metric}",
+            checkpoint_score_order=objective.mode,
+        ),
+        # Start failures (a worker lost while the group starts, placement timed out) are the
+        # controller's, retried without limit by default: they get the same budget as the rest.
+        failure_config=ray.train.FailureConfig(max_failures=config.max_failures,
+                                               controller_failure_limit=config.max_failures),
+        worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
+    )
 
 
 def for_workers(config: TrainConfig) -> TrainConfig:
@@ -312,15 +321,14 @@ def _ray_run_name(config: TrainConfig, out: Path, start: Optional[resume.Start] 
 def check(config: TrainConfig, require_fit: bool = True, loc=None):
     """Preflight for a Ray run: streamed data needs Ray (its checks read the files), in-memory data does not.
 
-    A data function is called in this process (app.run.preflight.load_data), once. For a run, Ray is
+    A data function is called in this process (app.driver.preflight.load_data), once. For a run, Ray is
     connected first (sized here), so that a ray.data.Dataset it builds uses that Ray and not one Ray
     Data starts itself; a --dry-run starts no Ray unless the function builds a Dataset. ``loc``: the
     listing of --dataset if the caller made it (app.data.files.located), made here else.
     """
     from app import registry
     from app.data import files
-    from app.run import preflight
-
+    from app.driver import preflight
     loc = loc or files.located(config)  # listed once for the whole run
     streamed_files = files.streams(loc, backend_of(config).on_ray)
     joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
@@ -356,7 +364,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     # Everything that can be refused is checked before the output directory exists,
     # and before Ray is used too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
-    from app.run.preflight import plan_lines
+    from app.driver.preflight import plan_lines
 
     lines = plan_lines(config, checked, config.num_workers, 1, ray_strategy_name(config.num_workers))
     for line in lines:
@@ -383,8 +391,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 
 def dry_run_lines(config: TrainConfig) -> list[str]:
     """--dry-run's plan (app.run.api.driver)."""
-    from app.run import preflight
-
+    from app.driver import preflight
     fits = cluster.fit_warnings(config)
     return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
                                 ray_strategy_name(config.num_workers)) + fits

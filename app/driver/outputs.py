@@ -52,7 +52,7 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         if not (out / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {str(out)!r} holds no {CONFIG_FILE}")
         # Whether there is anything left to train (a finished run, more --epochs) was decided in preflight
-        # (app.run.resume). The config now in force (another worker count, more epochs) is what a later
+        # (app.driver.resume). The config now in force (another worker count, more epochs) is what a later
         # --resume reads.
         (out / CONFIG_FILE).write_text(recorded_config(config, out))
         return out
@@ -142,6 +142,16 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     plt.close(fig)
 
 
+def _subtitle(config: TrainConfig, state: dict[str, Any], strategy: str, num_replicas: int) -> str:
+    """curves.png's second line: what trained, how wide, with which batch and LR."""
+    lr_plan = state["lr_plan"]
+    accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
+    return (f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
+            f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
+            + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != AS_COMPILED
+               else "LR as compiled"))
+
+
 def write_outputs(
     config: TrainConfig,
     state: dict[str, Any],
@@ -165,15 +175,7 @@ def write_outputs(
     write_history(out / HISTORY_FILE, history)
     lr_plan = state["lr_plan"]
     num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
-    accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
-    plot_curves(
-        history,
-        out / CURVES_FILE,
-        subtitle=f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
-        f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
-        + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != AS_COMPILED
-           else "LR as compiled"),
-    )
+    plot_curves(history, out / CURVES_FILE, subtitle=_subtitle(config, state, strategy, num_replicas))
     if "audit_sample_ids" in state:
         (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
 

@@ -10,7 +10,7 @@ from typing import Any
 from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import UserError
-from app.run import trained
+from app.tools import trained
 from app.training import checkpoint, model_file
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     import tensorflow as tf
 
     from app.data import tf_input
-    from app.run import preflight
+    from app.driver import preflight
     from app.training.loop import evaluate
     from app.training.measures import Measures, settle
     from app.training.model import check_output, task_with_model
@@ -57,14 +57,12 @@ def _load(model_path: Path):
 def _data(config: TrainConfig):
     """The validation data: in memory without Ray (a data function is called here, and files are read here
     when the run's backend is local); files that stream on a local Ray that this process starts, or the
-    cluster RAY_ADDRESS names (so is a function's ray.data.Dataset: app.run.preflight.load_data)."""
+    cluster RAY_ADDRESS names (so is a function's ray.data.Dataset: app.driver.preflight.load_data)."""
     from app.data import files
-    from app.run import preflight
-
+    from app.driver import preflight
     loc = files.located(config)
     if files.streams(loc, backend_of(config).on_ray):
-        from app.run import cluster
-
+        from app.driver import cluster
         cluster.connect(config.model_copy(update={"num_workers": 1}))
     return preflight.load_data(config, 1, loc)
 
@@ -78,7 +76,7 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
 
 
 def evaluate_checkpoint(ckpt: str | Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """A checkpoint of any backend (app.run.trained.from_checkpoint) carries its own config in its state.
+    """A checkpoint of any backend (app.tools.trained.from_checkpoint) carries its own config in its state.
 
     The metrics go to eval.json in a Ray Train checkpoint's directory, or to ``epoch-N.eval.json``
     beside a local or parameter-server checkpoint.

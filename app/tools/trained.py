@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from app.config import TrainConfig, build_config, read_yaml
+from app.driver.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
 from app.errors import UserError
-from app.run.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
 from app.training import checkpoint
 from app.training import model_file as keras_file
 

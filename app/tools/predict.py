@@ -28,7 +28,7 @@ from typing import Any
 
 from app.backend import BACKENDS, backend_of
 from app.errors import RunFailed, UserError
-from app.run.trained import Trained
+from app.tools.trained import Trained
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class PredictOptions:
 def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[str, Any]:
     """Predict with ``found`` on its config's dataset (or ``given``: arrays, a DataFrame, a ray.data.Dataset);
     returns what ``_predict.json`` holds."""
-    from app.run import console
-
+    from app.ui import console
     # Libraries' lines (Ray Data's plans, the actors' TensorFlow notices) go to _predict.log, not the console.
     with console.for_people(found.config.show_logs):
         return _predict(found, options, given)
@@ -71,8 +70,7 @@ def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[
 
 def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, Any]:
     from app.data import inference
-    from app.run import console
-
+    from app.ui import console
     started = time.time()
     keep = tuple(dict.fromkeys(options.keep_columns))
     config = found.config.model_copy(update={"backend": options.backend, "num_workers": options.num_workers,
@@ -86,8 +84,7 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     task, from_logits = _task(found, config, model)
     on_ray = backend_of(config).on_ray
     if on_ray:
-        from app.run import cluster
-
+        from app.driver import cluster
         cluster.check_fits_locally(config)
         cluster.connect(config)
         if not rows.in_memory:  # files are read by Ray Data's tasks, beside the actors: a full cluster waits forever
@@ -146,12 +143,11 @@ def _input_shape(model) -> Any:
 def _task(found: Trained, config, model) -> tuple[str, bool]:
     """The task the run recorded (else --task, else the model's output: one value is a regression, unless a
     sigmoid makes it binary), and whether the model outputs logits (--from-logits, else its last activation)."""
-    from app.training.model import ends_in_probabilities
+    from app.training.model import ends_in_probabilities, task_without_labels
 
     task = found.task or (config.task if config.task != "auto" else None)
     if task is None:
-        outputs = int(model.output_shape[-1]) if len(model.output_shape) > 1 else 1
-        task = "classification" if outputs > 1 else "binary" if ends_in_probabilities(model) else "regression"
+        task = task_without_labels(model)
         log.info("no task recorded with %s: %s, from its output", found.model_file, task)
     # As the run decided it (app.training.objective): --from-logits, else the model's last activation.
     from_logits = config.from_logits if config.from_logits is not None else not ends_in_probabilities(model)
@@ -181,7 +177,7 @@ def _on_ray(rows, config, model_file: Path, recipe, options: PredictOptions, out
     try:
         _write(ds.iter_batches(batch_size=None, batch_format="pyarrow"), out)
     except ray.exceptions.RayError as e:
-        from app.run.failures import summarize, trace_note
+        from app.ui.failures import summarize, trace_note
 
         raise RunFailed(f"prediction failed: {summarize(e).removesuffix(' (rank 0)')}{trace_note(e)}") from None
 

@@ -33,7 +33,7 @@ class Checked:
     facts: DataFacts
     objective: "Objective"
     model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
-    resumed: Any = None  # --resume: the checkpoint the run goes on from (app.run.resume.Start), or None
+    resumed: Any = None  # --resume: the checkpoint the run goes on from (app.driver.resume.Start), or None
 
 
 def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] = None) -> Union[Source, "Streamed"]:
@@ -65,8 +65,7 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
         if not backend_of(config).on_ray:
             raise UserError(f"{name} returned a ray.data.Dataset, which streams through Ray Data: train on it with "
                             "--backend ray, or return (x, y) arrays")
-        from app.run import cluster
-
+        from app.driver import cluster
         cluster.connect(config.model_copy(update={"num_workers": num_workers}))  # the Ray it runs on (if not up)
         return streamed.prepare(config, num_workers, files.given_dataset(name, value))
     return memory.load_source(config, value)
@@ -92,7 +91,7 @@ def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities"),
-               # what a --resume's checkpoint must hold (app.run.resume), in the optimizer's order
+               # what a --resume's checkpoint must hold (app.driver.resume), in the optimizer's order
                "weights": [(v.path, tuple(v.shape)) for v in model.trainable_variables]}
     if stage_devices:
         from app.training.pipeline import plan_stages
@@ -125,8 +124,7 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
                       short_last=objective.short_last_batch).check()
     checked = Checked(source, facts, objective, summary)
     if config.resume:
-        from app.run import resume
-
+        from app.driver import resume
         checked.resumed = resume.check(config, summary["weights"])
     return checked
 
@@ -190,8 +188,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
                         f"{where}")
     if config.resume:
-        from app.run import resume
-
+        from app.driver import resume
         lines.append(resume.plan_line(config, checked.resumed, plan, lr))
     return lines
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from app.config import TrainConfig
-from app.run import console
+from app.ui import console
 
 
 def one_line(error: BaseException, config: TrainConfig) -> str:

@@ -14,11 +14,12 @@ from typing import Any, Callable, Optional
 
 from app.backend import backend_of
 from app.config import TrainConfig
+from app.driver import outputs
 from app.errors import RunFailed, UserError
-from app.run import console, outputs
 from app.training import checkpoint
 from app.training import strategy as strategy_lib
 from app.training.worker import WorkerJob, train_worker
+from app.ui import console
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,7 @@ def dry_run_lines(config: TrainConfig) -> list[str]:
 
 def plan(config: TrainConfig):
     """(strategy, its name, why, the checks, the plan lines): what a run logs first and --dry-run prints."""
-    from app.run import preflight
-
+    from app.driver import preflight
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     devices = strategy_lib.stage_devices() if backend_of(config).pipeline else []

@@ -1,8 +1,8 @@
 """Ray Tune over Ray Train runs: sweep the hyperparameters that change with scale.
 
 Each trial is a Tune *function* trainable that builds and fits the run's Ray
-Train trainer (app.run.ray_train: a DataParallelTrainer with the TF_CONFIG
-backend of app.run.tf_config) for its sampled config and forwards every Train
+Train trainer (app.backends.ray_train: a DataParallelTrainer with the TF_CONFIG
+backend of app.backends.tf_config) for its sampled config and forwards every Train
 report to Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a Trainer
 to the Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
 field names, so the best trial's config feeds straight back into
@@ -101,12 +101,11 @@ def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trial(params: dict[str, Any]) -> None:
-    """One Tune trial: a full Ray Train run (app.run.ray_train) of the sampled config."""
+    """One Tune trial: a full Ray Train run (app.backends.ray_train) of the sampled config."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from app.run import ray_train
-
+    from app.backends import ray_train
     context = tune.get_context()
     trial_dir = Path(context.get_trial_dir())
     fields = {**params, "output": str(trial_dir / "run"), "overwrite": True}
@@ -204,8 +203,8 @@ def sweep(
     import ray
     from ray import tune
 
-    from app.run import cluster, console, tune_console
-
+    from app.driver import cluster
+    from app.ui import console, tune_console
     space = load_space(space_file, fixed)
     searched = {k for k, v in space.items() if _is_domain(v)}
     # The values every trial shares (flags, and the space's plain values) make the base config.
@@ -219,11 +218,11 @@ def sweep(
     if not restoring and out.exists() and any(p.name != tune_console.LOG_FILE for p in out.iterdir()):
         raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
     cluster.check_fits_locally(base)
-    # Ray's and the libraries' lines stay off the console from Ray's start on (app.run.console).
+    # Ray's and the libraries' lines stay off the console from Ray's start on (app.ui.console).
     with console.for_people(base.show_logs, marked=False):
         cluster.connect(base)
         if metric is None or mode is None:
-            from app.run import preflight
+            from app.driver import preflight
             from app.training.objective import metric_mode
 
             # The run's metric: the model's first compiled metric, or the task's (accuracy, or mae).
@@ -258,8 +257,7 @@ def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], sear
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
 
-    from app.run import tune_console
-
+    from app.ui import tune_console
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU
     # fraction here would eat into the CPU that Ray Data's shuffle tasks need
@@ -277,7 +275,7 @@ def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], sear
         tune_config=tune.TuneConfig(metric=metric, mode=mode, scheduler=sched, num_samples=num_samples,
                                     max_concurrent_trials=at_once),
         # verbose=0 (with Tune's older engine: app.internals): Tune's own reporter (status tables, a box per
-        # trial config and result) is replaced by TrialLines, one line per trial event (app.run.tune_console).
+        # trial config and result) is replaced by TrialLines, one line per trial event (app.ui.tune_console).
         run_config=tune.RunConfig(name=out.name, storage_path=str(out.parent), verbose=0,
                                   callbacks=[tune_console.TrialLines(sorted(searched), metric, base.epochs)]),
     )
@@ -286,8 +284,7 @@ def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], sear
 def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str) -> dict[str, Any]:
     import pandas as pd
 
-    from app.run import console, tune_console
-
+    from app.ui import console, tune_console
     rows = []
     for number, r in enumerate(results, 1):  # Tune's order of trials, as the console numbered them
         cfg = r.config or {}
@@ -316,7 +313,7 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
 
     best = results.get_best_result(metric=metric, mode=mode, scope="last")
     # What the best trial set (the sweep's fixed flags and its point in the space), not the defaults: read back, a
-    # default stays the product's to decide from the model, as in the trial (app.run.outputs.recorded_config).
+    # default stays the product's to decide from the model, as in the trial (app.driver.outputs.recorded_config).
     best_config = {**base.model_dump(mode="json", exclude_unset=True), **best.config}
     for key in ("output", "overwrite", "resume"):
         best_config.pop(key, None)
