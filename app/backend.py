@@ -31,7 +31,8 @@ class Backend:
     # Replicas a global batch is split over, when known before anything starts (None: the devices decide).
     replicas: Optional[int]
     replicas_why: str
-    counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores: known once started)
+    counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores or an elastic run's
+    # workers: known once started)
     short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
 
     @property
@@ -53,9 +54,11 @@ def backend_of(config: "TrainConfig") -> Backend:
                        pipeline=False, replicas=1, replicas_why="--strategy parameter-server: each update is one "
                        "worker's batch", counts_gpus=False, short_last_batch=False)
     if runs_on_ray(config.backend):
+        elastic = config.min_workers != config.max_workers  # replicas follow the cluster, one per worker
         return Backend("ray", strategy, on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
-                       replicas=config.num_workers, replicas_why=f"{config.num_workers} Ray worker(s), one replica each",
-                       counts_gpus=False, short_last_batch=True)
+                       replicas=None if elastic else config.max_workers,
+                       replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False,
+                       short_last_batch=True)
     one_replica = strategy in ("one-device", "pipeline")
     if one_replica:
         replicas, why = 1, f"--strategy {strategy}: one replica"

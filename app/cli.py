@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from app import cli_errors
 from app.config import CONFIG_FILE, CallbacksSpec, DataSection, Plugin, TrainConfig, build_config
-from app.config_sections import SECTIONS
+from app.config_sections import SECTIONS, WorkerCount
 from app.errors import RunFailed, UserError
 
 # Section -> --help group title ("<title> options").
@@ -148,6 +148,7 @@ def main(body: Callable[[], Any]) -> None:
         import traceback
 
         from app.ui import console
+
         trace = "".join(traceback.format_exception(e))
         kept = console.write_trace(f"unexpected {type(e).__name__}", trace)
         where = f" (traceback in {kept})" if kept else _kept(trace)
@@ -271,7 +272,7 @@ def _predict_flags() -> type:
 
 
 _METAVARS = {"model": "NAME", "dataset": "NAME|PATH", "val_dataset": "PATH", "output": "DIR", "storage_path": "PATH",
-             "tensorboard_dir": "PATH", "callbacks": "FILE.PY:FUNCTION"}
+             "tensorboard_dir": "PATH", "callbacks": "FILE.PY:FUNCTION", "num_workers": "N|MIN:MAX"}
 
 
 def _flag_type(name: str, field: Any) -> Any:
@@ -281,6 +282,8 @@ def _flag_type(name: str, field: Any) -> Any:
     kind, metavar = field.annotation, _METAVARS.get(name)
     if kind == Plugin or kind == Optional[CallbacksSpec]:
         kind = str  # a built-in name, file.py:function, or (datasets) a path
+    elif kind == WorkerCount:
+        kind = str  # N or MIN:MAX, parsed by the config (app.config_scale.parse_workers)
     elif typing.get_origin(kind) is dict:
         kind, metavar = str, "JSON"  # decoded by _decoded
     elif item := _list_item(kind):

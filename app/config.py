@@ -18,7 +18,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import ValidationError, field_serializer, model_validator
 
-from app import registry
+from app import config_scale, registry
 from app.config_sections import (
     PIPELINE_MICROBATCHES,
     CallbacksSpec,
@@ -89,6 +89,7 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                             "app.fit read: give --export keras,savedmodel")
         if self.inputs is not None:
             problems.extend(_inputs_problems(self))
+        problems.extend(_scale_problems(self))
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
         if problems:
@@ -138,7 +139,49 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         return Path(self.output).expanduser().resolve()
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        # With --global-batch the per-replica batch is derived at each size: recorded, it would read as set.
+        derived = {"per_replica_batch"} if self.global_batch is not None else None
+        return yaml.safe_dump(self.model_dump(mode="json", exclude=derived), sort_keys=False)
+
+    def at_size(self, replicas: int) -> "TrainConfig":
+        """The config ``replicas`` replicas train with: with --global-batch, each one's equal part of it."""
+        if self.global_batch is None:
+            return self
+        per, left = divmod(self.global_batch, replicas * self.grad_accum)
+        if left or not per:
+            raise UserError(config_scale.split_problem(self.global_batch, self.grad_accum, range(replicas, replicas + 1))
+                            or f"--global-batch {self.global_batch} is smaller than the {replicas} replicas")
+        return self.model_copy(update={"per_replica_batch": per})
+
+
+def _scale_problems(config: TrainConfig) -> list[str]:
+    """The cross-field rules of the run's width: worker range, global batch, step checkpoints (app.config_scale)."""
+    found = []
+    low, high = config.min_workers, config.max_workers
+    if config.elastic and config.backend != "ray":
+        found.append(f"--num-workers {low}:{high} is for Ray workers: use it with --backend ray (a local run's "
+                     "replicas are its devices)")
+    elif config.elastic and config.strategy == "parameter-server":
+        found.append(f"--num-workers {low}:{high}: parameter-server runs have a fixed number of workers; give one "
+                     "number")
+    if config.global_batch is not None and "per_replica_batch" in config.model_fields_set:
+        found.append("--global-batch and --per-replica-batch both set the batch: give one (--global-batch keeps the "
+                     "global batch at every worker count)")
+    synchronous_ray = config.backend == "ray" and config.strategy != "parameter-server"
+    split = config.global_batch is not None and synchronous_ray and config_scale.split_problem(
+        config.global_batch, config.grad_accum, config_scale.sizes(config.num_workers))
+    if split:
+        found.append(split)
+    if config.global_batch is not None and config.strategy == "parameter-server":
+        found.append("--global-batch: a parameter-server update is one worker's batch; give --per-replica-batch")
+    if config.checkpoint_every_steps is not None:
+        if config.backend != "ray" or config.strategy == "parameter-server":
+            found.append("--checkpoint-every-steps checkpoints Ray Train's synchronous workers inside an epoch: use "
+                         "it with --backend ray and the default strategy (other runs checkpoint every epoch)")
+        elif config.checkpoint_every_steps % config.steps_per_execution:
+            found.append(f"--checkpoint-every-steps {config.checkpoint_every_steps} must be a multiple of "
+                         f"--steps-per-execution {config.steps_per_execution} (steps run in groups of that many)")
+    return found
 
 
 def _inputs_problems(config: TrainConfig) -> list[str]:

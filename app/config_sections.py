@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+
+from app import config_scale
 
 LrScaling = Literal["linear", "sqrt", "none"]
 PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (docs/guides/pipeline.md)
@@ -16,6 +18,7 @@ PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
 # a path/URI (datasets), or, from Python (app.train), the function itself.
 Plugin = Union[str, Callable[..., Any]]
+WorkerCount = Union[PositiveInt, tuple[PositiveInt, PositiveInt]]  # N, or (MIN, MAX): an elastic run
 CallbacksSpec = Union[str, Callable[..., Any], list[Any]]  # or a list of keras.callbacks.Callback (app.train)
 
 
@@ -48,7 +51,11 @@ class RunSection(_Section):
     steps_per_execution: PositiveInt = Field(
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )
-    num_workers: PositiveInt = Field(2, description="Number of Ray Train workers (one replica each).")
+    num_workers: WorkerCount = Field(
+        2, description="Ray Train workers (one replica each): N, or MIN:MAX for an elastic run that starts once MIN "
+        "fit, grows as the cluster has room (up to MAX) and shrinks instead of failing when a node is lost.")
+    resize_check_s: float = Field(
+        15.0, gt=0, description="--num-workers MIN:MAX: how often Ray Train looks for room to grow the workers.")
     num_ps: PositiveInt = Field(
         1, description="--strategy parameter-server: parameter servers (Ray actors) the variables are spread over."
     )
@@ -75,6 +82,25 @@ class RunSection(_Section):
         "for a frozen or cut-off worker.",
     )
     seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        return config_scale.parse_workers(value)
+
+    @property
+    def min_workers(self) -> int:
+        """The workers a run starts with (an elastic run: MIN)."""
+        return config_scale.sizes(self.num_workers)[0]
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers a run has (an elastic run: MAX)."""
+        return config_scale.sizes(self.num_workers)[-1]
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
 
 
 class DataSection(_Section):
@@ -207,6 +233,10 @@ class OptimSection(_Section):
     per_replica_batch: int = Field(
         32, gt=0, description="Batch size on each replica; global batch = this x replicas."
     )
+    global_batch: Optional[PositiveInt] = Field(
+        None, description="Rows behind one optimizer step over every replica, kept at every worker count (an "
+        "elastic run's math does not change with its size; what app.fit's batch_size means): each replica takes an "
+        "equal part. Instead of --per-replica-batch.")
     base_lr: float = Field(0.05, gt=0, description="Learning rate at --reference-batch (a built-in model may carry "
         "its own default: transformer 0.001).")
     reference_batch: PositiveInt = Field(32, description="Global batch size at which --base-lr is the right LR.")
@@ -248,6 +278,9 @@ class OutputSection(_Section):
         description="Continue the unfinished run in --output from its last checkpoint (its config.yaml is the base "
         "config). A finished run is never retrained.",
     )
+    checkpoint_every_steps: Optional[PositiveInt] = Field(
+        None, description="Ray Train: also checkpoint every N steps inside an epoch, so that a restart or a resize "
+        "re-does at most N steps (the run goes on from that exact step).")
     keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept. Ray Train: the N best by the val metric "
         "(accuracy; mae for regression), plus the latest. --backend local, parameter-server: the latest N.")
     storage_path: Optional[str] = Field(None, description="Ray Train storage for checkpoints (default: <output>/ray); "

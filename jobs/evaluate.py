@@ -21,6 +21,7 @@ def main() -> None:
 
     def body() -> None:
         from app.tools import evaluate, trained
+
         if args.checkpoint:
             metrics, out_file = evaluate.evaluate_checkpoint(args.checkpoint, args.overrides)
         else:

@@ -20,6 +20,7 @@ def main() -> None:
 
     def body() -> None:
         from app.tools import predict, trained
+
         found = trained.located(args.model, args.checkpoint, args.run, args.overrides)
         summary = predict.predict(found, args.options)
         print(json.dumps({k: summary[k] for k in ("rows", "columns", "seconds")}))

@@ -19,6 +19,7 @@ def main() -> None:
 
     def body() -> None:
         from app.run import api
+
         if args.dry_run:
             print("\n".join(api.dry_run(args.config)))
             return

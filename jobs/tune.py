@@ -21,6 +21,7 @@ def main() -> None:
 
     def body() -> None:
         from app.tools import tune
+
         # The plan, a line per trial event, the trials by the metric and the best config: said by the sweep.
         output = args.output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples, scheduler=args.scheduler,

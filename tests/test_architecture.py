@@ -78,7 +78,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # The rooms of app/, bottom to top: a module imports from its own room and the rooms below it, never above
 # (docs/design.md draws them). `app` itself is the public API (app/__init__.py), on top.
 LAYERS = [
-    {"app.errors", "app.internals", "app.tf_import", "app.layers"},
+    {"app.errors", "app.internals", "app.tf_import", "app.layers", "app.config_scale"},
     {"app.registry", "app.config_sections", "app.models", "app.cli_errors"},
     {"app.config", "app.cluster_config", "app.cli_reference"},
     {"app.backend"},

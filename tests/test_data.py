@@ -314,6 +314,7 @@ def test_bad_numpy_data_is_refused_without_ray(tmp_path):
 def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_path, good_parquet):
     """The local backend reads parquet in its process (tests/test_local_files.py); its split is the Ray path's."""
     from app.driver import preflight
+
     local = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
                                                     "dataset": str(good_parquet)}), 1)
     on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY,

@@ -182,6 +182,7 @@ def test_a_tensor_column_ray_data_wrote_keeps_its_shape_locally(tmp_path):
 
     from app.config import build_config
     from app.driver import preflight
+
     x, y = learnable()
     pq.write_table(pa.table({"t": ArrowTensorArray.from_numpy(x.reshape(-1, 4, 4)), "label": y}),
                    tmp_path / "d.parquet")

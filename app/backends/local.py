@@ -58,7 +58,7 @@ class LocalSession:
             log.info("resumed from %s (epoch %d)", self.start_from or self.checkpoints.latest, state["epoch"])
         return state
 
-    def inputs(self, strategy, plan, start_epoch: int):
+    def inputs(self, strategy, plan, start_epoch: int, start_step: int = 0):  # step checkpoints: Ray Train only
         from app.data import tf_input
 
         config, source = self.config, self.source
@@ -122,6 +122,7 @@ def dry_run_lines(config: TrainConfig) -> list[str]:
 def plan(config: TrainConfig):
     """(strategy, its name, why, the checks, the plan lines): what a run logs first and --dry-run prints."""
     from app.driver import preflight
+
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     devices = strategy_lib.stage_devices() if backend_of(config).pipeline else []

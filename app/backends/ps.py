@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.backend import backend_of
-from app.backends import ray_train
+from app.backends import ray_session, ray_train
 from app.config import TrainConfig
 from app.driver import cluster, outputs
 from app.errors import RunFailed, UserError
@@ -113,7 +113,7 @@ class Chief:
 
         alive()
         session = ParameterServerSession(config, spec, train, val, checkpoint_dir, restore,
-                                         ray_train.progress_bar, alive)
+                                         ray_session.progress_bar, alive)
         train_worker(config, job, session)
         return session.result()
 
@@ -321,6 +321,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 def dry_run_lines(config: TrainConfig) -> list[str]:
     """--dry-run's plan (app.run.api.driver)."""
     from app.driver import preflight
+
     fits = cluster.fit_warnings(config)
     return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
                                 strategy_line(config)) + fits

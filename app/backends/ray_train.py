@@ -1,7 +1,7 @@
 """The Ray backend: a Ray Train run of the one per-worker function, and the driver that launches it.
 
 Driver:  config -> preflight (data, model, plan) -> Ray cluster (join or start) -> Ray Train fit() -> outputs
-Worker:  RaySession (MWMS, shards or object-store arrays, ray.train.report) -> app.training.worker.train_worker
+Worker:  app.backends.ray_session (MWMS, shards or object-store arrays, ray.train.report) -> train_worker
 """
 
 from __future__ import annotations
@@ -9,176 +9,30 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from app.backend import backend_of
+from app.backends.ray_session import WorkerInputs, train_loop_per_worker
 from app.config import TrainConfig
-from app.data.arrays import DataFacts
 from app.driver import cluster, outputs, resume
-from app.errors import RunFailed
+from app.errors import RunFailed, UserError
 from app.training import checkpoint
 from app.training.strategy import ray_strategy_name
-from app.training.worker import WorkerJob, train_worker
+from app.training.worker import WorkerJob
 from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
 
-# What each worker runs (in a Ray Train worker process).
-
-class RaySession:
-    """A Ray Train worker's side of ``train_worker``: MWMS, its input, ray.train checkpoints and reports."""
-
-    coordinator = None  # synchronous replicas
-
-    def __init__(self, config: TrainConfig, inputs: "WorkerInputs", start_from: Optional[str] = None):
-        import ray.train
-
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.config, self._inputs, self.start_from = config, inputs, start_from
-        if inputs.streamed:
-            # The shards first: asking for them starts Ray Data's split coordinators (new
-            # processes) while this one imports TensorFlow, instead of after it (~3 s).
-            self._shards = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
-
-    def strategy(self):
-        from app.training.strategy import ray_worker_strategy
-
-        return ray_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s, self.world)
-
-    def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
-        import ray.train
-
-        restored = ray.train.get_checkpoint()
-        if restored is None:
-            # A run resumed from a checkpoint another backend wrote (<output>/checkpoint of a local run): it
-            # is read from the driver's disk, until this Ray run has a checkpoint of its own.
-            return checkpoint.restore_from(self.start_from, model, optimizer) if self.start_from else None
-        with restored.as_directory() as d:
-            return checkpoint.restore(d, model, optimizer)
-
-    def inputs(self, strategy, plan, start_epoch: int):
-        import ray
-
-        from app.data import tf_input
-
-        config, facts = self.config, self._inputs.facts
-        if self._inputs.streamed:
-            train_shard, val_shard = self._shards
-
-            def train(_):
-                return tf_input.train_batches_from_shard(
-                    train_shard, plan, facts, config.epochs - start_epoch,
-                    shuffle_buffer=self._inputs.shuffle_buffer, seed=config.seed,
-                )
-
-            def val(_):
-                return tf_input.eval_batches_from_shard(val_shard, config.per_replica_batch, facts)
-        else:
-            # Put in the object store once by the driver; each worker takes its slice of a
-            # seeded permutation every epoch: no Ray task per epoch, exactly once by construction.
-            train_split, val_split = ray.get([self._inputs.train, self._inputs.val])
-
-            def train(_):
-                return tf_input.train_batches_from_arrays(
-                    train_split, plan, config.seed, config.shuffle, start_epoch, config.epochs, self.rank
-                )
-
-            def val(_):
-                return tf_input.eval_batches_from_arrays(val_split, config.per_replica_batch, 1, self.rank, self.world)
-        inputs = iter(strategy.distribute_datasets_from_function(train)), strategy.distribute_datasets_from_function(val)
-        # Never destroyed before the process ends: a tf.data iterator's destructor waits for
-        # tf.data's autotuning thread to wake (7-60 s after the last report; the gdb stack is in docs/design.md).
-        # The worker process is ended by Ray Train right after the function returns.
-        _KEPT_UNTIL_EXIT.extend(inputs)
-        return inputs
-
-    def placement(self, strategy) -> list[str]:
-        import ray
-
-        return cluster.worker_nodes(strategy, ray.get_runtime_context().get_node_id(), self.world)
-
-    def save_and_report(self, metrics, state, write: Callable[[str], None]) -> None:
-        import ray.train
-        from ray.train import Checkpoint
-
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = None
-            # Only rank 0 writes: replicas hold identical weights after every step.
-            if self.rank == 0:
-                write(tmp)
-                ckpt = Checkpoint.from_directory(tmp)
-            # Every worker reports (it is a barrier); Train V2 keeps only reports with a checkpoint.
-            ray.train.report(metrics, checkpoint=ckpt)
-
-    def progress_bar(self, total: int, desc: str):
-        return progress_bar(total, desc)
-
-    def alive(self) -> None:
-        """Nothing to tell: a frozen peer fails the collectives (--stall-timeout-s, app.training.strategy)."""
-
-
-def progress_bar(total: int, desc: str) -> "_Flushed":
-    """A bar for a Ray actor's epoch, drawn by the driver (app.ui.console): ray.experimental.tqdm_ray."""
-    from ray.experimental import tqdm_ray
-
-    return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
-
-
-class _Flushed:
-    """A tqdm_ray bar whose updates leave this process at once: they are lines on stdout, which is a file here."""
-
-    def __init__(self, bar):
-        self.bar = bar
-
-    def update(self, k: int) -> None:
-        self.bar.update(k)
-        sys.stdout.flush()
-
-    def close(self) -> None:
-        self.bar.close()
-        sys.stdout.flush()
-
-
-_KEPT_UNTIL_EXIT: list[Any] = []
-
-
-def train_loop_per_worker(payload: dict[str, Any]) -> None:
-    """Runs in every Ray Train worker: the one per-worker function, with a Ray session."""
-    # Our lines are marked for the driver's console; the rest of this process's output
-    # (Ray Train's reports, TensorFlow's notices) goes to the run's log file (app.ui.console).
-    console.mark_worker_console("app")
-    session = RaySession(payload["config"], payload["inputs"], payload.get("start_from"))
-    train_worker(payload["config"], payload["job"], session)
-
-
 # What the driver runs.
 
-@dataclass(frozen=True)
-class WorkerInputs:
-    """What every worker reads its data from, decided once in the driver (``of``): its shards of the Ray
-    Datasets (streamed files; Ray Train hands each worker its shard by name), or the splits put in the object
-    store once (in-memory data; each worker takes its slice of every epoch's permutation)."""
-
-    facts: DataFacts  # as the driver's checks settled them (the task once the model is known)
-    streamed: bool
-    shuffle_buffer: int = 0  # streamed: rows each worker's shuffle buffer holds
-    train: Any = None  # in memory: the ObjectRef of the training Split
-    val: Any = None  # in memory: the ObjectRef of the validation Split
-
-    @classmethod
-    def of(cls, source, facts: DataFacts) -> "WorkerInputs":
-        import ray
-
-        if source.streamed:
-            return cls(facts, streamed=True, shuffle_buffer=source.shuffle_buffer)
-        return cls(facts, streamed=False, train=ray.put(source.train), val=ray.put(source.val))
-
+# Resuming at an exact step needs every epoch's order of rows known to every worker, whatever their number.
+STEP_EXACT = ("--num-workers MIN:MAX and --checkpoint-every-steps go on from an exact step of a seeded global order of "
+              "rows, which in-memory data has (built-in datasets, .npz/.npy files, data functions returning arrays); "
+              "{what} streams through Ray Data, split per worker: give a fixed --num-workers and no "
+              "--checkpoint-every-steps, or load it as arrays")
 
 def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_path: str | None = None,
         name: str | None = None, start_from: str | None = None) -> Any:
@@ -214,7 +68,8 @@ def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_pat
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config={"config": config, "job": job, "inputs": inputs, "start_from": start_from},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=config.num_workers,
+            num_workers=config.num_workers,  # (MIN, MAX): Ray Train's elastic scaling resizes the group
+            elastic_resize_monitor_interval_s=config.resize_check_s,
             use_gpu=config.use_gpu,
             resources_per_worker={"CPU": config.cpus_per_worker},
             placement_strategy=config.placement_strategy,
@@ -329,9 +184,13 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     from app import registry
     from app.data import files
     from app.driver import preflight
+
     loc = loc or files.located(config)  # listed once for the whole run
     streamed_files = files.streams(loc, backend_of(config).on_ray)
     joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
+    step_exact = config.elastic or config.checkpoint_every_steps
+    if streamed_files and step_exact:
+        raise UserError(STEP_EXACT.format(what=f"--dataset {config.dataset}"))
 
     if require_fit:
         cluster.check_fits_locally(config)
@@ -350,7 +209,9 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
         console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
     if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
-    checked = preflight.check(config, config.num_workers, loc=loc)
+    checked = preflight.check(config, config.max_workers, loc=loc)
+    if checked.source.streamed and step_exact:
+        raise UserError(STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
     # (cluster.connect); a cluster may not.
     if checked.source.streamed and not streamed_files and (require_fit or joining):
@@ -366,7 +227,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     checked = check(config)
     from app.driver.preflight import plan_lines
 
-    lines = plan_lines(config, checked, config.num_workers, 1, ray_strategy_name(config.num_workers))
+    lines = plan_lines(config, checked, config.min_workers, 1, _strategy(config))
     for line in lines:
         log.info(line)
     cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
@@ -377,14 +238,13 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
         result = fit(config, checked, name=name, start_from=start.path if start and not start.ray_train else None)
     with result.checkpoint.as_directory() as ckpt_dir:
+        state = checkpoint.load_state(ckpt_dir)
+        workers = state["plan"]["workers"]  # at the end (an elastic run's size changes: workers_over_time)
         summary = outputs.write_outputs(
-            config,
-            checkpoint.load_state(ckpt_dir),
-            Path(ckpt_dir) / checkpoint.MODEL_FILE,
-            strategy=ray_strategy_name(config.num_workers),
+            config, state, Path(ckpt_dir) / checkpoint.MODEL_FILE, strategy=ray_strategy_name(workers),
             started_at=started_at,
             extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"
-                   if config.num_workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce"},
+                   if workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce"},
         )
     return summary
 
@@ -392,6 +252,13 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
 def dry_run_lines(config: TrainConfig) -> list[str]:
     """--dry-run's plan (app.run.api.driver)."""
     from app.driver import preflight
+
     fits = cluster.fit_warnings(config)
-    return preflight.plan_lines(config, check(config, require_fit=False), config.num_workers, 1,
-                                ray_strategy_name(config.num_workers)) + fits
+    return preflight.plan_lines(config, check(config, require_fit=False), config.min_workers, 1,
+                                _strategy(config)) + fits
+
+
+def _strategy(config: TrainConfig) -> str:
+    """The workers' strategy, named before they start (an elastic run: at its largest, and its range)."""
+    name = ray_strategy_name(config.max_workers)
+    return f"{name} ({config.min_workers} to {config.max_workers} workers)" if config.elastic else name

@@ -35,8 +35,9 @@ class EpochPlan:
     @classmethod
     def for_run(cls, config, num_rows: int, num_workers: int, replicas_per_worker: int = 1,
                 asynchronous: bool = False, short_last: bool = False) -> "EpochPlan":
-        return cls(num_rows, num_workers, config.per_replica_batch, replicas_per_worker, config.grad_accum,
-                   asynchronous, short_last)
+        # --global-batch: each replica's equal part of it at this size (app.config.TrainConfig.at_size).
+        per_replica = config.at_size(num_workers * replicas_per_worker).per_replica_batch
+        return cls(num_rows, num_workers, per_replica, replicas_per_worker, config.grad_accum, asynchronous, short_last)
 
     @property
     def step_batch(self) -> int:

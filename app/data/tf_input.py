@@ -48,6 +48,7 @@ def _batch_signature(facts: DataFacts, third: "tf.DType", weights: bool = False)
 
 def train_batches_from_arrays(
     split: Split, plan: EpochPlan, seed: int, shuffle: bool, start_epoch: int, epochs: int, rank: "int | tf.Tensor" = 0,
+    start_step: int = 0,
 ) -> "tf.data.Dataset":
     """Per-replica (x, y, id, sample weight) batches, ``plan.steps`` global steps per epoch, from ``start_epoch`` on.
 
@@ -60,6 +61,8 @@ def train_batches_from_arrays(
     workers train on the very batches one worker with the global batch does,
     as Keras's ``fit`` with ``shuffle=False`` takes them
     (rows 0..G-1 first), the short last one included where the plan has one.
+    ``start_step``: the first epoch starts there (a checkpoint inside it), at the
+    very rows an uninterrupted run would have gone on with, whatever the size.
     """
     import tensorflow as tf
 
@@ -83,6 +86,7 @@ def train_batches_from_arrays(
     return (
         tf.data.Dataset.range(start_epoch, epochs)
         .flat_map(one_epoch)
+        .skip(start_step * plan.replicas_per_worker)  # index slices only: nothing is gathered for them
         .map(gather, num_parallel_calls=tf.data.AUTOTUNE)
         .prefetch(tf.data.AUTOTUNE)
     )

@@ -23,7 +23,7 @@ def joining_a_cluster() -> bool:
 def cpus_needed(config: TrainConfig) -> float:
     """CPUs the run's workers (and parameter servers) reserve."""
     ps = config.num_ps * config.cpus_per_ps if backend_of(config).parameter_servers else 0
-    return config.num_workers * config.cpus_per_worker + ps
+    return config.min_workers * config.cpus_per_worker + ps  # an elastic run starts with MIN
 
 
 def fit_warnings(config: TrainConfig) -> list[str]:
@@ -45,7 +45,7 @@ def check_fits_locally(config: TrainConfig) -> None:
         servers = (f" + {config.num_ps} parameter servers x {config.cpus_per_ps:g}"
                    if backend_of(config).parameter_servers else "")
         raise UserError(
-            f"{config.num_workers} workers x {config.cpus_per_worker:g}{servers} CPUs need {need_cpus:g} CPUs, but "
+            f"{config.min_workers} workers x {config.cpus_per_worker:g}{servers} CPUs need {need_cpus:g} CPUs, but "
             f"this machine has {cpus}: lower --num-workers or --cpus-per-worker"
             f"{', --num-ps or --cpus-per-ps' if servers else ''}, or set RAY_ADDRESS to use a cluster"
         )
@@ -80,7 +80,7 @@ def connect(config: TrainConfig) -> None:
             ) from None
         free = ray.available_resources()
         need_cpus = cpus_needed(config)
-        need_gpus = config.num_workers if config.use_gpu else 0
+        need_gpus = config.min_workers if config.use_gpu else 0
         if need_cpus > free.get("CPU", 0) or need_gpus > free.get("GPU", 0):
             log.warning(
                 "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs / %d GPUs. "
@@ -195,12 +195,12 @@ def check_room_for_reads(config: TrainConfig, who: str = "the workers'") -> None
     import ray
 
     total = ray.cluster_resources().get("CPU", 0)
-    workers = config.num_workers * config.cpus_per_worker
+    workers = config.max_workers * config.cpus_per_worker
     if total < workers + READ_CPUS:
         raise UserError(
             f"streamed data needs {READ_CPUS} CPU for Ray Data's reads beside {who} {workers:g}, but the "
             f"cluster has {total:g} CPUs ({workers + READ_CPUS - total:g} missing): lower --cpus-per-worker to "
-            f"{max(total - READ_CPUS, 0.1) / config.num_workers:.2g} or --num-workers, add a node, or use "
+            f"{max(total - READ_CPUS, 0.1) / config.max_workers:.2g} or --num-workers, add a node, or use "
             "in-memory data (.npz files, data functions returning arrays), which needs no Ray Data task"
         )
 

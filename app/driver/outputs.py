@@ -147,7 +147,7 @@ def _subtitle(config: TrainConfig, state: dict[str, Any], strategy: str, num_rep
     lr_plan = state["lr_plan"]
     accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
     return (f"{state['config']['model']} on {state['config']['dataset']}, {strategy}, {num_replicas} replica(s) x "
-            f"{config.per_replica_batch}{accumulated} = global batch {lr_plan['global_batch']}, "
+            f"{state['plan']['per_replica_batch']}{accumulated} = global batch {lr_plan['global_batch']}, "
             + (f"peak LR {lr_plan['peak_lr']:.3g} ({lr_plan['rule']} rule)" if lr_plan.get("decay") != AS_COMPILED
                else "LR as compiled"))
 
@@ -186,7 +186,7 @@ def write_outputs(
         "restarts": history[-1].get("attempt", 0),
         "num_replicas": num_replicas,
         "backend": config.backend,
-        "per_replica_batch": config.per_replica_batch,
+        "per_replica_batch": state["plan"]["per_replica_batch"],  # --global-batch: the last size's part of it
         "grad_accum": config.grad_accum,
         "mixed_precision": config.mixed_precision,
         "global_batch_size": lr_plan["global_batch"],
@@ -212,6 +212,8 @@ def write_outputs(
             (h["first_step_time"] - started_at for h in history if h.get("first_step_time", 0) >= started_at), None
         ),
         **({"worker_nodes": state["worker_nodes"]} if "worker_nodes" in state else {}),
+        # Each size the run had and since when (an elastic run's resizes: --num-workers MIN:MAX).
+        "workers_over_time": state.get("workers_over_time", []),
         **(extra or {}),  # what the backend knows better (a parameter-server run's replicas and steps)
         "history_file": HISTORY_FILE,
         "model_file": MODEL_FILE if "keras" in config.export else None,

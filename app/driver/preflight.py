@@ -66,6 +66,7 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
             raise UserError(f"{name} returned a ray.data.Dataset, which streams through Ray Data: train on it with "
                             "--backend ray, or return (x, y) arrays")
         from app.driver import cluster
+
         cluster.connect(config.model_copy(update={"num_workers": num_workers}))  # the Ray it runs on (if not up)
         return streamed.prepare(config, num_workers, files.given_dataset(name, value))
     return memory.load_source(config, value)
@@ -125,6 +126,7 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
     checked = Checked(source, facts, objective, summary)
     if config.resume:
         from app.driver import resume
+
         checked.resumed = resume.check(config, summary["weights"])
     return checked
 
@@ -151,6 +153,26 @@ def batches_line(plan: EpochPlan) -> str:
     return f"{plan.dropped} training rows dropped per epoch (whole batches on every replica)"
 
 
+def elastic_line(config: "TrainConfig", checked: Checked, replicas_per_worker: int) -> str:
+    """--num-workers MIN:MAX: what stays fixed, and the plan at each size."""
+    from app.training.optim import plan_lr
+
+    at = []
+    for n in range(config.min_workers, config.max_workers + 1):
+        plan = EpochPlan.for_run(config, checked.facts.num_train_rows, n, replicas_per_worker, False,
+                                 checked.objective.short_last_batch)
+        lr = plan_lr(config, plan.update_batch, plan.updates, checked.objective).peak_lr
+        at.append(f"{n}: {plan.per_replica_batch} per replica, global {plan.global_batch}, {plan.steps} steps"
+                  + (f", lr {lr:.4g}" if isinstance(lr, (int, float)) else ""))
+    fixed = (f"--global-batch {config.global_batch} stays at every size" if config.global_batch else
+             f"--per-replica-batch {config.per_replica_batch} stays: the global batch (and the LR it scales) follow "
+             "the size; --global-batch keeps them")
+    every = f"every {config.checkpoint_every_steps} steps" if config.checkpoint_every_steps else "every epoch"
+    return (f"elastic: {config.min_workers} to {config.max_workers} workers, resized by Ray Train (a restart from "
+            f"the latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s); {fixed}; at "
+            + "; ".join(at))
+
+
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
                strategy: str) -> list[str]:
     """The plan a --dry-run prints (and a real run logs at its start)."""
@@ -162,7 +184,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous,
                              objective.short_last_batch)
     lr = plan_lr(config, plan.update_batch, plan.updates, objective)
-    run = (f"global batch {plan.global_batch} (= {config.per_replica_batch} per replica"
+    run = (f"global batch {plan.global_batch} (= {plan.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")
     if asynchronous:
         run = f"global batch {plan.update_batch} per update (one worker's batch), {plan.updates} updates per epoch"
@@ -187,8 +209,11 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
                           for s in stages)
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
                         f"{where}")
+    if config.elastic:
+        lines.insert(4, elastic_line(config, checked, replicas_per_worker))
     if config.resume:
         from app.driver import resume
+
         lines.append(resume.plan_line(config, checked.resumed, plan, lr))
     return lines
 

@@ -22,9 +22,11 @@ from app.config import TrainConfig, build_config
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
     from app.ui import console
+
     # The whole run, its checks included: libraries' lines stay off the console (app.ui.console).
     with console.for_people(config.show_logs):
         from app.driver import outputs
+
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
         return driver(config).run(config, started_at)
 
@@ -33,12 +35,14 @@ def driver(config: TrainConfig):
     """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
     its ``dry_run_lines(config)`` is the plan. Imported on first use: only the chosen one loads."""
     from app.backends import local, ps, ray_train
+
     return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
 
 
 def dry_run(config: TrainConfig) -> list[str]:
     """Validate, inspect the data, build the model once, and return the plan; trains nothing, writes nothing."""
     from app.ui import console
+
     with console.for_people(config.show_logs):
         return _dry_run(config)
 
@@ -90,6 +94,7 @@ def tune(space: str, model: Any = None, data: Any = None, output: Optional[str] 
     import datetime
 
     from app.tools import tune as tune_lib
+
     output = output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     options = {k: fields.pop(k) for k in ("num_samples", "scheduler", "metric", "mode", "max_concurrent")
                if k in fields}
@@ -124,6 +129,7 @@ def predict(trained: str, data: Any = None, output: Optional[str] = None, keep_c
 
     from app.tools import predict as predict_lib
     from app.tools import trained as trained_lib
+
     own = {f.name for f in dataclasses.fields(predict_lib.PredictOptions)}
     options = {k: fields.pop(k) for k in list(fields) if k in own}
     output = output or f"runs/predict-{datetime.datetime.now():%Y%m%d-%H%M%S}"

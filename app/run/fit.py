@@ -150,6 +150,7 @@ def fit(
               "model": model_fn, "epochs": epochs, "num_workers": num_workers, "callbacks": callbacks or None}
     config = _with_global_batch(config_file, values, batch_size)
     from app.ui import console
+
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         result = run_training(config)
@@ -324,6 +325,8 @@ def _with_global_batch(config_file: Optional[str], values: dict[str, Any], batch
     batch = batch_size or KERAS_BATCH_SIZE
     # Validated first as it is (one output directory for both builds), then with the batch split.
     probe = build_config(config_file, {**values, "per_replica_batch": batch})
+    if probe.elastic:  # the replicas follow the cluster: each size takes its equal part of the global batch
+        return build_config(config_file, {**values, "output": probe.output, "global_batch": batch})
     n, why = replicas(probe)
     if batch % n:
         below, above = batch // n * n, (batch // n + 1) * n

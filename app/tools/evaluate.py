@@ -60,9 +60,11 @@ def _data(config: TrainConfig):
     cluster RAY_ADDRESS names (so is a function's ray.data.Dataset: app.driver.preflight.load_data)."""
     from app.data import files
     from app.driver import preflight
+
     loc = files.located(config)
     if files.streams(loc, backend_of(config).on_ray):
         from app.driver import cluster
+
         cluster.connect(config.model_copy(update={"num_workers": 1}))
     return preflight.load_data(config, 1, loc)
 

@@ -63,6 +63,7 @@ def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[
     """Predict with ``found`` on its config's dataset (or ``given``: arrays, a DataFrame, a ray.data.Dataset);
     returns what ``_predict.json`` holds."""
     from app.ui import console
+
     # Libraries' lines (Ray Data's plans, the actors' TensorFlow notices) go to _predict.log, not the console.
     with console.for_people(found.config.show_logs):
         return _predict(found, options, given)
@@ -71,6 +72,7 @@ def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[
 def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, Any]:
     from app.data import inference
     from app.ui import console
+
     started = time.time()
     keep = tuple(dict.fromkeys(options.keep_columns))
     config = found.config.model_copy(update={"backend": options.backend, "num_workers": options.num_workers,
@@ -85,6 +87,7 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     on_ray = backend_of(config).on_ray
     if on_ray:
         from app.driver import cluster
+
         cluster.check_fits_locally(config)
         cluster.connect(config)
         if not rows.in_memory:  # files are read by Ray Data's tasks, beside the actors: a full cluster waits forever

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from app import internals
+from app import config_scale, internals
 from app.backend import backend_of
 from app.config import TrainConfig, build_config, read_yaml
 from app.errors import RunFailed, UserError
@@ -106,6 +106,7 @@ def run_trial(params: dict[str, Any]) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from app.backends import ray_train
+
     context = tune.get_context()
     trial_dir = Path(context.get_trial_dir())
     fields = {**params, "output": str(trial_dir / "run"), "overwrite": True}
@@ -183,10 +184,10 @@ def concurrency(base: TrainConfig, max_concurrent: int | None) -> int:
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 1.0)
-    per_trial = base.num_workers * base.cpus_per_worker
+    per_trial = base.min_workers * base.cpus_per_worker  # an elastic trial starts with MIN
     fits = max(1, math.floor((cpus - 1) / per_trial))
     if base.use_gpu:
-        fits = max(1, min(fits, int(ray.cluster_resources().get("GPU", 0) // base.num_workers)))
+        fits = max(1, min(fits, int(ray.cluster_resources().get("GPU", 0) // base.min_workers)))
     return min(fits, max_concurrent) if max_concurrent else fits
 
 
@@ -205,11 +206,15 @@ def sweep(
 
     from app.driver import cluster
     from app.ui import console, tune_console
+
     space = load_space(space_file, fixed)
     searched = {k for k, v in space.items() if _is_domain(v)}
     # The values every trial shares (flags, and the space's plain values) make the base config.
     base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
     out = Path(output).expanduser().resolve()
+    if base.checkpoint_every_steps or "checkpoint_every_steps" in searched:
+        raise UserError("--checkpoint-every-steps: a trial reports to Tune once per epoch (ASHA compares trials by "
+                        "those reports); leave it out of a sweep")
     if backend_of(base).parameter_servers or "strategy" in searched:
         raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
                         "it and train parameter-server runs with jobs/train.py")
@@ -226,7 +231,7 @@ def sweep(
             from app.training.objective import metric_mode
 
             # The run's metric: the model's first compiled metric, or the task's (accuracy, or mae).
-            objective = preflight.check_model(base, preflight.load_data(base, base.num_workers).facts)[1]
+            objective = preflight.check_model(base, preflight.load_data(base, base.max_workers).facts)[1]
             metric = metric or f"val_{objective.metric}"
             mode = mode or metric_mode(metric) or "min"
         at_once = concurrency(base, max_concurrent)
@@ -258,6 +263,7 @@ def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], sear
     from ray.tune.schedulers import FIFOScheduler
 
     from app.ui import tune_console
+
     # A trial's own process (the Train driver) reserves memory, not CPU: its
     # workers reserve their CPUs through Train's placement group, and a CPU
     # fraction here would eat into the CPU that Ray Data's shuffle tasks need
@@ -285,11 +291,12 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     import pandas as pd
 
     from app.ui import console, tune_console
+
     rows = []
     for number, r in enumerate(results, 1):  # Tune's order of trials, as the console numbered them
         cfg = r.config or {}
         m = r.metrics or {}
-        workers = cfg.get("num_workers", base.num_workers)
+        workers = config_scale.sizes(cfg.get("num_workers", base.num_workers))[-1]  # elastic: at most MAX
         rows.append({
             "trial": number,
             "trial_id": m.get("trial_id"),
@@ -323,7 +330,8 @@ def write_outputs(results, out: Path, base: TrainConfig, metric: str, mode: str)
     # Worker-seconds had every trial run all its epochs: what it spent, plus its
     # remaining epochs at its own last epoch time (start-up is not paid again).
     epochs = table.get("config/epochs", base.epochs)
-    workers = table.get("config/num_workers", base.num_workers)
+    workers = (table["config/num_workers"].map(lambda n: config_scale.sizes(n)[-1]) if "config/num_workers" in table
+               else base.max_workers)
     remaining = (epochs - table["epochs_run"]).clip(lower=0) * table["epoch_seconds"].fillna(0) * workers
     full = (table["worker_seconds"] + remaining).sum()
     summary = {

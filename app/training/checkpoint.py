@@ -47,6 +47,9 @@ class Progress:
     history: list[dict[str, Any]] = field(default_factory=list)
     audit_ids: list[list[int]] = field(default_factory=list)  # per epoch, with --audit-sample-ids
     worker_nodes: list[str] = field(default_factory=list)  # Ray node id of each rank, this attempt
+    step: int = 0  # steps done in the epoch after ``epoch`` (a checkpoint inside it: --checkpoint-every-steps)
+    # The run's size since each (re)start that changed it: {time, workers, epoch, step[, joined, lost]}.
+    workers_over_time: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def resumed_from(cls, state: dict[str, Any], current: "Progress | None" = None) -> "Progress":
@@ -57,12 +60,31 @@ class Progress:
             state["history"],
             state.get("audit_sample_ids", []),
             current.worker_nodes if current else [],
+            state.get("step", 0),
+            state.get("workers_over_time", []),
         )
+
+    def sized(self, workers: int, nodes_before: "list[str] | None" = None) -> str | None:
+        """Record this attempt's size if it is a new one; the console's line for a resize (None: no resize)."""
+        import time
+
+        last = self.workers_over_time[-1]["workers"] if self.workers_over_time else None
+        if last == workers:
+            return None
+        entry = {"time": time.time(), "workers": workers, "epoch": self.epoch + 1, "step": self.step}
+        self.workers_over_time.append(entry)
+        if last is None:
+            return None
+        before, now = set(nodes_before or []), set(self.worker_nodes)
+        entry["joined"], entry["lost"] = sorted(now - before), sorted(before - now)
+        causes = [f"node {', '.join(n[:12] for n in entry[k])} {k}" for k in ("lost", "joined") if entry[k]]
+        return (f"resized {last} -> {workers} workers at epoch {entry['epoch']} step {entry['step']}"
+                + (f": {'; '.join(causes)}" if causes else ""))
 
     def record(self, metrics: dict[str, Any], sample_ids=None) -> None:
         metrics["attempt"] = self.attempt
         self.history.append(metrics)
-        self.epoch = metrics["epoch"]
+        self.epoch, self.step = metrics["epoch"], 0
         if sample_ids is not None:
             self.audit_ids.append(sample_ids.tolist())
 
@@ -81,6 +103,10 @@ class Progress:
             state["audit_sample_ids"] = self.audit_ids
         if self.worker_nodes:
             state["worker_nodes"] = self.worker_nodes
+        if self.step:
+            state["step"] = self.step
+        if self.workers_over_time:
+            state["workers_over_time"] = self.workers_over_time
         return state
 
 

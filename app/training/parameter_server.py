@@ -106,7 +106,7 @@ class ParameterServerSession:
             self.optimizer_steps = state["optimizer_steps"]
         return state
 
-    def inputs(self, strategy, plan: EpochPlan, start_epoch: int):
+    def inputs(self, strategy, plan: EpochPlan, start_epoch: int, start_step: int = 0):  # epochs only
         import tensorflow as tf
 
         from app.data import tf_input

@@ -32,7 +32,7 @@ def epoch_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     from app.training.objective import metric_names_in
 
     keys = [f"{part}_{name}" for name in metric_names_in(metrics) for part in ("train", "val")]
-    return {k: metrics[k] for k in [*keys, "learning_rate", "samples_per_second"] if k in metrics}
+    return {k: metrics[k] for k in [*keys, "learning_rate", "samples_per_second", "workers"] if k in metrics}
 
 
 def logdir_for(config, run_name: str) -> Optional[str]:

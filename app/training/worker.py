@@ -58,8 +58,9 @@ class Session(Protocol):
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         """Load the last checkpoint into model and optimizer; its state.json, or None on a fresh start."""
 
-    def inputs(self, strategy, plan: EpochPlan, start_epoch: int) -> tuple[Any, Any]:
-        """(an endless distributed train iterator from ``start_epoch`` on, the distributed val dataset)."""
+    def inputs(self, strategy, plan: EpochPlan, start_epoch: int, start_step: int = 0) -> tuple[Any, Any]:
+        """(an endless distributed train iterator from step ``start_step`` of the epoch after ``start_epoch`` on,
+        the distributed val dataset)."""
 
     def placement(self, strategy) -> list[str]:
         """Where each rank runs (recorded in result.json), or []."""
@@ -115,6 +116,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
+    config = config.at_size(strategy.num_replicas_in_sync)  # --global-batch: this size's equal part of it
     # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
     # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
     asynchronous = session.coordinator is not None
@@ -127,7 +129,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     # A restarted worker group (a worker died) or a resumed run starts from the last checkpoint.
     progress, state, lr_plan = restore(config, session, strategy, training, plan, asynchronous)
 
-    train_iter, val = session.inputs(strategy, plan, progress.epoch)
+    # A checkpoint inside an epoch (--checkpoint-every-steps) goes on from its exact step of that epoch's order.
+    train_iter, val = session.inputs(strategy, plan, progress.epoch, progress.step)
     driver = EpochDriver(
         step_runner(config, session, strategy, training, plan, lr_plan, progress.history),
         training.measures,
@@ -141,26 +144,41 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
                                 lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
     last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
 
+    def save(metrics: dict[str, Any]) -> None:
+        state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
+        state["objective"] = job.objective.summary(config)
+        state.update(hooks.state())
+        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
+
+    def after_steps(k: int, bar) -> None:
+        bar.update(k)
+        session.alive()
+        progress.step += k
+        if config.checkpoint_every_steps and progress.step % config.checkpoint_every_steps == 0 \
+                and progress.step < plan.updates:  # the epoch's end has its own checkpoint
+            # Not an epoch's score: NaN ranks it below every epoch's (Ray Train keeps the best N and the latest).
+            save({"epoch": progress.epoch, "step": progress.step, "workers": session.world,
+                  f"val_{job.objective.metric}": float("nan")})
+
     try:
         hooks.train_begin()
         for epoch in range(progress.epoch + 1, last_epoch + 1):
             hooks.epoch_begin(epoch)
             bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
             try:
-                metrics, train = driver.run_epoch(epoch, train_iter, plan.updates, val, plan.dropped, tensorboard.step,
-                                                  lambda k, bar=bar: (bar.update(k), session.alive()), hooks.on_batch)
+                metrics, train = driver.run_epoch(epoch, train_iter, plan.updates - progress.step, val, plan.dropped,
+                                                  tensorboard.step, lambda k, bar=bar: after_steps(k, bar),
+                                                  hooks.on_batch)
             finally:
                 bar.close()
             session.alive()
+            metrics["workers"] = session.world
             progress.record(metrics, train.sample_ids)
             tensorboard.epoch(epoch, metrics)
             if session.rank == 0:
                 log.info(progress_line(metrics, config.epochs, progress.history))
             stop = hooks.epoch_end(epoch, metrics)
-            state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
-            state["objective"] = job.objective.summary(config)
-            state.update(hooks.state())
-            session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
+            save(metrics)
             if stop:
                 break
         hooks.train_end()
@@ -180,8 +198,12 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
     lr_plan, optimizer = training.lr_plan, training.optimizer
     state = session.restore(training.model, optimizer)
     if state is None:
+        progress.sized(session.world)
         return progress, None, lr_plan
     progress = checkpoint.Progress.resumed_from(state, progress)
+    resized = progress.sized(session.world, state.get("worker_nodes"))
+    if resized and session.rank == 0:
+        log.info("%s; going on from the checkpoint of epoch %d step %d", resized, progress.epoch + 1, progress.step)
     # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
     # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
     steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \

@@ -27,7 +27,7 @@ def start_failure(error: BaseException, config: TrainConfig) -> str | None:
         free = ray.available_resources() if ray.is_initialized() else {}
         return (
             f"the workers could not be placed within --worker-start-timeout-s ({config.worker_start_timeout_s:g} s) "
-            f"{retries}: Ray was waiting for {config.num_workers} x {per_worker} ({config.placement_strategy}), and "
+            f"{retries}: Ray was waiting for {config.min_workers} x {per_worker} ({config.placement_strategy}), and "
             f"the cluster has {free.get('CPU', 0):g} CPUs / {free.get('GPU', 0):g} GPUs free now: lower "
             "--num-workers or --cpus-per-worker, free the cluster, or raise --worker-start-timeout-s while nodes are added"
         )

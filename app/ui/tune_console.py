@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ray.tune import Callback
 
+from app import config_scale
 from app.errors import RunFailed, UserError
 from app.ui import console
 
@@ -27,7 +28,8 @@ def plan_lines(space_file: str, raw: dict[str, Any], searched: set[str], trials:
     domains = "; ".join(f"{key} {_domain(raw[key])}" for key in raw if key in searched)
     count = f"{trials} trial(s)" if trials else "trials"
     fixed = ", ".join(f"{k} {raw[k]}" for k in raw if k not in searched)
-    per_trial = f"{base.num_workers} worker(s) x {base.cpus_per_worker:g} CPU" + (" + 1 GPU" if base.use_gpu else "")
+    per_trial = (f"{config_scale.describe(base.num_workers)} worker(s) x {base.cpus_per_worker:g} CPU"
+                 + (" + 1 GPU" if base.use_gpu else ""))
     return [
         f"sweep: {space_file}: {count} of {domains or 'the fixed values'}" + (f" (fixed: {fixed})" if fixed else ""),
         f"scheduler: {scheduler}; metric {metric} ({mode})",
