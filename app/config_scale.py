@@ -8,6 +8,9 @@ import math
 from typing import Any
 
 WORKERS_FORMAT = "N or MIN:MAX (for example 2, or 1:4)"
+# An elastic run's restarts when --max-failures is not given: a lost node is expected there, and Ray Train counts
+# it as a failure, and usually one more when it first tries to start a group of the old size (its start times out).
+ELASTIC_RESTARTS = 10
 
 
 def parse_workers(value: Any) -> Any:

@@ -70,7 +70,8 @@ class RunSection(_Section):
         "different nodes where it can (STRICT_*: must).",
     )
     max_failures: int = Field(
-        0, ge=0, description="Restart the worker group from the last checkpoint up to N times when a worker dies."
+        0, ge=0, description="Restart the worker group from the last checkpoint up to N times when a worker dies "
+        f"(an elastic run, where losing a node is expected: {config_scale.ELASTIC_RESTARTS} unless set)."
     )
     worker_start_timeout_s: float = Field(
         120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
@@ -101,6 +102,12 @@ class RunSection(_Section):
     @property
     def elastic(self) -> bool:
         return not isinstance(self.num_workers, int)
+
+    @property
+    def restarts(self) -> int:
+        """Worker-group restarts allowed: --max-failures, or for an elastic run that does not set it, a few."""
+        given = "max_failures" in self.model_fields_set
+        return config_scale.ELASTIC_RESTARTS if self.elastic and not given else self.max_failures
 
 
 class DataSection(_Section):

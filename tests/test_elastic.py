@@ -95,7 +95,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
     try:
         driver = subprocess.Popen(
             [sys.executable, "jobs/train.py", "--num-workers", "1:2", "--checkpoint-every-steps", "4",
-             "--resize-check-s", "2", "--worker-start-timeout-s", "15", "--max-failures", "6",
+             "--resize-check-s", "2", "--worker-start-timeout-s", "15",
              "--dataset", f"{user}:rows", "--callbacks", f"{user}:slow", "--output", str(out), *COMMON],
             cwd=REPO, env={**env, "RAY_ADDRESS": address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)

@@ -110,8 +110,7 @@ def _run_config(config: TrainConfig, objective, name: str, storage_path: str, ca
         ),
         # Start failures (a worker lost while the group starts, placement timed out) are the
         # controller's, retried without limit by default: they get the same budget as the rest.
-        failure_config=ray.train.FailureConfig(max_failures=config.max_failures,
-                                               controller_failure_limit=config.max_failures),
+        failure_config=ray.train.FailureConfig(max_failures=config.restarts, controller_failure_limit=config.restarts),
         worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
     )
 

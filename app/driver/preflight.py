@@ -169,8 +169,8 @@ def elastic_line(config: "TrainConfig", checked: Checked, replicas_per_worker: i
              "the size; --global-batch keeps them")
     every = f"every {config.checkpoint_every_steps} steps" if config.checkpoint_every_steps else "every epoch"
     return (f"elastic: {config.min_workers} to {config.max_workers} workers, resized by Ray Train (a restart from "
-            f"the latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s); {fixed}; at "
-            + "; ".join(at))
+            f"the latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s; a lost node spends "
+            f"restarts, {config.restarts} in all: --max-failures); {fixed}; at " + "; ".join(at))
 
 
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,

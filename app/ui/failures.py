@@ -20,7 +20,7 @@ def start_failure(error: BaseException, config: TrainConfig) -> str | None:
 
     failure = getattr(error, "controller_failure", None)  # ray.train.ControllerError
     kind = type(failure).__name__
-    retries = (f"after {config.max_failures} restarts (--max-failures)" if config.max_failures
+    retries = (f"after {config.restarts} restarts (--max-failures)" if config.restarts
                else "(--max-failures 0: not restarted)")
     if kind == "WorkerGroupStartupTimeoutError":
         per_worker = f"{{CPU: {config.cpus_per_worker:g}{', GPU: 1' if config.use_gpu else ''}}}"
@@ -32,7 +32,7 @@ def start_failure(error: BaseException, config: TrainConfig) -> str | None:
             "--num-workers or --cpus-per-worker, free the cluster, or raise --worker-start-timeout-s while nodes are added"
         )
     if kind == "WorkerGroupStartupFailedError":
-        fix = "; rerun with --max-failures 2 to restart the group when this happens" if not config.max_failures else ""
+        fix = "; rerun with --max-failures 2 to restart the group when this happens" if not config.restarts else ""
         return f"a worker was lost while Ray Train started the worker group {retries}: {summarize(failure)}{fix}"
     return None
 
@@ -42,7 +42,7 @@ def restart_hint(error: BaseException, config: TrainConfig) -> str:
     import ray
 
     failures = getattr(error, "worker_failures", None) or {}
-    if config.max_failures or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
+    if config.restarts or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
         return ""
     return ("; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from "
             "the last checkpoint")
