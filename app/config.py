@@ -12,6 +12,7 @@ field rules are in ``TrainConfig._check``. Validated once, frozen after.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -218,13 +219,25 @@ def _one_line(err: ValidationError) -> str:
     return "invalid config: " + "; ".join(parts)
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 integers: ``num_workers: 1:2`` is the range 1:2, not 62."""
+
+
+_INT = "tag:yaml.org,2002:int"
+_Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag != _INT]
+                                   for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+# PyYAML's own int pattern, its base-60 alternative left out.
+_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)"
+                                               r"|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a config YAML file into a dict, with one-line errors."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), _Loader)  # a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -39,7 +39,8 @@ def describe(num_workers: Any) -> str:
 
 
 def sizes(num_workers: Any) -> range:
-    """Every worker count the run may have."""
+    """Every worker count the run may have (``num_workers`` as typed or as parsed)."""
+    num_workers = parse_workers(num_workers)
     low, high = (num_workers, num_workers) if isinstance(num_workers, int) else num_workers
     return range(low, high + 1)
 

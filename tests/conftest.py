@@ -59,6 +59,7 @@ def two_worker_run(ray_cluster, tmp_path_factory):
     sample ids each replica trains on (the ids only: the training is the same)."""
     from app.backends import ray_train
     from app.config import build_config
+
     out = tmp_path_factory.mktemp("runs") / "w2"
     result = ray_train.run(
         build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10,

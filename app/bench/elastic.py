@@ -1,6 +1,6 @@
 """The elastic suite: Ray Train's own elastic scaling under this product's TF_CONFIG backend, on two nodes.
 
-What elastic runs (``--num-workers MIN:MAX``) would be built on, measured before they exist: a head started with
+What elastic runs (``--num-workers MIN:MAX``) stand on, the resize mechanism alone: a head started with
 `ray start --head --num-cpus 1`, a Ray Train run with ``ScalingConfig(num_workers=(1, 2))`` and the product's
 TF_CONFIG backend (app.backends.tf_config), whose workers run MultiWorkerMirroredStrategy when there are two of them
 and all-reduce every step. While it runs, a second node joins (`ray start --address ... --num-cpus 1`) and is
