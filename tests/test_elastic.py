@@ -179,6 +179,7 @@ REFUSED = [
     (["--checkpoint-every-steps", "5", "--backend", "local"], "--checkpoint-every-steps checkpoints Ray Train's"),
     (["--checkpoint-every-steps", "5", "--steps-per-execution", "2"], "must be a multiple of --steps-per-execution 2"),
     (["--num-workers", "1:2", "--dataset", "PARQUET"], "streams through Ray Data, split per worker"),
+    (["--num-workers", "1:2", "--checkpoint-every-steps", "4"], "with --num-workers 1:2 needs --global-batch"),
 ]
 
 

@@ -58,13 +58,14 @@ class LocalSession:
             log.info("resumed from %s (epoch %d)", self.start_from or self.checkpoints.latest, state["epoch"])
         return state
 
-    def inputs(self, strategy, plan, start_epoch: int, start_step: int = 0):  # step checkpoints: Ray Train only
+    def inputs(self, strategy, plan, start_epoch: int, start_step: int = 0):
         from app.data import tf_input
 
         config, source = self.config, self.source
+        # start_step: a Ray Train checkpoint inside an epoch (--checkpoint-every-steps) that this run resumes.
         train = strategy.distribute_datasets_from_function(
             lambda _: tf_input.train_batches_from_arrays(
-                source.train, plan, config.seed, config.shuffle, start_epoch, config.epochs
+                source.train, plan, config.seed, config.shuffle, start_epoch, config.epochs, start_step=start_step
             )
         )
         val_batches = tf_input.eval_batches_from_arrays(

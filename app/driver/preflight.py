@@ -121,13 +121,13 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
         from app.training.callbacks import check as check_callbacks
 
         summary["callbacks"] = check_callbacks(config, objective)
-    EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker,
-                      short_last=objective.short_last_batch).check()
+    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker,
+                             short_last=objective.short_last_batch).check()
     checked = Checked(source, facts, objective, summary)
     if config.resume:
         from app.driver import resume
 
-        checked.resumed = resume.check(config, summary["weights"])
+        checked.resumed = resume.check(config, summary["weights"], plan.global_batch)
     return checked
 
 

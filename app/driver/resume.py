@@ -47,11 +47,12 @@ class Start:
         return self.state["epoch"]
 
 
-def check(config: "TrainConfig", weights: Sequence[tuple[str, tuple[int, ...]]]) -> Optional[Start]:
+def check(config: "TrainConfig", weights: Sequence[tuple[str, tuple[int, ...]]],
+          global_batch: Optional[int] = None) -> Optional[Start]:
     """The checkpoint ``config`` (a --resume) goes on from, checked; None when the run has none yet.
 
-    ``weights``: the model's trainable weights as preflight built them, (path, shape) in order. Each
-    refusal is one line, before an output or a worker is touched.
+    ``weights``: the model's trainable weights as preflight built them, (path, shape) in order; ``global_batch``:
+    the resumed run's. Each refusal is one line, before an output or a worker is touched.
     """
     out = config.output_dir()
     start = latest(config)
@@ -72,6 +73,12 @@ def check(config: "TrainConfig", weights: Sequence[tuple[str, tuple[int, ...]]])
     if start.path is None and not backend.on_ray:
         raise UserError(f"the newest checkpoint of {str(out)!r} is in remote storage ({start.where}): "
                         "continue it with --backend ray")
+    step, before = start.state.get("step", 0), (start.state.get("plan") or {}).get("global_batch")
+    if step and global_batch is not None and before != global_batch:
+        # Step s of the epoch is rows [s x G, (s + 1) x G) of its order: another G has no step there.
+        raise UserError(f"the newest checkpoint of {str(out)!r} is inside epoch {start.epoch + 1}, after {step} steps "
+                        f"of a global batch of {before}; this run's is {global_batch}: resume with --global-batch "
+                        f"{before} (at any worker count that splits it)")
     _check_weights(start, weights, out)
     return start
 
