@@ -150,7 +150,8 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             return self
         per, left = divmod(self.global_batch, replicas * self.grad_accum)
         if left or not per:
-            raise UserError(config_scale.split_problem(self.global_batch, self.grad_accum, range(replicas, replicas + 1))
+            raise UserError(config_scale.split_problem(self.global_batch, self.grad_accum, range(replicas, replicas + 1),
+                                                       "replica")
                             or f"--global-batch {self.global_batch} is smaller than the {replicas} replicas")
         return self.model_copy(update={"per_replica_batch": per})
 

@@ -45,7 +45,7 @@ def sizes(num_workers: Any) -> range:
     return range(low, high + 1)
 
 
-def split_problem(global_batch: int, grad_accum: int, counts: range) -> str | None:
+def split_problem(global_batch: int, grad_accum: int, counts: range, unit: str = "worker") -> str | None:
     """Why ``global_batch`` does not split into equal per-replica batches at some worker count, naming the sizes
     that do and the nearest batches that split at every count; None when it splits at each."""
     bad = [n for n in counts if global_batch % (n * grad_accum)]
@@ -56,7 +56,7 @@ def split_problem(global_batch: int, grad_accum: int, counts: range) -> str | No
     below, above = global_batch // step * step, (global_batch // step + 1) * step
     nearest = f"{below} or {above}" if below else str(above)
     accum = f" x {grad_accum} accumulated micro-batches" if grad_accum > 1 else ""
-    return (f"--global-batch {global_batch} does not split evenly over {', '.join(map(str, bad))} worker(s){accum} "
-            f"(every step's batch is split into equal parts, one per worker); "
+    return (f"--global-batch {global_batch} does not split evenly over {', '.join(map(str, bad))} {unit}(s){accum} "
+            f"(every step's batch is split into equal parts, one per {unit}); "
             + (f"it does over {', '.join(map(str, works))}; " if works else "")
             + f"use --global-batch {nearest}, which splits at every size from {counts[0]} to {counts[-1]}")
