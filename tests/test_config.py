@@ -116,3 +116,26 @@ def test_a_short_last_batch_smaller_than_the_replicas_is_dropped():
     p = EpochPlan(65, 2, 16, short_last=True)  # 1 row left over, 2 replicas: one would get none
     assert p.last_rows == 0 and p.dropped == 1 and p.steps == 2
     assert EpochPlan(65, 2, 16).dropped == 1
+
+
+@pytest.mark.parametrize("given", [(1, 4), [1, 4], "1:4"])
+def test_a_worker_range_is_taken_from_python_a_list_or_the_command_lines_text(given):
+    c = build_config(None, {"num_workers": given, "global_batch": 48})
+    assert c.num_workers == (1, 4) and c.elastic and (c.min_workers, c.max_workers) == (1, 4)
+    assert c.restarts == 10 and build_config(None, {"num_workers": given, "max_failures": 1}).restarts == 1
+    # The global batch is kept at every size: each replica's part of it.
+    assert [EpochPlan.for_run(c, 960, n).per_replica_batch for n in (1, 2, 3, 4)] == [48, 24, 16, 12]
+    assert {EpochPlan.for_run(c, 960, n).steps for n in (1, 2, 3, 4)} == {20}
+    assert build_config(None, {"num_workers": "2:2"}).num_workers == 2 and not build_config(None, {}).elastic
+
+
+def test_a_worker_range_in_a_yaml_file_is_a_range_not_a_base_60_number(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("num_workers: 1:2\nepochs: 0x10\nglobal_batch: 64\n")  # PyYAML's safe_load: 1:2 is 62
+    c = build_config(f, {})
+    assert c.num_workers == (1, 2) and c.epochs == 16
+    # Written back as the run records it (config.yaml): read again, the same range; the derived per-replica
+    # batch is not recorded as if it had been set.
+    (tmp_path / "again.yaml").write_text(c.to_yaml())
+    again = build_config(tmp_path / "again.yaml", {})
+    assert again.num_workers == (1, 2) and again.global_batch == 64 and "per_replica_batch" not in again.model_fields_set
