@@ -138,8 +138,6 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
 
     ``output_shape``: one example's output shape, or {output name: shape} (app.training.model.check_output).
     """
-    import keras
-
     from app.training.model import ends_in_probabilities
 
     args = internals.compile_arguments(model) or {}
@@ -155,47 +153,15 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         output_shape = ()
 
     compiled_loss = config.loss is None and args.get("loss") is not None
-    if compiled_loss:
-        loss = describe_each(args["loss"])
-        sources.append(("loss", "compile()"))
-    else:
-        one_hot = facts.task == "classification" and bool(facts.label_shape)
-        loss = config.loss or ("categorical_crossentropy" if one_hot else DEFAULT_LOSS[facts.task])
-        try:
-            keras.losses.get(loss)
-        except (ValueError, TypeError):
-            raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as "
-                            f"{', '.join(DEFAULT_LOSS.values())}, huber or mean_absolute_error") from None
-        sources.append(("loss", "--loss" if config.loss else f"the {facts.task} default"))
+    loss = _loss(config, facts, args, compiled_loss, sources)
     from_logits = config.from_logits if config.from_logits is not None else not ends_in_probabilities(model)
 
     compiled_metrics = bool(args.get("metrics") or args.get("weighted_metrics"))
     sources.append(("metrics", "compile()" if compiled_metrics else f"the {facts.task} default"))
 
-    optimizer, base_lr = None, None
     compiled = args.get("optimizer") is not None and "optimizer" not in typed
-    scaling = sorted(typed & set(LR_FLAGS))
-    as_compiled = compiled and not scaling
-    if compiled:
-        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # compile() may wrap it for fp16
-        optimizer = type(inner).__name__
-        lr = inner.get_config().get("learning_rate")
-        if "base_lr" in typed:
-            sources.append(("learning rate", "--base-lr"))
-        elif isinstance(lr, (int, float)):
-            base_lr = float(lr)
-            sources.append(("learning rate", "compile()"))
-        elif as_compiled and not backend_of(config).parameter_servers:
-            # Its own LearningRateSchedule, stepped by the optimizer's iterations as in model.fit.
-            sources.append(("learning rate", "compile()'s schedule"))
-        elif as_compiled:
-            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, which asynchronous "
-                            "parameter-server workers cannot step (they lose counts of the optimizer's iterations): "
-                            "compile with a number as the learning rate, or use the default strategy")
-        else:
-            raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, and {LR_FLAGS[scaling[0]]} "
-                            "asks this product to schedule the LR itself: drop the flag to train with the compiled "
-                            "schedule as it is, or compile with a number (the base LR the scaling starts from)")
+    as_compiled = compiled and not typed & set(LR_FLAGS)
+    optimizer, base_lr = _compiled_lr(config, model, as_compiled, sources) if compiled else (None, None)
     sources.insert(0, ("optimizer", "compile()" if compiled else "--optimizer" if "optimizer" in typed else "default"))
 
     objective = Objective(
@@ -208,6 +174,50 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         class_weights=class_weights(config, facts), sources=tuple(sources), outputs=outputs,
     )
     return objective
+
+
+def _loss(config, facts, args: dict, compiled_loss: bool, sources: list) -> str:
+    """The loss's name: compile()'s (each output's), --loss, or the task's default (checked against Keras)."""
+    import keras
+
+    if compiled_loss:
+        sources.append(("loss", "compile()"))
+        return describe_each(args["loss"])
+    one_hot = facts.task == "classification" and bool(facts.label_shape)
+    loss = config.loss or ("categorical_crossentropy" if one_hot else DEFAULT_LOSS[facts.task])
+    try:
+        keras.losses.get(loss)
+    except (ValueError, TypeError):
+        raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as "
+                        f"{', '.join(DEFAULT_LOSS.values())}, huber or mean_absolute_error") from None
+    sources.append(("loss", "--loss" if config.loss else f"the {facts.task} default"))
+    return loss
+
+
+def _compiled_lr(config, model, as_compiled: bool, sources: list) -> tuple[str, Optional[float]]:
+    """The compiled optimizer's class and its LR as a number (None: a schedule, or --base-lr's)."""
+    typed = config.model_fields_set
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # compile() may wrap it for fp16
+    optimizer = type(inner).__name__
+    lr = inner.get_config().get("learning_rate")
+    if "base_lr" in typed:
+        sources.append(("learning rate", "--base-lr"))
+    elif isinstance(lr, (int, float)):
+        sources.append(("learning rate", "compile()"))
+        return optimizer, float(lr)
+    elif as_compiled and not backend_of(config).parameter_servers:
+        # Its own LearningRateSchedule, stepped by the optimizer's iterations as in model.fit.
+        sources.append(("learning rate", "compile()'s schedule"))
+    elif as_compiled:
+        raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, which asynchronous "
+                        "parameter-server workers cannot step (they lose counts of the optimizer's iterations): "
+                        "compile with a number as the learning rate, or use the default strategy")
+    else:
+        flag = LR_FLAGS[sorted(typed & set(LR_FLAGS))[0]]
+        raise UserError(f"the compiled optimizer {optimizer} has a learning-rate schedule, and {flag} "
+                        "asks this product to schedule the LR itself: drop the flag to train with the compiled "
+                        "schedule as it is, or compile with a number (the base LR the scaling starts from)")
+    return optimizer, None
 
 
 def class_weights(config, facts) -> Optional[tuple[float, ...]]:
