@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, clean_env, free_port, ray_sessions, refusals_at_once, run_job, start_node, stop_node, user_module
+from app.bench.node import TwoNodes
+from conftest import REPO, clean_env, ray_sessions, refusals_at_once, run_job, user_module
 
 # Rows and a rank-0 callback that makes each epoch last long enough for the cluster to change under the run
 # (it sleeps: the math is untouched); the fixed-size run takes a callback that does nothing, so that both runs
@@ -86,39 +87,30 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
                                                                                          tmp_path_factory):
     user = user_module(tmp_path_factory, "elastic_user.py", USER)
     env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-    port, temp = free_port(), Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp"))
-    address = f"127.0.0.1:{port}"
-    head = start_node(["--head", "--num-cpus", "1", "--port", str(port), "--temp-dir", str(temp / "head"),
-                       "--include-dashboard", "false", "--ray-client-server-port", str(free_port())], env, REPO)
-    second = driver = None
+    nodes = TwoNodes(env, REPO, Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")))
     out = tmp_path / "elastic"
     try:
-        driver = subprocess.Popen(
+        driver = nodes.driver = subprocess.Popen(
             [sys.executable, "jobs/train.py", "--num-workers", "1:2", "--checkpoint-every-steps", "4",
              "--resize-check-s", "2", "--worker-start-timeout-s", "15",
              "--dataset", f"{user}:rows", "--callbacks", f"{user}:slow", "--output", str(out), *COMMON],
-            cwd=REPO, env={**env, "RAY_ADDRESS": address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cwd=REPO, env={**env, "RAY_ADDRESS": nodes.address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         console = Lines(driver)
         # --dry-run's plan, logged first: the same steps per epoch at each size.
         console.wait_for(r"elastic: 1 to 2 workers, .*--global-batch 32 stays at every size; at 1: 32 per replica, "
                          r"global 32, (\d+) steps.*; 2: 16 per replica, global 32, \1 steps", 120)
         at = console.wait_for(r"epoch +2/24", 300)
-        second = start_node(["--address", address, "--num-cpus", "1", "--temp-dir", str(temp / "second")], env, REPO)
+        nodes.join()
         at = console.wait_for(r"resized 1 -> 2 workers at epoch \d+ step \d+: node \w+ joined", 180, at)
         # An epoch trained by 2 workers and checkpointed: the epoch after it has ended too (a report is a barrier).
         for _ in range(2):
             at = console.wait_for(r"epoch +\d+/24", 120, at + 1)
-        stop_node(second)
-        second = None
+        nodes.leave()
         console.wait_for(r"resized 2 -> 1 workers at epoch \d+ step \d+: node \w+ lost", 240, at)
         assert driver.wait(timeout=600) == 0, "".join(console.lines)[-4000:]
     finally:
-        if driver is not None and driver.poll() is None:
-            driver.kill()
-        if second is not None:
-            stop_node(second)
-        stop_node(head)
+        nodes.close()
 
     result = json.loads((out / "result.json").read_text())
     sizes = result["workers_over_time"]

@@ -267,17 +267,12 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Validate, train on a parameter-server cluster of Ray actors, and write the outputs."""
     import ray
 
-    from app.driver.preflight import plan_lines
+    from app.driver import preflight
     from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()
     checked = check(config)
-    lines = plan_lines(config, checked, config.num_workers, 1, strategy_line(config))
-    for line in lines:
-        log.info(line)
-    out = outputs.prepare_output_dir(config)
-    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
-    cluster.connect(config)
+    lines, out = preflight.begin(config, checked, config.num_workers, strategy_line(config))
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars())
     train, val = ray.put(checked.source.train), ray.put(checked.source.val)
     shipped = ray_train.for_workers(config)

@@ -224,14 +224,9 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     # Everything that can be refused is checked before the output directory exists,
     # and before Ray is used too, except for file datasets: Ray Data reads them to check them.
     checked = check(config)
-    from app.driver.preflight import plan_lines
+    from app.driver import preflight
 
-    lines = plan_lines(config, checked, config.min_workers, 1, _strategy(config))
-    for line in lines:
-        log.info(line)
-    cluster.connect(config)  # the local Ray started beside the checks (a joined one is up since check())
-    out = outputs.prepare_output_dir(config)
-    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    lines, out = preflight.begin(config, checked, config.min_workers, _strategy(config))
     start = checked.resumed
     name = _ray_run_name(config, out, start)
     with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):

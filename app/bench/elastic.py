@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from app.bench.node import free_port, start_node, stop_node
+from app.bench.node import TwoNodes
 from app.bench.preset import Preset
 from app.bench.proc import REPO, local_env
 from app.bench.startup import wait_until_up
@@ -81,16 +81,13 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     events.unlink(missing_ok=True)
     shutil.rmtree(storage, ignore_errors=True)
     env = {**local_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    port, temp = free_port(), Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp"))
-    address = f"127.0.0.1:{port}"
-    head = start_node(["--head", "--num-cpus", "1", "--port", str(port), "--temp-dir", str(temp / "head"),
-                       "--include-dashboard", "true", "--dashboard-port", str(free_port()),
-                       "--ray-client-server-port", str(free_port())], env, REPO)
-    second = driver = None
+    temp = Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp"))
+    nodes = TwoNodes(env, REPO, temp, dashboard=True)
+    address = nodes.address
     try:
-        wait_until_up(head, address, env)
+        wait_until_up(nodes.head, address, env)
         with open(out / "driver.log", "w") as log:
-            driver = subprocess.Popen(
+            driver = nodes.driver = subprocess.Popen(
                 [sys.executable, "-c", _DRIVER, json.dumps({**p, "events": str(events), "storage": str(storage)})],
                 cwd=REPO, env={**env, "RAY_ADDRESS": address,
                                "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(p["start_timeout_s"])},
@@ -98,12 +95,11 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         _first(events, driver, lambda e: True, 300, "the first step")
         time.sleep(p["wait_s"])
         joined_at = time.time()
-        second = start_node(["--address", address, "--num-cpus", "1", "--temp-dir", str(temp / "second")], env, REPO)
+        nodes.join()
         grown = _first(events, driver, lambda e: e["size"] == 2 and e["t"] > joined_at, 300, "a step on 2 workers")
         time.sleep(p["wait_s"])
         stopped_at = time.time()
-        stop_node(second)
-        second = None
+        nodes.leave()
         shrunk = _first(events, driver, lambda e: e["size"] == 1 and e["t"] > stopped_at, 300,
                         "a step on 1 worker after the node stopped")
         driver.wait(timeout=60 + p["steps"] * p["step_seconds"] * 2)
@@ -113,11 +109,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
             raise RunFailed(f"the elastic run failed (exit {driver.returncode}): see {out / 'driver.log'}")
         ended = json.loads(said[-1])
     finally:
-        if driver is not None and driver.poll() is None:
-            driver.kill()
-        if second is not None:
-            stop_node(second)
-        stop_node(head)
+        nodes.close()
         shutil.rmtree(temp, ignore_errors=True)
     every = _events(events)
     result = {

@@ -56,3 +56,36 @@ def assert_process_group_gone(pgid: int, timeout: float = 30) -> None:
             return
         time.sleep(1)
     raise AssertionError(f"processes of group {pgid} still running after {timeout} s")
+
+
+class TwoNodes:
+    """A head of 1 CPU (`ray start --head --num-cpus 1`) and a second node of 1 CPU that joins and is stopped on
+    demand, each in a process group of its own: a cluster that grows and shrinks on one machine. ``close()`` kills
+    the ``driver`` given to it if it still runs, then stops what is still up."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, temp: Path, dashboard: bool = False):
+        self.env, self.cwd, self.temp = env, cwd, temp
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        shown = ["--include-dashboard", "true", "--dashboard-port", str(free_port())] if dashboard else [
+            "--include-dashboard", "false"]
+        self.head = start_node(["--head", "--num-cpus", "1", "--port", str(port), "--temp-dir", str(temp / "head"),
+                                *shown, "--ray-client-server-port", str(free_port())], env, cwd)
+        self.second: subprocess.Popen | None = None
+        self.driver: subprocess.Popen | None = None
+
+    def join(self) -> None:
+        self.second = start_node(["--address", self.address, "--num-cpus", "1", "--temp-dir",
+                                  str(self.temp / "second")], self.env, self.cwd)
+
+    def leave(self) -> None:
+        """The second node stopped by its process group: to the run, a node lost."""
+        second, self.second = self.second, None
+        stop_node(second)
+
+    def close(self) -> None:
+        if self.driver is not None and self.driver.poll() is None:
+            self.driver.kill()
+        if self.second is not None:
+            self.leave()
+        stop_node(self.head)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from app.backend import backend_of
@@ -151,6 +152,21 @@ def batches_line(plan: EpochPlan) -> str:
         return (f"{plan.dropped} training rows dropped per epoch (fewer than one per replica: a short last batch "
                 "would leave a replica none)")
     return f"{plan.dropped} training rows dropped per epoch (whole batches on every replica)"
+
+
+def begin(config: "TrainConfig", checked: Checked, num_workers: int, strategy: str) -> tuple[list[str], Path]:
+    """A Ray run's start once its checks passed: the plan logged, Ray joined (the local one started beside the
+    checks), then the output directory made. Returns the plan's lines and the directory."""
+    from app.driver import cluster, outputs
+    from app.ui import console
+
+    lines = plan_lines(config, checked, num_workers, 1, strategy)
+    for line in lines:
+        log.info(line)
+    cluster.connect(config)
+    out = outputs.prepare_output_dir(config)
+    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    return lines, out
 
 
 def elastic_line(config: "TrainConfig", checked: Checked, replicas_per_worker: int) -> str:
