@@ -35,11 +35,6 @@ class Backend:
     # workers: known once started)
     short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
 
-    @property
-    def checkpoints(self) -> str:
-        """Where its checkpoints live, as resume reads them."""
-        return "Ray Train's storage" if self.ray_train else "<output>/checkpoint"
-
 
 def runs_on_ray(backend: str) -> bool:
     """``--backend`` (of training or of jobs/predict.py): True for Ray workers, False for this process."""
