@@ -21,7 +21,8 @@ from app.ui import console
 class WorkerInputs:
     """What every worker reads its data from, decided once in the driver (``of``): its shards of the Ray
     Datasets (streamed files; Ray Train hands each worker its shard by name), or the splits put in the object
-    store once (in-memory data; each worker takes its slice of every epoch's permutation)."""
+    store once (in-memory data; each worker takes its part of every step's global batch of the epoch's seeded
+    order)."""
 
     facts: DataFacts  # as the driver's checks settled them (the task once the model is known)
     streamed: bool

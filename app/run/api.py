@@ -33,7 +33,7 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
 
 def driver(config: TrainConfig):
     """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
-    its ``dry_run_lines(config)`` is the plan. Imported on first use: only the chosen one loads."""
+    its ``dry_run_lines(config)`` is the plan. Imported here, not with this module: the Python API stays light."""
     from app.backends import local, ps, ray_train
 
     return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
