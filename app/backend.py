@@ -23,7 +23,6 @@ PARAMETER_SERVER = "parameter-server"
 @dataclass(frozen=True)
 class Backend:
     name: str  # the driver: "ray" (Ray Train + MultiWorkerMirroredStrategy), "parameter-server", "local"
-    strategy: str  # the --strategy each worker meets
     on_ray: bool  # the workers are Ray processes: the run needs a cluster, files stream through Ray Data
     ray_train: bool  # Ray Train starts the workers and keeps the checkpoints (checkpoint_* in its storage)
     parameter_servers: bool  # asynchronous workers, each update one worker's batch, variables on PS actors
@@ -45,13 +44,13 @@ def backend_of(config: "TrainConfig") -> Backend:
     """The backend ``config`` asks for (its cross-field rules, app.config, have refused impossible pairs)."""
     strategy = config.strategy
     if runs_on_ray(config.backend) and strategy == PARAMETER_SERVER:
-        return Backend(PARAMETER_SERVER, strategy, on_ray=True, ray_train=False, parameter_servers=True,
+        return Backend(PARAMETER_SERVER, on_ray=True, ray_train=False, parameter_servers=True,
                        pipeline=False, replicas=1, replicas_why="--strategy parameter-server: each update is one "
                        "worker's batch", counts_gpus=False, short_last_batch=False)
     if runs_on_ray(config.backend):
-        elastic = config.min_workers != config.max_workers  # replicas follow the cluster, one per worker
-        return Backend("ray", strategy, on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
-                       replicas=None if elastic else config.max_workers,
+        return Backend("ray", on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
+                       # an elastic run's replicas follow the cluster, one per worker
+                       replicas=None if config.elastic else config.max_workers,
                        replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False,
                        short_last_batch=True)
     one_replica = strategy in ("one-device", "pipeline")
@@ -61,6 +60,6 @@ def backend_of(config: "TrainConfig") -> Backend:
         replicas, why = config.devices, f"--devices {config.devices}"
     else:
         replicas, why = None, "the devices found"
-    return Backend("local", strategy, on_ray=False, ray_train=False, parameter_servers=False,
+    return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
                    counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline")

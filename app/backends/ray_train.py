@@ -25,14 +25,12 @@ from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
-
-# What the driver runs.
-
 # Resuming at an exact step needs every epoch's order of rows known to every worker, whatever their number.
 STEP_EXACT = ("--num-workers MIN:MAX and --checkpoint-every-steps go on from an exact step of a seeded global order of "
               "rows, which in-memory data has (built-in datasets, .npz/.npy files, data functions returning arrays); "
               "{what} streams through Ray Data, split per worker: give a fixed --num-workers and no "
               "--checkpoint-every-steps, or load it as arrays")
+
 
 def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_path: str | None = None,
         name: str | None = None, start_from: str | None = None) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,8 +67,6 @@ class Progress:
 
     def sized(self, workers: int, nodes_before: "list[str] | None" = None) -> str | None:
         """Record this attempt's size if it is a new one; the console's line for a resize (None: no resize)."""
-        import time
-
         last = self.workers_over_time[-1]["workers"] if self.workers_over_time else None
         if last == workers:
             return None
