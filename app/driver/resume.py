@@ -46,6 +46,11 @@ class Start:
     def epoch(self) -> int:
         return self.state["epoch"]
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epochs done, steps done in the next one): a checkpoint inside an epoch is after its epoch's start."""
+        return self.state["epoch"], self.state.get("step", 0)
+
 
 def check(config: "TrainConfig", weights: Sequence[tuple[str, tuple[int, ...]]],
           global_batch: Optional[int] = None) -> Optional[Start]:
@@ -89,7 +94,7 @@ def latest(config: "TrainConfig") -> Optional[Start]:
     if not found:
         return None
     own = backend_of(config).ray_train
-    return max(found, key=lambda s: (s.epoch, s.ray_train == own))  # a tie: this backend's own
+    return max(found, key=lambda s: (s.position, s.ray_train == own))  # a tie: this backend's own
 
 
 def _local_latest(out: Path) -> Optional[Start]:
@@ -102,7 +107,7 @@ def _local_latest(out: Path) -> Optional[Start]:
 
 
 def _ray_latest(config: "TrainConfig") -> Optional[Start]:
-    """The complete checkpoint of the highest epoch in the recorded Ray Train run's storage (read with pyarrow,
+    """The complete checkpoint furthest on (epoch, then step) in the recorded Ray Train run's storage (read with pyarrow,
     local or remote; no Ray needed)."""
     import pyarrow.fs as pafs
 
@@ -126,7 +131,7 @@ def _ray_latest(config: "TrainConfig") -> Optional[Start]:
                 state = json.loads(f.read())
         except (OSError, ValueError):
             continue
-        if best is None or state["epoch"] > best[0]["epoch"]:
+        if best is None or (state["epoch"], state.get("step", 0)) > (best[0]["epoch"], best[0].get("step", 0)):
             best = state, entry.path
     if best is None:
         return None
@@ -182,7 +187,8 @@ def plan_line(config: "TrainConfig", start: Optional[Start], plan: "EpochPlan", 
     before_config, before_plan, before_lr = state.get("config", {}), state.get("plan", {}), state.get("lr_plan", {})
     finished = before_config.get("epochs", config.epochs) <= start.epoch
     head = (f"resume: the finished run {out.name} ({_epochs(start.epoch)}) goes on to {config.epochs} epochs"
-            if finished else f"resume: run {out.name} goes on from epoch {start.epoch} of {config.epochs}")
+            if finished else f"resume: run {out.name} goes on from epoch {start.epoch} of {config.epochs}"
+            + (f", {start.position[1]} steps into epoch {start.epoch + 1}" if start.position[1] else ""))
     steps = (state.get("history") or [{}])[-1].get("optimizer_steps")
     carried = f"optimizer state ({steps} steps taken) carries over" if steps is not None else \
         "optimizer state carries over"

@@ -13,6 +13,7 @@ once, and reads top to bottom.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
@@ -156,9 +157,11 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         progress.step += k
         if config.checkpoint_every_steps and progress.step % config.checkpoint_every_steps == 0 \
                 and progress.step < plan.updates:  # the epoch's end has its own checkpoint
-            # Not an epoch's score: NaN ranks it below every epoch's (Ray Train keeps the best N and the latest).
+            # Not an epoch's score: the worst finite one ranks it below every epoch's (Ray Train keeps the best N and
+            # the latest). Finite: Ray records scores as JSON, where NaN and infinities come back as null.
+            worst = -sys.float_info.max if job.objective.mode == "max" else sys.float_info.max
             save({"epoch": progress.epoch, "step": progress.step, "workers": session.world,
-                  f"val_{job.objective.metric}": float("nan")})
+                  f"val_{job.objective.metric}": worst})
 
     try:
         hooks.train_begin()
