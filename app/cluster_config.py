@@ -17,6 +17,10 @@ two mistakes that Ray lets through without a word:
 - a top-level min_workers on a cloud provider (fillout_defaults drops it: only the
   node types' min_workers count there).
 
+It also refuses what the shipped files leave for the user to fill in (PLACEHOLDERS:
+ami-REPLACE-ME, HEAD_IP, ...), naming the file's line: Ray would accept them, and `ray up`
+would fail only later, in EC2 or in SSH.
+
 Both Ray functions live in a private module: app.internals reaches them (one
 more reason Ray is pinned in pyproject.toml), and tests/test_internals.py checks
 that `ray up` still runs them.
@@ -27,6 +31,7 @@ that `ray up` still runs them.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,33 @@ from app.errors import UserError
 
 class ClusterConfigError(UserError):
     """A cluster config that `ray up` would refuse, or would run differently from what it says."""
+
+
+# Values in the shipped cluster*.yaml that only say "put yours here" (tests/test_cluster_config.py checks that
+# these are all the markers the shipped files use, and that each is refused).
+PLACEHOLDERS = ("REPLACE-ME", "HEAD_IP", "WORKER_IP_<n>", "SSH_USER")
+# ... as whole words: a start command's $RAY_HEAD_IP is Ray's variable, not a placeholder.
+_PLACEHOLDER = re.compile(r"REPLACE-ME|(?<![\w$])(?:HEAD_IP|WORKER_IP_\d+|SSH_USER)(?!\w)")
+
+
+def placeholders(text: str) -> list[tuple[int, str, str]]:
+    """(line, key path, value) of every scalar value of the YAML text that still holds a placeholder."""
+    found: list[tuple[int, str, str]] = []
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                walk(value, f"{path}.{key.value}" if path else str(key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(node, yaml.ScalarNode) and _PLACEHOLDER.search(node.value):
+            found.append((node.start_mark.line + 1, path, node.value))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, "")
+    return found
 
 
 def load_cluster_config(path: str | Path) -> dict[str, Any]:
@@ -102,7 +134,14 @@ def check_cluster_config(config: dict[str, Any], source: str = "cluster config")
 
 
 def check_cluster_config_file(path: str | Path) -> dict[str, Any]:
-    return check_cluster_config(load_cluster_config(path), source=str(path))
+    """check_cluster_config on the file, after refusing any placeholder left in it, each by its line."""
+    config = load_cluster_config(path)
+    left = placeholders(Path(path).read_text())
+    if left:
+        raise ClusterConfigError("\n".join(
+            f"{path}:{line}: {key} is still the placeholder {value!r}: put yours there (the lines marked CHANGE)"
+            for line, key, value in left))
+    return check_cluster_config(config, source=str(path))
 
 
 def describe(config: dict[str, Any]) -> str:
@@ -125,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = check_cluster_config_file(path)
         except ClusterConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            for line in str(e).splitlines():  # one per placeholder left
+                print(f"error: {line}", file=sys.stderr)
             status = 2
         else:
             print(f"{path}: ok: {describe(config)}")

@@ -2,23 +2,38 @@
 
 Ray's own functions do the work (ray.autoscaler._private.util.prepare_config, then
 validate_config, as ray/autoscaler/_private/commands.py:_bootstrap_config does);
-app.cluster_config adds the min_workers <= max_workers checks that Ray skips.
-No Ray is started and nothing talks to AWS.
+app.cluster_config adds the min_workers <= max_workers checks that Ray skips, and refuses the placeholders the shipped
+files leave for the user, by line. No Ray is started and nothing talks to AWS.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from app.cluster_config import ClusterConfigError, check_cluster_config, load_cluster_config, main
+from app.cluster_config import ClusterConfigError, check_cluster_config, load_cluster_config, main, placeholders
 from conftest import REPO
 
 SHIPPED = sorted(REPO.glob("cluster*.yaml"))
+
+# What a user puts in place of each placeholder of the shipped files.
+FILLED_IN = {"ami-REPLACE-ME": "ami-0123456789abcdef0", "~/.ssh/REPLACE-ME": "~/.ssh/id_ed25519",
+             "head_ip: HEAD_IP": "head_ip: 10.0.0.1", "- WORKER_IP_1": "- 10.0.0.2", "- WORKER_IP_2": "- 10.0.0.3",
+             "ssh_user: SSH_USER": "ssh_user: ubuntu"}
+
+
+def filled_in(path, tmp_path):
+    text = path.read_text()
+    for placeholder, value in FILLED_IN.items():
+        text = text.replace(placeholder, value)
+    copy_ = tmp_path / path.name
+    copy_.write_text(text)
+    return copy_
 
 
 def shipped(name: str) -> dict:
@@ -59,6 +74,58 @@ def test_shipped_config_keeps_auth_on_and_the_dashboard_private(path):
     assert "BEGIN" not in text and not re.search(r"(?i)aws_(secret|access_key|session_token)", text)
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_is_valid_against_rays_own_schema_file(path):
+    """The JSON schema the autoscaler ships (the one validate_config reads), on what `ray up` validates: the file
+    after prepare_config (for provider local it moves the top-level min_workers, which the schema does not
+    take, into the node type it makes)."""
+    import json
+
+    import ray.autoscaler
+
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    raw = load_cluster_config(path)
+    jsonschema.validate(prepare_config(copy.deepcopy(raw)), schema)
+    if raw["provider"]["type"] == "aws":
+        jsonschema.validate(raw, schema)  # the AWS file is valid as written, too
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_placeholders_are_refused_each_by_its_line_and_a_filled_in_copy_is_accepted(path, tmp_path, capsys):
+    lines = path.read_text().splitlines()
+    assert main([str(path)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors and all(e.startswith(f"error: {path}:") for e in errors), errors
+    for error in errors:  # the line it names holds the placeholder it quotes
+        line, value = re.match(rf"error: {re.escape(str(path))}:(\d+): .* placeholder '([^']+)'", error).groups()
+        assert value in lines[int(line) - 1], (error, lines[int(line) - 1])
+    assert len(errors) == sum(line.split("#")[0].count(marker) for line in lines for marker in FILLED_IN)
+
+    assert main([str(filled_in(path, tmp_path))]) == 0
+    assert f"\n{tmp_path / path.name}: ok: " in "\n" + capsys.readouterr().out  # (after Ray's own warnings)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_value_that_looks_like_a_placeholder_is_one_that_is_refused(path):
+    """A new marker in a shipped file (ACCOUNT_ID, <bucket>, ...) must be one app.cluster_config refuses."""
+    refused = {value for _, _, value in placeholders(path.read_text())}
+
+    def values(node, key=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if not str(k).endswith("_commands"):  # shell: $RAY_HEAD_IP, PATH=... are the shell's
+                    yield from values(v, str(k))
+        elif isinstance(node, list):
+            for item in node:
+                yield from values(item, key)
+        elif isinstance(node, str):
+            yield node
+
+    looks = {v for v in values(load_cluster_config(path))
+             if re.search(r"REPLACE|TODO|<[^>]+>|^[A-Z][A-Z0-9]*(_[A-Z0-9]+)+$", v)}
+    assert looks and looks == refused, (looks, refused)
+
+
 def test_aws_config_has_an_autoscaling_gpu_worker_type():
     config = check_cluster_config(shipped("cluster.yaml"))
     assert config["provider"]["type"] == "aws"
@@ -66,6 +133,8 @@ def test_aws_config_has_an_autoscaling_gpu_worker_type():
     assert "GPU" not in head["resources"]
     gpu = config["available_node_types"]["ray.worker.gpu"]
     assert gpu["node_config"]["InstanceType"].startswith("g5.")
+    # Rank 0 writes checkpoints to --storage-path s3://... from a worker: the workers get an instance profile.
+    assert gpu["node_config"]["IamInstanceProfile"] == {"Name": "ray-autoscaler-v1"}
     assert gpu["resources"]["GPU"] >= 1
     assert gpu["min_workers"] < gpu["max_workers"] <= config["max_workers"]
 
@@ -133,7 +202,8 @@ def test_missing_provider_is_refused():
 def test_command_line_names_the_problem(tmp_path, capsys):
     bad = tmp_path / "cluster_bad.yaml"
     bad.write_text((REPO / "cluster.yaml").read_text() + "\nmax_worker: 8\n")
-    assert main([str(REPO / "cluster.yaml"), str(REPO / "cluster_ssh.yaml")]) == 0
+    assert main([str(filled_in(REPO / "cluster.yaml", tmp_path)), str(filled_in(REPO / "cluster_ssh.yaml", tmp_path))]) == 0
+    bad.write_text(filled_in(REPO / "cluster.yaml", tmp_path).read_text() + "\nmax_worker: 8\n")
     assert main([str(bad)]) == 2
     err = capsys.readouterr().err
     assert "cluster_bad.yaml: top level: Additional properties are not allowed ('max_worker' was unexpected)" in err
