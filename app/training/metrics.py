@@ -57,10 +57,21 @@ def cross_worker_sum(strategy, local: np.ndarray) -> np.ndarray:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    """This process's peak resident memory so far, in MiB, on every platform.
+
+    The Unix kernels keep it in getrusage's ru_maxrss (KiB on Linux, bytes on macOS); Windows has no
+    `resource` module, and psutil reads its peak working set there. psutil has no peak on Linux or macOS
+    (only the current RSS), hence the two sources."""
+    import sys
+
+    if sys.platform == "win32":
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset / 2**20
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def largest_peak_rss(strategy, rank: int, world: int) -> float:
