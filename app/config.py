@@ -90,6 +90,7 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
                             "app.fit read: give --export keras,savedmodel")
         if self.inputs is not None:
             problems.extend(_inputs_problems(self))
+        problems.extend(_builtin_data_problems(self))
         problems.extend(_scale_problems(self))
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite replaces it: pick one")
@@ -176,6 +177,10 @@ def _scale_problems(config: TrainConfig) -> list[str]:
         found.append(split)
     if config.global_batch is not None and config.strategy == "parameter-server":
         found.append("--global-batch: a parameter-server update is one worker's batch; give --per-replica-batch")
+    # A file written by to_yaml holds every field: a value other than the default is what was asked for.
+    if not config.elastic and config.resize_check_s != TrainConfig.model_fields["resize_check_s"].default:
+        found.append(f"--resize-check-s is how often an elastic run (--num-workers MIN:MAX) looks for room to grow; "
+                     f"this run has a fixed {config.num_workers} worker(s): leave it out")
     if config.checkpoint_every_steps is not None:
         if config.backend != "ray" or config.strategy == "parameter-server":
             found.append("--checkpoint-every-steps checkpoints Ray Train's synchronous workers inside an epoch: use "
@@ -196,11 +201,40 @@ def _inputs_problems(config: TrainConfig) -> list[str]:
         problems.append(f"--inputs takes NAME or NAME=COLUMN items, one per model input, got {config.inputs}")
     elif len(set(names)) != len(names):
         problems.append(f"--inputs names an input twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    else:
+        columns = config.input_columns()
+        for name, column in columns.items():
+            if column == config.label_column:
+                problems.append(f"--inputs {name}={column}: {column!r} is the label column (--label-column): give "
+                                f"input {name!r} a feature column, or name the label column with --label-column")
+        read_by: dict[str, list[str]] = {}
+        for name, column in columns.items():
+            read_by.setdefault(column, []).append(name)
+        for column, names_of in read_by.items():
+            if len(names_of) > 1:  # one column cannot be two inputs of one row table
+                problems.append(f"--inputs reads column {column!r} into {len(names_of)} inputs ({', '.join(names_of)}): "
+                                "give each input a column of its own (NAME=COLUMN)")
     for flag, value in (("--feature-columns", config.feature_columns), ("--text-column", config.text_column),
                         ("--feature-shape", config.feature_shape)):
         if value:
             problems.append(f"--inputs gives each named input its column: leave out {flag}")
     return problems
+
+
+# File-column flags: a built-in dataset is arrays, with no columns for them to name.
+_COLUMN_FLAGS = ("feature_columns", "inputs", "text_column", "label_column", "data_format")
+
+
+def _builtin_data_problems(config: TrainConfig) -> list[str]:
+    """Column flags given with a built-in dataset: they would be ignored, so they are refused."""
+    if not (isinstance(config.dataset, str) and config.dataset in registry.DATASETS):
+        return []
+    given = [name for name in _COLUMN_FLAGS if getattr(config, name) != TrainConfig.model_fields[name].default]
+    if not given:
+        return []
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    return [f"{flags}: the built-in dataset {config.dataset!r} is arrays with no columns to name; leave "
+            f"{'it' if len(given) == 1 else 'them'} out, or give --dataset your files"]
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}

@@ -25,8 +25,8 @@ def parse_workers(value: Any) -> Any:
         if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ValueError(f"takes {WORKERS_FORMAT}")
         low, high = value
-        if low < 1:
-            raise ValueError(f"MIN {low} must be at least 1")
+        if min(low, high) < 1:  # checked first: swapping a range with a 0 in it gives another bad range
+            raise ValueError(f"{'MIN' if low < 1 else 'MAX'} {min(low, high)} must be at least 1")
         if low > high:
             raise ValueError(f"MIN {low} is larger than MAX {high}; give {high}:{low}")
         return low if low == high else (low, high)

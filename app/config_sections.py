@@ -23,7 +23,8 @@ CallbacksSpec = Union[str, Callable[..., Any], list[Any]]  # or a list of keras.
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    # A float field takes a finite number: inf or nan in a timeout, an interval or a rate is no setting at all.
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
 
 class RunSection(_Section):

@@ -62,7 +62,9 @@ def looks_like_path(name: str) -> bool:
     """A --dataset value that names files rather than a built-in dataset (existence is checked later)."""
     if is_plugin(name):
         return False
-    return "://" in name or "/" in name or os.sep in name or name.rsplit(".", 1)[-1].lower() in FILE_EXTENSIONS
+    # A path that exists is a path, whatever it looks like (./data); a built-in name stays the built-in.
+    exists = name not in DATASETS and os.path.exists(os.path.expanduser(name))
+    return exists or "://" in name or "/" in name or os.sep in name or name.rsplit(".", 1)[-1].lower() in FILE_EXTENSIONS
 
 
 def is_dataset_name(value: str) -> bool:

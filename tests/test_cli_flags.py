@@ -43,12 +43,13 @@ def assert_one_line_error(p, *words: str) -> None:
 
 
 def test_list_flag_with_one_value_is_a_one_item_list():
-    assert train("--feature-columns", "features").feature_columns == ["features"]
+    assert train("--dataset", "d.parquet", "--feature-columns", "features").feature_columns == ["features"]
 
 
 def test_list_flag_with_several_values():
-    assert train("--feature-columns", "f0", "f1", "f2").feature_columns == ["f0", "f1", "f2"]
-    assert train("--feature-columns", "f0", "f1", "--epochs", "3").epochs == 3  # the list stops at the next flag
+    assert train("--dataset", "d.parquet", "--feature-columns", "f0", "f1", "f2").feature_columns == ["f0", "f1", "f2"]
+    # the list stops at the next flag
+    assert train("--dataset", "d.parquet", "--feature-columns", "f0", "f1", "--epochs", "3").epochs == 3
 
 
 def test_optional_list_left_out_stays_unset():
@@ -130,7 +131,7 @@ def test_out_of_range_value_is_the_configs_one_line(capsys):
 
 def test_config_file_is_below_flags(tmp_path):
     file = tmp_path / "my.yaml"
-    file.write_text("epochs: 3\nper_replica_batch: 16\nfeature_columns: [a, b]\nshuffle: false\n")
+    file.write_text("epochs: 3\nper_replica_batch: 16\ndataset: d.parquet\nfeature_columns: [a, b]\nshuffle: false\n")
     config = train("--config", str(file), "--epochs", "5")
     assert (config.epochs, config.per_replica_batch, config.feature_columns, config.shuffle) \
         == (5, 16, ["a", "b"], False)
@@ -180,10 +181,12 @@ def test_help_groups_flags_by_section_with_descriptions_and_defaults(capsys):
 
 def test_tune_args_own_flags_and_fixed_config_flags(capsys):
     args = cli.tune_args("test", ["--space", "s.yaml", "--num-workers", "4", "--epochs", "10", "--max-concurrent", "2",
-                                  "--scheduler", "fifo", "--feature-columns", "x", "--output", "runs/t"])
+                                  "--scheduler", "fifo", "--dataset", "d.parquet", "--feature-columns", "x", "--output",
+                                  "runs/t"])
     assert (args.space, args.num_samples, args.scheduler, args.metric, args.mode, args.max_concurrent, args.output) \
         == ("s.yaml", 1, "fifo", None, None, 2, "runs/t")
-    assert args.fixed == {"num_workers": 4, "epochs": 10, "feature_columns": ["x"]}  # only what was typed
+    # only what was typed
+    assert args.fixed == {"num_workers": 4, "epochs": 10, "dataset": "d.parquet", "feature_columns": ["x"]}
     assert "--space FILE" in refused(capsys, cli.tune_args, "--epochs", "3")
     for flag, reason in [("--overwrite", "never overwritten"), ("--resume", "same --output to resume"),
                          ("--backend", "every trial is a Ray Train run"), ("--config", "reads no config file"),
@@ -228,12 +231,24 @@ def test_importing_cli_stays_light():
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory, joined):
     """The dry runs below, two at a time, joining the session's Ray (as a job would): {name: (output, process)}."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     root = tmp_path_factory.mktemp("dry-runs")
     (root / "my.yaml").write_text("epochs: 0\nlr_scaling: sqrt\n")
+    # Columns to name (the built-in data has none): a list column of 64 values, three scalars, 10 classes; read in
+    # the process (--backend local), as they would be on Ray.
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"features": pa.array(list(rng.normal(size=(200, 64)).astype("float32")),
+                                                  type=pa.list_(pa.float32())),
+                             **{f"f{i}": rng.normal(size=200) for i in range(3)}, "label": np.arange(200) % 10}),
+                   root / "rows.parquet")
+    files = ["--dataset", str(root / "rows.parquet"), "--backend", "local"]
     runs = {
-        "one value": ["--feature-columns", "features", "--synthetic-shape", "8", "8", "3", "--image-size", "32", "32",
+        "one value": [*files, "--feature-columns", "features", "--synthetic-shape", "8", "8", "3", "--image-size", "32", "32",
                       "--no-shuffle", "--no-use-gpu", "--model-args", json.dumps({"hidden_units": [8]})],
-        "several values": ["--feature-columns", "f0", "f1", "f2", "--hidden-units", "16", "8", "--shuffle",
+        "several values": [*files, "--feature-columns", "f0", "f1", "f2", "--hidden-units", "16", "8", "--shuffle",
                            "--overwrite", "--per-replica-batch", "16"],
         "flag over file": ["--config", str(root / "my.yaml"), "--epochs", "2"],
         "file alone": ["--config", str(root / "my.yaml")],
@@ -254,8 +269,8 @@ def test_subprocess_dry_run_one_value_list_int_lists_bools_off_model_args(dry_ru
 def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
     out, p = dry_runs["several values"]
     assert p.returncode == 0, p.stderr
-    assert "model: mlp, 1,266 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 64x16+16 + 16x8+8 + 8x10+10
-    assert "global batch 32 (= 16 per replica)" in p.stdout
+    assert "model: mlp, 290 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 3x16+16 + 16x8+8 + 8x10+10
+    assert "global batch 16 (= 16 per replica)" in p.stdout  # --backend local on a CPU: one replica
     assert not out.exists()
 
 

@@ -87,6 +87,8 @@ def _in_memory(value: Any, config: "TrainConfig", what: str) -> Rows:
             y = concatenated(y, val[1])
     inputs = x if isinstance(x, dict) else {X: x}
     n = len(first(x))
+    if not n:
+        raise UserError(f"{what} has no rows to predict (0 examples): give data with at least one row")
     for name, a in inputs.items():
         if a.ndim < 2 or len(a) != n or not n or a.dtype.kind not in "fiub":
             where = f"x[{name!r}]" if isinstance(x, dict) else "x"

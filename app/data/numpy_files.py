@@ -64,6 +64,10 @@ def load_numpy(config: "TrainConfig", uri: str) -> tuple[np.ndarray, np.ndarray]
         )
     if config.text_column:
         raise UserError("--text-column needs a parquet or CSV dataset (numpy arrays hold numbers)")
+    if config.inputs:
+        raise UserError(f"dataset {uri!r}: --inputs feeds named inputs from parquet, CSV or TFRecord columns, not from "
+                        "numpy arrays; for a model of several inputs, give a data function (--dataset file.py:function) "
+                        "that returns ({'name': array, ...}, labels), or write the arrays as parquet columns")
     arrays = _numpy_arrays(loc)
     names = sorted(arrays)
     if config.label_column not in arrays:

@@ -10,10 +10,12 @@ problem is one UserError line; nothing here creates the output directory.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from app import config_scale
 from app.backend import backend_of
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
@@ -122,6 +124,9 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
         from app.training.callbacks import check as check_callbacks
 
         summary["callbacks"] = check_callbacks(config, objective)
+    if config.global_batch is not None and config.global_batch > facts.num_train_rows:
+        sizes = config_scale.sizes(config.num_workers) if config.elastic else [num_workers]
+        raise UserError(global_batch_too_large(config, facts.num_train_rows, [n * replicas_per_worker for n in sizes]))
     plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker,
                              short_last=objective.short_last_batch).check()
     checked = Checked(source, facts, objective, summary)
@@ -130,6 +135,15 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
 
         checked.resumed = resume.check(config, summary["weights"], plan.global_batch)
     return checked
+
+
+def global_batch_too_large(config: "TrainConfig", rows: int, replicas: Sequence[int]) -> str:
+    """--global-batch above the training rows, and the largest batch that fits them and splits over every count of
+    ``replicas`` the run may have."""
+    step = math.lcm(*(n * config.grad_accum for n in replicas))
+    fits = rows // step * step
+    fix = f"use --global-batch {fits}" if fits else "give more training rows, or fewer workers"
+    return f"--global-batch {config.global_batch} is larger than the {rows} training rows: {fix}"
 
 
 def lr_line(lr, objective, config: "TrainConfig") -> str:
