@@ -72,6 +72,7 @@ class TuneArgs:
     mode: str | None
     max_concurrent: int | None
     output: str | None
+    dry_run: bool  # --dry-run: check the space and every trial's config, print the plan; no Ray, nothing written
     fixed: dict[str, Any]  # config fields given as flags (only those typed), fixed for every trial
 
 
@@ -215,6 +216,9 @@ def _tune_flags() -> type:
         output: Annotated[str | None, none, tyro.conf.arg(
             metavar="DIR", help="Sweep directory; rerun with it to resume an interrupted sweep.",
             help_behavior_hint="(default: runs/tune-<timestamp>)")] = None
+        dry_run: Annotated[bool, tyro.conf.FlagCreatePairsOff, tyro.conf.arg(
+            help="Check the space and every trial's config, and print the plan; start no Ray, create nothing.",
+            help_behavior_hint="")] = False
 
     Sweep.__doc__ += " Not for a sweep: " + "; ".join(f"{_flag(n)} ({why})" for n, why in NOT_FOR_TUNE.items()) + "."
     return Sweep

@@ -3,6 +3,7 @@
     python jobs/tune.py --space tune_spaces/lr_scaling.yaml
     python jobs/tune.py --space tune_spaces/smoke.yaml --scheduler fifo --output runs/tune-smoke
     python jobs/tune.py --space my_space.yaml --num-workers 4 --epochs 10 --max-concurrent 2
+    python jobs/tune.py --space my_space.yaml --global-batch 256 --dry-run   # every trial's config checked, no Ray
 
 Flags of jobs/train.py (--num-workers, --epochs, --dataset, --model, ...) fix that value for every trial;
 --storage-path puts every trial's checkpoints under <storage-path>/<sweep>/<trial>/. The few that make no
@@ -24,6 +25,10 @@ def main() -> None:
 
         # The plan, a line per trial event, the trials by the metric and the best config: said by the sweep.
         output = args.output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        if args.dry_run:
+            print("\n".join(tune.dry_run_lines(args.space, args.fixed, output, args.num_samples, args.scheduler,
+                                               args.metric)))
+            return
         tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples, scheduler=args.scheduler,
                    metric=args.metric, mode=args.mode, max_concurrent=args.max_concurrent)
 

@@ -366,9 +366,12 @@ def test_bad_data_is_one_line_before_training_and_never_touches_an_earlier_run(r
     from conftest import clean_env, run_jobs_at_once
 
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    from app.driver import output_guard
+
     earlier = tmp_path / "earlier"
     earlier.mkdir()
     (earlier / "result.json").write_text(json.dumps({"epochs_completed": 15}))
+    (earlier / output_guard.MARKER).write_text(json.dumps({"kind": "train"}))  # a run's: --overwrite may replace it
     cases = bad_data_cases(tmp_path)
     # Two at a time (each is mostly a TensorFlow import): all of them refuse before touching the directory.
     runs = run_jobs_at_once(*(["jobs/train.py", "--output", str(earlier), "--overwrite", *args] for args, _ in cases),
@@ -378,4 +381,4 @@ def test_bad_data_is_one_line_before_training_and_never_touches_an_earlier_run(r
         assert p.stderr.strip().splitlines() == [p.stderr.strip().splitlines()[-1]], (args, p.stderr[-3000:])
         assert p.stderr.startswith("error: ") and words in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stdout + p.stderr and p.seconds < 60, (args, p.seconds)
-    assert sorted(q.name for q in earlier.iterdir()) == ["result.json"]
+    assert sorted(q.name for q in earlier.iterdir()) == [output_guard.MARKER, "result.json"]

@@ -131,7 +131,7 @@ BAD_INPUT = [
     (["--feature-columns", "feature"], "feature column 'feature' not found in dataset"),
     (["--feature-columns", "id", "label"], "do not fit the model: feature column(s) id, label give examples of "
                                            "shape (2,) (2 values), the model takes (16,)"),
-    (["--output", "{run}"], "already exists: choose another --output, or --overwrite"),
+    (["--output", "{run}"], "contains the model '"),  # the run's model.keras, which the prediction reads
 ]
 
 

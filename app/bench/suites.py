@@ -38,6 +38,7 @@ from app.bench import (
     sweep_cost,
 )
 from app.bench.preset import Preset, load, parse_sets, preset_file
+from app.driver import output_guard
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
@@ -60,5 +61,10 @@ def default_output(suite: str) -> Path:
 def run(preset: Preset, output: Optional[str], command: str) -> list[Path]:
     """Run the preset's suite; the files it wrote (into ``output``, by default under runs/)."""
     out = (Path(output) if output else default_output(preset.suite)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    return SUITES[preset.suite].run(preset, out, command)
+    # Results are added to an earlier benchmark's directory (the memory suite's phases), never to anyone else's.
+    output_guard.check(out, "benchmark", reuse=True)
+    output_guard.take(out, "benchmark")
+    try:
+        return SUITES[preset.suite].run(preset, out, command)
+    finally:
+        output_guard.release(out)

@@ -13,6 +13,7 @@ from typing import Any
 from app import registry
 from app.backend import backend_of
 from app.config import CONFIG_FILE, TrainConfig
+from app.driver import output_guard
 from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
 from app.training.export import SAVED_MODEL_DIR, export_saved_model
@@ -28,41 +29,45 @@ CURVES_FILE = "curves.png"
 AUDIT_FILE = "audit_sample_ids.json"  # per epoch, the ids every replica trained on
 
 
+def train_reads(config: TrainConfig) -> dict[str, Path]:
+    """What a training run reads from disk, by flag: the output guard keeps --output off all of it."""
+    return output_guard.reads_of({"--dataset": config.dataset, "--val-dataset": config.val_dataset,
+                                  "--model": config.model, "--callbacks": config.callbacks})
+
+
 def check_output_dir(config: TrainConfig) -> None:
-    """Refuse at once (before data, model or Ray) an output directory that a new run would have to touch."""
-    out = config.output_dir()
-    if config.resume or not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
-    if not config.overwrite:
-        raise UserError(
-            f"output {str(out)!r} already exists: choose another --output, pass --resume to continue an "
-            "unfinished run there, or --overwrite to replace it"
-        )
-    if not out.is_dir():
-        raise UserError(f"output {str(out)!r} is a file, not a directory")
+    """Refuse at once (before data, model or Ray) an output directory that a new run may not write or replace
+    (app.driver.output_guard)."""
+    output_guard.check(config.output_dir(), "train", train_reads(config), overwrite=config.overwrite,
+                       resume=config.resume)
 
 
 def prepare_output_dir(config: TrainConfig) -> Path:
-    """Create the output directory; never touch an existing one without --overwrite or --resume."""
+    """Create the output directory once the run's checks have passed; an existing one is replaced only with
+    --overwrite and only when this product wrote it for a run, or continued with --resume."""
     out = config.output_dir()
     if config.storage_path and not backend_of(config).ray_train:
         log.warning("--storage-path is where Ray Train keeps checkpoints; this run keeps its own in %s",
                     out / LOCAL_CHECKPOINTS)
+    check_output_dir(config)
     if config.resume:
         if not (out / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {str(out)!r} holds no {CONFIG_FILE}")
+        output_guard.take(out, "train")
         # Whether there is anything left to train (a finished run, more --epochs) was decided in preflight
         # (app.driver.resume). The config now in force (another worker count, more epochs) is what a later
         # --resume reads.
         (out / CONFIG_FILE).write_text(recorded_config(config, out))
         return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        check_output_dir(config)
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    output_guard.take(out, "train", replace=config.overwrite)
     # Written first, so that even a failed run leaves the config it was started with.
     (out / CONFIG_FILE).write_text(recorded_config(config, out))
     return out
+
+
+def release_output_dir(config: TrainConfig) -> None:
+    """The run is over (finished or failed): another job may now replace or resume its directory."""
+    output_guard.release(config.output_dir())
 
 
 # Where and how a run was started, not what it trains: left out of config.yaml, so that the file

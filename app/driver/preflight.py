@@ -124,17 +124,25 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
         from app.training.callbacks import check as check_callbacks
 
         summary["callbacks"] = check_callbacks(config, objective)
-    if config.global_batch is not None and config.global_batch > facts.num_train_rows:
-        sizes = config_scale.sizes(config.num_workers) if config.elastic else [num_workers]
-        raise UserError(global_batch_too_large(config, facts.num_train_rows, [n * replicas_per_worker for n in sizes]))
-    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker,
-                             short_last=objective.short_last_batch).check()
+    plan = checked_plan(config, facts.num_train_rows, num_workers, replicas_per_worker, objective.short_last_batch)
     checked = Checked(source, facts, objective, summary)
     if config.resume:
         from app.driver import resume
 
         checked.resumed = resume.check(config, summary["weights"], plan.global_batch)
     return checked
+
+
+def checked_plan(config: "TrainConfig", rows: int, num_workers: int, replicas_per_worker: int = 1,
+                 short_last: bool = False) -> EpochPlan:
+    """The epoch plan at ``num_workers``, refused in one line when its batch does not fit the training rows (at
+    every size of an elastic run)."""
+    sizes = list(config_scale.sizes(config.num_workers)) if config.elastic else [num_workers]
+    if config.global_batch is not None and config.global_batch > rows:
+        raise UserError(global_batch_too_large(config, rows, [n * replicas_per_worker for n in sizes]))
+    for n in sizes:
+        EpochPlan.for_run(config, rows, n, replicas_per_worker, short_last=short_last).check()
+    return EpochPlan.for_run(config, rows, num_workers, replicas_per_worker, short_last=short_last)
 
 
 def global_batch_too_large(config: "TrainConfig", rows: int, replicas: Sequence[int]) -> str:

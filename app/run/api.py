@@ -28,7 +28,10 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
         from app.driver import outputs
 
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
-        return driver(config).run(config, started_at)
+        try:
+            return driver(config).run(config, started_at)
+        finally:
+            outputs.release_output_dir(config)  # this process is done with it (a notebook goes on)
 
 
 def driver(config: TrainConfig):

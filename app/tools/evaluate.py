@@ -9,6 +9,7 @@ from typing import Any
 
 from app.backend import backend_of
 from app.config import TrainConfig
+from app.driver import output_guard
 from app.errors import UserError
 from app.tools import trained
 from app.training import checkpoint, model_file
@@ -70,6 +71,9 @@ def _data(config: TrainConfig):
 
 
 def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path) -> dict[str, Any]:
+    """The metrics, written to ``out_file`` beside the model; refused at once when another job is writing there
+    (a run being trained or replaced: its model may change under the evaluation)."""
+    output_guard.check_not_being_written(Path(out_file).parent)
     metrics = evaluate_model(model_path, config)
     metrics["model"] = str(model_path)
     metrics["dataset"] = config.model_dump(mode="json")["dataset"]  # a function as "module:name"

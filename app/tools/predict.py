@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from app.backend import BACKENDS, backend_of
+from app.driver import output_guard
 from app.errors import RunFailed, UserError
 from app.tools.trained import Trained
 
@@ -71,14 +71,13 @@ def predict(found: Trained, options: PredictOptions, given: Any = None) -> dict[
 
 def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, Any]:
     from app.data import inference
-    from app.ui import console
 
     started = time.time()
     keep = tuple(dict.fromkeys(options.keep_columns))
     config = found.config.model_copy(update={"backend": options.backend, "num_workers": options.num_workers,
                                              "cpus_per_worker": options.cpus_per_worker, "use_gpu": options.use_gpu})
     out = Path(options.output).expanduser().resolve()
-    _check_output(out, options.overwrite)
+    output_guard.check(out, "predict", _reads(found, config, given), overwrite=options.overwrite)
     if clash := set(keep) & {"prediction", "probabilities"}:
         raise UserError(f"--keep-columns {', '.join(sorted(clash))}: the predictions take that name; keep other columns")
     rows = inference.rows_of(config, given)
@@ -101,9 +100,18 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     recipe = Recipe(spec, task, from_logits, keep, options.batch_size, config.cpus_per_worker if on_ray else 0)
     log.info("predicting with %s on %s: %s, examples of shape %s, %s", found.model_file, rows.what, task,
              spec.feature_shape, f"{options.num_workers} Ray actor(s)" if on_ray else "this process")
-    if options.overwrite and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    output_guard.take(out, "predict", replace=options.overwrite)  # every check above passed
+    try:
+        return _written(rows, config, found, recipe, options, out, on_ray, task, started)
+    finally:
+        output_guard.release(out)
+
+
+def _written(rows, config, found: Trained, recipe, options: PredictOptions, out: Path, on_ray: bool, task: str,
+             started: float) -> dict[str, Any]:
+    """The predictions written to ``out``, then _predict.json, which says they are complete."""
+    from app.ui import console
+
     pool_started = time.time()
     with console.routed(out / LOG_FILE, found.config.show_logs):
         if on_ray:
@@ -120,11 +128,13 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     return summary
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"output {str(out)!r} already exists: choose another --output, or --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output {str(out)!r} is a file, not a directory")
+def _reads(found: Trained, config, given: Any) -> dict[str, Path]:
+    """What the prediction reads from disk: the model (its run's directory holds its config), the checkpoint, the
+    data (unless given from Python)."""
+    reads = {"model": found.model_file, "checkpoint": found.state_file}
+    if given is None:
+        reads["--dataset"] = config.dataset
+    return output_guard.reads_of(reads)
 
 
 def _load(model_file: Path):

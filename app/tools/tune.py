@@ -21,78 +21,17 @@ import yaml
 from app import config_scale, internals
 from app.backend import backend_of
 from app.config import TrainConfig, build_config, read_yaml
+from app.driver import output_guard
 from app.errors import RunFailed, UserError
+from app.tools.tune_space import NOT_SEARCHABLE, load_space
 
-# Fields a space may not set: they say where a trial writes or how it resumes.
-NOT_SEARCHABLE = {"output", "overwrite", "resume", "storage_path", "backend", "strategy", "devices"}
+__all__ = ["NOT_SEARCHABLE", "load_space", "sweep"]
 
 RESULTS_FILE = "results.csv"
 BEST_CONFIG_FILE = "best_config.yaml"
 PLOT_FILE = "val_accuracy_vs_global_batch.png"
 SUMMARY_FILE = "summary.yaml"
 TRIAL_MEMORY = 1024**3  # the trial process imports TensorFlow and runs the Train driver
-
-
-def _domains() -> dict[str, Any]:
-    from ray import tune
-
-    return {
-        "grid": tune.grid_search,
-        "choice": tune.choice,
-        "uniform": tune.uniform,
-        "quniform": tune.quniform,
-        "loguniform": tune.loguniform,
-        "qloguniform": tune.qloguniform,
-        "randint": tune.randint,
-        "qrandint": tune.qrandint,
-        "lograndint": tune.lograndint,
-    }
-
-
-def _candidates(kind: str, args: Any) -> list[Any]:
-    """Values to validate against TrainConfig before any trial starts."""
-    if kind in ("grid", "choice"):
-        return list(args)
-    low, high = args[0], args[1]
-    if kind in ("randint", "qrandint", "lograndint"):
-        return [low, high - 1]
-    return [low, high]
-
-
-def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
-    """YAML -> Tune param_space, refusing unknown keys and malformed domains by name."""
-    raw = read_yaml(path)
-    domains = _domains()
-    space: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in TrainConfig.model_fields:
-            raise UserError(f"search space {str(path)!r}: unknown key {key!r} (keys are TrainConfig fields: see "
-                            "python jobs/train.py --help)")
-        if key in NOT_SEARCHABLE:
-            raise UserError(f"search space {str(path)!r}: {key!r} cannot be searched (it says where trials run "
-                            "or write); set it with a flag")
-        if key in fixed:
-            raise UserError(f"{key!r} is both fixed by a flag and searched in {str(path)!r}: drop one")
-        if isinstance(value, dict):
-            if len(value) != 1 or next(iter(value)) not in domains:
-                raise UserError(f"search space {str(path)!r}: key {key!r} has a malformed domain {value!r}: "
-                                f"write {{<domain>: <args>}} with one of {', '.join(domains)}")
-            kind, args = next(iter(value.items()))
-            if not isinstance(args, list) or not args:
-                raise UserError(f"search space {str(path)!r}: {key!r}: {kind} needs a non-empty list, got {args!r}")
-            try:
-                candidates = _candidates(kind, args)
-                space[key] = domains[kind](args) if kind in ("grid", "choice") else domains[kind](*args)
-            except (TypeError, ValueError, IndexError) as e:
-                raise UserError(f"search space {str(path)!r}: {key!r}: bad {kind} arguments {args!r} ({e})") from None
-        else:
-            candidates, space[key] = [value], value
-        for candidate in candidates:  # a value TrainConfig refuses is refused now, not in trial 7
-            try:
-                build_config(None, {**fixed, key: candidate, "output": "x"})
-            except UserError as e:
-                raise UserError(f"search space {str(path)!r}: {key!r} = {candidate!r} is invalid: {e}") from None
-    return space
 
 
 # --------------------------------------------------------------------------- #
@@ -114,9 +53,12 @@ def run_trial(params: dict[str, Any]) -> None:
     if params.get("storage_path"):  # --storage-path: <storage-path>/<sweep>/<trial>/train, TensorBoard included
         sweep = context.get_experiment_name()
         storage = fields["storage_path"] = f"{params['storage_path'].rstrip('/')}/{sweep}/{trial_dir.name}"
-    config = TrainConfig(**fields)
-    checked = ray_train.check(config)
-    ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=storage, name="train")
+    config = build_config(None, fields)  # valid: the sweep checked every trial's config before the first
+    try:
+        checked = ray_train.check(config)
+        ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=storage, name="train")
+    finally:
+        output_guard.release(config.output_dir())  # a retried trial may run in this process again
 
 
 # --------------------------------------------------------------------------- #
@@ -201,27 +143,10 @@ def sweep(
     mode: str | None = None,
     max_concurrent: int | None = None,
 ) -> dict[str, Any]:
-    import ray
-    from ray import tune
-
     from app.driver import cluster
-    from app.ui import console, tune_console
+    from app.ui import console
 
-    space = load_space(space_file, fixed)
-    searched = {k for k, v in space.items() if _is_domain(v)}
-    # The values every trial shares (flags, and the space's plain values) make the base config.
-    base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
-    out = Path(output).expanduser().resolve()
-    if base.checkpoint_every_steps or "checkpoint_every_steps" in searched:
-        raise UserError("--checkpoint-every-steps: a trial reports to Tune once per epoch (ASHA compares trials by "
-                        "those reports); leave it out of a sweep")
-    if backend_of(base).parameter_servers or "strategy" in searched:
-        raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
-                        "it and train parameter-server runs with jobs/train.py")
-    restoring = tune.Tuner.can_restore(str(out))
-    # A first attempt that stopped before Tune wrote anything leaves only its log: not someone else's directory.
-    if not restoring and out.exists() and any(p.name != tune_console.LOG_FILE for p in out.iterdir()):
-        raise UserError(f"output {str(out)!r} exists and is not a Tune experiment: choose another --output")
+    space, searched, base, out, restoring = _checked(space_file, fixed, output)
     cluster.check_fits_locally(base)
     # Ray's and the libraries' lines stay off the console from Ray's start on (app.ui.console).
     with console.for_people(base.show_logs, marked=False):
@@ -235,26 +160,79 @@ def sweep(
             metric = metric or f"val_{objective.metric}"
             mode = mode or metric_mode(metric) or "min"
         at_once = concurrency(base, max_concurrent)
-        out.mkdir(parents=True, exist_ok=True)
-        with console.routed(out / tune_console.LOG_FILE, base.show_logs, marked=False):
-            for line in tune_console.plan_lines(
-                    space_file, read_yaml(space_file), searched, tune_console.trial_count(space, num_samples),
-                    scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric), metric, mode, base,
-                    at_once, ray.cluster_resources().get("CPU", 0), out, restoring):
-                console.say(line)
-            # Tune's own reporter off (app.internals): the console above is the sweep's. Put back after: a
-            # notebook's own Tune runs are not ours.
-            saved = os.environ.get(internals.TUNE_NEW_OUTPUT_ENV_VAR)
-            os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = "0"
-            try:
-                results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
-                                 at_once).fit()
-            finally:
-                if saved is None:
-                    os.environ.pop(internals.TUNE_NEW_OUTPUT_ENV_VAR, None)
-                else:
-                    os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = saved
-            return write_outputs(results, out, base, metric, mode)
+        output_guard.take(out, "tune")  # every check passed; a sweep resumed keeps what it has
+        try:
+            return _swept(space_file, space, fixed, searched, base, out, restoring, scheduler, metric, mode,
+                          num_samples, at_once)
+        finally:
+            output_guard.release(out)
+
+
+def _swept(space_file, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], base: TrainConfig, out: Path,
+           restoring: bool, scheduler: str, metric: str, mode: str, num_samples: int, at_once: int) -> dict[str, Any]:
+    """The sweep itself, Ray joined and its directory taken: the plan, the trials, the outputs."""
+    import ray
+
+    from app.ui import console, tune_console
+
+    with console.routed(out / tune_console.LOG_FILE, base.show_logs, marked=False):
+        for line in tune_console.plan_lines(
+                space_file, read_yaml(space_file), searched, tune_console.trial_count(space, num_samples),
+                scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric), metric, mode, base,
+                at_once, ray.cluster_resources().get("CPU", 0), out, restoring):
+            console.say(line)
+        # Tune's own reporter off (app.internals): the console above is the sweep's. Put back after: a
+        # notebook's own Tune runs are not ours.
+        saved = os.environ.get(internals.TUNE_NEW_OUTPUT_ENV_VAR)
+        os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = "0"
+        try:
+            results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
+                             at_once).fit()
+        finally:
+            if saved is None:
+                os.environ.pop(internals.TUNE_NEW_OUTPUT_ENV_VAR, None)
+            else:
+                os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = saved
+        return write_outputs(results, out, base, metric, mode)
+
+
+def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path):
+    """Everything a sweep can refuse before Ray starts: the space and every trial's config, the sweep-wide rules,
+    the output directory. (space, searched keys, base config, output, whether it resumes an earlier sweep)."""
+    from ray import tune
+
+    space = load_space(space_file, fixed)
+    searched = {k for k, v in space.items() if _is_domain(v)}
+    # The values every trial shares (flags, and the space's plain values) make the base config.
+    base = build_config(None, {**fixed, **{k: v for k, v in space.items() if k not in searched}, "output": "x"})
+    out = Path(output).expanduser().resolve()
+    if base.checkpoint_every_steps or "checkpoint_every_steps" in searched:
+        raise UserError("--checkpoint-every-steps: a trial reports to Tune once per epoch (ASHA compares trials by "
+                        "those reports); leave it out of a sweep")
+    if backend_of(base).parameter_servers or "strategy" in searched:
+        raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
+                        "it and train parameter-server runs with jobs/train.py")
+    restoring = out.is_dir() and tune.Tuner.can_restore(str(out))
+    # A sweep's directory is added to (resumed), never replaced; one that stopped before Tune wrote anything holds
+    # only its log and marker.
+    reads = output_guard.reads_of({"--space": space_file, "--dataset": base.dataset, "--val-dataset": base.val_dataset,
+                                   "--model": base.model, "--callbacks": base.callbacks})
+    output_guard.check(out, "tune", reads, resume=restoring, reuse=True)
+    return space, searched, base, out, restoring
+
+
+def dry_run_lines(space_file: str | Path, fixed: dict[str, Any], output: str | Path, num_samples: int = 1,
+                  scheduler: str = "asha", metric: str | None = None) -> list[str]:
+    """jobs/tune.py --dry-run: the sweep's checks (every trial's config included) and its plan; no Ray, no data."""
+    from app.ui import tune_console
+
+    space, searched, base, out, restoring = _checked(space_file, fixed, output)
+    trials = tune_console.trial_count(space, num_samples)
+    metric = metric or "the run's metric"
+    return [f"sweep: {space_file}: {trials} trial(s) of {', '.join(sorted(searched)) or 'the fixed values'}; every "
+            "trial's config is valid",
+            f"scheduler: {scheduler_line(scheduler, base, {k: space[k] for k in searched}, metric)}",
+            f"output: {out} ({'resumed' if restoring else 'not created'}: --dry-run)"]
 
 
 def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], out: Path,
