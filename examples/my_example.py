@@ -1,6 +1,8 @@
-"""The README's model and data functions, for the command line:
+"""The README's model and data functions, and the guide's Keras callbacks, for the command line:
 
     python jobs/train.py --model examples/my_example.py:build_model --dataset examples/my_example.py:load_data
+    python jobs/train.py --model examples/my_example.py:build_model --dataset examples/my_example.py:load_data \
+      --callbacks examples/my_example.py:callbacks
 """
 
 import keras
@@ -19,3 +21,9 @@ def build_model(input_shape, num_classes):
 def load_data():
     d = load_digits()
     return (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32"), d.target
+
+
+def callbacks(output_dir):
+    return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=2),
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1),
+            keras.callbacks.CSVLogger(f"{output_dir}/keras_log.csv")]

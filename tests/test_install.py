@@ -1,4 +1,5 @@
-"""`pip install -e ".[cpu]"` on the platforms TensorFlow 2.21 ships CPU wheels for, checked by pip's resolver.
+"""`pip install -e ".[cpu]"` on the platforms TensorFlow 2.21 ships CPU wheels for (the README's table), checked by
+pip's resolver.
 
 pip evaluates environment markers against the machine it runs on, whatever ``--platform`` says, so a dry run
 from this Linux x86-64 machine with a Mac's tags would still pick the Linux requirement. What a Mac's pip would
@@ -28,7 +29,14 @@ TARGETS = {
         {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "aarch64", "os_name": "posix"},
         ["manylinux2014_aarch64", *(f"manylinux_2_{v}_aarch64" for v in range(17, 36))],
     ),
+    "Windows x86-64": (
+        {"sys_platform": "win32", "platform_system": "Windows", "platform_machine": "AMD64", "os_name": "nt"},
+        ["win_amd64"],
+    ),
 }
+# The TensorFlow each target's cpu extra installs: the CPU-only build where PyPI has it.
+TENSORFLOW = {"macOS arm64": "tensorflow==2.21.0", "Linux aarch64": "tensorflow==2.21.0",
+              "Windows x86-64": "tensorflow-cpu==2.21.0"}
 
 
 def requirements_for(environment: dict[str, str], extra: str) -> list[str]:
@@ -45,13 +53,13 @@ def requirements_for(environment: dict[str, str], extra: str) -> list[str]:
 def test_the_cpu_extra_picks_the_tensorflow_each_platform_has():
     assert "tensorflow-cpu==2.21.0" in requirements_for({"sys_platform": "linux", "platform_machine": "x86_64"}, "cpu")
     assert "tensorflow-cpu==2.21.0" in requirements_for({"sys_platform": "win32", "platform_machine": "AMD64"}, "cpu")
-    for environment, _ in TARGETS.values():
-        wanted = requirements_for(environment, "cpu")
-        assert "tensorflow==2.21.0" in wanted and not any(r.startswith("tensorflow-cpu") for r in wanted)
+    for name, (environment, _) in TARGETS.items():
+        wanted = [r for r in requirements_for(environment, "cpu") if r.startswith("tensorflow")]
+        assert wanted == [TENSORFLOW[name]], (name, wanted)
     assert not any(r.startswith("tensorflow") for r in requirements_for({"sys_platform": "darwin"}, "gpu"))
 
 
-def test_pip_resolves_the_cpu_extra_for_a_mac_and_for_linux_aarch64_and_not_the_cpu_only_build_on_a_mac(tmp_path):
+def test_pip_resolves_the_cpu_extra_for_a_mac_linux_aarch64_and_windows_and_not_the_cpu_only_build_on_a_mac(tmp_path):
     """The two resolutions, and what the markers are for (the CPU-only build has no Mac wheel: before them,
     `.[cpu]` failed there), side by side: each is mostly waiting on the package index."""
     def dry_run(tags, *requirements):

@@ -1,4 +1,10 @@
-"""The README's two commands are the ones CI and users run."""
+"""The README's and the guides' commands: the two that CI and users run, and every other one, from the repository
+root."""
+
+import re
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -48,7 +54,8 @@ def test_every_file_flag_and_test_the_readme_names_exists():
               "--durations", "--editable", "--upgrade", "--logdir", "--ray-client-server-port", "--disable-usage-stats",
               "--autoscaling-config", "--dashboard-agent-listen-port", "--help",
               "--follow", "--generate",  # ray job logs --follow, ray get-auth-token --generate
-              "--tag", "--signature"}  # saved_model_cli's --tag_set and --signature_def, as the pattern below cuts them
+              "--tag", "--signature",  # saved_model_cli's --tag_set and --signature_def, as the pattern below cuts them
+              "--role-name", "--policy-name", "--policy-document"}  # aws iam put-role-policy (the cluster guide)
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", readme))
     unknown = sorted(f for f in flags - ours - theirs if f.replace("--no-", "--") not in ours)
     assert not unknown, unknown
@@ -112,3 +119,79 @@ def test_every_command_of_the_readme_and_the_guides_is_run_by_a_test_or_an_examp
         if found is None or not set(flags) <= found:
             unrun.append(f"{doc}: {command}" + (f" (not run with {sorted(set(flags) - found)})" if found else ""))
     assert not unrun, "commands no test or example runs:\n" + "\n".join(unrun)
+
+
+# Paths in a command that are the reader's own (their data, their runs, their bucket, the head's disk): everything
+# else a command names is a file of this repository, and must be there.
+READERS = ("<", "...", "runs/", "data/", "preds/", "/home/", "/shared/", "s3://", "gs://", "http://", "http:")
+
+
+def test_every_command_of_the_docs_runs_from_the_repository_root(monkeypatch, capsys):
+    """Every `python -m app.*`, `python jobs/*.py` and `ray ...` command of the README and the guides, as a reader
+    copies it into a shell at the repository root: each file it names is there, and its command line is one the
+    program accepts, parsed by the program's own parser in this process (no Ray, no TensorFlow). What would train
+    stops short of it: jobs/train.py's commands are dry-run by
+    tests/test_your_own.py::test_dry_run_prints_the_plan_for_every_readme_command; jobs/tune.py's load their
+    space and check every trial's config; `ray` commands are parsed by Ray's own click commands, not run (no
+    cluster here: tests/test_ray_up.py runs them against one over SSH)."""
+    import shlex
+
+    from ray.scripts.scripts import cli as ray_cli
+
+    from app import cli
+    from app.bench import flags as bench_flags
+    from app.bench import suites
+    from app.tools.tune import load_space
+    from conftest import doc_commands
+
+    monkeypatch.chdir(REPO)
+    parsers = {"jobs/train.py": cli.train_args, "jobs/tune.py": cli.tune_args, "jobs/evaluate.py": cli.evaluate_args,
+               "jobs/predict.py": cli.predict_args}
+    checked: dict[str, int] = {}  # commands checked, by program
+    for doc, command in doc_commands():
+        words = shlex.split(re.sub(r"^(?:[A-Z_]+=\S+\s+)*", "", command))
+        if words[:2] != ["python", "-m"] and not (words[0] == "python" and words[1].startswith("jobs/")) \
+                and words[0] != "ray" or words[:3] == ["python", "-m", "pytest"]:
+            continue
+        where = f"{doc}: {command}"
+        # Every repository file it names (a path, or the file of file.py:function) is there.
+        for word in words[1:]:
+            path = word.split(":")[0] if re.match(r"[\w./-]+\.py:\w+$", word) else word
+            if ("/" in path or re.search(r"\.(py|ya?ml)$", path)) and not any(r in path for r in READERS):
+                assert (REPO / path).exists(), f"{where}: no {path} in the repository"
+        if words[0] == "ray":
+            argv = words[1:] + (["--", "python"] if words[1:3] == ["job", "submit"] else [])
+            context = ray_cli.make_context("ray", argv, resilient_parsing=False)
+            name, command_, rest = ray_cli.resolve_command(context, context.protected_args + context.args)
+            while hasattr(command_, "resolve_command"):  # a group (ray job): its subcommand
+                sub = command_.make_context(name, rest, parent=context)
+                name, command_, rest = command_.resolve_command(sub, sub.protected_args + sub.args)
+            command_.make_context(name, rest, parent=context)  # click raises on a flag or argument it does not take
+        elif words[1] == "-m":
+            assert words[2] == "app.cluster_config", f"{where}: a module this test does not know how to run"
+            from app.cluster_config import main
+
+            # On the file as shipped it names each placeholder left, by line (the guide quotes the first).
+            assert main(words[3:]) == 2
+            first = capsys.readouterr().err.splitlines()[0]
+            assert "is still the placeholder" in first, first
+            assert first.split(" is still")[0].removeprefix("error: ") in (REPO / "docs/guides" /
+                                                                          "clusters-and-fault-tolerance.md").read_text()
+        elif words[1] == "jobs/benchmark.py":
+            args = bench_flags.parse(words[2:])
+            suites.load_preset(args.suite, args.preset, args.quick, bench_flags.suite_flags(args), args.config, args.set)
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(sys, "argv", words[1:])
+                if "--help" in words:
+                    with pytest.raises(SystemExit) as stop:
+                        parsers[words[1]]("", words[2:])
+                    assert stop.value.code == 0, where
+                    continue
+                parsed = parsers[words[1]]("", words[2:])  # a refused command line exits 2 with its one line
+            if words[1] == "jobs/tune.py":
+                load_space(parsed.space, parsed.fixed)
+        program = "ray" if words[0] == "ray" else words[2] if words[1] == "-m" else words[1]
+        checked[program] = checked.get(program, 0) + 1
+    assert {"jobs/train.py", "jobs/tune.py", "jobs/evaluate.py", "jobs/predict.py", "app.cluster_config",
+            "ray"} <= set(checked), checked
