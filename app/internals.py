@@ -226,3 +226,63 @@ def tyro_error_events() -> Optional[Any]:
     except ImportError:
         return None
     return _errors
+
+
+# --- TensorFlow: an all-reduce across workers outside a tf.distribute scope (app.training.collective) -------------
+#
+# MultiWorkerMirroredStrategy's own all-reduce is ``collective_ops.all_reduce_v2``
+# (tensorflow/python/distribute/cross_device_utils.py, CollectiveReplicaLauncher). TensorFlow publishes
+# no collective op outside a strategy; ``tf.raw_ops.CollectiveReduceV2`` is the same kernel with every
+# argument spelled out, which this wrapper fills as MWMS does.
+
+
+def collective_sum(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
+    """Sum of ``tensor`` over the ``group_size`` workers whose op has the same group and instance key."""
+    from tensorflow.python.ops import collective_ops
+
+    return collective_ops.all_reduce_v2(tensor, group_size=group_size, group_key=group_key,
+                                        instance_key=instance_key, merge_op="Add", final_op="Id",
+                                        communication_hint="auto", timeout=timeout_s)
+
+
+# --- Keras: fit()'s own reading of its inputs (app.data.keras_inputs) ---------------------------------------------
+#
+# ``model.fit`` reads x, y, sample_weight and class_weight through a data adapter chosen by input kind
+# (keras/src/trainers/data_adapters/__init__.py: arrays, tf.data, PyDataset, generators, ...), and takes
+# ``validation_split`` off the end of arrays with ``array_slicing.train_validation_split``. Keras publishes
+# neither; running them reads every input exactly as fit() would, instead of one reader per kind here.
+
+
+def keras_data_adapter(x: Any, y: Any, sample_weight: Any, batch_size: Optional[int], steps_per_epoch: Optional[int],
+                       class_weight: Any) -> Any:
+    """fit()'s adapter for these inputs, unshuffled (the caller orders the epochs itself)."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                            steps_per_epoch=steps_per_epoch, shuffle=False, class_weight=class_weight)
+
+
+def keras_validation_split(arrays: tuple, validation_split: float) -> tuple[tuple, tuple]:
+    """fit()'s ``validation_split``: (train arrays, validation arrays), the last fraction of the rows validating."""
+    from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+
+    return train_validation_split(arrays, validation_split=validation_split)
+
+
+# --- Keras: where fit() and evaluate() turn a step's logs into an epoch's (app.training.keras_sync) ---------------
+#
+# Both call ``self._get_metrics_result_or_logs(logs)`` once at the end of an epoch or an evaluation
+# (keras/src/backend/tensorflow/trainer.py): the metrics' results when their names are the step's log keys,
+# else the last step's logs. That is the one point where a worker's own numbers become the epoch's, so the
+# cross-worker reduction replaces it on the model instance. ``train_function`` / ``test_function`` are the
+# traced steps fit() keeps; set to None, the next fit() traces them again.
+
+
+def replace_epoch_logs(model: Any, reduce: Callable[[Any], Any]) -> None:
+    """Make ``model``'s epoch and evaluation logs ``reduce(logs)``."""
+    model._get_metrics_result_or_logs = reduce
+
+
+def forget_traced_steps(model: Any) -> None:
+    """Drop the steps fit()/evaluate() traced, so that the next call traces them with what changed since."""
+    model.train_function = model.test_function = model.predict_function = None

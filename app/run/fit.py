@@ -60,6 +60,25 @@ KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
 # Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
 NOT_METRICS = ("samples", "seconds")
+RECORD_ONLY = ("epoch", "seconds", "workers")  # a Keras-step run's record beside Keras's own logs
+
+
+# The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
+# product's own training features (LR scaling, gradient accumulation, ...), which its own step provides.
+KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
+                     "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
+                     "placement_strategy", "show_logs", "config"}
+
+
+def keras_step_input(x: Any) -> bool:
+    """An input that Keras's fit reads itself: arrays (or a dict, list or tuple of them), a tf.data.Dataset, a
+    keras.utils.PyDataset or a generator; not a path or a data function, which are the product's own inputs."""
+    import inspect
+
+    from app.data.keras_inputs import is_array_input
+
+    return (is_array_input(x) or is_tf_dataset(x) or inspect.isgenerator(x)
+            or any(c.__name__ == "PyDataset" for c in type(x).__mro__))
 
 
 class History:
@@ -79,6 +98,23 @@ class History:
         self.params = {"epochs": result["config"]["epochs"], "steps": result["steps_per_epoch"]}
         self.model_file = model_file
         self._model = None
+
+    @classmethod
+    def of_keras_run(cls, run, out: Path, epochs: int) -> "History":
+        """A run by the model's own step: the History holds its epoch logs as Keras's does (a key's list has the
+        epochs that logged it: validation_freq), and ``model`` is the trained model itself."""
+        self = cls.__new__(cls)
+        self.result, self.records = run.result, run.records
+        self.history = {}
+        for record in run.records:
+            for k, v in record.items():
+                if k not in RECORD_ONLY:
+                    self.history.setdefault(k, []).append(v)
+        self.epoch = [int(r["epoch"]) - 1 for r in run.records]
+        self.params = {"epochs": epochs, "steps": run.result["steps_per_epoch"], "verbose": 0}
+        self.model_file = out / run.result.get("model_file", run.result["checkpoint"])
+        self._model = run.model
+        return self
 
     @property
     def model(self):
@@ -135,6 +171,18 @@ def fit(
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
     from app.run.api import run_training
 
+    if keras_step_input(x) and not set(fields) - KERAS_STEP_FIELDS and not _is_keras_model(model_fn):
+        from app.run import keras_step
+
+        built = keras_step.model_that_brings_its_step(model_fn)
+        if built is not None:
+            return keras_step.fit(built, model_fn, x, y, batch_size=batch_size, epochs=epochs,
+                                  validation_data=validation_data, validation_split=validation_split,
+                                  callbacks=callbacks, num_workers=num_workers, sample_weight=sample_weight,
+                                  class_weight=class_weight, verbose=verbose, shuffle=shuffle,
+                                  initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                                  validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+                                  validation_freq=validation_freq, fields=fields)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle
 

@@ -1,0 +1,243 @@
+"""The Keras-step run: each Ray worker (or the one local process) runs the model's own fit().
+
+Driver:  fit()'s inputs read once (app.data.keras_inputs) -> Ray (join or start) -> Ray Train fit() of
+         ``keras_loop_per_worker`` -> the final checkpoint restored into a model built here -> outputs
+Worker:  app.training.keras_worker.keras_fit_worker, with a ``RayKerasSession`` (or ``LocalKerasSession``)
+
+The outputs: history.csv and result.json (Keras's epoch logs as the History has them), the trained model as
+``weights.weights.h5`` (any model Keras can train), and where the model can be saved and loaded, model.keras
+and a SavedModel; where it cannot, one line says so and the run still returns its History and model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from app.config import TrainConfig
+from app.data.keras_inputs import KerasData
+from app.driver import cluster, outputs
+from app.errors import RunFailed
+from app.training import keras_worker
+from app.training.keras_worker import KerasJob
+from app.ui import console, failures
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "weights.weights.h5"
+
+
+@dataclass
+class KerasRun:
+    """What the driver hands back: the epoch records, the trained model, result.json's content."""
+
+    records: list[dict[str, Any]]
+    model: Any
+    result: dict[str, Any]
+
+
+class RayKerasSession:
+    """A Ray Train worker's side of ``keras_fit_worker``."""
+
+    def __init__(self, payload: dict[str, Any]):
+        import ray.train
+
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.payload = payload
+
+    def start(self) -> None:
+        from app.training.strategy import ray_worker_strategy
+
+        # MWMS only configures the collectives from TF_CONFIG (app.training.collective); nothing runs in its scope.
+        ray_worker_strategy(self.payload["cpus_per_worker"], self.payload["job"].stall_timeout_s, self.world)
+
+    def inputs(self) -> tuple[KerasData, Optional[KerasData]]:
+        import ray
+
+        return ray.get(self.payload["train"]), ray.get(self.payload["val"]) if self.payload["val"] else None
+
+    def last_checkpoint(self) -> Optional[str]:
+        import ray.train
+
+        restored = ray.train.get_checkpoint()
+        return None if restored is None else restored.to_directory()
+
+    def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = None
+            if self.rank == 0:  # the workers hold the same weights after every step
+                write(tmp)
+                ckpt = Checkpoint.from_directory(tmp)
+            ray.train.report(record, checkpoint=ckpt)  # every worker reports: it is a barrier
+
+
+def keras_loop_per_worker(payload: dict[str, Any]) -> None:
+    console.mark_worker_console("app")
+    keras_worker.keras_fit_worker(payload["job"], RayKerasSession(payload))
+
+
+class LocalKerasSession:
+    """One process, no Ray: checkpoints in <output>/checkpoint."""
+
+    rank, world = 0, 1
+
+    def __init__(self, train: KerasData, val: Optional[KerasData], directory: Path):
+        self.train, self.val, self.directory = train, val, directory
+
+    def start(self) -> None:
+        """Nothing: TensorFlow runs in the caller's process as the caller set it up (as model.fit would)."""
+
+    def inputs(self):
+        return self.train, self.val
+
+    def last_checkpoint(self) -> Optional[str]:
+        return str(self.directory) if (self.directory / keras_worker.STATE_FILE).is_file() else None
+
+    def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
+        partial = self.directory.with_name(self.directory.name + ".partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        write(str(partial))
+        if self.directory.exists():
+            for f in self.directory.iterdir():
+                f.unlink()
+            self.directory.rmdir()
+        os.replace(partial, self.directory)
+
+
+def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
+    """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already)."""
+    from app.backend import backend_of
+
+    started = time.time()
+    for line in plan:
+        log.info(line)
+    on_ray = backend_of(config).on_ray
+    if on_ray:
+        cluster.connect(config)
+    out = outputs.prepare_output_dir(config)
+    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
+        if on_ray:
+            directory = _ray_fit(config, job, out)
+        else:
+            keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
+            directory = str(out / "checkpoint")
+    return _outputs(config, job, out, directory, started)
+
+
+def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
+    import ray
+    import ray.train
+
+    from app.backends import start_guard, tf_config
+
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.worker_start_timeout_s)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    start_guard.install()
+    payload = {"job": KerasJob(**{**job.__dict__, "train": None, "val": None}),
+               "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
+               "cpus_per_worker": config.cpus_per_worker}
+    name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trainer = tf_config.trainer(
+        train_loop_per_worker=keras_loop_per_worker,
+        train_loop_config=payload,
+        scaling_config=ray.train.ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                               resources_per_worker={"CPU": config.cpus_per_worker},
+                                               placement_strategy=config.placement_strategy),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=config.storage_path or str(out / "ray"),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=config.restarts,
+                                                   controller_failure_limit=config.restarts),
+            worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise RunFailed(failures.one_line(e, config)) from None
+    if result.error is not None:
+        raise RunFailed(failures.one_line(result.error, config))
+    if result.checkpoint is None:
+        raise RunFailed("training ended without reporting a checkpoint")
+    return result.checkpoint.to_directory(str(out / "checkpoint"))
+
+
+def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
+    """The model the user's function builds, with the checkpoint's weights (and optimizers' state)."""
+    import keras
+
+    keras.utils.set_random_seed(job.seed)
+    model = job.model_fn()
+    keras_worker.build(model, job.train)
+    return model, keras_worker.restore(model, directory)
+
+
+def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float) -> KerasRun:
+    from app.backend import backend_of
+
+    world = config.num_workers if backend_of(config).on_ray else 1
+    model, state = trained_model(job, directory)
+    records = state["history"]
+    exported = export(model, out)
+    _write_history(out / outputs.HISTORY_FILE, records)
+    result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
+              "history": records, "final": records[-1] if records else {},
+              "workers": world,
+              "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
+              "dropped_rows_per_epoch": job.train.dropped_rows(world),
+              "checkpoint": "checkpoint", **exported,
+              "seconds": round(time.time() - started, 2)}
+    (out / outputs.RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
+    return KerasRun(records, model, result)
+
+
+def export(model, out: Path) -> dict[str, Any]:
+    """model.keras and a SavedModel where the model can be saved and loaded; else one line each, and on."""
+    import keras
+
+    done: dict[str, Any] = {}
+    try:
+        model.save_weights(out / WEIGHTS_FILE)
+        done["weights_file"] = WEIGHTS_FILE
+    except Exception as e:
+        log.warning("%s not written (%s): the trained weights are in checkpoint/ (tf.train.Checkpoint)",
+                    WEIGHTS_FILE, _short(e))
+    path = out / outputs.MODEL_FILE
+    try:
+        model.save(path)
+        keras.models.load_model(path, compile=False)
+        done["model_file"] = outputs.MODEL_FILE
+    except Exception as e:
+        path.unlink(missing_ok=True)
+        log.warning("model.keras not written: Keras cannot save and load this model (%s); the trained weights are "
+                    "in checkpoint/ and, where Keras could write them, %s", _short(e), WEIGHTS_FILE)
+    try:
+        model.export(str(out / "saved_model"), verbose=False)
+        done["saved_model"] = "saved_model"
+    except Exception as e:
+        log.warning("no SavedModel: Keras cannot export this model for serving (%s)", _short(e))
+    return done
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:160] or type(e).__name__
+
+
+def _write_history(path: Path, records: list[dict[str, Any]]) -> None:
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(records)

@@ -1,0 +1,190 @@
+"""Whatever ``model.fit`` takes as x, y and validation_data, read as fit() reads it, then cut over the workers.
+
+The driver reads each input once through Keras's own data adapter (arrays,
+dicts and lists of arrays, ``tf.data.Dataset`` of any element structure, a
+``keras.utils.PyDataset``, a generator; ``class_weight`` turned into sample
+weights as fit() does), unshuffled: ``KerasData`` holds the rows of every
+batch, one array per leaf of the element structure the model's step unpacks
+(``(x,)``, ``(x, y)``, ``(x, y, sample_weight)``, with dicts or lists inside),
+and where each batch begins.
+
+An epoch is a list of global batches, the same on every worker:
+- arrays: ``batch_size`` rows at a time, the rows reshuffled every epoch from
+  the run's seed when ``shuffle`` (as fit() reshuffles arrays), the last batch
+  short;
+- a dataset, PyDataset or generator: its batches as the user batched them, in
+  their order (a PyDataset's order reshuffled when ``shuffle``, as fit() does);
+  with ``steps_per_epoch``, each epoch goes on where the last one stopped.
+Worker r of N takes rows [r n / N, (r + 1) n / N) of each global batch of n
+rows (what a Keras strategy gives a replica), so every row is seen once per
+epoch across the workers and every worker runs the same number of steps. A
+global batch of fewer rows than workers cannot be cut so: it is left out of
+training (``dropped_rows`` says how many; the plan prints it).
+
+What the driver reads is computed once: a dataset's own ``map`` and
+``shuffle`` run once, not every epoch, and random augmentation in a pipeline
+is drawn once (``MAX_BYTES`` bounds what is held).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from app import internals
+from app.data.tf_datasets import MAX_BYTES
+from app.errors import UserError
+
+
+@dataclass
+class KerasData:
+    """One fit() input: the rows of its batches (a structure of arrays) and how epochs cut them."""
+
+    rows: Any  # the element structure, each leaf an array of every row
+    bounds: np.ndarray  # batch b is rows [bounds[b], bounds[b + 1]) (before any shuffle)
+    batch_size: Optional[int]  # arrays: rows per batch (reshuffled rows are cut anew each epoch); else None
+    shuffle: Any = False  # arrays: rows each epoch; a PyDataset: its batches' order
+    steps_per_epoch: Optional[int] = None  # batches per epoch when the user set it
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.bounds[-1])
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def steps(self) -> int:
+        return self.steps_per_epoch or self.num_batches
+
+    def first_batch(self) -> Any:
+        """The first batch, as the model's step receives it."""
+        return _take(self.rows, np.arange(self.bounds[0], self.bounds[1]))
+
+    def epoch(self, epoch: int, seed: int) -> list[np.ndarray]:
+        """Row indices of each global batch of ``epoch`` (0-based), the same on every worker."""
+        if self.batch_size is not None:
+            order = np.arange(self.num_rows)
+            if self.shuffle:
+                order = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
+            batches = [order[i:i + self.batch_size] for i in range(0, self.num_rows, self.batch_size)]
+        else:
+            batches = [np.arange(a, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            if self.shuffle:
+                batches = [batches[i] for i in np.random.default_rng([seed, epoch]).permutation(len(batches))]
+        if self.steps_per_epoch:  # the epochs go on through the batches, starting over when they run out
+            start = epoch * self.steps_per_epoch
+            batches = [batches[(start + i) % len(batches)] for i in range(self.steps_per_epoch)]
+        return batches
+
+    def dropped_rows(self, world: int) -> int:
+        """Rows per epoch in global batches too small to give every worker a row."""
+        sizes = np.diff(self.bounds) if self.batch_size is None else \
+            np.diff(np.r_[np.arange(0, self.num_rows, self.batch_size), self.num_rows])
+        return int(sizes[sizes < world].sum())
+
+    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
+        """This worker's batches over ``epochs`` as one ``tf.data.Dataset`` (fit() reads it with
+        ``steps_per_epoch``); ``training``: batches that cannot give every worker a row are left out, so every
+        worker has the same steps."""
+        import tensorflow as tf
+
+        parts = []
+        for e in epochs:
+            for batch in self.epoch(e, seed):
+                if len(batch) < world and (training or len(batch) <= rank):
+                    continue
+                parts.append(batch[rank * len(batch) // world:(rank + 1) * len(batch) // world])
+        index = np.concatenate(parts) if parts else np.zeros((0,), np.int64)
+        starts = np.r_[0, np.cumsum([len(p) for p in parts])].astype(np.int64)
+        leaves = [tf.constant(a) for a in tf.nest.flatten(self.rows)]
+        index_t, starts_t = tf.constant(index), tf.constant(starts)
+
+        def batch(i):
+            take = index_t[starts_t[i]:starts_t[i + 1]]
+            return tf.nest.pack_sequence_as(self.rows, [tf.gather(leaf, take) for leaf in leaves])
+
+        return tf.data.Dataset.range(len(parts)).map(batch).prefetch(2)
+
+
+def _take(rows: Any, index: np.ndarray) -> Any:
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda a: a[index], rows)
+
+
+def is_array_input(x: Any) -> bool:
+    """Arrays as fit() takes them: an array, or a dict, list or tuple of them."""
+    if isinstance(x, dict):
+        return bool(x) and all(is_array_input(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return bool(x) and all(is_array_input(v) for v in x)
+    return isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "shape"))
+
+
+def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Optional[int], shuffle: Any = True,
+         steps_per_epoch: Optional[int] = None, class_weight: Any = None, epochs: int = 1,
+         what: str = "x") -> KerasData:
+    """One fit() input, read once through Keras's adapter (see the module docstring)."""
+    arrays = is_array_input(x)
+    if class_weight is not None and not isinstance(class_weight, dict):
+        raise UserError(f"class_weight must be a dict {{class id: weight}}, as in Keras (got a "
+                        f"{type(class_weight).__name__}); from scikit-learn's compute_class_weight: "
+                        "class_weight=dict(enumerate(weights))")
+    if steps_per_epoch is not None and arrays:
+        raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
+                        "it; leave it out, or give a repeating tf.data.Dataset")
+    try:
+        adapter = internals.keras_data_adapter(x, y, sample_weight, batch_size, steps_per_epoch, class_weight)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{what}: {_first_line(e)}") from None
+    infinite = steps_per_epoch is None and getattr(adapter, "num_batches", 0) is None and not arrays
+    limit = steps_per_epoch * epochs if steps_per_epoch else None
+    import tensorflow as tf
+
+    batches, first, held = [], None, 0
+    for batch in adapter.get_numpy_iterator():
+        batch = tf.nest.map_structure(np.asarray, batch)
+        if first is None:
+            first = batch
+        elif not _same_kind(first, batch):
+            raise UserError(f"{what}: its batches change structure or shape from one batch to the next "
+                            f"(batch {len(batches) + 1}); every batch must have the same structure, shapes "
+                            "and dtypes beyond the batch dimension")
+        batches.append(batch)
+        held += sum(a.nbytes for a in tf.nest.flatten(batch))
+        if limit is not None and len(batches) >= limit:
+            break
+        if held > MAX_BYTES:
+            raise UserError(f"{what} holds more than {MAX_BYTES >> 30} GiB" + (
+                " and has no end: give steps_per_epoch" if infinite else
+                ": give a path of files (parquet, CSV, TFRecord) or a ray.data.Dataset to stream it instead"))
+    if not batches:
+        raise UserError(f"{what} gave no batches: it is empty")
+    rows = tf.nest.map_structure(lambda *leaves: np.concatenate(leaves), *batches)
+    bounds = np.r_[0, np.cumsum([len(tf.nest.flatten(b)[0]) for b in batches])].astype(np.int64)
+    py_dataset = not arrays and _is_py_dataset(x)
+    return KerasData(rows, bounds, batch_size if arrays else None,
+                     shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch)
+
+
+def _is_py_dataset(x: Any) -> bool:
+    return any(c.__name__ == "PyDataset" for c in type(x).__mro__)
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Two batches of the same structure, dtypes and shapes beyond the batch dimension."""
+    import tensorflow as tf
+
+    try:
+        tf.nest.assert_same_structure(a, b)
+    except (ValueError, TypeError):
+        return False
+    return all(x.dtype == y.dtype and x.shape[1:] == y.shape[1:] for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)))
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]

@@ -1,0 +1,175 @@
+"""app.fit for a model that brings its own step: checks fit()'s arguments as Keras does, reads the inputs, and
+trains with app.backends.keras_fit (each worker runs the model's own fit(); app.training.keras_sync makes them one
+exact run). A model brings its step when it is compiled (``model.compile(...)``: its optimizer, losses, metrics)
+or overrides ``train_step``; an uncompiled model with Keras's step takes the product's own (app.run.fit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+from app.config import build_config
+from app.data import keras_inputs
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+KERAS_BATCH_SIZE = 32  # fit()'s default for arrays
+_STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")
+
+
+def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
+    """The model ``model_fn`` builds, if it is compiled or overrides Keras's step; else None."""
+    from app import registry, tf_import
+
+    if not callable(model_fn):
+        if not isinstance(model_fn, str) or model_fn in registry.MODELS:
+            return None
+        model_fn = registry.resolve(model_fn, registry.MODELS)
+    tf_import.install()
+    import keras
+
+    model = model_fn()
+    if not isinstance(model, keras.Model):
+        return None
+    overrides = any(getattr(type(model), n) is not getattr(keras.Model, n) for n in _STEPS)
+    return model if getattr(model, "compiled", False) or overrides else None
+
+
+def overrides_step(model) -> list[str]:
+    import keras
+
+    return [n for n in _STEPS if getattr(type(model), n) is not getattr(keras.Model, n)]
+
+
+def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epochs: int, validation_data: Any,
+        validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
+        verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
+        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any]):
+    from app import registry
+    from app.backends import keras_fit
+    from app.driver import outputs
+    from app.run.fit import History, _given
+    from app.training.keras_worker import KerasJob
+    from app.ui import console
+
+    _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x)
+    if isinstance(model_fn, str):
+        model_fn = registry.resolve(model_fn, registry.MODELS)
+    arrays = keras_inputs.is_array_input(x)
+    if arrays and validation_split and validation_data is None:
+        from app import internals
+
+        (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
+                                                                                    validation_split)
+    elif validation_split and validation_data is None:
+        raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
+                        "give validation_data instead")
+    train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
+                              batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+                              epochs=epochs - initial_epoch, what="x")
+    val = None
+    if validation_data is not None:
+        val = _validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
+                          train)
+    config = build_config(fields.pop("config", None), {
+        **fields, "model": model_fn, "dataset": _given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
+        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, num_workers))})
+    outputs.check_output_dir(config)
+    world = 1 if not _on_ray(config) else num_workers
+    if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
+        raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
+                        "batches")
+    job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
+                   validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
+                   stall_timeout_s=config.stall_timeout_s)
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks)
+    quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
+    with quiet():
+        run = keras_fit.run(config, job, plan)
+    return History.of_keras_run(run, config.output_dir(), epochs)
+
+
+def _on_ray(config) -> bool:
+    from app.backend import backend_of
+
+    return backend_of(config).on_ray
+
+
+def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: Any, verbose: Any, num_workers: Any,
+                     validation_split: float, x: Any) -> None:
+    if verbose not in (0, 1, 2, "auto") or isinstance(verbose, bool):
+        raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r})")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise UserError(f"epochs must be a positive integer (got {epochs!r})")
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+        raise UserError(f"initial_epoch must be an integer from 0 to epochs - 1 = {epochs - 1} (got {initial_epoch!r}): "
+                        "epochs counts from 0, as in Keras, so it is the last epoch's number, not how many to train")
+    if isinstance(validation_freq, bool) or not (isinstance(validation_freq, int) and validation_freq >= 1 or
+                                                  isinstance(validation_freq, (list, tuple)) and validation_freq):
+        raise UserError(f"validation_freq must be a positive integer (validate every that many epochs) or a list of "
+                        f"epoch numbers (from 1), as in Keras (got {validation_freq!r})")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise UserError(f"num_workers must be a positive integer for a model trained by its own step (got "
+                        f"{num_workers!r})")
+    if not 0 <= validation_split < 1:
+        raise UserError(f"validation_split must be in [0, 1) (got {validation_split!r})")
+
+
+def _validation(validation_data: Any, batch_size: int, steps: Optional[int], train) -> keras_inputs.KerasData:
+    import keras
+    import tensorflow as tf
+
+    if isinstance(validation_data, tuple) and keras_inputs.is_array_input(validation_data[0]):
+        vx, vy, vw = keras.utils.unpack_x_y_sample_weight(validation_data)
+        val = keras_inputs.read(vx, vy, vw, batch_size=batch_size, shuffle=False, what="validation_data")
+    elif isinstance(validation_data, (list, tuple)):
+        raise UserError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) arrays, or a "
+                        "tf.data.Dataset or PyDataset, as in Keras")
+    else:
+        val = keras_inputs.read(validation_data, batch_size=None, shuffle=False, steps_per_epoch=steps,
+                                what="validation_data")
+    if steps is not None and val.steps_per_epoch is None:
+        val.steps_per_epoch = steps
+    try:
+        tf.nest.assert_same_structure(train.rows, val.rows)
+    except (ValueError, TypeError):
+        raise UserError(f"validation_data's elements are {_structure(val.rows)} but the training data's are "
+                        f"{_structure(train.rows)}: give both the same structure (x, y[, sample_weight])") from None
+    return val
+
+
+def _structure(rows: Any) -> str:
+    import tensorflow as tf
+
+    if isinstance(rows, tuple):
+        return "(" + ", ".join(_structure(r) for r in rows) + ")"
+    if isinstance(rows, dict):
+        return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in rows.items()) + "}"
+    return "array" if not tf.nest.is_nested(rows) else type(rows).__name__
+
+
+def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
+    own = overrides_step(model)
+    step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
+            "loss and metrics")
+    dropped = train.dropped_rows(world)
+    lines = [
+        f"step: {step}, run by model.fit on each of {world} worker(s)"
+        + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
+        f"data: {train.num_rows} rows, {train.steps} steps per epoch"
+        + (f", each global batch split over {world} workers" if world > 1 else "")
+        + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
+           else ", every row once per epoch"),
+        (f"validation: {val.num_rows} rows" + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
+         if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
+         "epochs are ranked by the training loss"),
+    ]
+    if callbacks:
+        lines.append(f"callbacks: {', '.join(type(c).__name__ for c in callbacks)} on rank 0; their stop and "
+                     "learning-rate decisions taken by every worker")
+    return lines
+
+

@@ -1,0 +1,91 @@
+"""The callbacks a worker adds to the model's own fit(): rank 0's decisions taken by every worker, and one
+checkpoint and report per epoch (app.training.keras_worker). Only workers import this module (it imports Keras)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import keras
+import numpy as np
+
+from app.training.collective import Collective, Site
+
+log = logging.getLogger(__name__)
+
+_BATCH_HOOKS = ("on_train_batch_end", "on_batch_end", "on_train_batch_begin", "on_batch_begin")
+
+
+def acts_per_batch(callbacks: list) -> bool:
+    """Whether a callback may decide inside an epoch (stop, set the LR): it overrides a batch hook."""
+    return any(getattr(type(c), n, None) is not getattr(keras.callbacks.Callback, n)
+               for c in callbacks for n in _BATCH_HOOKS)
+
+
+def learning_rates(model) -> list:
+    """The optimizers' learning-rate variables a callback may set (a schedule is not one)."""
+    from app.training.keras_sync import optimizers_of
+
+    return [lr for o in optimizers_of(model) if hasattr(lr := getattr(o, "_learning_rate", None), "assign")]
+
+
+class Decisions(keras.callbacks.Callback):
+    """The user's callbacks run on rank 0 only (only rank 0 writes files); what they decide, ``stop_training`` and
+    the learning rates, every worker takes at the same point (epoch begin and end, and each batch's end when a
+    callback acts there), or their steps (and all-reduces) would part."""
+
+    def __init__(self, collective: Collective, model, rank: int, per_batch: bool):
+        super().__init__()
+        self.collective, self.rank, self.per_batch = collective, rank, per_batch
+        self.rates = learning_rates(model)
+
+    def _agree(self) -> None:
+        if self.collective.world == 1:
+            return
+        mine = np.zeros(1 + len(self.rates))
+        if self.rank == 0:
+            mine[0] = float(bool(self.model.stop_training))
+            mine[1:] = [float(r.numpy()) for r in self.rates]
+        total = self.collective.host(mine, Site.DECISIONS)
+        self.model.stop_training = bool(total[0] > 0)
+        for r, value in zip(self.rates, total[1:]):
+            r.assign(value)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._agree()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.per_batch:
+            self._agree()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._agree()
+
+
+class Checkpoints(keras.callbacks.Callback):
+    """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
+
+    def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int):
+        """``state``: what ``write`` saves beside the weights: the epoch reached and the history, kept here."""
+        super().__init__()
+        self.session, self.write, self.state, self.epochs = session, write, state, epochs
+        self.started = time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        record = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0},
+                  "seconds": round(time.perf_counter() - self.started, 3), "workers": self.session.world}
+        self.state["history"].append(record)
+        self.state["epoch"] = epoch + 1
+        if self.session.rank == 0:
+            log.info(epoch_line(record, self.epochs))
+        self.session.save_and_report(record, self.write)
+
+
+def epoch_line(record: dict[str, Any], epochs: int) -> str:
+    """One console line per epoch: its logs as Keras names them."""
+    values = "  ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in ("epoch", "seconds", "workers"))
+    return f"epoch {record['epoch']}/{epochs}  {values}  ({record['seconds']:.1f} s)"

@@ -1,0 +1,143 @@
+"""A model's own Keras step, made exact across Ray workers: what Keras's fit gets wrong there, and nothing else.
+
+Each worker runs ``model.fit`` itself (its own ``train_step`` and ``test_step``,
+compiled losses, metrics, callbacks, History) under the default strategy, on
+its part of every global batch. Keras alone would train each worker on its
+own; ``synchronise`` adds the three things that make N workers train as one
+process over the global batch:
+
+1. **Gradients.** Every optimizer the model holds (``model.optimizer`` and any
+   other, e.g. a GAN's two) sums ``rows x gradient`` over the workers before it
+   applies them, and divides by the rows: the gradient of the mean loss over
+   the whole global batch, also when the workers' parts differ by a row (the
+   short last batch). A loss scaled for fp16 overflows on every worker if on
+   one (an inf in the sum), so all skip the step together. Keras's own
+   reduction under a strategy sums per-replica gradients whose loss it may or
+   may not have scaled (loss objects yes, loss functions no): this mean is
+   the same for every ``train_step``.
+2. **Epoch logs.** Where fit() and evaluate() turn the last step's logs into the
+   epoch's (app.internals.replace_epoch_logs), every metric's state (sums,
+   counts, confusion buckets: any Keras metric whose state adds up) is summed
+   over the workers first and the metric's own ``result()`` read from the
+   total: the value one process reports for all the rows. A log value that is
+   no metric's result is averaged over the workers.
+3. **State that is not trained.** Batch-norm moving statistics (float
+   non-trainable variables) are averaged over the workers at the same point,
+   so every worker evaluates and saves the same model.
+
+With one worker each of these is the identity: the run is ``model.fit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from app import internals
+from app.training.collective import Collective, Site
+
+
+def optimizers_of(model) -> list:
+    """Every optimizer the model holds: ``model.optimizer`` first, then any attribute that is one (a model that
+    compiles with optimizers of its own, as an adversarial model's ``compile(d_optimizer=, g_optimizer=)``)."""
+    import keras
+
+    found = [model.optimizer] if isinstance(getattr(model, "optimizer", None), keras.optimizers.Optimizer) else []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
+
+
+class _Rows:
+    """The rows of the batch the step being traced holds (a tensor of that trace)."""
+
+    value: Any = None
+
+
+def synchronise(model, collective: Collective) -> None:
+    """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows."""
+    if collective.world == 1:
+        return
+    rows = _Rows()
+    own_step = model.train_step
+
+    def train_step(data):
+        import tensorflow as tf
+
+        rows.value = tf.cast(tf.shape(tf.nest.flatten(data)[0])[0], tf.float32)
+        return own_step(data)
+
+    model.train_step = train_step
+    for i, optimizer in enumerate(optimizers_of(model)):
+        _average_gradients(optimizer, collective, Site.GRADIENTS + i, rows)
+    internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
+
+
+def _average_gradients(optimizer, collective: Collective, site: int, rows: _Rows) -> None:
+    own_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        import tensorflow as tf
+
+        grads = list(grads)
+        n = rows.value
+        # One all-reduce per step: every gradient, flattened, weighed by this worker's rows, and the rows.
+        packed = tf.concat([tf.reshape(tf.cast(g, tf.float32) * n, [-1]) for g in grads] + [tf.reshape(n, [1])], 0)
+        total = collective.in_graph(packed, site)
+        mean = total[:-1] / total[-1]
+        out, at = [], 0
+        for g in grads:
+            size = int(np.prod(g.shape))
+            out.append(tf.cast(tf.reshape(mean[at:at + size], g.shape), g.dtype))
+            at += size
+        return own_apply(out, trainable_variables)
+
+    optimizer.apply = apply
+
+
+def _metric_variables(model) -> list:
+    seen, out = set(), []
+    for metric in model.metrics:
+        for v in metric.variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
+    """The epoch's (or evaluation's) logs over every worker: Keras's own choice between the metrics' results and
+    the last step's logs, from the metric states summed over the workers."""
+    _average_state(model, collective)
+    variables = _metric_variables(model)
+    local = [np.asarray(v.numpy()) for v in variables]
+    extra = sorted(k for k in (logs or {}) if not isinstance(logs[k], dict))
+    flat = np.concatenate([a.ravel().astype(np.float64) for a in local]
+                          + [np.asarray([float(np.asarray(logs[k])) for k in extra], np.float64)])
+    total = collective.host(flat, Site.METRICS)
+    at = 0
+    for v, a in zip(variables, local):
+        v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
+        at += a.size
+    results = dict(model.get_metrics_result())
+    # Back to this worker's own state: fit() goes on accumulating it (a callback's log point, the next steps).
+    for v, a in zip(variables, local):
+        v.assign(a)
+    if isinstance(logs, dict) and set(logs) == set(results):
+        return results
+    averaged = dict(zip(extra, total[at:] / collective.world))
+    return {k: results.get(k, averaged.get(k, v)) for k, v in (logs or {}).items()}
+
+
+def _average_state(model, collective: Collective) -> None:
+    state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+    if not state:
+        return
+    local = [np.asarray(v.numpy()) for v in state]
+    total = collective.host(np.concatenate([a.ravel() for a in local]), Site.STATE)
+    at = 0
+    for v, a in zip(state, local):
+        v.assign((total[at:at + a.size] / collective.world).reshape(a.shape).astype(a.dtype))
+        at += a.size

@@ -1,0 +1,157 @@
+"""The per-worker function of a Keras model trained by its own step: each worker runs ``model.fit``.
+
+A model that brings its step (a compiled model, or one that overrides
+``train_step``) is trained by Keras's fit on every worker, on its part of every
+global batch (app.data.keras_inputs), with app.training.keras_sync making the
+workers one exact run: what Keras itself runs is the model's ``train_step`` /
+``test_step``, its compiled losses and metrics, its callbacks and its History.
+The product adds, as Keras callbacks on every worker:
+
+- ``Decisions``: the user's callbacks run on rank 0 (only rank 0 writes
+  files); what they decide (stop, a new learning rate) is taken by every
+  worker at the same point, or the workers' steps would part;
+- ``Checkpoints``: every epoch, the model and every optimizer it holds
+  (``tf.train.Checkpoint``: no model config needed, any model Keras can train)
+  and the epoch's record, written by rank 0 and reported by every worker.
+
+A restarted or resumed worker restores the last checkpoint and goes on from
+its epoch, as ``initial_epoch`` would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+
+from app.data.keras_inputs import KerasData
+from app.training.collective import Collective, Site
+
+log = logging.getLogger(__name__)
+
+TRAIN_STATE = "train_state"  # tf.train.Checkpoint prefix inside a checkpoint directory
+STATE_FILE = "state.json"  # the epoch and the history so far; written last, it marks a complete checkpoint
+
+
+@dataclass(frozen=True)
+class KerasJob:
+    """What every worker is handed: the model function and fit()'s arguments, its inputs read once."""
+
+    model_fn: Callable[[], Any]
+    train: Any  # KerasData (or Ray's reference to it)
+    val: Any  # KerasData, its reference, or None
+    epochs: int
+    initial_epoch: int = 0
+    validation_freq: Any = 1
+    seed: int = 0
+    callbacks: Optional[list] = None
+    stall_timeout_s: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+class KerasSession(Protocol):
+    rank: int
+    world: int
+
+    def start(self) -> None:
+        """Threads and collectives, before any other TensorFlow op of this process."""
+
+    def inputs(self) -> tuple[KerasData, Optional[KerasData]]:
+        """The training and validation inputs."""
+
+    def last_checkpoint(self) -> Optional[str]:
+        """The directory of the checkpoint to go on from, or None."""
+
+    def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
+        """Checkpoint the epoch (``write(directory)``, rank 0) and report its record."""
+
+
+def checkpoint_of(model) -> Any:
+    """The model and every optimizer it holds, as one ``tf.train.Checkpoint``."""
+    import tensorflow as tf
+
+    from app.training.keras_sync import optimizers_of
+
+    return tf.train.Checkpoint(model=model, optimizers=optimizers_of(model))
+
+
+def build(model, data: KerasData) -> None:
+    """Create every variable the model's step uses (layers, optimizers' slots, metrics) without taking a step:
+    trace ``train_step`` once on the input's element spec, as fit() would at its first step."""
+    import tensorflow as tf
+
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data.rows)
+    tf.function(model.train_step).get_concrete_function(spec)
+
+
+def read_state(directory: str | Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / STATE_FILE).read_text())
+
+
+def save(model, directory: str | Path, state: dict[str, Any]) -> None:
+    """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history)."""
+    checkpoint_of(model).write(str(Path(directory) / TRAIN_STATE))
+    (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def restore(model, directory: str | Path) -> dict[str, Any]:
+    """Weights and every optimizer's state from a checkpoint directory; its state.json."""
+    checkpoint_of(model).read(str(Path(directory) / TRAIN_STATE)).assert_existing_objects_matched()
+    return read_state(directory)
+
+
+def _broadcast_from_rank0(model, collective: Collective, rank: int) -> None:
+    """Every worker starts from rank 0's weights (a model function need not be seeded)."""
+    variables = [v for v in model.variables if "float" in str(v.dtype)]
+    if collective.world == 1 or not variables:
+        return
+    local = [np.asarray(v.numpy()) for v in variables]
+    mine = np.concatenate([a.ravel() for a in local]) if rank == 0 else np.zeros(sum(a.size for a in local))
+    total = collective.host(mine, Site.STATE)
+    at = 0
+    for v, a in zip(variables, local):
+        v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
+        at += a.size
+
+
+def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
+    """One worker's part of ``app.fit`` for a model trained by its own step."""
+    session.start()
+    import keras
+
+    from app.training import keras_callbacks, keras_sync
+
+    collective = Collective(session.world, job.stall_timeout_s)
+    keras.utils.set_random_seed(job.seed)
+    train, val = session.inputs()
+    model = job.model_fn()
+    keras_sync.synchronise(model, collective)
+    build(model, train)
+
+    state = {"epoch": job.initial_epoch, "history": []}
+    resumed = session.last_checkpoint()
+    if resumed is not None:
+        state = restore(model, resumed)
+        if session.rank == 0:
+            log.info("resumed from the checkpoint of epoch %d", state["epoch"])
+    else:
+        _broadcast_from_rank0(model, collective, session.rank)
+
+    first = state["epoch"]
+    steps = train.steps
+    epochs = range(first, job.epochs)
+    train_ds = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
+    val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
+                                                         training=False)
+    own = list(job.callbacks or [])
+    callbacks = [*(own if session.rank == 0 else []),
+                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
+                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
+    model.fit(train_ds, epochs=job.epochs, initial_epoch=first, steps_per_epoch=steps, validation_data=val_ds,
+              validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
+
+
