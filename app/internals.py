@@ -274,15 +274,10 @@ def keras_validation_split(arrays: tuple, validation_split: float) -> tuple[tupl
 # Both call ``self._get_metrics_result_or_logs(logs)`` once at the end of an epoch or an evaluation
 # (keras/src/backend/tensorflow/trainer.py): the metrics' results when their names are the step's log keys,
 # else the last step's logs. That is the one point where a worker's own numbers become the epoch's, so the
-# cross-worker reduction replaces it on the model instance. ``train_function`` / ``test_function`` are the
-# traced steps fit() keeps; set to None, the next fit() traces them again.
+# cross-worker reduction replaces it on the model instance.
 
 
 def replace_epoch_logs(model: Any, reduce: Callable[[Any], Any]) -> None:
     """Make ``model``'s epoch and evaluation logs ``reduce(logs)``."""
     model._get_metrics_result_or_logs = reduce
 
-
-def forget_traced_steps(model: Any) -> None:
-    """Drop the steps fit()/evaluate() traced, so that the next call traces them with what changed since."""
-    model.train_function = model.test_function = model.predict_function = None

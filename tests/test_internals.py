@@ -358,3 +358,30 @@ def test_keras_compile_internals_still_give_what_objective_and_measures_take():
     loss = internals.resolve_loss("categorical_crossentropy", one_hot, out)
     assert tuple(loss.call(one_hot, out).shape) == (2,)  # per example: call() does not reduce
     assert internals.auto_name_of(auc) == "auc" and internals.auto_name_of(keras.metrics.AUC()) == "auc"
+
+
+def test_the_keras_step_internals_read_inputs_and_reduce_logs_as_fit_does():
+    """fit()'s data adapter and validation split; the method fit() and evaluate() turn a step's logs into the epoch's
+    with (its name and what it returns); a collective all-reduce outside any strategy (one worker: the value)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from app import internals
+
+    x, y = np.arange(10, dtype="float32").reshape(5, 2), np.arange(5)
+    batches = list(internals.keras_data_adapter(x, y, None, 2, None, {0: 2.0}).get_numpy_iterator())
+    assert [len(b[0]) for b in batches] == [2, 2, 1] and batches[0][2].tolist() == [2.0, 1.0]  # class weight -> w
+    (train, val) = internals.keras_validation_split((x, y, None), 0.4)
+    assert len(train[0]) == 3 and val[0].tolist() == x[3:].tolist()
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    # The metrics' results where the step's log keys are the metrics' names; else the step's own logs.
+    assert float(model._get_metrics_result_or_logs({"loss": 1.0})["loss"]) == 0.0
+    assert model._get_metrics_result_or_logs({"other": 1.0}) == {"other": 1.0}
+    internals.replace_epoch_logs(model, lambda logs: {"replaced": True})
+    model.fit(x, y.astype("float32"), epochs=1, verbose=0)  # fit() calls it once at the epoch's end
+    assert model.history.history == {"replaced": [True]}
+
+    assert internals.collective_sum(tf.constant([1.0, 2.0]), 1, 7, 1, 0).numpy().tolist() == [1.0, 2.0]

@@ -28,8 +28,8 @@ PAIRS = [("functional", "arrays"), ("functional", "dict"), ("functional", "tf.da
          ("functional", "tf.data x"), ("own_step", "arrays x"), ("own_step", "tf.data x"), ("gan", "tf.data x"),
          ("distiller", "arrays"), ("distiller", "tf.data x,y"), ("add_loss", "regression"),
          ("two_outputs", "two targets")]
-TWO_WORKERS = [("functional", "tf.data x,y"), ("own_step", "arrays x"), ("gan", "tf.data x"), ("distiller", "arrays"),
-               ("two_outputs", "two targets"), ("functional", "PyDataset")]
+TWO_WORKERS = [("functional", "tf.data x,y"), ("own_step", "arrays x"), ("gan", "tf.data x"),
+               ("two_outputs", "two targets")]
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,9 @@ class RayKerasSession:
         import ray.train
 
         restored = ray.train.get_checkpoint()
-        return None if restored is None else restored.to_directory()
+        if restored is not None:
+            return restored.to_directory()
+        return self.payload["start_from"]  # a resumed run: its last checkpoint, until this Ray run has one
 
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         import ray.train
@@ -147,7 +149,7 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
     start_guard.install()
     payload = {"job": KerasJob(**{**job.__dict__, "train": None, "val": None}),
                "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
-               "cpus_per_worker": config.cpus_per_worker}
+               "cpus_per_worker": config.cpus_per_worker, "start_from": _last_checkpoint(config, out)}
     name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = tf_config.trainer(
         train_loop_per_worker=keras_loop_per_worker,
@@ -171,7 +173,26 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
         raise RunFailed(failures.one_line(result.error, config))
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
-    return result.checkpoint.to_directory(str(out / "checkpoint"))
+    final = out / "checkpoint"
+    fresh = result.checkpoint.to_directory(str(out / "checkpoint.partial"))
+    if final.exists():  # this run's own last checkpoint, which the new one replaces
+        for f in final.iterdir():
+            f.unlink()
+        final.rmdir()
+    os.replace(fresh, final)
+    return str(final)
+
+
+def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
+    """--resume: the checkpoint the run left in its output directory, if any."""
+    last = out / "checkpoint"
+    return str(last) if config.resume and (last / keras_worker.STATE_FILE).is_file() else None
+
+
+def epochs_done(config: TrainConfig) -> int:
+    """Epochs a resumed run has already trained (0 for a new run)."""
+    last = _last_checkpoint(config, config.output_dir())
+    return keras_worker.read_state(last)["epoch"] if last else 0
 
 
 def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:

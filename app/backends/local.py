@@ -18,6 +18,7 @@ from app.driver import outputs
 from app.errors import RunFailed, UserError
 from app.training import checkpoint
 from app.training import strategy as strategy_lib
+from app.training.collective import ALONE
 from app.training.worker import WorkerJob, train_worker
 from app.ui import console
 
@@ -31,6 +32,7 @@ class LocalSession:
 
     rank, world = 0, 1
     coordinator = None  # synchronous replicas
+    collective = ALONE  # one process: its strategy all-reduces its replicas
 
     def __init__(self, config: TrainConfig, strategy, source, start_from: Optional[str] = None):
         # start_from: a Ray Train checkpoint a resumed run goes on from (newer than any of its own)

@@ -13,6 +13,7 @@ from app.config import TrainConfig
 from app.data.arrays import DataFacts
 from app.driver import cluster
 from app.training import checkpoint
+from app.training.collective import Collective
 from app.training.worker import train_worker
 from app.ui import console
 
@@ -50,6 +51,7 @@ class RaySession:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.config, self._inputs, self.start_from = config, inputs, start_from
+        self.collective = Collective(self.world, config.stall_timeout_s, self.rank)
         if inputs.streamed:
             # The shards first: asking for them starts Ray Data's split coordinators (new
             # processes) while this one imports TensorFlow, instead of after it (~3 s).
@@ -110,7 +112,7 @@ class RaySession:
     def placement(self, strategy) -> list[str]:
         import ray
 
-        return cluster.worker_nodes(strategy, ray.get_runtime_context().get_node_id(), self.world)
+        return cluster.worker_nodes(self.collective, ray.get_runtime_context().get_node_id())
 
     def save_and_report(self, metrics, state, write: Callable[[str], None]) -> None:
         import ray.train

@@ -125,15 +125,20 @@ def is_array_input(x: Any) -> bool:
     return isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "shape"))
 
 
+def check_class_weight(class_weight: Any) -> None:
+    """Keras takes ``class_weight`` as a dict; an array (scikit-learn's ``compute_class_weight``) is refused."""
+    if class_weight is not None and not isinstance(class_weight, dict):
+        raise UserError(f"class_weight must be a dict {{class id: weight}}, as in Keras (got a "
+                        f"{type(class_weight).__name__}); from scikit-learn's compute_class_weight: "
+                        "class_weight=dict(enumerate(weights))")
+
+
 def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Optional[int], shuffle: Any = True,
          steps_per_epoch: Optional[int] = None, class_weight: Any = None, epochs: int = 1,
          what: str = "x") -> KerasData:
     """One fit() input, read once through Keras's adapter (see the module docstring)."""
     arrays = is_array_input(x)
-    if class_weight is not None and not isinstance(class_weight, dict):
-        raise UserError(f"class_weight must be a dict {{class id: weight}}, as in Keras (got a "
-                        f"{type(class_weight).__name__}); from scikit-learn's compute_class_weight: "
-                        "class_weight=dict(enumerate(weights))")
+    check_class_weight(class_weight)
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")

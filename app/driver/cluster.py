@@ -208,17 +208,14 @@ def check_room_for_reads(config: TrainConfig, who: str = "the workers'") -> None
 _NODE_ID_WIDTH = 64  # Ray node ids are 56 hex characters
 
 
-def worker_nodes(strategy, node_id: str, world: int) -> list[str]:
+def worker_nodes(collective, node_id: str) -> list[str]:
     """Every worker's Ray node id, in rank order, from an all-gather of the ids as fixed-width codes.
 
     Ray Train has no all-gather of Python objects (only a broadcast from rank
     0), and this runs once, so one small TensorFlow collective is the simplest.
     """
     import numpy as np
-    import tensorflow as tf
 
-    code = np.frombuffer(node_id.encode().ljust(_NODE_ID_WIDTH)[:_NODE_ID_WIDTH], dtype=np.uint8).astype(np.int32)
-    values = strategy.experimental_distribute_values_from_function(lambda _: tf.constant(code[None, :]))
-    rows = strategy.gather(values, axis=0).numpy()
-    # A worker with several local replicas contributes one row per replica.
-    return [bytes(row.astype(np.uint8)).decode().strip() for row in rows[:: len(rows) // world]]
+    code = np.frombuffer(node_id.encode().ljust(_NODE_ID_WIDTH)[:_NODE_ID_WIDTH], dtype=np.uint8)
+    rows = collective.gather(code.astype(np.float64))
+    return [bytes(row.astype(np.uint8)).decode().strip() for row in rows]

@@ -173,7 +173,10 @@ def batches_line(plan: EpochPlan) -> str:
     if plan.short_last and plan.dropped:
         return (f"{plan.dropped} training rows dropped per epoch (fewer than one per replica: a short last batch "
                 "would leave a replica none)")
-    return f"{plan.dropped} training rows dropped per epoch (whole batches on every replica)"
+    if not plan.dropped:
+        return "every training row once per epoch (whole batches)"
+    return (f"{plan.dropped} training rows dropped per epoch (whole batches on every replica: streamed data, "
+            "--grad-accum and parameter servers cannot end an epoch on a short batch)")
 
 
 def begin(config: "TrainConfig", checked: Checked, num_workers: int, strategy: str) -> tuple[list[str], Path]:

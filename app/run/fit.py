@@ -1,42 +1,29 @@
-"""app.fit: ``keras.Model.fit``'s arguments, trained as app.train trains (Ray workers, MWMS, the custom loop).
+"""app.fit: ``keras.Model.fit``'s arguments, on ``num_workers`` Ray workers (or ``backend="local"``: one process).
 
     history = app.fit(build_model, x, y, batch_size=256, epochs=10, validation_split=0.2, num_workers=2)
     history.history["val_accuracy"]   # one value per epoch, keyed as Keras's History
-    history.result                    # result.json's content: what app.train returns
-    history.model                     # the trained model.keras, loaded on first use
+    history.model                     # the trained model
 
-The arguments mean what they mean in ``keras.Model.fit``:
+``model_fn`` is the function that builds the model (each worker builds its own), a built-in name or a
+``file.py:function``. Two ways to train, decided here once:
 
-- ``model_fn``: what ``model=`` takes in app.train (a function returning the model, a built-in name, a
-  ``file.py:function``). A function returning a compiled model is called with no arguments.
-- ``batch_size``: the GLOBAL batch, as under a Keras distribution strategy (default 32). It is split over
-  the replicas (``per_replica_batch = batch_size / replicas``: one replica per Ray worker) and refused when
-  it does not divide. Without it, a ``per_replica_batch=`` keyword keeps the product's meaning.
-- ``x``: numpy arrays (or array-likes: tensors, DataFrames) with ``y``, or a dict of them by the model's
-  input names (``y`` a dict by output names for several outputs); a ``tf.data.Dataset`` of (x, y[, w]); a
-  data function (as ``data=`` in app.train); or a path / dataset name (as ``--dataset``). Several inputs by
-  position (a list or tuple) are refused: their names say which is which.
-- ``sample_weight``: one weight per row of x arrays; ``class_weight``: {class id: weight}, as
-  ``--class-weight``. Both weigh the training loss and ``weighted_metrics``, as in Keras.
-- ``validation_data=(x_val, y_val)``: exactly those rows validate (with a path ``x``: a path, as
-  ``--val-dataset``). ``validation_split``: the LAST fraction of the rows, in their order, as Keras takes it
-  (arrays only, as in Keras); ``validation_data`` wins when both are given, as in Keras. With neither, Keras
-  validates nothing; this product needs a validation set for its epoch record, so it holds out its seeded
-  random ``val_fraction`` (default 0.2) of the rows, as app.train does, and does not train on them.
-- ``callbacks``: a list of ``keras.callbacks.Callback``, run as app.train runs them (app.training.callbacks: on
-  rank 0, their stop and LR decisions taken by every worker).
-- A compiled model trains with its compiled optimizer at its own learning rate or ``LearningRateSchedule``, as
-  ``model.fit`` does: no scaling rule, warmup or decay of the product's unless a keyword asks for them
-  (``lr_scaling``, ``warmup_epochs``, ``lr_decay``, ``base_lr``, ``reference_batch``). Each step's global batch
-  holds the same rows on any number of workers (tests/test_keras_parity.py: weights equal to ``model.fit``'s).
-- ``shuffle`` as in Keras; ``verbose`` takes Keras's values: 0 prints nothing but warnings and errors (the epochs
-  go to <output>/train.log), 2 one line per epoch, 1 and "auto" the same and a progress bar inside long epochs
-  at a terminal (Ray's and TensorFlow's own lines: train.log);
-  ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and ``validation_freq``
-  other than their defaults are refused in one line that says what to use.
-- Every other keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=``
-  a YAML file of them.
+- **The model's own step** (app.run.keras_step), for a model that brings one: compiled, or overriding
+  ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, with an ``x`` that Keras's fit reads
+  itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator). Every
+  argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
+  validates nothing); every worker runs the model's own fit, made one exact run across workers by
+  app.training.keras_sync. Config keywords that ask for the product's own features (``lr_scaling``,
+  ``grad_accum``, ...) take the other way; with a model that overrides its step they are refused in one line.
+- **The product's own step** (app.run.api, as app.train): an uncompiled model (the task's defaults), an ``x``
+  that is a path or a data function (as ``--dataset``), or the product's features asked for. Here ``batch_size``
+  must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path with a path ``x``),
+  no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step reports validation numbers
+  every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and
+  ``validation_freq`` are refused in one line that says what to use. ``callbacks`` run as app.train runs them.
 
+``verbose`` takes Keras's values: 0 prints nothing but warnings and errors (the epochs go to <output>/train.log),
+2 one line per epoch, 1 and "auto" the same and a progress bar inside long epochs at a terminal. Every other
+keyword is a config field, as app.train takes (``python jobs/train.py --help``); ``config=`` a YAML file of them.
 Everything refusable is refused with one line before the data is checked or Ray starts.
 """
 
@@ -53,8 +40,10 @@ import numpy as np
 
 from app.backend import backend_of
 from app.config import TrainConfig, build_config
+from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
+from app.run.keras_step import given as _given
 
 KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
@@ -74,8 +63,6 @@ def keras_step_input(x: Any) -> bool:
     """An input that Keras's fit reads itself: arrays (or a dict, list or tuple of them), a tf.data.Dataset, a
     keras.utils.PyDataset or a generator; not a path or a data function, which are the product's own inputs."""
     import inspect
-
-    from app.data.keras_inputs import is_array_input
 
     return (is_array_input(x) or is_tf_dataset(x) or inspect.isgenerator(x)
             or any(c.__name__ == "PyDataset" for c in type(x).__mro__))
@@ -171,18 +158,25 @@ def fit(
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
     from app.run.api import run_training
 
-    if keras_step_input(x) and not set(fields) - KERAS_STEP_FIELDS and not _is_keras_model(model_fn):
+    check_class_weight(class_weight)
+    if keras_step_input(x) and not _is_keras_model(model_fn):
         from app.run import keras_step
 
         built = keras_step.model_that_brings_its_step(model_fn)
-        if built is not None:
-            return keras_step.fit(built, model_fn, x, y, batch_size=batch_size, epochs=epochs,
+        product_only = sorted(set(fields) - KERAS_STEP_FIELDS)
+        if built is not None and product_only and keras_step.overrides_step(built):
+            raise UserError(f"{', '.join(product_only)}: the product's own training features, which its own step "
+                            f"provides; this model trains by its own {', '.join(keras_step.overrides_step(built))}: "
+                            "leave them out")
+        if built is not None and not product_only:
+            run, out = keras_step.fit(built, model_fn, x, y, batch_size=batch_size, epochs=epochs,
                                   validation_data=validation_data, validation_split=validation_split,
                                   callbacks=callbacks, num_workers=num_workers, sample_weight=sample_weight,
                                   class_weight=class_weight, verbose=verbose, shuffle=shuffle,
                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                                   validation_steps=validation_steps, validation_batch_size=validation_batch_size,
                                   validation_freq=validation_freq, fields=fields)
+            return History.of_keras_run(run, out, epochs)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle
 
@@ -334,15 +328,6 @@ def _given_arrays(train: tuple, val: Optional[tuple]) -> Callable[[], Any]:
     """The arrays as a data function of no arguments (what the data layer takes): explicit train and val rows
     when validation rows were given, else (x, y[, w]) for the seeded holdout."""
     return _given(train if val is None else {"train": train, "val": val}, "fit(x, y)")
-
-
-def _given(data: Any, name: str) -> Callable[[], Any]:
-    def arrays():
-        return data
-
-    # How the data layer's lines name it ("app:fit(x, y) returned ..."), and config.yaml: not a loadable name.
-    arrays.__module__, arrays.__qualname__ = "app", name
-    return arrays
 
 
 def replicas(config: TrainConfig) -> tuple[int, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from app.config import build_config
 from app.data import keras_inputs
@@ -51,7 +51,6 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
-    from app.run.fit import History, _given
     from app.training.keras_worker import KerasJob
     from app.ui import console
 
@@ -75,9 +74,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         val = _validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
                           train)
     config = build_config(fields.pop("config", None), {
-        **fields, "model": model_fn, "dataset": _given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
+        **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
         "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, num_workers))})
     outputs.check_output_dir(config)
+    done = keras_fit.epochs_done(config)
+    if done >= epochs:
+        raise UserError(f"the run in {config.output_dir()} has trained {done} epochs already: give epochs= more than "
+                        f"{done} to train it further with resume=True")
     world = 1 if not _on_ray(config) else num_workers
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
@@ -89,7 +92,16 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         run = keras_fit.run(config, job, plan)
-    return History.of_keras_run(run, config.output_dir(), epochs)
+    return run, config.output_dir()
+
+
+def given(data: Any, name: str) -> Callable[[], Any]:
+    def arrays():
+        return data
+
+    # How the data layer's lines name it ("app:fit(x, y) returned ..."), and config.yaml: not a loadable name.
+    arrays.__module__, arrays.__qualname__ = "app", name
+    return arrays
 
 
 def _on_ray(config) -> bool:

@@ -1,20 +1,27 @@
 """Sums across Ray workers with TensorFlow's collective ops, outside any tf.distribute scope.
 
-MultiWorkerMirroredStrategy is created in each worker only to configure the
+MultiWorkerMirroredStrategy is created in each Ray worker only to configure the
 cluster's collectives (from TF_CONFIG, before any other TensorFlow op); the
-model, its optimizers and Keras's own step then run under the default strategy,
-one replica per worker, exactly as ``model.fit`` runs them in one process. What
-crosses workers goes through the same collective all-reduce MWMS uses inside
-(``CollectiveReduceV2``, ring over gRPC on CPUs, NCCL on GPUs), called here
-directly:
+model, its optimizers and the step (the product's own, or Keras's) then run
+under the default strategy, one replica per worker, exactly as one process runs
+them: no MWMS scope, whose per-step cost on a CPU is a large part of a step
+(BENCHMARKS.md, "Two workers"). What crosses workers goes through the same
+collective all-reduce MWMS uses inside (``CollectiveReduceV2``, ring over gRPC
+on CPUs, NCCL on GPUs), called here directly:
 
-- in a traced step (``in_graph``): a model's gradients, once per optimizer step;
-- on the host (``host``): metric states, batch-norm statistics and callback
-  decisions, a few times per epoch.
+- in a traced step (``in_graph``, ``sum_gradients``): the gradients, once per
+  optimizer step, in packs that start as soon as their gradients exist (the
+  last layers' first), overlapping the rest of the backward pass;
+- on the host (``host``, ``gather``): metric sums, batch-norm statistics,
+  callback decisions, where each worker runs, a few times per epoch.
 
-Each call site has a fixed instance key (``Site``): every worker traces the same
-steps in the same order, so a key names the same all-reduce everywhere, also
-after a retrace (a short last batch).
+With one worker (``ALONE``) every sum is the value itself.
+
+Every worker makes the same calls in the same order, so a key names the same
+all-reduce everywhere: a traced call site has a fixed instance key (``Site``),
+the same after a retrace (a short last batch); each host call takes the next
+key of a counter (host sums differ in length from call to call, and a key is
+bound to its first shape).
 """
 
 from __future__ import annotations
@@ -28,20 +35,27 @@ GROUP_KEY = 4242  # one group: every worker's device; MWMS's own groups count up
 
 
 class Site(IntEnum):
-    """Every all-reduce of a run, one key each (an optimizer's gradients: GRADIENTS + its index)."""
+    """Every all-reduce in a traced step, one key each (an optimizer's gradients: GRADIENTS + its index)."""
 
-    METRICS = 1
-    STATE = 2
-    DECISIONS = 3
-    GRADIENTS = 100
+    ROWS = 1
+    OVERFLOW = 2
+    GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
+    PACKS = 1000
+
+
+BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size
+
+
+HOST_KEYS = 1 << 20  # host calls count up from here, above every Site
 
 
 class Collective:
     """All-reduce (sum) over ``world`` workers; with one worker every sum is the value itself."""
 
-    def __init__(self, world: int, timeout_s: Optional[float] = None):
-        self.world = world
+    def __init__(self, world: int, timeout_s: Optional[float] = None, rank: int = 0):
+        self.world, self.rank = world, rank
         self.timeout_s = timeout_s or 0  # 0: wait as long as it takes (--stall-timeout-s bounds it)
+        self._host_calls = 0
 
     def in_graph(self, tensor, site: int):
         """Sum of a tensor over every worker, inside a traced function."""
@@ -51,11 +65,70 @@ class Collective:
 
         return internals.collective_sum(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
 
-    def host(self, values: np.ndarray, site: int) -> np.ndarray:
+    def host(self, values: np.ndarray) -> np.ndarray:
         """Sum of a host vector over every worker (float64, exact for counts)."""
         values = np.asarray(values, dtype=np.float64)
         if self.world == 1:
             return values
         import tensorflow as tf
 
-        return self.in_graph(tf.constant(values), site).numpy()
+        self._host_calls += 1
+        return self.in_graph(tf.constant(values), HOST_KEYS + self._host_calls).numpy()
+
+    def sum_gradients(self, grads: list, site: int = Site.GRADIENTS, bytes_per_pack: int = BYTES_PER_PACK) -> list:
+        """Each gradient summed over every worker (inside a traced step), in packs of about ``bytes_per_pack``: the
+        last variables' first, as the backward pass makes them, so a pack's all-reduce starts while the rest are
+        still being computed. Every worker packs the same list the same way."""
+        if self.world == 1:
+            return list(grads)
+        import tensorflow as tf
+
+        # A sparse gradient (an embedding's rows) is summed dense; an unused variable's None stays None.
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        packs: list[list[int]] = []
+        size = bytes_per_pack
+        for i in (i for i in reversed(range(len(grads))) if grads[i] is not None):
+            if size >= bytes_per_pack:
+                packs.append([])
+                size = 0
+            packs[-1].append(i)
+            size += grads[i].shape.num_elements() * grads[i].dtype.size
+        out = grads
+        for k, members in enumerate(packs):
+            flat = tf.concat([tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in members], 0)
+            total = self.in_graph(flat, site + k)
+            at = 0
+            for i in members:
+                n = grads[i].shape.num_elements()
+                out[i] = tf.cast(tf.reshape(total[at:at + n], grads[i].shape), grads[i].dtype)
+                at += n
+        return out
+
+    def average_variables(self, variables: list) -> None:
+        """Each variable set to its mean over every worker (host-side: batch-norm statistics, once per epoch)."""
+        self._assign_sum(variables, 1.0 / self.world, mine=True)
+
+    def broadcast_variables(self, variables: list) -> None:
+        """Each variable set to rank 0's value (every worker starts from the same weights)."""
+        self._assign_sum(variables, 1.0, mine=self.rank == 0)
+
+    def _assign_sum(self, variables: list, scale: float, mine: bool) -> None:
+        if self.world == 1 or not variables:
+            return
+        local = [np.asarray(v.numpy()) for v in variables]
+        flat = np.concatenate([a.ravel() for a in local]).astype(np.float64)
+        total = self.host(flat if mine else np.zeros_like(flat)) * scale
+        at = 0
+        for v, a in zip(variables, local):
+            v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
+            at += a.size
+
+    def gather(self, row: np.ndarray) -> np.ndarray:
+        """Every worker's ``row`` (the same length everywhere), stacked in rank order, on the host."""
+        row = np.asarray(row, dtype=np.float64)
+        mine = np.zeros((self.world, row.size))
+        mine[self.rank] = row
+        return self.host(mine.ravel()).reshape(self.world, row.size)
+
+
+ALONE = Collective(1)  # one process: nothing crosses

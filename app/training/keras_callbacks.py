@@ -10,7 +10,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
-from app.training.collective import Collective, Site
+from app.training.collective import Collective
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Decisions(keras.callbacks.Callback):
         if self.rank == 0:
             mine[0] = float(bool(self.model.stop_training))
             mine[1:] = [float(r.numpy()) for r in self.rates]
-        total = self.collective.host(mine, Site.DECISIONS)
+        total = self.collective.host(mine)
         self.model.stop_training = bool(total[0] > 0)
         for r, value in zip(self.rates, total[1:]):
             r.assign(value)

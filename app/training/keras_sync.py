@@ -71,7 +71,7 @@ def synchronise(model, collective: Collective) -> None:
 
     model.train_step = train_step
     for i, optimizer in enumerate(optimizers_of(model)):
-        _average_gradients(optimizer, collective, Site.GRADIENTS + i, rows)
+        _average_gradients(optimizer, collective, Site.GRADIENTS + i * Site.PACKS, rows)
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
 
 
@@ -81,18 +81,13 @@ def _average_gradients(optimizer, collective: Collective, site: int, rows: _Rows
     def apply(grads, trainable_variables=None):
         import tensorflow as tf
 
-        grads = list(grads)
         n = rows.value
-        # One all-reduce per step: every gradient, flattened, weighed by this worker's rows, and the rows.
-        packed = tf.concat([tf.reshape(tf.cast(g, tf.float32) * n, [-1]) for g in grads] + [tf.reshape(n, [1])], 0)
-        total = collective.in_graph(packed, site)
-        mean = total[:-1] / total[-1]
-        out, at = [], 0
-        for g in grads:
-            size = int(np.prod(g.shape))
-            out.append(tf.cast(tf.reshape(mean[at:at + size], g.shape), g.dtype))
-            at += size
-        return own_apply(out, trainable_variables)
+        # Each worker's gradient of its mean loss, weighed by its rows; the rows summed in the same all-reduce.
+        weighed = [None if g is None else tf.convert_to_tensor(g) * tf.cast(n, g.dtype) for g in grads]
+        summed = collective.sum_gradients(weighed + [tf.reshape(n, [1])], site)
+        total = summed[-1][0]
+        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in summed[:-1]],
+                         trainable_variables)
 
     optimizer.apply = apply
 
@@ -110,13 +105,16 @@ def _metric_variables(model) -> list:
 def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
     """The epoch's (or evaluation's) logs over every worker: Keras's own choice between the metrics' results and
     the last step's logs, from the metric states summed over the workers."""
+    if not isinstance(logs, dict) or any(isinstance(v, dict) or np.ndim(v) for v in logs.values()):
+        raise TypeError(f"the model's train_step or test_step returned {_kind(logs)}: return a dict of scalars "
+                        "(the metrics' results, {m.name: m.result() for m in self.metrics}), as fit() logs them")
     _average_state(model, collective)
     variables = _metric_variables(model)
     local = [np.asarray(v.numpy()) for v in variables]
-    extra = sorted(k for k in (logs or {}) if not isinstance(logs[k], dict))
+    extra = sorted(logs)
     flat = np.concatenate([a.ravel().astype(np.float64) for a in local]
                           + [np.asarray([float(np.asarray(logs[k])) for k in extra], np.float64)])
-    total = collective.host(flat, Site.METRICS)
+    total = collective.host(flat)
     at = 0
     for v, a in zip(variables, local):
         v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
@@ -125,19 +123,18 @@ def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
     # Back to this worker's own state: fit() goes on accumulating it (a callback's log point, the next steps).
     for v, a in zip(variables, local):
         v.assign(a)
-    if isinstance(logs, dict) and set(logs) == set(results):
+    if set(logs) == set(results):
         return results
     averaged = dict(zip(extra, total[at:] / collective.world))
-    return {k: results.get(k, averaged.get(k, v)) for k, v in (logs or {}).items()}
+    return {k: results.get(k, averaged[k]) for k in logs}
+
+
+def _kind(logs: Any) -> str:
+    if not isinstance(logs, dict):
+        return f"a {type(logs).__name__}"
+    bad = next(k for k, v in logs.items() if isinstance(v, dict) or np.ndim(v))
+    return f"a dict whose {bad!r} is not a scalar"
 
 
 def _average_state(model, collective: Collective) -> None:
-    state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
-    if not state:
-        return
-    local = [np.asarray(v.numpy()) for v in state]
-    total = collective.host(np.concatenate([a.ravel() for a in local]), Site.STATE)
-    at = 0
-    for v, a in zip(state, local):
-        v.assign((total[at:at + a.size] / collective.world).reshape(a.shape).astype(a.dtype))
-        at += a.size
+    collective.average_variables([v for v in model.non_trainable_variables if "float" in str(v.dtype)])

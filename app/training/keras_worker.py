@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-import numpy as np
-
 from app.data.keras_inputs import KerasData
-from app.training.collective import Collective, Site
+from app.training.collective import Collective
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +102,6 @@ def restore(model, directory: str | Path) -> dict[str, Any]:
     return read_state(directory)
 
 
-def _broadcast_from_rank0(model, collective: Collective, rank: int) -> None:
-    """Every worker starts from rank 0's weights (a model function need not be seeded)."""
-    variables = [v for v in model.variables if "float" in str(v.dtype)]
-    if collective.world == 1 or not variables:
-        return
-    local = [np.asarray(v.numpy()) for v in variables]
-    mine = np.concatenate([a.ravel() for a in local]) if rank == 0 else np.zeros(sum(a.size for a in local))
-    total = collective.host(mine, Site.STATE)
-    at = 0
-    for v, a in zip(variables, local):
-        v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
-        at += a.size
-
-
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     """One worker's part of ``app.fit`` for a model trained by its own step."""
     session.start()
@@ -125,7 +109,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
 
     from app.training import keras_callbacks, keras_sync
 
-    collective = Collective(session.world, job.stall_timeout_s)
+    collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
     model = job.model_fn()
@@ -139,7 +123,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         if session.rank == 0:
             log.info("resumed from the checkpoint of epoch %d", state["epoch"])
     else:
-        _broadcast_from_rank0(model, collective, session.rank)
+        # Every worker starts from rank 0's weights (a model function need not be seeded).
+        collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
     first = state["epoch"]
     steps = train.steps

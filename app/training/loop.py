@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from app.training.metrics import EpochStats, cross_worker_sum, epoch_metrics, largest_peak_rss, local_sum
+from app.training.collective import ALONE, Collective
+from app.training.metrics import EpochStats, epoch_metrics, largest_peak_rss, local_sum
 from app.training.step import TrainSteps
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class StepRunner(Protocol):
         """What this kind of run adds to each epoch's record."""
 
 
-def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochStats:
+def evaluate(strategy, eval_step, dist_dataset, measures: "Measures", collective: Collective = ALONE) -> EpochStats:
     """Loss and metrics over every replica's batches of every worker; padding rows weigh 0."""
     import tensorflow as tf
 
@@ -63,20 +64,21 @@ def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochSt
     acc = tf.zeros((measures.size,), tf.float64)
     for batch in dist_dataset:
         acc += local_sum(strategy, eval_step(batch))
-    return EpochStats.from_sums(cross_worker_sum(strategy, acc.numpy()), time.perf_counter() - start, measures.results)
+    return EpochStats.from_sums(collective.host(acc.numpy()), time.perf_counter() - start, measures.results)
 
 
 class ReplicaSteps:
-    """Synchronous replicas: ``strategy.run`` of the compiled steps (app.training.step), sums all-reduced."""
+    """Synchronous replicas: ``strategy.run`` of the compiled steps (app.training.step), sums all-reduced over the
+    workers by ``collective`` (``ALONE`` in one process)."""
 
     def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None,
-                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False, rank: int = 0,
-                 world: int = 1):
+                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False,
+                 collective: Collective = ALONE, ids_per_step: int = 0):
         self.strategy, self.optimizer, self.measures = strategy, optimizer, measures
         self.train_steps, self.eval_step, self.average_state = train_steps, eval_step, average_state
         self.steps_per_execution = steps_per_execution
         self.audit_sample_ids = audit_sample_ids
-        self.rank, self.world = rank, world
+        self.collective, self.ids_per_step = collective, ids_per_step  # ids: at most this many per worker and step
         self._traced = False
 
     def steps_taken(self) -> int:
@@ -102,24 +104,34 @@ class ReplicaSteps:
 
         if self.steps_per_execution == 1:
             per_replica, ids = self.train_steps.one(self._first_batch(iterator))
-            return local_sum(self.strategy, per_replica), 1, ids.numpy() if self.audit_sample_ids else None
+            return local_sum(self.strategy, per_replica), 1, self._every_workers(ids) if self.audit_sample_ids else None
         k = min(self.steps_per_execution, remaining)
         return self.train_steps.many(iterator, tf.constant(k)), k, None
 
+    def _every_workers(self, ids) -> np.ndarray:
+        """This step's sample ids of every worker, in rank order (a short step's are fewer: padded with -1)."""
+        ids = ids.numpy()
+        if self.collective.world == 1:
+            return ids
+        row = np.full(self.ids_per_step, -1.0)
+        row[:len(ids)] = ids
+        every = self.collective.gather(row).ravel()
+        return every[every >= 0].astype(np.int64)
+
     def total(self, local: np.ndarray) -> np.ndarray:
-        return cross_worker_sum(self.strategy, local)
+        return self.collective.host(local)
 
     def evaluate(self, val) -> EpochStats:
         # Each replica moved its own batch-norm statistics: they agree before they are evaluated and saved.
         if self.average_state is not None:
             self.average_state()
-        return evaluate(self.strategy, self.eval_step, val, self.measures)
+        return evaluate(self.strategy, self.eval_step, val, self.measures, self.collective)
 
     def learning_rate(self, global_step: int) -> float:
         return float(self.optimizer.learning_rate.numpy())
 
     def extra_metrics(self) -> dict[str, Any]:
-        return {"worker_peak_rss_mib": largest_peak_rss(self.strategy, self.rank, self.world)}
+        return {"worker_peak_rss_mib": largest_peak_rss(self.collective)}
 
 
 class EpochDriver:

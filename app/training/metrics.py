@@ -40,22 +40,6 @@ def local_sum(strategy, per_replica):
     return tf.add_n(list(strategy.experimental_local_results(per_replica)))
 
 
-def cross_worker_sum(strategy, local: np.ndarray) -> np.ndarray:
-    """Sum a host-side vector over every worker (a no-op with one process)."""
-    import tensorflow as tf
-
-    local = np.asarray(local, dtype=np.float64)
-    calls = iter(range(1 << 30))
-
-    def value_fn(ctx):
-        # Only this process's first replica contributes, so that a worker
-        # with several local replicas is not counted several times.
-        return tf.constant(local if next(calls) == 0 else np.zeros_like(local))
-
-    values = strategy.experimental_distribute_values_from_function(value_fn)
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, in MiB, on every platform.
 
@@ -74,11 +58,9 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def largest_peak_rss(strategy, rank: int, world: int) -> float:
+def largest_peak_rss(collective) -> float:
     """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
-    mine = np.zeros(world)
-    mine[rank] = peak_rss_mib()
-    return float(cross_worker_sum(strategy, mine).max())
+    return float(collective.gather([peak_rss_mib()]).max())
 
 
 def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:

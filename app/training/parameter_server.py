@@ -44,6 +44,7 @@ import numpy as np
 from app.data.arrays import Split
 from app.data.plan import EpochPlan
 from app.training import checkpoint
+from app.training.collective import ALONE
 from app.training.metrics import EpochStats
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class ParameterServerSession:
     """
 
     rank = 0
+    collective = ALONE  # the coordinator's steps update the parameter servers; nothing is all-reduced
 
     def __init__(self, config: "TrainConfig", cluster_spec: dict[str, list[str]], train: Split, val: Split,
                  checkpoint_dir: str, restore: bool, progress_bar: Callable[..., Any],

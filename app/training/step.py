@@ -9,12 +9,20 @@ one device.
 Every step returns this replica's sums [loss, count, every metric's state] as
 float64 (app.training.measures): the caller adds them over replicas and
 workers once per epoch.
+
+``collective`` sums across Ray workers (app.training.collective): each worker is
+one replica of the default strategy there, so what the strategy's replica
+context would all-reduce is summed over the workers by it (the gradients, a
+short step's rows, an fp16 overflow); in one process it is ``ALONE``, and the
+strategy all-reduces over its local replicas as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from app.training.collective import ALONE, Collective, Site
 
 if TYPE_CHECKING:
     import keras
@@ -33,7 +41,14 @@ def build_optimizer_slots(strategy, model, optimizer) -> None:
             optimizer.build(model.trainable_variables)
 
 
-def agree_on_overflow(grads):
+def sum_everywhere(value, collective: Collective, site: int):
+    """Sum over every replica of this process (the strategy's replica context) and over every worker."""
+    import tensorflow as tf
+
+    return collective.in_graph(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value), site)
+
+
+def agree_on_overflow(grads, collective: Collective = ALONE):
     """Make an fp16 overflow on any replica an overflow on all of them.
 
     LossScaleOptimizer checks the *local* gradients before its all-reduce:
@@ -45,7 +60,7 @@ def agree_on_overflow(grads):
     import tensorflow as tf
 
     bad = tf.cast(tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32)
-    any_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, bad) > 0
+    any_bad = sum_everywhere(bad, collective, Site.OVERFLOW) > 0
     poison = tf.where(any_bad, float("nan"), 0.0)
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
@@ -61,7 +76,7 @@ def with_penalties(model: "keras.Model", per_example_loss):
 
 
 def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int,
-                       short_last: bool = False):
+                       short_last: bool = False, collective: Collective = ALONE):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
 
     ``short_last``: the plan ends each epoch with a short step (app.data.plan), so the global batch is counted in
@@ -77,7 +92,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
         if not short_last:
             return global_batch
         rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
-        return tf.cast(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, rows), tf.int32)
+        return tf.cast(sum_everywhere(rows, collective, Site.ROWS), tf.int32)
 
     def micro_batch_gradients(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
@@ -114,8 +129,10 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
                 lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((measures.size,), tf.float64))
             )
         if scales_loss:
-            grads = agree_on_overflow(grads)
-        optimizer.apply_gradients(zip(grads, variables))
+            grads = agree_on_overflow(grads, collective)
+        # Across Ray workers: the sum of every worker's gradients (each of the loss over the global batch), in
+        # packs as they come; in one process the strategy's optimizer all-reduces its replicas' itself.
+        optimizer.apply_gradients(zip(collective.sum_gradients(grads), variables))
         return step_sums
 
     return train_step
@@ -129,13 +146,15 @@ class TrainSteps:
 
 def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
                      audit_sample_ids: bool = False, replica_step: Optional[Callable] = None,
-                     short_last: bool = False) -> TrainSteps:
+                     short_last: bool = False, collective: Collective = ALONE) -> TrainSteps:
     """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
-    ``short_last``: as for ``replica_train_step``."""
+    ``short_last``, ``collective``: as for ``replica_train_step``. ``one`` returns this process's sample ids
+    (every worker's: ``ReplicaSteps`` gathers them)."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last,
+                                              collective)
 
     @tf.function
     def one(batch):
@@ -179,14 +198,15 @@ def make_eval_step(strategy, model, measures: "Measures"):
     return distributed
 
 
-def make_replica_state_average(strategy, model) -> Optional[Callable[[], None]]:
+def make_replica_state_average(strategy, model, collective: Collective = ALONE) -> Optional[Callable[[], None]]:
     """Average non-trainable float state (batch-norm moving statistics) over every replica.
 
     Each replica updates batch-norm moving mean/variance from its own batch:
     Keras 3 creates these variables with aggregation "none", so the replicas'
     copies drift apart, each evaluates with its own, and rank 0 saves only its
     own. Averaging them once per epoch keeps one consistent value (what
-    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step).
+    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step). Across Ray workers the
+    process's value is then averaged over the workers.
     """
     import tensorflow as tf
 
@@ -205,4 +225,8 @@ def make_replica_state_average(strategy, model) -> Optional[Callable[[], None]]:
 
         strategy.run(replica)
 
-    return average
+    def everywhere() -> None:
+        average()
+        collective.average_variables(state)
+
+    return everywhere

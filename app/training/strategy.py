@@ -1,7 +1,11 @@
 """Which tf.distribute strategy runs the loop, and why.
 
-In a Ray Train worker it is always MultiWorkerMirroredStrategy: Ray sets
-TF_CONFIG, one replica per worker, gradients all-reduced across workers.
+In a Ray Train worker it is the default strategy, one replica per worker: the
+step runs as it runs in one process, and what crosses workers (the gradients,
+the metric sums) goes through TensorFlow's collective all-reduce called
+directly (app.training.collective). MultiWorkerMirroredStrategy is still made
+first, to read TF_CONFIG and configure the cluster's collectives; nothing runs
+in its scope. Locally: MirroredStrategy, TPUStrategy, one device.
 """
 
 from __future__ import annotations
@@ -59,40 +63,43 @@ def name_of(strategy: "tf.distribute.Strategy") -> str:
     return ONE_REPLICA if strategy is tf.distribute.get_strategy() else type(strategy).__name__
 
 
+# What a Ray run of several workers records as its strategy (the plan, result.json).
+RAY_WORKERS = "collective all-reduce (one replica per worker)"
+
+
 def ray_strategy_name(num_workers: int) -> str:
-    """What ``ray_worker_strategy`` builds in a group of ``num_workers``, named before any worker starts."""
-    return "MultiWorkerMirroredStrategy" if num_workers > 1 else ONE_REPLICA
+    """What ``ray_worker_strategy`` trains under in a group of ``num_workers``, named before any worker starts."""
+    return RAY_WORKERS if num_workers > 1 else ONE_REPLICA
+
+
+_COLLECTIVES: list = []  # the MWMS that configured this process's collectives, kept for the process's life
 
 
 def ray_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None,
                         num_workers: int) -> "tf.distribute.Strategy":
-    """A Ray Train worker's strategy: MWMS in a group, one replica when alone (nothing to all-reduce, and MWMS's
-    scope would halve a compiled step: ``one_replica``). Call it before any other TensorFlow op."""
+    """A Ray Train worker's strategy: the default one (``one_replica``). In a group, MultiWorkerMirroredStrategy
+    is made first to configure the collectives that app.training.collective calls; its scope would cost a CPU
+    step half to two thirds of its speed (``one_replica``), so nothing runs in it. Call it before any other
+    TensorFlow op."""
     if num_workers > 1:
-        return multi_worker_strategy(cpus_per_worker, stall_timeout_s)
-    set_thread_counts(cpus_per_worker)
+        _COLLECTIVES.append(multi_worker_strategy(cpus_per_worker, stall_timeout_s))
+    else:
+        set_thread_counts(cpus_per_worker)
     return one_replica()
 
 
 def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None = None) -> "tf.distribute.Strategy":
-    """MWMS for a Ray Train worker. Call it before any other TensorFlow op.
-
-    Collectives must be configured at program start-up, so this is the first
-    thing the worker does with TensorFlow. With ``stall_timeout_s`` every
-    collective fails (DeadlineExceeded) when a peer does not join it in time:
-    a frozen worker (SIGSTOP, a stuck device, a partition) ends the run or
-    triggers a restart instead of leaving the others waiting forever.
-    """
+    """MWMS for a Ray Train worker: TF_CONFIG read, this worker's server started, collectives configured. Call it
+    before any other TensorFlow op ("Collective ops must be configured at program startup"). With
+    ``stall_timeout_s`` a collective of MWMS's own fails when a peer does not join it in time (app.training.collective
+    passes the same bound to its all-reduces)."""
     import tensorflow as tf
 
     threads = set_thread_counts(cpus_per_worker)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=stall_timeout_s)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    log.debug(
-        "MultiWorkerMirroredStrategy: %d replicas in sync, %d TF threads per worker",
-        strategy.num_replicas_in_sync,
-        threads,
-    )
+    log.debug("MultiWorkerMirroredStrategy: %d replicas in sync, %d TF threads per worker",
+              strategy.num_replicas_in_sync, threads)
     return strategy
 
 

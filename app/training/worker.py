@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 from app.training import callbacks, checkpoint
+from app.training.collective import ALONE, Collective
 from app.training.measures import Measures
 from app.training.objective import Objective
 from app.training.pipeline import StagePlan
@@ -49,6 +50,8 @@ class Session(Protocol):
 
     rank: int
     world: int  # workers that each take a slice of every epoch's rows
+    # Sums across the workers of a synchronous run (Ray workers: app.training.collective); ALONE in one process.
+    collective: Collective
     # ParameterServerStrategy's ClusterCoordinator: steps are scheduled on remote workers, asynchronously.
     # None: synchronous replicas (strategy.run, gradients all-reduced).
     coordinator: Optional[Any]
@@ -117,11 +120,13 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
-    config = config.at_size(strategy.num_replicas_in_sync)  # --global-batch: this size's equal part of it
+    # Ray workers: one replica each (the default strategy), summed by the session's collective.
+    replicas_in_sync = strategy.num_replicas_in_sync * session.collective.world
+    config = config.at_size(replicas_in_sync)  # --global-batch: this size's equal part of it
     # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
     # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
     asynchronous = session.coordinator is not None
-    replicas = 1 if asynchronous else strategy.num_replicas_in_sync // session.world
+    replicas = 1 if asynchronous else replicas_in_sync // session.world
     plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
                              job.objective.short_last_batch)
     training = build_training(config, job, strategy, plan, asynchronous)
@@ -234,11 +239,11 @@ def step_runner(config: "TrainConfig", session: Session, strategy, training: Tra
         done = history[-1]["optimizer_steps"] if history else 0
         return ScheduledSteps(session.coordinator, strategy, training.model, training.optimizer, training.measures,
                               plan, lr_position.schedule(config, lr_plan, training.lr_factor), steps_taken=done)
-    return replica_steps(config, strategy, training, plan, session.rank, session.world)
+    return replica_steps(config, strategy, training, plan, session.collective)
 
 
-def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan, rank: int = 0,
-                  world: int = 1):
+def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan,
+                  collective: Collective = ALONE):
     """Synchronous replicas' step runner (``strategy.run`` of the compiled steps); the benchmarks time it too."""
     from app.training.loop import ReplicaSteps
     from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
@@ -249,10 +254,10 @@ def replica_steps(config: "TrainConfig", strategy, training: Training, plan: Epo
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
                          config.audit_sample_ids,
                          pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None, short_last=plan.last_rows > 0),
+                         if pipe else None, short_last=plan.last_rows > 0, collective=collective),
         make_eval_step(strategy, pipe if pipe is not None else model, measures),
-        make_replica_state_average(strategy, model),
+        make_replica_state_average(strategy, model, collective),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,
-        rank=rank, world=world,
+        collective=collective, ids_per_step=plan.step_batch * plan.replicas_per_worker,
     )

@@ -222,7 +222,9 @@ INPUTS = {
     "tf.data x,y,w": lambda: {"x": batched(X, Y, W)},
     "PyDataset": lambda: {"x": Rows(X, Y), "validation_data": Rows(XV, YV)},
     "generator": lambda: {"x": generator(3), "steps_per_epoch": -(-ROWS // BATCH)},
-    "arrays x": lambda: {"x": X, "batch_size": BATCH, "validation_data": (XV,)},
+    # 24 rows a batch: 12 per worker. A Mean tracker fed one loss per batch (not per row) averages the workers'
+    # batch means, which is the global batch's mean when its parts are equal.
+    "arrays x": lambda: {"x": X, "batch_size": 24, "validation_data": (XV,)},
     "two targets": lambda: {"x": X, "y": {"priority": X[:, :1] * 2, "department": Y}, "batch_size": BATCH,
                             "validation_split": 0.25},
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
