@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,8 +52,8 @@ class PredictOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "cpus_per_worker", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+            if not 0 < getattr(self, name) < math.inf:  # nan and inf CPUs reserve nothing Ray can place
+                raise UserError(f"--{name.replace('_', '-')} must be a number > 0 (got {getattr(self, name)})")
         if self.backend not in BACKENDS:
             raise UserError(f"--backend must be {' or '.join(BACKENDS)} (got {self.backend!r})")
         if not self.output:

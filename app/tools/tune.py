@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from app import config_scale, internals
+from app import config_scale, internals, registry
 from app.backend import backend_of
 from app.config import TrainConfig, build_config, read_yaml
 from app.driver import output_guard
@@ -212,6 +212,7 @@ def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path):
     if backend_of(base).parameter_servers or "strategy" in searched:
         raise UserError("a sweep's trials are Ray Train runs (MultiWorkerMirroredStrategy): leave --strategy out of "
                         "it and train parameter-server runs with jobs/train.py")
+    _check_files(base, searched)
     restoring = out.is_dir() and tune.Tuner.can_restore(str(out))
     # A sweep's directory is added to (resumed), never replaced; one that stopped before Tune wrote anything holds
     # only its log and marker.
@@ -219,6 +220,22 @@ def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path):
                                    "--model": base.model, "--callbacks": base.callbacks})
     output_guard.check(out, "tune", reads, resume=restoring, reuse=True)
     return space, searched, base, out, restoring
+
+
+def _check_files(base: TrainConfig, searched: set[str]) -> None:
+    """The files every trial reads, there: the dataset's and the user's code files (not imported here)."""
+    from app.data import files
+
+    for name in ("model", "dataset", "callbacks"):
+        value = getattr(base, name)
+        if name not in searched and isinstance(value, str) and registry.is_plugin(value):
+            where = value.split(":", 1)[0]
+            if where.endswith(".py") and not Path(where).expanduser().is_file():
+                raise UserError(f"--{name} {value}: file {where!r} does not exist (paths are relative to {Path.cwd()})")
+    if not {"dataset", "val_dataset", "data_format"} & searched:
+        files.located(base)  # lists the files: a dataset that is not there is refused by name
+        if base.val_dataset:
+            files.locate(base.val_dataset, base.data_format)
 
 
 def dry_run_lines(space_file: str | Path, fixed: dict[str, Any], output: str | Path, num_samples: int = 1,

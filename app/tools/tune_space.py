@@ -50,8 +50,11 @@ def _candidates(kind: str, args: Any) -> list[Any]:
     low, high = args[0], args[1]
     if kind in ("randint", "qrandint", "lograndint"):
         return [low, high - 1]
-    middle = math.sqrt(low * high) if kind.endswith("loguniform") and low > 0 < high else (low + high) / 2
-    return [low, middle, high] if kind in ("uniform", "loguniform") else [low, high]
+    # A point inside, off any round number (as a sample is): an integer field refuses it, as it refuses the samples.
+    inside = 0.381966
+    if kind == "loguniform" and low > 0 < high:
+        return [low, math.exp(math.log(low) + (math.log(high) - math.log(low)) * inside), high]
+    return [low, low + (high - low) * inside, high] if kind == "uniform" else [low, high]
 
 
 def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +79,9 @@ def load_space(path: str | Path, fixed: dict[str, Any]) -> dict[str, Any]:
             kind, args = next(iter(value.items()))
             if not isinstance(args, list) or not args:
                 raise UserError(f"search space {str(path)!r}: {key!r}: {kind} needs a non-empty list, got {args!r}")
+            if kind not in ("grid", "choice") and len(args) < 2:
+                raise UserError(f"search space {str(path)!r}: {key!r}: bad {kind} arguments {args!r}: give "
+                                f"[low, high{', q' if kind.startswith('q') else ''}]")
             try:
                 candidates[key] = _candidates(kind, args)
                 space[key] = domains[kind](args) if kind in ("grid", "choice") else domains[kind](*args)
