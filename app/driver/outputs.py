@@ -226,4 +226,5 @@ def write_outputs(
         "config": config.model_dump(mode="json"),
     }
     (out / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    output_guard.release(out)  # the run is written: evaluate, predict or another run may use the directory now
     return result
