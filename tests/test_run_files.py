@@ -96,7 +96,7 @@ def test_a_dry_run_with_a_data_function_starts_no_ray(user_file, tmp_path):
     p = run_job("jobs/train.py", f"--model={user_file}:build_model", f"--dataset={user_file}:load_data",
                 "--num-workers", "2", "--dry-run", "--output", str(tmp_path / "never"), timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "run: backend ray, MultiWorkerMirroredStrategy, 2 worker(s)" in p.stdout + p.stderr
+    assert "run: backend ray, collective all-reduce (one replica per worker), 2 worker(s)" in p.stdout + p.stderr
     assert ray_sessions() == before[0], "a Ray session was started"
     assert not raylets() - before[1]
     assert not (tmp_path / "never").exists()

@@ -36,8 +36,10 @@ def check_learned(out, result, workers):
     assert result["learning_rate"] == pytest.approx(0.05 * workers)  # linear rule, reference batch 32
     assert result["lr_scaling"] == "linear" and result["base_lr"] == 0.05
     assert result["epochs_completed"] == 6
-    # A worker alone trains under TensorFlow's default strategy: nothing to all-reduce (app.training.strategy).
-    assert result["strategy"] == ("MultiWorkerMirroredStrategy" if workers > 1 else "default strategy (one replica)")
+    # Every worker trains under TensorFlow's default strategy, one replica; a group sums its gradients with the
+    # collective all-reduce (app.training.strategy, app.training.collective).
+    assert result["strategy"] == ("collective all-reduce (one replica per worker)" if workers > 1
+                                  else "default strategy (one replica)")
     assert result["samples_per_second"] > 0 and result["wall_seconds"] > 0
     assert json.loads((out / "result.json").read_text()) == result
     assert len(history_column(out, "epoch")) == 6

@@ -51,13 +51,16 @@ class RayKerasSession:
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.payload = payload
+        self.payload, self._started = payload, False
 
     def start(self) -> None:
         from app.training.strategy import ray_worker_strategy
 
+        if self._started:
+            return
+        self._started = True
         # MWMS only configures the collectives from TF_CONFIG (app.training.collective); nothing runs in its scope.
-        ray_worker_strategy(self.payload["cpus_per_worker"], self.payload["job"].stall_timeout_s, self.world)
+        ray_worker_strategy(self.payload["cpus_per_worker"], self.payload["stall_timeout_s"], self.world)
 
     def inputs(self) -> tuple[KerasData, Optional[KerasData]]:
         import ray
@@ -85,8 +88,14 @@ class RayKerasSession:
 
 
 def keras_loop_per_worker(payload: dict[str, Any]) -> None:
+    from ray import cloudpickle
+
     console.mark_worker_console("app")
-    keras_worker.keras_fit_worker(payload["job"], RayKerasSession(payload))
+    session = RayKerasSession(payload)
+    # The job (the model function, the callbacks) may hold TensorFlow objects, a layer adapted in the driver:
+    # unpickled only once the collectives and threads are set, which must come before any TensorFlow op.
+    session.start()
+    keras_worker.keras_fit_worker(cloudpickle.loads(payload["job"]), session)
 
 
 class LocalKerasSession:
@@ -129,13 +138,16 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
         cluster.connect(config)
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
-    with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
-        if on_ray:
-            directory = _ray_fit(config, job, out)
-        else:
-            keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
-            directory = str(out / "checkpoint")
-    return _outputs(config, job, out, directory, started)
+    try:
+        with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
+            if on_ray:
+                directory = _ray_fit(config, job, out)
+            else:
+                keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
+                directory = str(out / "checkpoint")
+        return _outputs(config, job, out, directory, started)
+    finally:
+        outputs.release_output_dir(config)
 
 
 def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
@@ -147,9 +159,16 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.worker_start_timeout_s)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     start_guard.install()
-    payload = {"job": KerasJob(**{**job.__dict__, "train": None, "val": None}),
+    from ray import cloudpickle
+
+    from app.backends.ray_train import by_value
+
+    for obj in [job.model_fn, *(type(c) for c in job.callbacks or [])]:
+        by_value(obj)
+    payload = {"job": cloudpickle.dumps(KerasJob(**{**job.__dict__, "train": None, "val": None})),
                "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
-               "cpus_per_worker": config.cpus_per_worker, "start_from": _last_checkpoint(config, out)}
+               "cpus_per_worker": config.cpus_per_worker, "stall_timeout_s": job.stall_timeout_s,
+               "start_from": _last_checkpoint(config, out)}
     name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = tf_config.trainer(
         train_loop_per_worker=keras_loop_per_worker,

@@ -121,17 +121,9 @@ def for_workers(config: TrainConfig) -> TrainConfig:
     function is resolved here and pickled by value: a worker may not be able to
     import its module (a file loaded by path, a test module, a notebook).
     """
-    from ray import cloudpickle
-
     from app import registry
 
     update: dict[str, Any] = {"dataset": config.model_dump()["dataset"]}
-
-    def by_value(obj) -> None:
-        module = sys.modules.get(getattr(obj, "__module__", ""))
-        if module is not None and module.__name__ != "__main__" and not module.__name__.startswith(("app.", "keras")):
-            cloudpickle.register_pickle_by_value(module)
-
     # The model function, and the callbacks (a function rank 0 calls, or the callbacks' classes), likewise.
     for name, builtins in (("model", registry.MODELS), ("callbacks", {})):
         value = getattr(config, name)
@@ -142,6 +134,16 @@ def for_workers(config: TrainConfig) -> TrainConfig:
             update[name] = registry.resolve(value, builtins)
             by_value(update[name])
     return config.model_copy(update=update)
+
+
+def by_value(obj) -> None:
+    """Pickle the module that defines ``obj`` by value: a worker may not be able to import it (a file loaded by
+    path, a test module, a notebook)."""
+    from ray import cloudpickle
+
+    module = sys.modules.get(getattr(obj, "__module__", ""))
+    if module is not None and module.__name__ != "__main__" and not module.__name__.startswith(("app.", "keras")):
+        cloudpickle.register_pickle_by_value(module)
 
 
 def _data_config(source, datasets):

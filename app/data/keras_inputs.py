@@ -146,6 +146,9 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
         adapter = internals.keras_data_adapter(x, y, sample_weight, batch_size, steps_per_epoch, class_weight)
     except (ValueError, TypeError) as e:
         raise UserError(f"{what}: {_first_line(e)}") from None
+    if steps_per_epoch is None and _endless(x, epochs):
+        raise UserError(f"{what} is {_endless(x, epochs)}: give steps_per_epoch (batches per epoch), as Keras's fit "
+                        "needs it for more than one pass")
     infinite = steps_per_epoch is None and getattr(adapter, "num_batches", 0) is None and not arrays
     limit = steps_per_epoch * epochs if steps_per_epoch else None
     import tensorflow as tf
@@ -174,6 +177,20 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     py_dataset = not arrays and _is_py_dataset(x)
     return KerasData(rows, bounds, batch_size if arrays else None,
                      shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch)
+
+
+def _endless(x: Any, epochs: int) -> str:
+    """Why this input cannot give the epochs without ``steps_per_epoch`` ("" when it can)."""
+    import inspect
+
+    if inspect.isgenerator(x) and epochs > 1:
+        return "a generator, which is read once (a second epoch would find it spent)"
+    if any(c.__name__ == "DatasetV2" for c in type(x).__mro__):
+        import tensorflow as tf
+
+        if x.cardinality() == tf.data.INFINITE_CARDINALITY:
+            return "a tf.data.Dataset with no end (repeat())"
+    return ""
 
 
 def _is_py_dataset(x: Any) -> bool:

@@ -69,12 +69,17 @@ class KerasSession(Protocol):
 
 
 def checkpoint_of(model) -> Any:
-    """The model and every optimizer it holds, as one ``tf.train.Checkpoint``."""
+    """Every variable of the model and every optimizer it holds, as one ``tf.train.Checkpoint``.
+
+    By the model's ``variables`` (in their order: the same model function builds them in the same order), not by
+    the model object: Keras 3 layers do not expose their variables to TensorFlow's object graph, so
+    ``Checkpoint(model=model)`` would keep only what the optimizers reach (the trainable weights), and lose
+    batch-norm statistics and a seed generator's state."""
     import tensorflow as tf
 
     from app.training.keras_sync import optimizers_of
 
-    return tf.train.Checkpoint(model=model, optimizers=optimizers_of(model))
+    return tf.train.Checkpoint(variables=list(model.variables), optimizers=optimizers_of(model))
 
 
 def build(model, data: KerasData) -> None:

@@ -1,0 +1,122 @@
+"""app.fit by the model's own step, in this process (backend="local": the per-worker function of the Ray path, one
+worker): Keras's initial_epoch and validation_freq, a two-optimizer model resumed from its checkpoint, and every
+refusal in one line before anything trains. The Ray runs are tests/test_keras_step.py's."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import app
+from app.errors import UserError
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(60, 4)).astype("float32")
+Y = (X[:, 0] > 0).astype("int64")
+
+
+def compiled():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+class TwoOptimizers(keras.Model):
+    """A GAN's shape: compile(d_optimizer, g_optimizer), its noise from a seed generator (state the checkpoint keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+        self.discriminator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        self.seed_generator = keras.random.SeedGenerator(3)
+        self.tracker = keras.metrics.Mean(name="d_loss")
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, real):
+        noise = keras.random.normal((tf.shape(real)[0], 2), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            d_loss = tf.reduce_mean(self.discriminator(self.generator(noise))) - tf.reduce_mean(self.discriminator(real))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = -tf.reduce_mean(self.discriminator(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.tracker.update_state(d_loss)
+        return {"d_loss": self.tracker.result()}
+
+
+def two_optimizers():
+    keras.utils.set_random_seed(1)
+    model = TwoOptimizers()
+    model.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02))
+    return model
+
+
+def test_initial_epoch_and_validation_freq_as_keras_counts_them(tmp_path):
+    args = dict(batch_size=16, epochs=5, initial_epoch=1, validation_data=(X[:20], Y[:20]), validation_freq=2,
+                shuffle=False)
+    model = compiled()
+    expected = model.fit(X, Y, verbose=0, **args)
+    got = app.fit(compiled, X, Y, backend="local", output=str(tmp_path / "run"), verbose=0, **args)
+    assert got.epoch == expected.epoch == [1, 2, 3, 4]
+    assert list(got.history) == list(expected.history)
+    for key, values in expected.history.items():  # val_ keys: the epochs validation_freq picks (2 and 4)
+        np.testing.assert_allclose(got.history[key], values, atol=1e-6, err_msg=key)
+    assert len(got.history["val_loss"]) == 2
+    for a, b in zip(model.get_weights(), got.model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_two_optimizer_model_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    whole = app.fit(two_optimizers, X, batch_size=20, epochs=3, shuffle=False, backend="local",
+                    output=str(tmp_path / "whole"), verbose=0)
+    app.fit(two_optimizers, X, batch_size=20, epochs=2, shuffle=False, backend="local",
+            output=str(tmp_path / "parts"), verbose=0)
+    resumed = app.fit(two_optimizers, X, batch_size=20, epochs=3, shuffle=False, backend="local",
+                      output=str(tmp_path / "parts"), resume=True, verbose=0)
+    assert resumed.epoch == [0, 1, 2] and resumed.history["d_loss"] == pytest.approx(whole.history["d_loss"], abs=1e-6)
+    for a, b in zip(whole.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # Both optimizers' state is in the checkpoint: 3 steps per epoch, 3 epochs each.
+    assert [int(o.iterations.numpy()) for o in (resumed.model.d_optimizer, resumed.model.g_optimizer)] == [9, 9]
+    assert (tmp_path / "whole" / "checkpoint").is_dir() and (tmp_path / "whole" / "history.csv").is_file()
+
+
+def _ragged():
+    yield X[:10], Y[:10]
+    yield X[10:20, :3], Y[10:20]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(x=X, y=Y, class_weight=np.array([1.0, 2.0])), "class_weight=dict(enumerate(weights))"),
+    (dict(x=(b for b in [(X, Y)]), epochs=2), "give steps_per_epoch"),
+    (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).repeat()), "with no end (repeat())"),
+    (dict(x=X, y=Y, validation_data=(X,)), "give both the same structure"),
+    (dict(x=X, y=Y, validation_freq=0), "validation_freq must be a positive integer"),
+    (dict(x=_ragged()), "change structure or shape from one batch to the next (batch 2)"),
+    (dict(x=X, y=Y, initial_epoch=3, epochs=3), "initial_epoch must be an integer from 0 to epochs - 1 = 2"),
+    (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), validation_split=0.2),
+     "validation_split takes the last rows of arrays"),
+])
+def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
+    kwargs = {"epochs": 1, **kwargs}
+    with pytest.raises(UserError, match=None) as refused:
+        app.fit(compiled, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
+    with pytest.raises(UserError, match="lr_scaling: the product's own training features"):
+        app.fit(two_optimizers, X, epochs=1, lr_scaling="linear", output=str(tmp_path / "never"))
