@@ -83,14 +83,7 @@ def tune_args(description: str, argv: list[str] | None = None) -> TuneArgs:
     cli_errors.guarded(lambda: _refuse_not_for_tune(argv))
     own, typed = cli_errors.guarded(lambda: _parse(description, argv, "sweep", _tune_flags(),
                                          set(TrainConfig.model_fields) - set(NOT_FOR_TUNE) - {"output"}))
-    cli_errors.guarded(lambda: _sweep_options_checked(own))
     return TuneArgs(**own, fixed=cli_errors.guarded(lambda: _checked(typed)))
-
-
-def _sweep_options_checked(own: dict[str, Any]) -> None:
-    for name in ("num_samples", "max_concurrent"):
-        if own[name] is not None and own[name] < 1:
-            raise UserError(f"{_flag(name)} must be at least 1 (got {own[name]})")
 
 
 def _refuse_not_for_tune(argv: list[str]) -> None:

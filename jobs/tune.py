@@ -27,7 +27,7 @@ def main() -> None:
         output = args.output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         if args.dry_run:
             print("\n".join(tune.dry_run_lines(args.space, args.fixed, output, args.num_samples, args.scheduler,
-                                               args.metric)))
+                                               args.metric, args.max_concurrent)))
             return
         tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples, scheduler=args.scheduler,
                    metric=args.metric, mode=args.mode, max_concurrent=args.max_concurrent)

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, clean_env, run_jobs_at_once
+from conftest import REPO, clean_env, run_job, run_jobs_at_once
 
 # A flag's values: (value tokens, valid?). Valid means valid on its own beside the defaults (the built-in digits, 2
 # Ray workers, per-replica batch 32); cross-field refusals of valid values are allowed, crashes never.
@@ -143,7 +143,12 @@ def working_directory(path: Path):
 
 def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
     """A job script run in this process with ``argv``, as ``python jobs/<script> ...`` runs it: (exit status,
-    everything it printed)."""
+    everything it printed). A local-backend training runs in a process of its own: it sets TensorFlow's thread
+    counts, which cannot change once this process has initialised TensorFlow."""
+    local = "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["local"]
+    if script == "train.py" and local:
+        p = run_job(str(REPO / "jobs" / script), *argv, cwd=cwd, timeout=120)
+        return p.returncode, p.stdout + p.stderr
     out = io.StringIO()
     old_argv, code = sys.argv, 0
     sys.argv = [str(REPO / "jobs" / script), *argv]
@@ -300,6 +305,34 @@ def test_predict(place, data):
     check_suggestion("predict.py", argv, text, root)
 
 
+# Refusals known to suggest a fix (flag, value, or leaving a flag out): each one's suggestion is found and works.
+SUGGESTING = [
+    ("train.py", ["--dry-run", "--global-batch", "3"]),
+    ("train.py", ["--dry-run", "--num-workers", "1:2", "--global-batch", "4096"]),
+    ("train.py", ["--dry-run", "--num-workers", "3:1"]),
+    ("train.py", ["--dry-run", "--resize-check-s", "5"]),
+    ("train.py", ["--dry-run", "--feature-columns", "x"]),
+    ("train.py", ["--dry-run", "--export", "savedmodel"]),
+    ("train.py", ["--dry-run", "--backend", "local", "--num-workers", "1:2"]),
+    ("train.py", ["--dry-run", "--strategy", "mirrored"]),
+    ("train.py", ["--dry-run", "--output", "."]),
+    ("train.py", ["--dry-run", "--output", "ours"]),
+    ("tune.py", ["--space", f"{REPO}/tune_spaces/smoke.yaml", "--dry-run", "--output", "."]),
+    ("predict.py", ["--run", "run", "--output", "run", "--overwrite", "--backend", "local"]),
+]
+
+
+@pytest.mark.parametrize("script, argv", SUGGESTING, ids=[" ".join(a[:4]) for _, a in SUGGESTING])
+def test_each_suggested_fix_works(place, script, argv):
+    root, _ = place
+    (root / "ours").mkdir(exist_ok=True)  # an earlier run's directory, as this product leaves it
+    (root / "ours" / ".ray-tf-train").write_text('{"kind": "train"}')
+    (root / "ours" / "result.json").write_text("{}")
+    code, text = run_here(script, argv, root)
+    assert code == 2 and suggestion(error_line(text)) is not None, text[-2000:]
+    check_suggestion(script, argv, text, root)
+
+
 def test_some_as_real_subprocesses(place):
     """A few of the same kinds, each a process of its own as a user types it (no state shared with other runs)."""
     root, run = place
@@ -311,9 +344,29 @@ def test_some_as_real_subprocesses(place):
          "--num-samples must be at least 1"),
         (["jobs/predict.py", "--run", str(run), "--output", str(run), "--overwrite", "--backend", "local"],
          "contains the model"),
+        (["jobs/train.py", "--dry-run", "--dataset", "data", "--inputs", "a", "b", "--label-column", "a"],
+         "'a' is the label column"),
     ]
     done = run_jobs_at_once(*([str(REPO / a) if a.startswith("jobs/") else a for a in argv] for argv, _ in cases),
                             timeout=120, env=clean_env(), at_once=2, cwd=root)
     for (argv, words), p in zip(cases, done):
         assert_told_well(argv, False, p.returncode, p.stdout + p.stderr)
         assert words in p.stderr, (argv, p.stderr[-2000:])
+
+
+def test_a_directory_that_exists_is_a_dataset_path_and_zero_rows_to_predict_say_so(place, tmp_path):
+    """``--dataset data`` where ./data is a directory of parquet files is that directory (not an unknown name); and
+    a prediction given no rows says so."""
+    import numpy as np
+
+    import app
+    from app.errors import UserError
+
+    root, run = place
+    # A process of its own: the local backend sets TensorFlow's threads, which this process has initialised already.
+    p = run_job(str(REPO / "jobs" / "train.py"), "--dry-run", "--backend", "local", "--dataset", "data", "--output",
+                str(tmp_path / "o"), cwd=root, timeout=120)
+    assert p.returncode == 0 and "training rows" in p.stdout + p.stderr, p.stderr[-2000:]
+    with pytest.raises(UserError, match="has no rows to predict"):
+        app.predict(str(run), data=np.zeros((0, 64), np.float32), output=str(tmp_path / "p"), backend="local")
+    assert not (tmp_path / "p").exists()

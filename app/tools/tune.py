@@ -146,7 +146,8 @@ def sweep(
     from app.driver import cluster
     from app.ui import console
 
-    space, searched, base, out, restoring = _checked(space_file, fixed, output)
+    space, searched, base, out, restoring = _checked(space_file, fixed, output, num_samples=num_samples,
+                                                     max_concurrent=max_concurrent)
     cluster.check_fits_locally(base)
     # Ray's and the libraries' lines stay off the console from Ray's start on (app.ui.console).
     with console.for_people(base.show_logs, marked=False):
@@ -196,11 +197,15 @@ def _swept(space_file, space: dict[str, Any], fixed: dict[str, Any], searched: s
         return write_outputs(results, out, base, metric, mode)
 
 
-def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path):
-    """Everything a sweep can refuse before Ray starts: the space and every trial's config, the sweep-wide rules,
-    the output directory. (space, searched keys, base config, output, whether it resumes an earlier sweep)."""
+def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path, **counts: int | None):
+    """Everything a sweep can refuse before Ray starts: its counts (num_samples, max_concurrent), the space and every
+    trial's config, the sweep-wide rules, the output directory. (space, searched keys, base config, output, whether
+    it resumes an earlier sweep)."""
     from ray import tune
 
+    for name, count in counts.items():
+        if count is not None and count < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {count})")
     space = load_space(space_file, fixed)
     searched = {k for k, v in space.items() if _is_domain(v)}
     # The values every trial shares (flags, and the space's plain values) make the base config.
@@ -239,11 +244,12 @@ def _check_files(base: TrainConfig, searched: set[str]) -> None:
 
 
 def dry_run_lines(space_file: str | Path, fixed: dict[str, Any], output: str | Path, num_samples: int = 1,
-                  scheduler: str = "asha", metric: str | None = None) -> list[str]:
+                  scheduler: str = "asha", metric: str | None = None, max_concurrent: int | None = None) -> list[str]:
     """jobs/tune.py --dry-run: the sweep's checks (every trial's config included) and its plan; no Ray, no data."""
     from app.ui import tune_console
 
-    space, searched, base, out, restoring = _checked(space_file, fixed, output)
+    space, searched, base, out, restoring = _checked(space_file, fixed, output, num_samples=num_samples,
+                                                     max_concurrent=max_concurrent)
     trials = tune_console.trial_count(space, num_samples)
     metric = metric or "the run's metric"
     return [f"sweep: {space_file}: {trials} trial(s) of {', '.join(sorted(searched)) or 'the fixed values'}; every "
