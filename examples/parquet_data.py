@@ -4,7 +4,8 @@
 
 The rows here are made up (two noisy blobs per class) and written first, as your own files would already be.
 Ray Data streams the files to 2 Ray workers block by block; `features` is a list column (4 floats a row),
-`label` an integer class.
+`label` an integer class. Run it again and it writes the same files and replaces its run and its predictions
+(`overwrite`: without it, a second run stops at once, naming the output that exists).
 """
 
 from pathlib import Path
@@ -25,9 +26,10 @@ for part in range(2):  # data/train/part-0.parquet, part-1.parquet
                    out / "data" / "train" / f"part-{part}.parquet")
 
 result = app.train(data=str(out / "data" / "train"), label_column="label", feature_columns=["features"],
-                   model="mlp", num_workers=2, epochs=4, output=str(out / "run"))
+                   model="mlp", num_workers=2, epochs=4, output=str(out / "run"), overwrite=True)
 print(f"val_accuracy {result['metrics']['val_accuracy']:.4f}")
 
 # New rows (the same columns, no label needed): predictions in the input's order, as parquet.
-predicted = app.predict(str(out / "run"), data=str(out / "data" / "train"), output=str(out / "predictions"))
+predicted = app.predict(str(out / "run"), data=str(out / "data" / "train"), output=str(out / "predictions"),
+                        overwrite=True)
 print(f"{predicted['rows']} rows predicted: {out / 'predictions'}")
