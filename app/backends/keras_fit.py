@@ -11,7 +11,6 @@ and a SavedModel; where it cannot, one line says so and the run still returns it
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import os
@@ -231,7 +230,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     model, state = trained_model(job, directory)
     records = state["history"]
     exported = export(model, out)
-    _write_history(out / outputs.HISTORY_FILE, records)
+    outputs.write_history(out / outputs.HISTORY_FILE, records)
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
               "history": records, "final": records[-1] if records else {},
               "workers": world,
@@ -274,10 +273,3 @@ def export(model, out: Path) -> dict[str, Any]:
 def _short(e: Exception) -> str:
     return " ".join(str(e).split())[:160] or type(e).__name__
 
-
-def _write_history(path: Path, records: list[dict[str, Any]]) -> None:
-    keys = list(dict.fromkeys(k for r in records for k in r))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(records)
