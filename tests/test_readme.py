@@ -63,6 +63,7 @@ def test_every_file_flag_and_test_the_readme_names_exists():
     # Tests named by function: each is defined in the tests.
     sources = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
     named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", readme)) - {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    named -= {"test_step"}  # Keras's own Model.test_step, which a user's model may override
     assert not sorted(n for n in named if f"def {n}" not in sources), named
 
 
