@@ -138,10 +138,11 @@ def checked_plan(config: "TrainConfig", rows: int, num_workers: int, replicas_pe
     """The epoch plan at ``num_workers``, refused in one line when its batch does not fit the training rows (at
     every size of an elastic run)."""
     sizes = list(config_scale.sizes(config.num_workers)) if config.elastic else [num_workers]
-    if config.global_batch is not None and config.global_batch > rows:
-        raise UserError(global_batch_too_large(config, rows, [n * replicas_per_worker for n in sizes]))
     for n in sizes:
-        EpochPlan.for_run(config, rows, n, replicas_per_worker, short_last=short_last).check()
+        plan = EpochPlan.for_run(config, rows, n, replicas_per_worker, short_last=short_last)
+        if not plan.steps and config.global_batch is not None:  # the fix is a smaller --global-batch
+            raise UserError(global_batch_too_large(config, rows, [n * replicas_per_worker for n in sizes]))
+        plan.check()
     return EpochPlan.for_run(config, rows, num_workers, replicas_per_worker, short_last=short_last)
 
 
