@@ -15,7 +15,6 @@ or the process's end (the kernel drops it with the process, so a killed job leav
 from __future__ import annotations
 
 import datetime
-import fcntl
 import json
 import os
 import shutil
@@ -27,6 +26,11 @@ from typing import Any, Optional
 
 from app import registry
 from app.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows has no flock: a job there cannot see another one writing
+    fcntl = None
 
 MARKER = ".ray-tf-train"  # {"kind": ...}: this product wrote the directory, for that kind of job
 LOCK = ".ray-tf-train.lock"  # flock-ed by the job writing the directory; says which job that is
@@ -168,7 +172,8 @@ def _lock(out: Path, kind: str) -> None:
         return
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise UserError(f"another job is writing {str(out)!r} ({_writer(out) or 'it holds its lock'}): wait for it "
@@ -182,7 +187,7 @@ def _lock(out: Path, kind: str) -> None:
 
 def _writer(out: Path) -> Optional[str]:
     """Who is writing ``out`` (another process holds its lock), or None."""
-    if out in _held or not (out / LOCK).is_file():
+    if fcntl is None or out in _held or not (out / LOCK).is_file():
         return None
     try:
         fd = os.open(out / LOCK, os.O_RDONLY)
