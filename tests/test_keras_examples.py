@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPO, run_jobs_at_once
+from conftest import REPO, run_job
 
 EXAMPLES = REPO / "examples"
 KERAS_EXAMPLES = ["vae_own_train_step.py", "tf_data_pipeline.py"]
 
 
 def test_the_keras_examples_train_by_their_own_step_and_return_their_model(joined, tmp_path):
-    first = run_jobs_at_once(*([str(EXAMPLES / name)] for name in KERAS_EXAMPLES), timeout=900, env=joined,
-                             cwd=tmp_path)
+    # Each in a directory of its own: two runs started in the same second would choose the same default output.
+    dirs = [tmp_path / name.removesuffix(".py") for name in KERAS_EXAMPLES]
+    for d in dirs:
+        d.mkdir()
+    first = [run_job(str(EXAMPLES / name), timeout=900, env=joined, cwd=d) for name, d in zip(KERAS_EXAMPLES, dirs)]
     for p in first:
         assert p.returncode == 0, p.stderr[-3000:]
     vae, pipeline = (json.loads(p.stdout.strip().splitlines()[-1]) for p in first)
@@ -33,7 +36,6 @@ def test_the_keras_examples_train_by_their_own_step_and_return_their_model(joine
     assert len(pipeline["val_accuracy"]) == 30 and pipeline["val_accuracy"][-1] >= 0.85, pipeline
 
     # Run again where the first run wrote: each app.fit writes a new runs/train-<time>.
-    again = run_jobs_at_once(*([str(EXAMPLES / name)] for name in KERAS_EXAMPLES), timeout=900, env=joined,
-                             cwd=tmp_path)
+    again = [run_job(str(EXAMPLES / name), timeout=900, env=joined, cwd=d) for name, d in zip(KERAS_EXAMPLES, dirs)]
     for p in again:
         assert p.returncode == 0, p.stderr[-3000:]

@@ -225,7 +225,8 @@ INPUTS = {
     # 24 rows a batch: 12 per worker. A Mean tracker fed one loss per batch (not per row) averages the workers'
     # batch means, which is the global batch's mean when its parts are equal.
     "arrays x": lambda: {"x": X, "batch_size": 24, "validation_data": (XV,)},
-    "two targets": lambda: {"x": X, "y": {"priority": X[:, :1] * 2, "department": Y}, "batch_size": BATCH,
+    # Keras's per-output loss trackers are such Mean trackers too: 24 rows a batch (72 train, 24 validate).
+    "two targets": lambda: {"x": X, "y": {"priority": X[:, :1] * 2, "department": Y}, "batch_size": 24,
                             "validation_split": 0.25},
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
 }
