@@ -179,6 +179,11 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
          if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
          "epochs are ranked by the training loss"),
     ]
+    sizes = {len(b) for b in train.epoch(0, 0)}
+    if world > 1 and any(n % world for n in sizes):
+        lines.append(f"a global batch that does not divide over the {world} workers is cut into parts one row apart: "
+                     "the gradients and Keras's loss are exact; a Mean tracker fed one value per batch (a train_step's "
+                     "own, Keras's per-output losses) averages the parts' means (exact when every batch divides)")
     if callbacks:
         lines.append(f"callbacks: {', '.join(type(c).__name__ for c in callbacks)} on rank 0; their stop and "
                      "learning-rate decisions taken by every worker")
