@@ -1,5 +1,6 @@
 """examples/: each file runs as a user runs it (`python examples/<file>.py`, joined to the session's Ray, in a
-directory of its own), and the README's Python is in them verbatim: a documented example cannot break unseen."""
+directory of its own), again where a second run meets what the first wrote, and the README's Python is in them
+verbatim: a documented example cannot break unseen."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def test_the_readmes_python_is_in_the_examples_verbatim():
 
 
 def test_every_example_runs_and_trains(joined, tmp_path):
-    scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "my_example.py")
+    # my_example.py is a module for the command line; the Keras-step scripts run in tests/test_keras_examples.py.
+    others = ("my_example.py", "vae_own_train_step.py", "tf_data_pipeline.py")
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in others)
     assert scripts == ["keras_script.py", "parquet_data.py", "sweep.py"]  # a new example gets its checks here
-    # my_example.py is a module for the command line, as the README uses it (from the repository).
     keras_script, parquet, sweep = run_jobs_at_once(*([str(EXAMPLES / name)] for name in scripts), timeout=900,
                                                     env=joined, cwd=tmp_path)
     for p in (keras_script, parquet, sweep):
@@ -45,4 +47,16 @@ def test_every_example_runs_and_trains(joined, tmp_path):
     # The sweep: both trials ran to their end; the best is named.
     summary = yaml.safe_load((tmp_path / "runs" / "example-sweep" / "summary.yaml").read_text())
     assert summary["trials"] == 2 and "best: lr_scaling " in sweep.stdout
+
+    # A reader runs them again. parquet_data.py and sweep.py write to fixed paths, which now exist: the run and the
+    # predictions are replaced, the finished sweep is resumed (Tune's restore) and reports its best again.
+    # keras_script.py's app.fit writes a new runs/train-<time> each time, so a second run of it is its first again.
+    assert [p.name for p in (tmp_path / "runs").glob("train-*")] and keras_script.returncode == 0
+    again = run_jobs_at_once(*([str(EXAMPLES / name)] for name in ("parquet_data.py", "sweep.py")), timeout=900,
+                             env=joined, cwd=tmp_path)
+    for p in again:
+        assert p.returncode == 0, p.stderr[-3000:]
+    parquet_again, sweep_again = again
+    assert "1200 rows predicted" in parquet_again.stdout and len(pd.read_parquet(run / "predictions")) == 1200
+    assert "best: lr_scaling " in sweep_again.stdout
 
