@@ -7,7 +7,7 @@ last epoch line to the process's exit. Between the two the run writes its
 outputs (result.json, history.csv, curves.png, the model copied from the last
 checkpoint, and the SavedModel exported from it: each run is checked to have
 written saved_model/, so the gap covers the export) and Ray shuts down; a tf.data iterator destroyed while its
-autotuning thread sleeps used to add 7-60 s here. -> exit.json
+autotuning thread sleeps can add 7-60 s here (docs/design.md). -> exit.json
 
 ``checkout`` runs another checkout's jobs/train.py (a git worktree of an older
 commit, say) with the same workload: the baseline, measured in the same run.

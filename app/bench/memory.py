@@ -44,10 +44,8 @@ replaced, which read the same RssAnon):
 
 What bounds it (app/data/streamed.py, ``streaming``): streamed datasets read
 16 MiB blocks instead of Ray Data's 128 MiB, and may hold at most
-``--stream-buffer-mib`` of the object store each. Before, Ray Data's default
-budget was half the store: reads ran far ahead of training and filled it.
-Before, from 145 MB: a worker's own memory went 439 -> 520 MiB (1.185), a
-Ray Data task's 882 -> 1,090 MiB (1.235), a worker's RSS 925 -> 1,573 MiB.
+``--stream-buffer-mib`` of the object store each (Ray Data's own default
+budget is half the store, which reads run ahead to fill).
 
 The driver's and a train worker's own memory stay within 5% in every run.
 A Ray Data task's own memory lies between 800 and 1,040 MiB at either size
