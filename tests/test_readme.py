@@ -176,8 +176,8 @@ def test_every_command_of_the_docs_runs_from_the_repository_root(monkeypatch, ca
             assert main(words[3:]) == 2
             first = capsys.readouterr().err.splitlines()[0]
             assert "is still the placeholder" in first, first
-            assert first.split(" is still")[0].removeprefix("error: ") in (REPO / "docs/guides" /
-                                                                          "clusters-and-fault-tolerance.md").read_text()
+            guide = REPO / "docs/guides/clusters-and-fault-tolerance.md"
+            assert first.split(" is still")[0].removeprefix("error: ") in guide.read_text(), first
         elif words[1] == "jobs/benchmark.py":
             args = bench_flags.parse(words[2:])
             suites.load_preset(args.suite, args.preset, args.quick, bench_flags.suite_flags(args), args.config, args.set)
