@@ -51,6 +51,9 @@ def dry_run(config: TrainConfig) -> list[str]:
 
 
 def _dry_run(config: TrainConfig) -> list[str]:
+    from app.driver import outputs
+
+    outputs.check_output_dir(config)  # refused as the run would refuse it
     return [*driver(config).dry_run_lines(config), f"output: {config.output_dir()} (not created: --dry-run)"]
 
 
