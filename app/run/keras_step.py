@@ -151,6 +151,8 @@ def _validation(validation_data: Any, batch_size: int, steps: Optional[int], tra
     try:
         tf.nest.assert_same_structure(tx, vx)
         tf.nest.assert_same_structure(ty, vy)
+        if (ty is None) != (vy is None):
+            raise ValueError("labels on one side only")
     except (ValueError, TypeError):
         raise UserError(f"validation_data's elements are {_structure(val.rows)} but the training data's are "
                         f"{_structure(train.rows)}: give both the same x (and y) structure") from None
