@@ -92,16 +92,14 @@ class Collective:
                 packs.append([])
                 size = 0
             packs[-1].append(i)
-            size += grads[i].shape.num_elements() * grads[i].dtype.size
+            # A densified embedding gradient may have no static shape: it counts as small here.
+            size += (grads[i].shape.num_elements() or 0) * grads[i].dtype.size
         out = grads
         for k, members in enumerate(packs):
             flat = tf.concat([tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in members], 0)
-            total = self.in_graph(flat, site + k)
-            at = 0
-            for i in members:
-                n = grads[i].shape.num_elements()
-                out[i] = tf.cast(tf.reshape(total[at:at + n], grads[i].shape), grads[i].dtype)
-                at += n
+            parts = tf.split(self.in_graph(flat, site + k), tf.stack([tf.size(grads[i]) for i in members]))
+            for i, part in zip(members, parts):
+                out[i] = tf.cast(tf.reshape(part, tf.shape(grads[i])), grads[i].dtype)
         return out
 
     def average_variables(self, variables: list) -> None:
