@@ -112,7 +112,7 @@ def history(out, column):
 def every_row_once(out, result, rows):
     """Each row validated, trained on or dropped, once (parquet and CSV split rows by a hash of their content)."""
     val = history(out, "val_samples")[-1]
-    trained = result["steps_per_epoch"] * result["global_batch_size"]
+    trained = history(out, "train_samples")[-1]  # whole batches and, in memory, the short last one
     assert val + trained + result["dropped_samples_per_epoch"] == rows
     assert 0.1 * rows < val < 0.3 * rows  # --val-fraction 0.2, in expectation
 
