@@ -82,10 +82,10 @@ def seen_once(out, result):
     """Each epoch's audited sample ids: every trained row once, and with the validation rows and the dropped
     remainder, every row of the files."""
     (ids,) = json.loads((out / "audit_sample_ids.json").read_text())
-    trained = result["steps_per_epoch"] * result["global_batch_size"]
-    assert len(ids) == len(set(ids)) == trained
     with open(out / "history.csv") as f:
-        val = float(next(csv.DictReader(f))["val_samples"])
+        record = next(csv.DictReader(f))
+    val, trained = float(record["val_samples"]), int(record["train_samples"])  # in memory: the short batch too
+    assert len(ids) == len(set(ids)) == trained
     assert val + trained + result["dropped_samples_per_epoch"] == ROWS
 
 

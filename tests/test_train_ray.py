@@ -132,7 +132,7 @@ def test_rank0_writes_tensorboard_scalars_per_epoch_and_every_n_steps(two_worker
     for name in ("train_loss", "val_accuracy", "learning_rate"):  # the same numbers as history.csv
         np.testing.assert_allclose([v for _, v in scalars[f"epoch/{name}"]], history[name], rtol=1e-6)
     assert [v for _, v in scalars["epoch/workers"]] == [2] * 6  # the run's size (an elastic run's changes)
-    total_steps = result["steps_per_epoch"] * 6  # 22 x 6 = 132: a point every 10 steps
+    total_steps = result["steps_per_epoch"] * 6  # 23 x 6 = 138: a point every 10 steps
     for name in ("train_loss", "train_accuracy", "learning_rate", "samples_per_second"):
         assert [step for step, _ in scalars[f"step/{name}"]] == list(range(10, total_steps + 1, 10)), name
     step_loss = [v for _, v in scalars["step/train_loss"]]
