@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import runpy
 import shutil
@@ -152,6 +153,11 @@ def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
         return p.returncode, p.stdout + p.stderr
     out = io.StringIO()
     old_argv, code = sys.argv, 0
+    # A job script makes its console rules last for its process (app.ui.console.for_this_process) and adds handlers
+    # to the root logger: run in this process, they are put back afterwards, or every later test's console changes.
+    from app.ui import console
+
+    rules, root_handlers = dict(console._people), list(logging.getLogger().handlers)
     sys.argv = [str(REPO / "jobs" / script), *argv]
     if str(REPO / "jobs") not in sys.path:
         sys.path.insert(0, str(REPO / "jobs"))  # the scripts import _bootstrap from beside them
@@ -162,6 +168,10 @@ def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
         code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = old_argv
+        console._people.update(rules)
+        logging.getLogger().handlers[:] = root_handlers
+        if not rules["active"]:
+            console._WorkerLines.uninstall()
     return code, out.getvalue()
 
 
