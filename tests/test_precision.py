@@ -21,7 +21,9 @@ def weights(path):
 
 def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(tmp_path):
     """K=2 at batch B == K=1 at batch 2B, full-batch SGD, under Mirrored (a real all-reduce)."""
-    common = ["--strategy", "mirrored", "--devices", "2", *FULL_BATCH_SGD]
+    # 1,436 training rows (1797 - round(1797 x 0.2009)): one whole batch of 1,436 either way. (With the default
+    # 1,438, the single run would end each epoch on a short batch of 2 rows, which accumulation cannot cut.)
+    common = ["--strategy", "mirrored", "--devices", "2", "--val-fraction", "0.2009", *FULL_BATCH_SGD]
     accumulated, single = local_runs((tmp_path / "k2", *common, "--per-replica-batch", "359", "--grad-accum", "2"),
                                      (tmp_path / "k1", *common, "--per-replica-batch", "718"))
     assert accumulated["global_batch_size"] == single["global_batch_size"] == 1436
