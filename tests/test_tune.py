@@ -21,9 +21,10 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     jobs/train.py; a trial's checkpoint scored by jobs/evaluate.py in another process."""
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    # A per-replica batch of 1024 on 2 workers is more than the digits' training rows: that trial fails at once.
+    # A per-replica batch of 1024 on 2 workers, 2 micro-batches accumulated (whole batches only), is more than the
+    # digits' training rows: that trial fails at once (a config the sweep's checks pass: they do not read the data).
     space = tmp_path / "space.yaml"
-    space.write_text("per_replica_batch: {grid: [1024, 16, 32]}\n")
+    space.write_text("grad_accum: 2\nper_replica_batch: {grid: [1024, 16, 32]}\n")
     # A list-valued field fixed for every trial (--hidden-units) once crashed the summary after the whole sweep.
     # --storage-path: every trial's Ray Train checkpoints under <storage-path>/<sweep>/<trial>/train.
     storage = tmp_path / "storage"
@@ -40,7 +41,7 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     finished = table[table["config/per_replica_batch"] != 1024]
     assert (finished["epochs_run"] == 2).all() and finished["val_accuracy"].notna().all()
     assert (finished["error"].fillna("").astype(str) == "").all()
-    assert table["error"][0].startswith("global batch 2048 (= 1024 per replica x 2 replicas")
+    assert table["error"][0].startswith("global batch 4096 (= 1024 per replica x 2 replicas x 2 accumulated")
 
     # The console: the plan, a line per trial event, the trials by the metric, the best; none of Ray's own output.
     console_text = p.stdout + p.stderr
@@ -52,7 +53,7 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert not [line for line in lines if line.startswith(("I0000", "W0000", "E0000"))], console_text
     assert f"sweep: {space}: 3 trial(s) of per_replica_batch 1024, 16, 32" in p.stdout
     assert "trial 2 started  per_replica_batch=16" in p.stdout and "trial 3  epoch 2/2  val_accuracy " in p.stdout
-    assert "trial 1 failed: global batch 2048 (= 1024 per replica" in p.stdout
+    assert "trial 1 failed: global batch 4096 (= 1024 per replica" in p.stdout
     assert "trial 2 finished: val_accuracy " in p.stdout and "trial 3 finished: val_accuracy " in p.stdout
     best_row = table.loc[table["val_accuracy"].idxmax()]
     assert f"best: trial {best_row['trial']}, val_accuracy {best_row['val_accuracy']:.4f}" in p.stdout
@@ -92,12 +93,12 @@ def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_fa
     """--show-logs: what went to tune.log is on the console as well. One trial that fails at once keeps it cheap."""
     out = tmp_path / "sweep"
     space = tmp_path / "space.yaml"
-    space.write_text("num_workers: 2\nper_replica_batch: 1024\n")
+    space.write_text("num_workers: 2\ngrad_accum: 2\nper_replica_batch: 1024\n")
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job("jobs/tune.py", "--space", str(space), "--cpus-per-worker", "0.5", "--output", str(out),
                 "--show-logs", timeout=300, env=env)
     assert p.returncode == 1, p.stderr[-3000:]
-    assert "trial 1 failed: global batch 2048" in p.stdout
+    assert "trial 1 failed: global batch 4096" in p.stdout
     assert "error: no trial reported 'val_accuracy'" in p.stderr
     # Ray's own lines, which a sweep without --show-logs keeps in tune.log only: Tune's controller on the trial that
     # failed, with its traceback.
