@@ -114,7 +114,10 @@ def test_stopped_driver_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     # --checkpoint-every-steps: stopped inside epoch 3, the run goes on from a step; Ray Train reads back the
     # scores of those checkpoints from its own records (JSON: a NaN score once came back as null and crashed it).
-    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "5", "--checkpoint-every-steps", "5"]
+    # Batches of 8 per replica: 90 steps an epoch, so that the driver is stopped inside epoch 3 and not after the
+    # run's end (a worker trains the digits' MLP at thousands of rows a second).
+    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "5", "--checkpoint-every-steps", "5",
+           "--per-replica-batch", "8"]
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: checkpointed_epoch(out / "ray", inside=True) >= 2 or driver.poll() is not None, 240,
