@@ -132,7 +132,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
     first = state["epoch"]
-    steps = train.steps
+    # Global batches too small to give every worker a row are left out (KerasData.worker_dataset): not steps.
+    steps = sum(1 for batch in train.epoch(first, job.seed) if len(batch) >= session.world)
     epochs = range(first, job.epochs)
     train_ds = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
