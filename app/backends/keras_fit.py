@@ -118,11 +118,16 @@ class LocalKerasSession:
         partial = self.directory.with_name(self.directory.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
         write(str(partial))
-        if self.directory.exists():
-            for f in self.directory.iterdir():
-                f.unlink()
-            self.directory.rmdir()
-        os.replace(partial, self.directory)
+        _replace(self.directory, partial)
+
+
+def _replace(final: Path, fresh: Path) -> None:
+    """This run's checkpoint directory ``final`` (flat: files only) replaced by the complete ``fresh`` one."""
+    if final.exists():
+        for f in final.iterdir():
+            f.unlink()
+        final.rmdir()
+    os.replace(fresh, final)
 
 
 def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
@@ -192,12 +197,8 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
     if result.checkpoint is None:
         raise RunFailed("training ended without reporting a checkpoint")
     final = out / "checkpoint"
-    fresh = result.checkpoint.to_directory(str(out / "checkpoint.partial"))
-    if final.exists():  # this run's own last checkpoint, which the new one replaces
-        for f in final.iterdir():
-            f.unlink()
-        final.rmdir()
-    os.replace(fresh, final)
+    # This run's own last checkpoint (a resumed run's) is replaced by the new one.
+    _replace(final, Path(result.checkpoint.to_directory(str(out / "checkpoint.partial"))))
     return str(final)
 
 

@@ -43,9 +43,9 @@ from app.config import TrainConfig, build_config
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
+from app.run.keras_step import KERAS_BATCH_SIZE
 from app.run.keras_step import given as _given
 
-KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
 # Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
 NOT_METRICS = ("samples", "seconds")

@@ -16,7 +16,7 @@ from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
-KERAS_BATCH_SIZE = 32  # fit()'s default for arrays
+KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's steps)
 _STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")
 
 
