@@ -135,7 +135,8 @@ class DataSection(_Section):
     inputs: Optional[list[str]] = Field(
         None,
         description="A model of several named inputs (keras.Input(name=...)) fed from file columns: one item per "
-        "input, NAME (the column of that name) or NAME=COLUMN. Each column holds numbers or lists of numbers.",
+        "input, NAME (the column of that name) or NAME=COLUMN. Each column holds numbers or lists of numbers. "
+        "Default: a model whose input names are all columns reads each from its own.",
     )
     label_column: str = Field("label", description="Column of integer class ids 0..K-1.")
     text_column: Optional[str] = Field(

@@ -1,7 +1,8 @@
-"""A model of several named inputs trained on file columns (--inputs), then evaluated and used to predict on the
-same files, as a user runs the jobs: parquet with a list column ``a`` (4 floats) and an integer category ``b``, in
-this process (--backend local: in memory) and on 2 Ray workers (through Ray Data, ``b`` read from a column of
-another name); CSV with one number per input; and the bad mappings, each refused in one line."""
+"""A model of several named inputs trained on file columns, then evaluated and used to predict on the same files, as
+a user runs the jobs: parquet with a list column ``a`` (4 floats) and an integer category ``b``, read by the model's
+input names without --inputs in this process (--backend local: in memory), and on 2 Ray workers (through Ray Data,
+``b`` read from a column of another name with --inputs); CSV with one number per input, by name; and the bad
+mappings, each refused in one line."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ MODEL = """
 import keras
 
 
-def two_inputs(num_classes):
-    a = keras.Input((4,), name="a")
-    b = keras.Input((1,), name="b")
+def two_inputs(num_classes, names=("a", "b")):
+    a = keras.Input((4,), name=names[0])
+    b = keras.Input((1,), name=names[1])
     category = keras.layers.Flatten()(keras.layers.Embedding(5, 4)(b))
     hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, category]))
-    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(num_classes, activation="softmax")(hidden))
+    model = keras.Model({names[0]: a, names[1]: b}, keras.layers.Dense(num_classes, activation="softmax")(hidden))
     model.compile(optimizer=keras.optimizers.Adam(0.02), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     return model
@@ -74,12 +75,14 @@ def test_parquet_columns_train_a_two_input_model_by_name_then_evaluate_and_predi
     run, csv_run = tmp_path / "run", tmp_path / "csv"
     train, csv = run_jobs_at_once(
         ["jobs/train.py", "--backend", "local", "--dataset", str(root / "parquet"), "--model",
-         f"{models}:two_inputs", "--inputs", "a", "b", "--epochs", "4", "--no-tensorboard", "--output", str(run)],
+         f"{models}:two_inputs", "--epochs", "4", "--no-tensorboard", "--output", str(run)],
         ["jobs/train.py", "--backend", "local", "--dataset", str(root / "rows.csv"), "--model",
-         f"{models}:two_numbers", "--inputs", "p", "q", "--epochs", "4", "--no-tensorboard", "--output",
-         str(csv_run)], timeout=300)
+         f"{models}:two_numbers", "--epochs", "4", "--no-tensorboard", "--output", str(csv_run)], timeout=300)
+    # No --inputs: the model's keras.Input names are columns of the files, so each input reads its own column.
     assert train.returncode == 0, train.stderr[-3000:]
     assert csv.returncode == 0, csv.stderr[-3000:]
+    assert "inputs read by name: a, b" in train.stdout + train.stderr
+    assert "inputs read by name: p, q" in csv.stdout + csv.stderr
     result = json.loads((run / "result.json").read_text())
     assert result["metrics"]["val_accuracy"] >= 0.83, result["metrics"]  # both inputs are needed for that
     assert json.loads((csv_run / "result.json").read_text())["metrics"]["val_accuracy"] >= 0.6
@@ -121,8 +124,9 @@ BAD = [
                                                         "--feature-columns"),
     (["--inputs", "a", "b", "b"], "--inputs names an input twice: b"),
     (["--inputs", "a", "category=b"], "the data's inputs are named a, category, but "),
-    ([], "mix list/tensor/image-bytes and other columns: name one list, tensor or image-bytes column, or only scalar "
-         "columns, with --feature-columns (a model of several named inputs: give each one its column with --inputs"),
+    (["--model-args", '{"names": ["a", "kind"]}'], "mix list/tensor/image-bytes and other columns: name one list, "
+     "tensor or image-bytes column, or only scalar columns, with --feature-columns (a model of several named inputs: "
+     "give each one its column with --inputs"),
     (["--feature-columns", "a"], "two_inputs takes 2 inputs (a, b), but the data gives one features input of shape "
                                  "(4,): name each input's file column with --inputs a b"),
 ]
@@ -136,7 +140,7 @@ def refused(tmp_path_factory, files):
         *BAD[i][0], "--output", str(out)], len(BAD))
 
 
-@pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(flags) or "no --inputs" for flags, _ in BAD])
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(flags) for flags, _ in BAD])
 def test_bad_inputs_mappings_are_one_line(refused, case):
     out, p = refused[case]
     assert p.returncode == 2, p.stderr[-2000:]

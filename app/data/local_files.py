@@ -116,22 +116,26 @@ def _unreadable(loc: Located, error: Exception, path: Optional[str] = None) -> U
     return UserError(f"cannot read dataset {loc.uri!r} as {loc.format}: {f'{path}: ' if path else ''}{why}")
 
 
-def _spec(loc: Located, config: "TrainConfig") -> Spec:
-    if loc.format == "images":
-        return image_spec(loc, config)
+def file_schema(loc: Located) -> "pa.Schema":
+    """The columns of parquet, CSV or TFRecord files: parquet's footer, CSV's header, the first TFRecord records."""
     try:
         if loc.format == "parquet":
-            schema = _parquet(loc).schema
-        elif loc.format == "tfrecord":  # its features are in the records: the first batch's
+            return _parquet(loc).schema
+        if loc.format == "tfrecord":  # its features are in the records: the first batch's
             first = next(tfrecord.batches(loc, None, 64), None)
             if first is None:
                 raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
-            schema = first.schema
-        else:
-            with _csv_reader(loc, loc.files[0]) as reader:
-                schema = reader.schema
+            return first.schema
+        with _csv_reader(loc, loc.files[0]) as reader:
+            return reader.schema
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise _unreadable(loc, e) from None
+
+
+def _spec(loc: Located, config: "TrainConfig") -> Spec:
+    if loc.format == "images":
+        return image_spec(loc, config)
+    schema = file_schema(loc)
     spec = schema_spec(loc, config, schema)
     shape = _ray_tensor_shape(schema, spec)
     if shape and not config.feature_shape:  # the examples' shape a Ray run reads (Ray's type is not loaded here)

@@ -47,8 +47,10 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     """
     from app import registry
     from app.data import files, memory
+    from app.driver import named_inputs
 
     loc = loc or files.located(config)
+    config = named_inputs.by_name(config, loc)  # a model whose inputs are named after the files' columns
     if files.streams(loc, backend_of(config).on_ray):
         from app.data import streamed
 
