@@ -102,12 +102,14 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
                          r"global 32, (\d+) steps.*; 2: 16 per replica, global 32, \1 steps", 120)
         at = console.wait_for(r"epoch +2/24", 300)
         nodes.join()
-        at = console.wait_for(r"resized 1 -> 2 workers at epoch \d+ step \d+: node \w+ joined", 180, at)
+        # One line from rank 0: the resize and where training goes on, named once (epoch and step).
+        at = console.wait_for(r"resized 1 -> 2 workers: node \w+ joined; resumed at epoch \d+ step \d+ from its "
+                              r"checkpoint", 180, at)
         # An epoch trained by 2 workers and checkpointed: the epoch after it has ended too (a report is a barrier).
         for _ in range(2):
             at = console.wait_for(r"epoch +\d+/24", 120, at + 1)
         nodes.leave()
-        console.wait_for(r"resized 2 -> 1 workers at epoch \d+ step \d+: node \w+ lost", 240, at)
+        console.wait_for(r"resized 2 -> 1 workers: node \w+ lost; resumed at epoch \d+ step \d+ from", 240, at)
         assert driver.wait(timeout=600) == 0, "".join(console.lines)[-4000:]
     finally:
         nodes.close()

@@ -77,8 +77,12 @@ class Progress:
         before, now = set(nodes_before or []), set(self.worker_nodes)
         entry["joined"], entry["lost"] = sorted(now - before), sorted(before - now)
         causes = [f"node {', '.join(n[:12] for n in entry[k])} {k}" for k in ("lost", "joined") if entry[k]]
-        return (f"resized {last} -> {workers} workers at epoch {entry['epoch']} step {entry['step']}"
-                + (f": {'; '.join(causes)}" if causes else ""))
+        return f"resized {last} -> {workers} workers" + (f": {'; '.join(causes)}" if causes else "")
+
+    def position(self) -> str:
+        """Where training goes on, the one naming of a checkpoint on the console: "epoch E step S" (step 0: the
+        epoch's start, after an end-of-epoch checkpoint of epoch E-1)."""
+        return f"epoch {self.epoch + 1} step {self.step}"
 
     def record(self, metrics: dict[str, Any], sample_ids=None) -> None:
         metrics["attempt"] = self.attempt

@@ -126,7 +126,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     if resumed is not None:
         state = restore(model, resumed)
         if session.rank == 0:
-            log.info("resumed from the checkpoint of epoch %d", state["epoch"])
+            log.info("resumed at epoch %d step 0 from its checkpoint", state["epoch"] + 1)
     else:
         # Every worker starts from rank 0's weights (a model function need not be seeded).
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])

@@ -210,8 +210,6 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
         return progress, None, lr_plan
     progress = checkpoint.Progress.resumed_from(state, progress)
     resized = progress.sized(session.world, state.get("worker_nodes"))
-    if resized and session.rank == 0:
-        log.info("%s; going on from the checkpoint of epoch %d step %d", resized, progress.epoch + 1, progress.step)
     # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
     # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
     steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
@@ -219,9 +217,9 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
     lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
     if lr_plan.step_offset and not asynchronous:
         optimizer.learning_rate = lr_position.schedule(config, lr_plan, training.lr_factor)
-    if session.rank == 0:
-        log.info("resumed from the checkpoint of epoch %d (attempt %d, %d optimizer steps taken%s)",
-                 progress.epoch, progress.attempt, steps_done,
+    if session.rank == 0:  # one line: the resize (if any) and where training goes on
+        log.info("%sresumed at %s from its checkpoint (attempt %d, %d optimizer steps taken%s)",
+                 f"{resized}; " if resized else "", progress.position(), progress.attempt, steps_done,
                  f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
     return progress, state, lr_plan
 
