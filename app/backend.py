@@ -54,7 +54,9 @@ def backend_of(config: "TrainConfig") -> Backend:
                        replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False,
                        short_last_batch=True)
     one_replica = strategy in ("one-device", "pipeline")
-    if one_replica:
+    if config.tensor_parallel:
+        replicas, why = 1, f"--tensor-parallel {config.tensor_parallel}: one replica, split over devices"
+    elif one_replica:
         replicas, why = 1, f"--strategy {strategy}: one replica"
     elif config.devices:
         replicas, why = config.devices, f"--devices {config.devices}"

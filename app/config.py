@@ -81,6 +81,7 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         if self.strategy == "pipeline" and self.per_replica_batch % self.pipeline_microbatches:
             problems.append(f"--per-replica-batch {self.per_replica_batch} does not split into "
                             f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
+        problems.extend(_tensor_parallel_problems(self))
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")
         if set(self.export) - {"keras", "savedmodel"}:
@@ -192,6 +193,30 @@ def _scale_problems(config: TrainConfig) -> list[str]:
             found.append(f"--checkpoint-every-steps {config.checkpoint_every_steps} must be a multiple of "
                          f"--steps-per-execution {config.steps_per_execution} (steps run in groups of that many)")
     return found
+
+
+def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
+    """--tensor-parallel and --tensor-layout: what they combine with."""
+    n = config.tensor_parallel
+    if n is None:
+        return ["--tensor-layout names the layers --tensor-parallel N splits: add --tensor-parallel N"] \
+            if config.tensor_layout else []
+    problems = []
+    if config.backend != "local":
+        problems.append(f"--tensor-parallel {n} splits layers over the devices of one process: use it with "
+                        "--backend local (a Ray worker holding a tensor-parallel group is not built)")
+    if config.strategy != "auto":
+        problems.append(f"--tensor-parallel {n} trains one replica split over devices: leave out --strategy")
+    if config.devices is not None and config.devices != n:
+        problems.append(f"--tensor-parallel {n} splits the CPU into {n} logical devices itself: leave out --devices")
+    if config.resume:
+        problems.append("--resume of a --tensor-parallel run is not built: train it anew (its model.keras is an "
+                        "ordinary model that evaluate and predict read)")
+    bad = [item for item in config.tensor_layout or []
+           if item.count("=") != 1 or item.split("=")[1] not in ("column", "row", "replicated") or not item.split("=")[0]]
+    if bad:
+        problems.append(f"--tensor-layout takes LAYER=column, LAYER=row or LAYER=replicated items, got {' '.join(bad)}")
+    return problems
 
 
 def _inputs_problems(config: TrainConfig) -> list[str]:

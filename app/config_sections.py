@@ -49,6 +49,14 @@ class RunSection(_Section):
     split_at: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
         None, description="--strategy pipeline: the layers that start a stage (block_2,block_4 or block_2 block_4); "
         "default: where the parameters balance.")
+    tensor_parallel: Optional[int] = Field(
+        None, ge=2, description="--backend local: one replica whose MLP blocks are split over N devices of this "
+        "process (Megatron's layout: each block's first Dense by output columns, its second by input rows; the GPUs, "
+        "else N logical CPUs). The built-in mlp and transformer know their blocks; a model of your own names them "
+        "with --tensor-layout.")
+    tensor_layout: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
+        None, description="--tensor-parallel: LAYER=column|row|replicated items, LAYER a name or a pattern "
+        "(ff_in_*): which Dense layers are split, and how.")
     steps_per_execution: PositiveInt = Field(
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )

@@ -241,6 +241,22 @@ _LOCAL = {
 }
 
 
+def tensor_parallel_strategy(n: int, cpus: float | None = None) -> tuple["tf.distribute.Strategy", str]:
+    """--tensor-parallel N: one replica (the default strategy feeds it), its split layers over N devices: the
+    first N GPUs, else the CPU split into N logical devices (app.training.tensor_parallel places the shards)."""
+    import tensorflow as tf
+
+    if cpus:
+        set_thread_counts(cpus)
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        _split_cpu(n)
+    found = _Devices.found()
+    if len(found.compute) < n:
+        raise StrategyUnavailable(f"--tensor-parallel {n} needs {n} devices, found {found}")
+    return tf.distribute.get_strategy(), f"one replica, its split layers over {n} {'GPUs' if gpus else 'logical CPUs'}"
+
+
 def stage_devices() -> list[str]:
     """One device per pipeline stage: every GPU, else every logical CPU (after ``local_strategy``)."""
     import tensorflow as tf

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from app.config import TrainConfig
     from app.training.pipeline import Pipeline
+    from app.training.tensor_parallel import TensorParallel, TensorPlan
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class WorkerJob:
     tensorboard_dir: Optional[str]
     progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
     stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
+    tensor: Optional["TensorPlan"] = None  # --tensor-parallel: which layers are split over which devices
 
 
 class Session(Protocol):
@@ -89,6 +91,11 @@ class Training:
     lr_plan: Any  # app.training.optim.LrPlan
     lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
     pipe: Optional["Pipeline"]  # --strategy pipeline: the stages that run ``model``
+    split: Optional["TensorParallel"] = None  # --tensor-parallel: ``model`` is its split clone
+
+    def saved(self):
+        """The model checkpoints and exports hold: ``model``, or the unsplit model with the split layers' weights."""
+        return self.split.unsplit() if self.split is not None else self.model
 
 
 def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
@@ -111,6 +118,15 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
     # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
     # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
     pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
+    if job.tensor is not None:
+        # --tensor-parallel: the model's graph again with the planned layers split, each shard's variables (and
+        # their optimizer slots) and matmuls on its device; checkpoints and exports get the unsplit model.
+        from app.training import tensor_parallel
+        from app.training.model import model_name
+
+        split = tensor_parallel.TensorParallel.place(model, job.tensor, model_name(config))
+        tensor_parallel.place_optimizer_slots(optimizer)
+        return Training(split.model, optimizer, measures, lr_plan, lr_factor, None, split)
     return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
 
 
@@ -154,7 +170,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         state["objective"] = job.objective.summary(config)
         state.update(hooks.state())
-        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
+        saved = training.saved()  # --tensor-parallel: the shards written into the unsplit model first
+        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, optimizer, s))
 
     def after_steps(k: int, bar) -> None:
         bar.update(k)
@@ -204,7 +221,7 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
 
     progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
     lr_plan, optimizer = training.lr_plan, training.optimizer
-    state = session.restore(training.model, optimizer)
+    state = session.restore(training.saved(), optimizer)  # what a checkpoint holds: the unsplit model
     if state is None:
         progress.sized(session.world)
         return progress, None, lr_plan
