@@ -85,6 +85,11 @@ class RayKerasSession:
                 ckpt = Checkpoint.from_directory(tmp)
             ray.train.report(record, checkpoint=ckpt)  # every worker reports: it is a barrier
 
+    def progress_bar(self, total: int, desc: str):
+        from app.backends.ray_session import progress_bar
+
+        return progress_bar(total, desc)
+
 
 def keras_loop_per_worker(payload: dict[str, Any]) -> None:
     from ray import cloudpickle
@@ -113,6 +118,11 @@ class LocalKerasSession:
 
     def last_checkpoint(self) -> Optional[str]:
         return str(self.directory) if (self.directory / keras_worker.STATE_FILE).is_file() else None
+
+    def progress_bar(self, total: int, desc: str):
+        from app.backends.local import tqdm_bar
+
+        return tqdm_bar(total, desc)
 
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         partial = self.directory.with_name(self.directory.name + ".partial")

@@ -43,9 +43,7 @@ class LocalSession:
         return self._strategy
 
     def progress_bar(self, total: int, desc: str):
-        import tqdm
-
-        return tqdm.tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+        return tqdm_bar(total, desc)
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         config = self.config
@@ -83,6 +81,13 @@ class LocalSession:
 
     def alive(self) -> None:
         """Nobody watches a local run for stalls."""
+
+
+def tqdm_bar(total: int, desc: str):
+    """An epoch's bar in this process's terminal (gone once the epoch's line is printed)."""
+    import tqdm
+
+    return tqdm.tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ or overrides ``train_step``; an uncompiled model with Keras's step takes the pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
@@ -91,7 +92,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     plan = plan_lines(model, train, val, world, validation_freq, callbacks)
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
-        run = keras_fit.run(config, job, plan)
+        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan)
     return run, config.output_dir()
 
 

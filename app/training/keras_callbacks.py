@@ -63,6 +63,26 @@ class Decisions(keras.callbacks.Callback):
         self._agree()
 
 
+class Bar(keras.callbacks.Callback):
+    """verbose=1 for a person at a terminal: rank 0's bar inside each epoch (app.training.loop.EpochBar: drawn
+    only once an epoch has run a few seconds), closed before the epoch's line."""
+
+    def __init__(self, make: Callable[..., Any], steps: int, epochs: int):
+        super().__init__()
+        self.make, self.steps, self.epochs, self.bar = make, steps, epochs, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        from app.training.loop import EpochBar
+
+        self.bar = EpochBar(self.make, self.steps, f"epoch {epoch + 1}/{self.epochs}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.bar.update(1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.bar.close()
+
+
 class Checkpoints(keras.callbacks.Callback):
     """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
 

@@ -48,6 +48,7 @@ class KerasJob:
     seed: int = 0
     callbacks: Optional[list] = None
     stall_timeout_s: Optional[float] = None
+    progress_bars: bool = False  # verbose=1 at a terminal: rank 0 draws a bar inside long epochs
     extra: dict = field(default_factory=dict)
 
 
@@ -66,6 +67,9 @@ class KerasSession(Protocol):
 
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         """Checkpoint the epoch (``write(directory)``, rank 0) and report its record."""
+
+    def progress_bar(self, total: int, desc: str) -> Any:
+        """A tqdm-like bar, drawn where the person watching the run sees it."""
 
 
 def checkpoint_of(model) -> Any:
@@ -139,7 +143,9 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
                                                          training=False)
     own = list(job.callbacks or [])
-    callbacks = [*(own if session.rank == 0 else []),
+    bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
+        else []
+    callbacks = [*(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
     model.fit(train_ds, epochs=job.epochs, initial_epoch=first, steps_per_epoch=steps, validation_data=val_ds,
