@@ -88,8 +88,10 @@ def check(out: Path, kind: str, reads: Mapping[str, Path] = {}, *, overwrite: bo
     if reuse and written == kind:
         return
     if not overwrite and not reuse:
+        # A run's directory (an interrupted one, say) can also be gone on with.
+        go_on = ", --resume to go on with it (from its last checkpoint)," if kind == "train" == written else ""
         raise UserError(f"output {str(out)!r} already exists: choose another --output (e.g. --output "
-                        f"{default_output(kind)})" + (", or --overwrite to replace it" if written == kind else ""))
+                        f"{default_output(kind)})" + (f"{go_on} or --overwrite to replace it" if written == kind else ""))
     if written is None:
         raise UserError(f"output {str(out)!r} was not written by this product (it has no {MARKER} file): "
                         f"{'--overwrite replaces' if overwrite else 'a job adds to'} only a directory it wrote; give "

@@ -221,7 +221,7 @@ INPUTS = {
     "tf.data x,y": lambda: {"x": batched(X, Y), "validation_data": batched(XV, YV)},
     "tf.data x,y,w": lambda: {"x": batched(X, Y, W)},
     "PyDataset": lambda: {"x": Rows(X, Y), "validation_data": Rows(XV, YV)},
-    "generator": lambda: {"x": generator(3), "steps_per_epoch": -(-ROWS // BATCH)},
+    "generator": lambda: {"x": generator(EPOCHS), "steps_per_epoch": -(-ROWS // BATCH)},
     # 24 rows a batch: 12 per worker. A Mean tracker fed one loss per batch (not per row) averages the workers'
     # batch means, which is the global batch's mean when its parts are equal.
     "arrays x": lambda: {"x": X, "batch_size": 24, "validation_data": (XV,)},
@@ -232,7 +232,7 @@ INPUTS = {
 }
 MODELS = {"functional": functional, "own_step": own_step, "gan": gan, "distiller": distiller, "add_loss": add_loss,
           "two_outputs": two_outputs}
-EPOCHS = 3
+EPOCHS = 2
 
 
 def outcome(fit, *args, **kwargs):
