@@ -26,17 +26,21 @@ log = logging.getLogger(__name__)
 COLUMNS = ("parquet", "csv", "tfrecord")
 
 
-def by_name(config: "TrainConfig", loc: Optional["Located"]) -> "TrainConfig":
-    """``config`` with ``inputs`` set to the model's input names when every one is a column of ``loc``'s files."""
+def by_name(config: "TrainConfig", loc: Optional["Located"], names: Optional[list[str]] = None) -> "TrainConfig":
+    """``config`` with ``inputs`` set to the model's input names when every one is a column of ``loc``'s files.
+
+    ``names``: the input names of a model already in hand (a trained model evaluated); else the model function's
+    model is built to read them."""
     from app import registry
 
-    if (loc is None or loc.format not in COLUMNS or config.inputs or config.feature_columns or config.text_column
-            or (isinstance(config.model, str) and config.model in registry.MODELS)):
+    builtin = names is None and isinstance(config.model, str) and config.model in registry.MODELS
+    if loc is None or loc.format not in COLUMNS or config.inputs or config.feature_columns or config.text_column \
+            or builtin:
         return config
     from app.data.local_files import file_schema
 
     columns = [name for name in file_schema(loc).names if name != config.label_column]
-    names = model_input_names(config, len(columns))
+    names = names if names is not None else model_input_names(config, len(columns))
     # One input named like the data's only column: the usual features input reads it as well.
     if not names or not set(names) <= set(columns) or names == columns == names[:1]:
         return config

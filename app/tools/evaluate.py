@@ -30,7 +30,7 @@ def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any
     from app.training.step import make_eval_step
 
     model = _load(model_file.check(model_path))
-    source = _data(config)
+    source = _data(config, [getattr(t, "name", None) for t in (model.inputs or [])])
     facts = task_with_model(source.facts, model, config.task)
     objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts,
                        preflight.examples(source))
@@ -55,14 +55,16 @@ def _load(model_path: Path):
         return model_file.load(model_path, compile=False)
 
 
-def _data(config: TrainConfig):
+def _data(config: TrainConfig, input_names: list):
     """The validation data: in memory without Ray (a data function is called here, and files are read here
     when the run's backend is local); files that stream on a local Ray that this process starts, or the
     cluster RAY_ADDRESS names (so is a function's ray.data.Dataset: app.driver.preflight.load_data)."""
     from app.data import files
-    from app.driver import preflight
+    from app.driver import named_inputs, preflight
 
     loc = files.located(config)
+    # The trained model's inputs, read by their names where the files have those columns (as its training read them)
+    config = named_inputs.by_name(config, loc, input_names if all(input_names) else None)
     if files.streams(loc, backend_of(config).on_ray):
         from app.driver import cluster
 
