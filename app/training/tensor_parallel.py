@@ -254,8 +254,7 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
     gathered = {}
     for layer_name, how in splits.items():
         if how == "column":
-            consumers = [node.operation for node in by_name[layer_name]._outbound_nodes
-                         if node.operation in model.layers]
+            consumers = [op for op in internals.consumers(by_name[layer_name]) if op in model.layers]
             gathered[layer_name] = not (len(consumers) == 1 and splits.get(consumers[0].name) == "row")
     unsplit = sum(int(v.numpy().nbytes) for layer_name in splits for v in by_name[layer_name].weights)
     return TensorPlan([short_name(d) for d in devices], splits, gathered, unsplit_bytes=unsplit)
@@ -289,7 +288,7 @@ class TensorParallel:
                                              activation=op.activation, use_bias=op.use_bias,
                                              gather=plan.gathered.get(op.name, True), name=op.name,
                                              dtype=op.dtype_policy)
-            args, kwargs = node.arguments.fill_in(tensors)
+            args, kwargs = internals.node_call_arguments(node, tensors)
             out = (split[op.name] if how is not None else op)(*args, **kwargs)
             if how == "column" and not plan.gathered.get(op.name, True):
                 tensors[id(node.outputs[0])] = out  # the shards, each on its device, for the row layer after it
