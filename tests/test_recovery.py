@@ -116,7 +116,7 @@ def test_stopped_driver_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
     # scores of those checkpoints from its own records (JSON: a NaN score once came back as null and crashed it).
     # Batches of 8 per replica: 90 steps an epoch, so that the driver is stopped inside epoch 3 and not after the
     # run's end (a worker trains the digits' MLP at thousands of rows a second).
-    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "5", "--checkpoint-every-steps", "5",
+    cmd = [sys.executable, "jobs/train.py", "--output", str(out), "--epochs", "5", "--checkpoint-every-steps", "15",
            "--per-replica-batch", "8"]
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
