@@ -22,6 +22,7 @@ from pydantic import ValidationError, field_serializer, model_validator
 from app import config_scale, registry
 from app.config_sections import (
     PIPELINE_MICROBATCHES,
+    TENSOR_SPLITS,
     CallbacksSpec,
     DataSection,
     ModelSection,
@@ -213,7 +214,7 @@ def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
         problems.append("--resume of a --tensor-parallel run is not built: train it anew (its model.keras is an "
                         "ordinary model that evaluate and predict read)")
     bad = [item for item in config.tensor_layout or []
-           if item.count("=") != 1 or item.split("=")[1] not in ("column", "row", "replicated") or not item.split("=")[0]]
+           if item.count("=") != 1 or item.split("=")[1] not in TENSOR_SPLITS or not item.split("=")[0]]
     if bad:
         problems.append(f"--tensor-layout takes LAYER=column, LAYER=row or LAYER=replicated items, got {' '.join(bad)}")
     return problems

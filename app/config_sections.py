@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from app import config_scale
 
 LrScaling = Literal["linear", "sqrt", "none"]
+TENSOR_SPLITS = ("column", "row", "replicated")  # --tensor-layout LAYER=<one of these>
 PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (docs/guides/pipeline.md)
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",

@@ -34,7 +34,6 @@ from app.errors import UserError
 if TYPE_CHECKING:
     import keras
 
-SPLITS = ("column", "row", "replicated")
 # The built-in models' layouts: each MLP block's pair of Dense layers (the output layer stays whole).
 BUILTIN_LAYOUTS = {
     "mlp": {"dense_0": "column", "dense_1": "row"},
@@ -231,8 +230,6 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
                         "layers to split: the first Dense of each MLP block by columns, the second by rows)")
     splits: dict[str, str] = {}
     for pattern, how in layout.items():
-        if how not in SPLITS:
-            raise UserError(f"--tensor-layout {pattern}={how}: a layer is split by column, row, or replicated")
         matched = [layer for layer in model.layers if fnmatch.fnmatchcase(layer.name, pattern)]
         if not matched:
             raise UserError(f"--tensor-layout {pattern}: no layer of {name} is named so (its layers: "
