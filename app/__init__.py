@@ -4,6 +4,7 @@
     result = train(model=build_model, data=load_data, num_workers=2, epochs=10)
     history = fit(build_model, x, y, batch_size=256, epochs=10, validation_split=0.2)   # model.fit's arguments
     predict(result["output"], data=x_new, output="runs/predictions")   # parquet; pandas.read_parquet reads it
+    x, y = digits()   # the 1,797 8x8 digits this package ships (scikit-learn's load_digits, scaled to [0, 1])
 
 ``app.ShardedEmbedding`` (app.layers) is an embedding table in K shards for your own
 models: spread over the parameter servers under --strategy parameter-server.
@@ -14,6 +15,7 @@ The functions are the ones in app.run.api and app.run.fit, with their own signat
 
 from typing import Any
 
+from app.data.builtin import digits
 from app.run.api import evaluate, predict, train, tune
 from app.run.fit import fit
 
@@ -27,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
 
-__all__ = ["train", "fit", "tune", "evaluate", "predict", "ShardedEmbedding"]
+__all__ = ["train", "fit", "tune", "evaluate", "predict", "digits", "ShardedEmbedding"]

@@ -1,5 +1,5 @@
 """A model with its own train_step, as keras.io writes a VAE ("Variational AutoEncoder", keras.io/examples/generative/vae),
-on the digits that scikit-learn ships: fit on x alone, three Mean trackers, the class defined in this script.
+on the digits this package ships (app.digits()): fit on x alone, three Mean trackers, the class defined in this script.
 
 Only the fit line differs from the Keras script: `app.fit(build_vae, x, ...)` instead of `vae.fit(x, ...)`.
 Run it: python examples/vae_own_train_step.py
@@ -11,7 +11,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import layers, ops
-from sklearn.datasets import load_digits
 
 import app
 
@@ -85,7 +84,7 @@ def build_vae():
     return vae
 
 
-digits = (load_digits().data / 16.0).astype("float32")
+digits, _ = app.digits()
 # vae = build_vae(); history = vae.fit(digits, epochs=15, batch_size=128)
 history = app.fit(build_vae, digits, epochs=15, batch_size=128, num_workers=2)
 vae = history.model

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -269,3 +272,47 @@ def parquet_run(tmp_path_factory):
                 timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return run, root / "test"
+
+
+@contextlib.contextmanager
+def working_directory(path: Path):
+    import os
+
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
+    """A job script run in this process with ``argv``, as ``python jobs/<script> ...`` runs it: (exit status,
+    everything it printed). A local-backend training runs in a process of its own: it sets TensorFlow's thread
+    counts, which cannot change once this process has initialised TensorFlow."""
+    local = "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["local"]
+    if script == "train.py" and local:
+        p = run_job(str(REPO / "jobs" / script), *argv, cwd=cwd, timeout=120)
+        return p.returncode, p.stdout + p.stderr
+    out = io.StringIO()
+    old_argv, code = sys.argv, 0
+    # A job script makes its console rules last for its process (app.ui.console.for_this_process) and adds handlers
+    # to the root logger: run in this process, they are put back afterwards, or every later test's console changes.
+    from app.ui import console
+
+    rules, root_handlers = dict(console._people), list(logging.getLogger().handlers)
+    sys.argv = [str(REPO / "jobs" / script), *argv]
+    if str(REPO / "jobs") not in sys.path:
+        sys.path.insert(0, str(REPO / "jobs"))  # the scripts import _bootstrap from beside them
+    try:
+        with working_directory(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(str(REPO / "jobs" / script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old_argv
+        console._people.update(rules)
+        logging.getLogger().handlers[:] = root_handlers
+        if not rules["active"]:
+            console._WorkerLines.uninstall()
+    return code, out.getvalue()

@@ -14,20 +14,15 @@ Bounded: a fixed number of examples per job, derandomized (the same examples eve
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import re
-import runpy
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, clean_env, run_job, run_jobs_at_once
+from conftest import REPO, clean_env, run_here, run_job, run_jobs_at_once
 
 # A flag's values: (value tokens, valid?). Valid means valid on its own beside the defaults (the built-in digits, 2
 # Ray workers, per-replica batch 32); cross-field refusals of valid values are allowed, crashes never.
@@ -129,50 +124,6 @@ def place(tmp_path_factory, local_digits_run):
     run = root / "run"
     shutil.copytree(local_digits_run, run)
     return root, run
-
-
-@contextlib.contextmanager
-def working_directory(path: Path):
-    import os
-
-    before = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
-    """A job script run in this process with ``argv``, as ``python jobs/<script> ...`` runs it: (exit status,
-    everything it printed). A local-backend training runs in a process of its own: it sets TensorFlow's thread
-    counts, which cannot change once this process has initialised TensorFlow."""
-    local = "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["local"]
-    if script == "train.py" and local:
-        p = run_job(str(REPO / "jobs" / script), *argv, cwd=cwd, timeout=120)
-        return p.returncode, p.stdout + p.stderr
-    out = io.StringIO()
-    old_argv, code = sys.argv, 0
-    # A job script makes its console rules last for its process (app.ui.console.for_this_process) and adds handlers
-    # to the root logger: run in this process, they are put back afterwards, or every later test's console changes.
-    from app.ui import console
-
-    rules, root_handlers = dict(console._people), list(logging.getLogger().handlers)
-    sys.argv = [str(REPO / "jobs" / script), *argv]
-    if str(REPO / "jobs") not in sys.path:
-        sys.path.insert(0, str(REPO / "jobs"))  # the scripts import _bootstrap from beside them
-    try:
-        with working_directory(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            runpy.run_path(str(REPO / "jobs" / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old_argv
-        console._people.update(rules)
-        logging.getLogger().handlers[:] = root_handlers
-        if not rules["active"]:
-            console._WorkerLines.uninstall()
-    return code, out.getvalue()
 
 
 def error_line(text: str) -> str | None:

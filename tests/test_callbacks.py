@@ -14,12 +14,13 @@ from conftest import clean_env, run_job
 
 USER_FILE = '''
 import keras
-from sklearn.datasets import load_digits
+
+import app
 
 
 def digits_one_hot():
-    d = load_digits()
-    return (d.data / 16.0).astype("float32"), keras.utils.to_categorical(d.target, 10)
+    x, y = app.digits()
+    return x, keras.utils.to_categorical(y, 10)
 
 
 def compiled_model():

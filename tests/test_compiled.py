@@ -14,7 +14,8 @@ USER_FILE = '''
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+import app
 
 
 def build_model():
@@ -32,13 +33,12 @@ def build_model():
 
 
 def digits_one_hot():
-    d = load_digits()
-    return (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32"), keras.utils.to_categorical(d.target, 10)
+    x, y = app.digits()
+    return x.reshape(-1, 8, 8, 1), keras.utils.to_categorical(y, 10)
 
 
 def digits_ids():
-    d = load_digits()
-    return (d.data / 16.0).astype("float32"), d.target
+    return app.digits()
 
 
 def tf_keras_model():

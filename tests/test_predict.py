@@ -185,19 +185,20 @@ def test_train_then_predict_as_a_new_user_does(local_digits_run, joined, tmp_pat
     --model A/model.keras --output P` on the run's own data (the built-in digits, in memory): one row per row
     (--keep-columns row: each row's position in the data, to check the order)."""
     import keras
-    from sklearn.datasets import load_digits
+
+    from app import digits
 
     out = tmp_path / "p"
     p = run_jobs_at_once(["jobs/predict.py", "--model", str(local_digits_run / "model.keras"), "--output", str(out),
                           "--keep-columns", "row"], env=joined, timeout=400)[0]
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read(out)
-    digits = load_digits()
-    assert len(rows) == len(digits.target) == 1797 and rows["row"].tolist() == list(range(1797))
+    x, y = digits()
+    assert len(rows) == len(y) == 1797 and rows["row"].tolist() == list(range(1797))
     model = keras.models.load_model(local_digits_run / "model.keras")
-    want = model.predict((digits.data / 16.0).astype(np.float32), verbose=0).argmax(axis=1)
+    want = model.predict(x, verbose=0).argmax(axis=1)
     assert (rows["prediction"].to_numpy() == want).all()
-    assert (rows["prediction"] == digits.target).mean() > 0.8  # one epoch learns most of it
+    assert (rows["prediction"] == y).mean() > 0.8  # one epoch learns most of it
 
 
 TWO_INPUTS = """
@@ -224,13 +225,12 @@ def test_app_predict_from_every_in_memory_source(local_digits_run, tmp_path):
     import importlib.util
 
     import keras
-    from sklearn.datasets import load_digits
 
-    from app import predict
+    from app import digits, predict
     from app.errors import UserError
 
     run = local_digits_run
-    x = (load_digits().data[:150] / 16.0).astype(np.float32)
+    x = digits()[0][:150]
     want = keras.models.load_model(run / "model.keras").predict(x, verbose=0)
     sources = {"array": x, "pair": (x, np.zeros(150, np.int64)), "function": lambda: (x, np.ones(150, np.int64))}
     for name, data in sources.items():

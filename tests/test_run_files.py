@@ -16,12 +16,13 @@ from conftest import REPO, clean_env, ray_sessions, raylets, run_job, run_jobs_a
 
 USER_FILE = '''
 import keras
-from sklearn.datasets import load_digits
+
+import app
 
 
 def load_data():
-    d = load_digits()
-    return (d.data / 16.0).reshape(-1, 64).astype("float32")[:600], d.target[:600]
+    x, y = app.digits()
+    return x[:600], y[:600]
 
 
 def build_model(input_shape, num_classes):

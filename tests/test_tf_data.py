@@ -10,14 +10,14 @@ from conftest import refusals_at_once, run_job, user_module
 
 USER_FILE = '''
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+import app
 
 
 def pipeline():
     """The digits through a tf.data pipeline: shuffled, mapped to 8x8x1 images."""
-    d = load_digits()
-    ds = tf.data.Dataset.from_tensor_slices((d.data.astype("float32"), d.target))
-    return ds.shuffle(2000, seed=0).map(lambda x, y: (tf.reshape(x / 16.0, (8, 8, 1)), y))
+    ds = tf.data.Dataset.from_tensor_slices(app.digits())
+    return ds.shuffle(2000, seed=0).map(lambda x, y: (tf.reshape(x, (8, 8, 1)), y))
 
 
 def batched():

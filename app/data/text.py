@@ -18,8 +18,8 @@ Ids are carried as float32 like every other feature (one input signature for
 all models; exact for ids below 2**24, which the config enforces) and the
 transformer casts them back to integers.
 
-No text corpus ships inside the installed packages (scikit-learn's 20
-newsgroups is a download), and nothing may be downloaded at run time, so the
+No text corpus ships inside the installed packages (20 newsgroups and IMDB
+are downloads), and nothing may be downloaded at run time, so the
 built-in text dataset is generated: ``synthetic_corpus``.
 """
 
