@@ -120,3 +120,83 @@ def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
 def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
     with pytest.raises(UserError, match="lr_scaling: the product's own training features"):
         app.fit(two_optimizers, X, epochs=1, lr_scaling="linear", output=str(tmp_path / "never"))
+
+
+def _pipeline(seed=None):
+    """A keras.io-style input pipeline: shuffled every pass, a random augmentation, batched (ids ride along)."""
+    ds = tf.data.Dataset.from_tensor_slices((X, np.arange(60))).shuffle(60, seed=seed)
+    return ds.map(lambda x, i: (x + tf.random.uniform((4,)), i)).batch(16)
+
+
+def test_a_tf_data_pipeline_runs_every_epoch_on_every_worker_each_row_once():
+    """Each worker rebuilds the pipeline and takes its part of every batch: per pass every row once across the
+    workers, reshuffled and augmented anew every pass (as fit() iterates a dataset), a seedless shuffle made the
+    same on every worker."""
+    from app.data import keras_inputs
+
+    for seed in (7, None):
+        data = keras_inputs.read(_pipeline(seed), batch_size=None, rerun=True)
+        assert data.pipeline is not None and data.read_once == "" and data.num_batches == 4
+
+        def passes(rank, data=data):
+            ds = data.worker_dataset(range(3), 0, rank, 2, training=True)
+            return [list(ds.as_numpy_iterator()) for _ in range(3)]
+
+        ranks = [passes(0), passes(1)]
+        ids = [[np.concatenate([b[1] for b in one]) for one in r] for r in ranks]
+        for e in range(3):
+            assert sorted(np.concatenate([ids[0][e], ids[1][e]])) == list(range(60)), (seed, e)  # once across both
+        assert not np.array_equal(ids[0][0], ids[0][1])  # reshuffled every pass
+        x_of = [{i: x for b in ranks[0][e] for x, i in zip(*b)} for e in range(2)]
+        common = set(x_of[0]) & set(x_of[1])
+        assert common and all(not np.allclose(x_of[0][i], x_of[1][i]) for i in common)  # augmented anew
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_a_reshuffling_tf_data_pipeline_trains_as_keras_fit_weight_for_weight_whole_or_resumed(tmp_path, counted):
+    """fit() draws a dataset's passes in its own pattern (app.data.keras_inputs.keras_passes_before), which depends
+    on whether it knows the number of batches (a filter hides it); a resumed run goes on with the passes of the
+    epochs it has not trained."""
+    def pipeline():
+        ds = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(60, seed=3).map(lambda x, y: (2 * x, y)).batch(16)
+        return ds if counted else ds.filter(lambda x, y: True)
+
+    model = compiled()
+    expected = model.fit(pipeline(), epochs=4, verbose=0)
+    whole = app.fit(compiled, pipeline(), epochs=4, backend="local", output=str(tmp_path / "whole"), verbose=0)
+    app.fit(compiled, pipeline(), epochs=2, backend="local", output=str(tmp_path / "parts"), verbose=0)
+    resumed = app.fit(compiled, pipeline(), epochs=4, backend="local", output=str(tmp_path / "parts"), resume=True,
+                      verbose=0)
+    for got in (whole, resumed):
+        for key, values in expected.history.items():
+            np.testing.assert_allclose(got.history[key], values, atol=1e-6, err_msg=key)
+        for a, b in zip(model.get_weights(), got.model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tmp_path):
+    from app.data import tf_pipeline
+
+    records = str(tmp_path / "rows.tfrecord")
+    with tf.io.TFRecordWriter(records) as w:
+        w.write(b"x")
+    both = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(4), tf.data.Dataset.range(4)])
+    cases = {
+        "calls Python": tf.data.Dataset.from_generator(lambda: iter(range(3)), output_types=tf.int64),
+        "reads files": tf.data.TFRecordDataset(records),
+        "picks elements at random": both,
+        "random filter": tf.data.Dataset.range(8).filter(lambda i: tf.random.uniform(()) > 0.5),
+        "repeats without end": tf.data.Dataset.range(3).repeat(),
+    }
+    for words, ds in cases.items():
+        pipeline, why = tf_pipeline.serialise(ds)
+        assert pipeline is None and words.split()[-1] in why, (words, why)
+    assert tf_pipeline.serialise(_pipeline().cache())[1] == ""  # a cache in memory is the same everywhere
+    from app.run import keras_step
+
+    data = __import__("app.data.keras_inputs", fromlist=["read"]).read(
+        tf.data.Dataset.from_generator(lambda: ((X[i:i + 8], Y[i:i + 8]) for i in range(0, 60, 8)),
+                                       output_signature=(tf.TensorSpec((None, 4)), tf.TensorSpec((None,), tf.int64))),
+        batch_size=None, rerun=True)
+    plan = "\n".join(keras_step.plan_lines(compiled(), data, None, 1, 1, None))
+    assert "read once here, as its first pass: it calls Python" in plan

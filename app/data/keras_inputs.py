@@ -21,9 +21,13 @@ epoch across the workers and every worker runs the same number of steps. A
 global batch of fewer rows than workers cannot be cut so: it is left out of
 training (``dropped_rows`` says how many; the plan prints it).
 
-What the driver reads is computed once: a dataset's own ``map`` and
-``shuffle`` run once, not every epoch, and random augmentation in a pipeline
-is drawn once (``MAX_BYTES`` bounds what is held).
+A training ``tf.data.Dataset`` is moreover run again every epoch on every
+worker when it can be (app.data.tf_pipeline): its ``shuffle`` reshuffles and
+its random ``map`` draws anew each epoch, as in Keras's fit, and each worker
+takes its part of every batch as above. Otherwise (a pipeline that reads files
+or calls Python, a PyDataset, a generator, validation data) what the driver
+read is what trains: a dataset's own ``map`` and ``shuffle`` ran once, and
+random augmentation was drawn once (``MAX_BYTES`` bounds what is held).
 """
 
 from __future__ import annotations
@@ -34,8 +38,18 @@ from typing import Any, Optional
 import numpy as np
 
 from app import internals
-from app.data.tf_datasets import MAX_BYTES
+from app.data.tf_datasets import MAX_BYTES, is_tf_dataset
+from app.data.tf_pipeline import Pipeline, serialise
 from app.errors import UserError
+
+
+def keras_passes_before(epoch: int, counted: bool) -> int:
+    """How many iterators of a dataset Keras 3.15's fit has made before epoch ``epoch`` (from 0) starts: each one
+    moves the dataset's shuffles on by a pass, read or not. When fit knows the dataset's number of batches
+    (``counted``), ``_enumerate_iterator`` (keras/src/trainers/epoch_iterator.py) makes one when an epoch ends and
+    another when the next begins, so epoch e reads pass 2e; when it does not, one per epoch, read to its end.
+    (tests/test_keras_step_local.py: whole and resumed runs of either kind equal model.fit.)"""
+    return 2 * epoch if counted else epoch
 
 
 @dataclass
@@ -47,6 +61,8 @@ class KerasData:
     batch_size: Optional[int]  # arrays: rows per batch (reshuffled rows are cut anew each epoch); else None
     shuffle: Any = False  # arrays: rows each epoch; a PyDataset: its batches' order
     steps_per_epoch: Optional[int] = None  # batches per epoch when the user set it
+    pipeline: Optional[Pipeline] = None  # a tf.data.Dataset every worker runs again each epoch
+    read_once: str = ""  # why a tf.data.Dataset is not (the plan says it)
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +108,8 @@ class KerasData:
         worker has the same steps."""
         import tensorflow as tf
 
+        if self.pipeline is not None:
+            return self._rerun(epochs, seed, rank, world, training)
         parts = []
         for e in epochs:
             for batch in self.epoch(e, seed):
@@ -108,6 +126,41 @@ class KerasData:
             return tf.nest.pack_sequence_as(self.rows, [tf.gather(leaf, take) for leaf in leaves])
 
         return tf.data.Dataset.range(len(parts)).map(batch).prefetch(2)
+
+    def _rerun(self, epochs: range, seed: int, rank: int, world: int, training: bool):
+        """The user's pipeline with, of each batch, this worker's rows (as above): one pass per epoch, for fit() to
+        iterate as it iterates the user's dataset (its number of batches known to fit() if the user's is, so fit()
+        draws its passes as it would from the user's). A run that goes on at epoch ``epochs.start`` draws (without
+        reading them) the passes an unbroken run's fit() would have drawn before it."""
+        import tensorflow as tf
+
+        def one(element):  # tf.data passes a tuple's parts as arguments
+            return element[0] if len(element) == 1 else element
+
+        def size(element):
+            return tf.shape(tf.nest.flatten(element)[0])[0]
+
+        def kept(*element):
+            n = size(one(element))
+            return n >= world if training else tf.logical_or(n >= world, n > rank)
+
+        def part(*element):
+            element = one(element)
+            n = size(element)
+            return tf.nest.map_structure(lambda a: a[rank * n // world:(rank + 1) * n // world], element)
+
+        ds = self.pipeline.dataset(seed)
+        counted = int(ds.cardinality()) >= 0
+        sizes = np.diff(self.bounds)
+        steps = int((sizes >= world).sum()) if training else int(((sizes >= world) | (sizes > rank)).sum())
+        if steps < self.num_batches:
+            ds = ds.filter(kept)
+        ds = ds.map(part)
+        if counted:
+            ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
+        for _ in range(keras_passes_before(epochs.start, counted)):
+            iter(ds)  # an iterator made moves the pipeline's shuffles on by one pass, read or not
+        return ds.prefetch(2)
 
 
 def _take(rows: Any, index: np.ndarray) -> Any:
@@ -135,10 +188,16 @@ def check_class_weight(class_weight: Any) -> None:
 
 def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Optional[int], shuffle: Any = True,
          steps_per_epoch: Optional[int] = None, class_weight: Any = None, epochs: int = 1,
-         what: str = "x") -> KerasData:
-    """One fit() input, read once through Keras's adapter (see the module docstring)."""
+         what: str = "x", rerun: bool = False) -> KerasData:
+    """One fit() input, read once through Keras's adapter (see the module docstring); ``rerun``: a tf.data.Dataset
+    is also kept as its pipeline, for the workers to run every epoch, when it can be."""
     arrays = is_array_input(x)
     check_class_weight(class_weight)
+    pipeline, read_once = None, ""
+    if rerun and is_tf_dataset(x):
+        # Serialised before the read below moves its shuffle on: the workers' first epoch is the pipeline's first pass.
+        pipeline, read_once = (None, "steps_per_epoch is given") if steps_per_epoch else \
+            (None, "class_weight is given") if class_weight is not None else serialise(x)
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")
@@ -176,7 +235,8 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     bounds = np.r_[0, np.cumsum([len(tf.nest.flatten(b)[0]) for b in batches])].astype(np.int64)
     py_dataset = not arrays and _is_py_dataset(x)
     return KerasData(rows, bounds, batch_size if arrays else None,
-                     shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch)
+                     shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch,
+                     pipeline=pipeline, read_once=read_once)
 
 
 def _endless(x: Any, epochs: int) -> str:

@@ -69,7 +69,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                         "give validation_data instead")
     train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
                               batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-                              epochs=epochs - initial_epoch, what="x")
+                              epochs=epochs - initial_epoch, what="x", rerun=True)
     val = None
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
@@ -182,6 +182,10 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
         + (f", each global batch split over {world} workers" if world > 1 else "")
         + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
            else ", every row once per epoch"),
+        *(["x: a tf.data pipeline, run anew every epoch by every worker (each trains on its part of every batch): "
+            "its shuffle reshuffles and its random maps draw again, as in Keras's fit"] if train.pipeline else
+          [f"x: a tf.data pipeline read once here, as its first pass: {train.read_once}; its shuffle and random maps "
+           "are not drawn again each epoch"] if train.read_once else []),
         (f"validation: {val.num_rows} rows" + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
          if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
          "epochs are ranked by the training loss"),

@@ -148,7 +148,9 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     callbacks = [*(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
-    model.fit(train_ds, epochs=job.epochs, initial_epoch=first, steps_per_epoch=steps, validation_data=val_ds,
+    # A pipeline every worker runs again is one pass per epoch, which fit() iterates as it would the user's dataset.
+    model.fit(train_ds, epochs=job.epochs, initial_epoch=first, steps_per_epoch=None if train.pipeline else steps,
+              validation_data=val_ds,
               validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
 
 
