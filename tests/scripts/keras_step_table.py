@@ -218,7 +218,9 @@ INPUTS = {
     "arrays": lambda: {"x": X, "y": Y, "batch_size": BATCH, "validation_data": (XV, YV)},
     "dict": lambda: {"x": {"features": X}, "y": Y, "batch_size": BATCH},
     "tf.data x": lambda: {"x": batched(X)},
-    "tf.data x,y": lambda: {"x": batched(X, Y), "validation_data": batched(XV, YV)},
+    # Reshuffled every pass, as keras.io's pipelines are: each epoch trains on the pass model.fit would read.
+    "tf.data x,y": lambda: {"x": tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(ROWS, seed=2).batch(BATCH),
+                            "validation_data": batched(XV, YV)},
     "tf.data x,y,w": lambda: {"x": batched(X, Y, W)},
     "PyDataset": lambda: {"x": Rows(X, Y), "validation_data": Rows(XV, YV)},
     "generator": lambda: {"x": generator(EPOCHS), "steps_per_epoch": -(-ROWS // BATCH)},
