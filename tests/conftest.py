@@ -32,23 +32,37 @@ for _name, _value in KEPT_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
-# Two lanes, each a pytest-xdist worker (`-n 2 --dist loadgroup` in pyproject.toml): the tests of these files never
-# start, join or need a Ray (the local backend, the CLI's checks, the docs, pip's resolution) and run in one, beside
-# the tests that use Ray in the other. A Ray run leaves about a third of this 2-core machine idle while its
-# processes start (measured: 66 % busy over three default runs), which the local lane takes up.
+# Two lanes, each a pytest-xdist worker (`-n 2` in pyproject.toml): the tests of these files never start, join or
+# need a Ray (the local backend, the CLI's checks, the docs, pip's resolution) and run in one, beside the tests that
+# use Ray in the other, in the order collected (so still one Ray at a time, own clusters last). A Ray run leaves
+# about a third of this 2-core machine idle while its processes start (measured: 66 % busy over three default
+# runs), which the local lane takes up.
 LOCAL_LANE = {"test_architecture", "test_benchmarks_doc", "test_cli_reference", "test_cluster_config", "test_console",
               "test_export", "test_install", "test_keras_step_local", "test_local", "test_local_files",
               "test_one_line_errors", "test_output_guard", "test_pipeline", "test_platforms", "test_precision",
               "test_readme", "test_tensor_parallel"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the lanes (xdist_group) off the items
+def lane(nodeid: str) -> str:
+    return "local" if Path(nodeid.split("::")[0]).stem in LOCAL_LANE else "ray"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduler (each scope's tests to one worker, in order), the scope being the lane."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests that start a Ray cluster of their own run last, after the shared
     # one is shut down: only one Ray instance at a time on this machine.
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("local" if Path(str(item.fspath)).stem in LOCAL_LANE else "ray"))
 
 
 def pytest_configure(config):

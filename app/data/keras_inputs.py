@@ -195,7 +195,8 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     check_class_weight(class_weight)
     pipeline, read_once = None, ""
     if rerun and is_tf_dataset(x):
-        # Serialised before the read below moves its shuffle on: the workers' first epoch is the pipeline's first pass.
+        # Kept as its graph: the workers rebuild it with seed generators of their own, at its first pass whatever
+        # the read below draws.
         pipeline, read_once = (None, "steps_per_epoch is given") if steps_per_epoch else \
             (None, "class_weight is given") if class_weight is not None else serialise(x)
     if steps_per_epoch is not None and arrays:

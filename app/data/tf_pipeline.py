@@ -70,6 +70,8 @@ def serialise(ds: Any) -> tuple[Optional[Pipeline], str]:
 
     if ds.cardinality() == tf.data.INFINITE_CARDINALITY:
         return None, "it repeats without end"
+    if any(s.shape.rank == 0 for s in tf.nest.flatten(ds.element_spec)):
+        return None, "its elements are not batches (a part of them is a single value)"
     try:
         # IGNORE: a random op is kept as an op (each process draws anew); the checks below refuse the state that
         # would be lost (variables, tables, Python).
