@@ -180,13 +180,14 @@ def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tm
     records = str(tmp_path / "rows.tfrecord")
     with tf.io.TFRecordWriter(records) as w:
         w.write(b"x")
-    both = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(4), tf.data.Dataset.range(4)])
+    both = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(4), tf.data.Dataset.range(4)]).batch(2)
     cases = {
         "calls Python": tf.data.Dataset.from_generator(lambda: iter(range(3)), output_types=tf.int64),
-        "reads files": tf.data.TFRecordDataset(records),
+        "reads files": tf.data.TFRecordDataset(records).batch(2),
         "picks elements at random": both,
-        "random filter": tf.data.Dataset.range(8).filter(lambda i: tf.random.uniform(()) > 0.5),
-        "repeats without end": tf.data.Dataset.range(3).repeat(),
+        "random filter": tf.data.Dataset.range(8).filter(lambda i: tf.random.uniform(()) > 0.5).batch(2),
+        "repeats without end": tf.data.Dataset.range(3).batch(2).repeat(),
+        "not batches": tf.data.Dataset.range(3),
     }
     for words, ds in cases.items():
         pipeline, why = tf_pipeline.serialise(ds)
