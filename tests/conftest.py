@@ -43,8 +43,22 @@ LOCAL_LANE = {"test_architecture", "test_benchmarks_doc", "test_cli_reference", 
               "test_readme", "test_tensor_parallel"}
 
 
+# ... and these tests of files that otherwise use Ray (each runs the local backend only, with no Ray fixture).
+LOCAL_LANE_TESTS = {
+    "test_recovery::test_local_crash_and_resume_gives_the_uninterrupted_weights",
+    "test_recovery::test_local_non_finite_loss_names_epoch_and_step",
+    "test_recovery::test_a_crash_while_saving_leaves_the_previous_checkpoint",
+    "test_resume::test_a_finished_local_run_trains_further_and_a_changed_model_is_refused",
+    "test_run_files::test_a_local_runs_checkpoints_evaluate_and_its_config_runs_again",
+    "test_predict::test_local_backend_predicts_the_same_without_importing_ray",
+    "test_tfrecord::test_local_backend_trains_on_tfrecords_without_ray",
+}
+
+
 def lane(nodeid: str) -> str:
-    return "local" if Path(nodeid.split("::")[0]).stem in LOCAL_LANE else "ray"
+    path, _, name = nodeid.partition("::")
+    stem = Path(path).stem
+    return "local" if stem in LOCAL_LANE or f"{stem}::{name.split('[')[0]}" in LOCAL_LANE_TESTS else "ray"
 
 
 @pytest.hookimpl(tryfirst=True)
