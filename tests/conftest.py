@@ -52,6 +52,14 @@ LOCAL_LANE_TESTS = {
     "test_run_files::test_a_local_runs_checkpoints_evaluate_and_its_config_runs_again",
     "test_predict::test_local_backend_predicts_the_same_without_importing_ray",
     "test_tfrecord::test_local_backend_trains_on_tfrecords_without_ray",
+    "test_named_inputs::test_bad_inputs_mappings_are_one_line",
+    "test_your_own::test_bad_plugins_give_one_line_before_anything_starts",
+    "test_your_own::test_users_softmax_convnet_from_a_file_matches_its_logits_twin",
+    "test_predict::test_bad_input_is_one_line_before_the_pool_starts",
+    "test_tf_data::test_a_pipeline_that_cannot_train_is_one_line_before_anything",
+    "test_compiled::test_class_weights_scale_the_loss_as_keras_does",
+    "test_compiled::test_sample_weights_of_one_are_no_weights",
+    "test_compiled::test_a_compiled_model_that_does_not_fit_is_one_line_before_training",
 }
 
 
