@@ -325,8 +325,6 @@ def parquet_run(tmp_path_factory):
 
 @contextlib.contextmanager
 def working_directory(path: Path):
-    import os
-
     before = os.getcwd()
     os.chdir(path)
     try:
