@@ -60,6 +60,7 @@ LOCAL_LANE_TESTS = {
     "test_compiled::test_class_weights_scale_the_loss_as_keras_does",
     "test_compiled::test_sample_weights_of_one_are_no_weights",
     "test_compiled::test_a_compiled_model_that_does_not_fit_is_one_line_before_training",
+    "test_keras_step::test_one_worker_is_keras_fit_weight_for_weight_or_refused_as_keras_refuses",
 }
 
 

@@ -18,10 +18,10 @@ def test_quick_benchmark_writes_its_table_and_plot(no_shared_ray, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "plain TF (baseline)" in p.stdout and "ray 2 worker(s)" in p.stdout and "vs baseline" in p.stdout
     report = json.loads((tmp_path / "benchmark.json").read_text())
-    # baseline, Ray 2 workers, and 2 plain processes at once (the 2-worker ceiling); the quick preset runs 2 workers
-    # only (the full one 1 and 2: the same code for each count)
-    assert [row["workers"] for row in report["table"]] == [1, 2, 2]
-    assert report["table"][-1]["run"] == "plain TF x2 processes"
+    # baseline, Ray 2 workers, 2 plain processes at once (the 2-worker ceiling) and Keras's model.fit in one process;
+    # the quick preset runs 2 workers only (the full one 1 and 2: the same code for each count)
+    assert [row["workers"] for row in report["table"]] == [1, 2, 2, 1]
+    assert [row["run"] for row in report["table"]][-2:] == ["plain TF x2 processes", "Keras model.fit, 1 process"]
     # measured before and after the Ray runs, each time in 2 processes at once
     assert [len(c["processes"]) for c in report["plain_processes_at_once"]["2"]["before_and_after"]] == [2, 2]
     assert all(row["samples_per_second"] > 0 for row in report["table"])
@@ -32,6 +32,7 @@ def test_quick_benchmark_writes_its_table_and_plot(no_shared_ray, tmp_path):
     goals = report["goals"]
     assert goals["2 workers vs 2 local runs at once, whole run >= 0.90"] > 0
     assert goals["2 workers vs 2 plain processes, steady >= 0.90"] > 0
+    assert goals["2 workers vs Keras model.fit in one process, steady >= 1.2"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
 
 

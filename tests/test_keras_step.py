@@ -2,12 +2,13 @@
 trained by its own step").
 
 tests/scripts/keras_step_table.py is a user's script: each model written as keras.io writes it (a compiled
-functional model; a VAE-shaped model with its own train_step, test_step and three Mean trackers, fit on x alone; a
-GAN with compile(d_optimizer, g_optimizer); a distiller with a frozen teacher in its constructor, compile() of its own
-and compute_loss overridden; add_loss; two named outputs with dict losses and loss_weights), each input as fit()
-takes it (arrays, a dict of arrays, tf.data of x, (x, y) and (x, y, w), a PyDataset, a generator with
-steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split). It runs once, joined to the
-session's Ray, and every test below reads its table.
+functional model; one of two inputs; a VAE-shaped model with its own train_step, test_step and three Mean trackers,
+fit on x alone; a GAN with compile(d_optimizer, g_optimizer); a distiller with a frozen teacher in its constructor,
+compile() of its own and compute_loss overridden; add_loss; two named outputs with dict losses and loss_weights),
+each input as fit() takes it (arrays, a dict of arrays, a list of arrays, tf.data of x, (x, y) and (x, y, w), a
+PyDataset, a generator with steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split). It
+runs twice: every pair on one worker (the local backend, in the local test lane) and every pair on 2 workers
+(joined to the session's Ray); the tests below read the two tables.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import REPO, run_job
+from conftest import REPO, clean_env, run_job
 
 SCRIPT = REPO / "tests" / "scripts" / "keras_step_table.py"
 
@@ -27,17 +28,27 @@ PAIRS = [("functional", "arrays"), ("functional", "dict"), ("functional", "tf.da
          ("functional", "tf.data x,y,w"), ("functional", "PyDataset"), ("functional", "generator"),
          ("functional", "tf.data x"), ("own_step", "arrays x"), ("own_step", "tf.data x"), ("gan", "tf.data x"),
          ("distiller", "arrays"), ("distiller", "tf.data x,y"), ("add_loss", "regression"),
-         ("two_outputs", "two targets")]
-TWO_WORKERS = [("functional", "tf.data x,y"), ("own_step", "arrays x"), ("gan", "tf.data x"),
-               ("two_outputs", "two targets")]
+         ("two_outputs", "two targets"), ("two_inputs", "list")]
+NAMES = [f"{m} | {i}" for m, i in PAIRS]
+
+
+def _table(tmp_path_factory, workers: str, env: dict[str, str]) -> dict:
+    out = tmp_path_factory.mktemp(f"keras_step_{workers}")
+    p = run_job(str(SCRIPT), str(out), json.dumps([PAIRS, workers]), timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "table.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def table(joined, tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras_step")
-    p = run_job(str(SCRIPT), str(out), json.dumps([PAIRS, TWO_WORKERS]), timeout=900, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads((out / "table.json").read_text())
+def one_worker(tmp_path_factory):
+    """Every pair with model.fit and with app.fit on one worker (the local backend: no Ray; the local test lane)."""
+    return _table(tmp_path_factory, "one", clean_env())
+
+
+@pytest.fixture(scope="module")
+def two_workers(joined, tmp_path_factory):
+    """Every pair with model.fit and with app.fit on 2 Ray workers (the session's Ray)."""
+    return _table(tmp_path_factory, "two", joined)
 
 
 def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
@@ -49,33 +60,39 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
     assert a["optimizer_steps"] == b["optimizer_steps"]
 
 
-@pytest.mark.parametrize("pair", [f"{m} | {i}" for m, i in PAIRS])
-def test_one_worker_is_keras_fit_weight_for_weight_or_refused_as_keras_refuses(table, pair):
-    keras, one = table[pair]["keras"], table[pair]["one"]
+def _as_keras_fit(row: dict, workers: str) -> None:
+    keras, ours = row["keras"], row[workers]
     if "error" in keras:  # a pair Keras refuses (a compiled loss given no labels) is refused too
-        assert "error" in one, f"Keras refused it ({keras['error']}) but app.fit trained it"
+        assert "error" in ours, f"Keras refused it ({keras['error']}) but app.fit trained it"
         return
-    assert "error" not in one, one.get("error")
-    _close(keras, one)
+    assert "error" not in ours, ours.get("error")
+    _close(keras, ours)
 
 
-@pytest.mark.parametrize("pair", [f"{m} | {i}" for m, i in TWO_WORKERS])
-def test_two_workers_train_as_one_worker(table, pair):
-    one, two = table[pair]["one"], table[pair]["two"]
-    assert "error" not in two, two.get("error")
+@pytest.mark.parametrize("pair", NAMES)
+def test_one_worker_is_keras_fit_weight_for_weight_or_refused_as_keras_refuses(one_worker, pair):
+    _as_keras_fit(one_worker[pair], "one")
+
+
+@pytest.mark.parametrize("pair", NAMES)
+def test_two_workers_are_keras_fit_weight_for_weight_or_refused_as_keras_refuses(two_workers, pair):
+    """2 workers, each training on its part of every global batch, against Keras's fit of the whole batch in one
+    process: so 2 workers = 1 worker too (the test above), within 1e-5 each."""
     if pair.startswith("gan"):
-        # Its noise is drawn per replica (as under any Keras strategy), so its numbers differ from one worker's;
+        # Its noise is drawn per replica (as under any Keras strategy), so its numbers differ from one process's;
         # its two optimizers still step once per global batch, and its History has Keras's keys.
-        assert list(two["history"]) == list(one["history"]) == ["d_loss", "g_loss"]
-        assert two["optimizer_steps"] == one["optimizer_steps"]
+        keras, two = two_workers[pair]["keras"], two_workers[pair]["two"]
+        assert "error" not in two, two.get("error")
+        assert list(two["history"]) == list(keras["history"]) == ["d_loss", "g_loss"]
+        assert two["optimizer_steps"] == keras["optimizer_steps"]
         assert all(np.isfinite(v).all() for v in two["history"].values())
         return
-    _close(one, two)
+    _as_keras_fit(two_workers[pair], "two")
 
 
-def test_the_history_has_the_keys_keras_reports_and_no_others(table):
-    two = table["two_outputs | two targets"]
+def test_the_history_has_the_keys_keras_reports_and_no_others(two_workers):
+    two = two_workers["two_outputs | two targets"]
     keys = list(two["keras"]["history"])
     assert "priority_loss" in keys and "department_loss" in keys and "val_department_loss" in keys
     assert list(two["two"]["history"]) == keys
-    assert "val_loss" not in table["own_step | tf.data x"]["one"]["history"]  # no validation: none reported
+    assert "val_loss" not in two_workers["own_step | tf.data x"]["two"]["history"]  # no validation: none reported

@@ -108,6 +108,8 @@ def _ragged():
     (dict(x=X, y=Y, initial_epoch=3, epochs=3), "initial_epoch must be an integer from 0 to epochs - 1 = 2"),
     (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), validation_split=0.2),
      "validation_split takes the last rows of arrays"),
+    (dict(x=tf.data.Dataset.from_tensor_slices(X).batch(8)), "compiled with a loss but x has no labels (y)"),
+    (dict(x=X, batch_size=8), "compiled with a loss but x has no labels (y)"),
 ])
 def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     kwargs = {"epochs": 1, **kwargs}
@@ -201,3 +203,25 @@ def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tm
         batch_size=None, rerun=True)
     plan = "\n".join(keras_step.plan_lines(compiled(), data, None, 1, 1, None))
     assert "read once here, as its first pass: it calls Python" in plan
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return X[i * 10:(i + 1) * 10], Y[i * 10:(i + 1) * 10]
+
+
+def test_a_py_datasets_own_parallel_reading_is_said_to_be_unused(tmp_path, caplog):
+    """A PyDataset is read once in the calling process: its workers / use_multiprocessing do not apply, and the plan
+    says so in one line; it still trains as model.fit trains it."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        history = app.fit(compiled, _Batches(workers=2, use_multiprocessing=True), epochs=1, shuffle=False,
+                          backend="local", output=str(tmp_path / "run"), verbose=0)
+    keras_history = compiled().fit(_Batches(), epochs=1, shuffle=False, verbose=0)
+    assert history.history["loss"] == pytest.approx(keras_history.history["loss"], abs=1e-6)
+    assert "x: a PyDataset, read once here in the calling process, one batch after another: its workers=2, " \
+           "use_multiprocessing=True are not used" in caplog.text

@@ -56,6 +56,13 @@ def keras_fit(payload: dict[str, Any]) -> dict[str, Any]:
 
     source = load_source(config)
     model = build_model(config, source.facts)
+    if not model.compiled:  # a built-in model (the throughput suite's): compiled as a Keras script would be
+        from app.training.model import ends_in_probabilities
+
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=not ends_in_probabilities(model)) \
+            if source.facts.task == "classification" else "mse"
+        model.compile(optimizer="adam", loss=loss, metrics=["accuracy"] if source.facts.task == "classification"
+                      else None)
 
     class EpochTimes(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):

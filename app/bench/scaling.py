@@ -2,7 +2,8 @@
 
 In one run, each in a fresh process, on the same model, data and thread count:
 
-  (a) baseline: a plain single-process tf.function loop, no Ray, no strategy
+  (a) baseline: a plain single-process tf.function loop, no Ray, no strategy; and Keras's own
+      model.fit in one process (the built-in model compiled with Adam and the task's loss)
   (b) the Ray path (jobs/train.py) with 1 worker x 1 CPU
   (c) the Ray path with 2 workers x 1 CPU, and more where the machine has them
   (d) for each N > 1: N plain loops at once, each on 1/N of the data, no
@@ -132,6 +133,9 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     log.info("(a) plain TensorFlow loop, 1 thread ...")
     baseline = plain(workload)
     log.info("    %.0f samples/s", baseline["samples_per_second"])
+    log.info("Keras's own model.fit in one process, 1 thread ...")
+    keras_fit = measure("app.bench.keras_fit", "fit", {**workload, "output": str(out / "keras-fit")})[0]
+    log.info("    %.0f samples/s", keras_fit["samples_per_second"])
     ceilings: dict[int, list[dict]] = {w: [] for w in workers if w > 1}
 
     def measure_ceilings(when: str) -> None:
@@ -167,6 +171,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     rows = [{**_row("plain TF (baseline)", 1, b, one, b), "efficiency": 1.0}]
     rows += [_row(f"ray {w} worker(s)", w, runs[w]["samples_per_second"], one, b) for w in workers]
     rows += [_row(f"plain TF x{w} processes", w, c, one, b) for w, c in ceiling.items()]
+    rows += [_row("Keras model.fit, 1 process", 1, keras_fit["samples_per_second"], one, b)]
     sps = {w: r["samples_per_second"] for w, r in runs.items()}
     whole = {w: r["whole_run_samples_per_second"] for w, r in runs.items()}
     result = {
@@ -177,6 +182,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "workload": workload,
         "table": rows,
         "baseline": baseline,
+        "keras_fit": keras_fit,
         "ray_runs": {str(w): r for w, r in runs.items()},
         "plain_processes_at_once": {str(w): {"samples_per_second": ceiling[w], "before_and_after": both}
                                     for w, both in ceilings.items()},
@@ -191,6 +197,8 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
             **{f"{w} workers vs {w} local runs at once, whole run >= 0.90": whole[w] / r["whole_run_samples_per_second"]
                for w, r in local.items() if w > 1 and w in whole},
             "2 workers vs 1": sps[2] / sps[1] if {1, 2} <= sps.keys() else None,
+            "2 workers vs Keras model.fit in one process, steady >= 1.2":
+                sps[2] / keras_fit["samples_per_second"] if 2 in sps else None,
             "input vs consumption >= 5": pipeline["samples_per_second"] / one,
             **{f"first step, {where} (s) <= 15": s["time_to_first_step_seconds"] for where, s in first_steps.items()},
         },

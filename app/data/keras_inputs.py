@@ -211,11 +211,14 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
                         "needs it for more than one pass")
     infinite = steps_per_epoch is None and getattr(adapter, "num_batches", 0) is None and not arrays
     limit = steps_per_epoch * epochs if steps_per_epoch else None
+    import keras
     import tensorflow as tf
 
     batches, first, held = [], None, 0
     for batch in adapter.get_numpy_iterator():
-        batch = tf.nest.map_structure(np.asarray, batch)
+        # Lists as tuples, as Keras's own array adapter makes them for tf.data: a list of arrays (a model's several
+        # inputs) is a structure there, where tf.data would stack it into one tensor.
+        batch = keras.tree.lists_to_tuples(tf.nest.map_structure(np.asarray, batch))
         if first is None:
             first = batch
         elif not _same_kind(first, batch):
@@ -234,7 +237,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
         raise UserError(f"{what} gave no batches: it is empty")
     rows = tf.nest.map_structure(lambda *leaves: np.concatenate(leaves), *batches)
     bounds = np.r_[0, np.cumsum([len(tf.nest.flatten(b)[0]) for b in batches])].astype(np.int64)
-    py_dataset = not arrays and _is_py_dataset(x)
+    py_dataset = not arrays and is_py_dataset(x)
     return KerasData(rows, bounds, batch_size if arrays else None,
                      shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch,
                      pipeline=pipeline, read_once=read_once)
@@ -254,7 +257,7 @@ def _endless(x: Any, epochs: int) -> str:
     return ""
 
 
-def _is_py_dataset(x: Any) -> bool:
+def is_py_dataset(x: Any) -> bool:
     return any(c.__name__ == "PyDataset" for c in type(x).__mro__)
 
 

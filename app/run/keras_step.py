@@ -70,6 +70,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
                               batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
                               epochs=epochs - initial_epoch, what="x", rerun=True)
+    _check_labels(model, train)
     val = None
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
@@ -89,7 +90,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s)
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks)
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + [
+        line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan)
@@ -131,6 +133,18 @@ def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: An
         raise UserError(f"validation_split must be in [0, 1) (got {validation_split!r})")
 
 
+def _check_labels(model, train) -> None:
+    """What Keras's fit refuses at its first step (ValueError: None values not supported), refused before any worker
+    starts: a loss given to compile, Keras's own step and loss computation, and batches with no labels."""
+    import keras
+
+    _, y, _ = keras.utils.unpack_x_y_sample_weight(train.first_batch())
+    if y is None and getattr(model, "loss", None) is not None and not {"train_step", "compute_loss"} & set(
+            overrides_step(model)):
+        raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
+                        "give y, or a dataset of (x, y) elements")
+
+
 def _validation(validation_data: Any, batch_size: int, steps: Optional[int], train) -> keras_inputs.KerasData:
     import keras
     import tensorflow as tf
@@ -168,6 +182,18 @@ def _structure(rows: Any) -> str:
     if isinstance(rows, dict):
         return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in rows.items()) + "}"
     return "array" if not tf.nest.is_nested(rows) else type(rows).__name__
+
+
+def _py_dataset_line(data: Any, name: str) -> str:
+    """What the plan says of a PyDataset's own parallel reading, which the product does not use."""
+    if not keras_inputs.is_py_dataset(data):
+        return ""
+    workers, processes = getattr(data, "workers", 1), getattr(data, "use_multiprocessing", False)
+    if workers <= 1 and not processes:
+        return ""
+    return (f"{name}: a PyDataset, read once here in the calling process, one batch after another: its workers="
+            f"{workers}, use_multiprocessing={processes} are not used (each worker trains on its part of the rows "
+            "read here)")
 
 
 def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:

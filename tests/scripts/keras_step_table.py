@@ -1,15 +1,15 @@
 """The conformance table of app.fit against keras.Model.fit (tests/test_keras_step.py runs it, once).
 
 Each model kind is written as keras.io writes it; each input kind is one of fit()'s. For every pair: Keras's own
-fit in this process, app.fit on one worker (the local backend: the same per-worker function, world 1) and, for the
-pairs given as the two-worker ones, app.fit on 2 Ray workers (the session's Ray: RAY_ADDRESS). Every run starts from the same
-weights (the model function seeds Keras) and reads the rows in order (shuffle=False). Arguments: the output directory,
-then JSON [[model, input] pairs, the pairs also run on 2 workers]. Writes table.json: per pair, each run's History,
-weights and optimizer steps, or its error.
+fit in this process, then app.fit on one worker (the local backend: the same per-worker function, world 1) or on
+2 Ray workers (the session's Ray: RAY_ADDRESS). Every run starts from the same weights (the model function seeds
+Keras) and reads the rows in order (shuffle=False). Arguments: the output directory, then JSON [[model, input]
+pairs, "one" or "two"]. Writes table.json: per pair, each run's History, weights and optimizer steps, or its error.
 """
 
 import json
 import sys
+import time
 
 import keras
 import numpy as np
@@ -33,6 +33,17 @@ def functional():
     model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(h))
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], weighted_metrics=["accuracy"])
+    return model
+
+
+def two_inputs():
+    """Two inputs, fit on a list of two arrays (Keras's convention for a model of several inputs)."""
+    keras.utils.set_random_seed(1)
+    a, b = keras.Input((2,), name="a"), keras.Input((FEATURES - 2,), name="b")
+    h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], keras.layers.Dense(2)(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 
 
@@ -210,14 +221,15 @@ def generator(epochs):
 
 
 def batched(*arrays):
-    return tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0]).batch(BATCH)
+    return tf.data.Dataset.from_tensor_slices(arrays).batch(BATCH)
 
 
 # input kind -> fit() keyword arguments (a function: a generator is used once)
 INPUTS = {
     "arrays": lambda: {"x": X, "y": Y, "batch_size": BATCH, "validation_data": (XV, YV)},
     "dict": lambda: {"x": {"features": X}, "y": Y, "batch_size": BATCH},
-    "tf.data x": lambda: {"x": batched(X)},
+    # 24 rows a batch, as "arrays x" below: the own-step model's Mean trackers are fed one value per batch.
+    "tf.data x": lambda: {"x": tf.data.Dataset.from_tensor_slices(X).batch(24)},
     # Reshuffled every pass, as keras.io's pipelines are: each epoch trains on the pass model.fit would read.
     "tf.data x,y": lambda: {"x": tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(ROWS, seed=2).batch(BATCH),
                             "validation_data": batched(XV, YV)},
@@ -231,9 +243,10 @@ INPUTS = {
     "two targets": lambda: {"x": X, "y": {"priority": X[:, :1] * 2, "department": Y}, "batch_size": 24,
                             "validation_split": 0.25},
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
+    "list": lambda: {"x": [X[:, :2], X[:, 2:]], "y": Y, "batch_size": 24, "validation_split": 0.25},
 }
-MODELS = {"functional": functional, "own_step": own_step, "gan": gan, "distiller": distiller, "add_loss": add_loss,
-          "two_outputs": two_outputs}
+MODELS = {"functional": functional, "two_inputs": two_inputs, "own_step": own_step, "gan": gan, "distiller": distiller,
+          "add_loss": add_loss, "two_outputs": two_outputs}
 EPOCHS = 2
 
 
@@ -263,15 +276,17 @@ def app_fit(model_name, input_name, out, **where):
     return history, history.model
 
 
-def main(out_dir, pairs, two_workers):
+WHERE = {"one": {"backend": "local"}, "two": {"num_workers": 2}}
+
+
+def main(out_dir, pairs, workers):
     table = {}
     for m, i in pairs:
-        key = f"{m} | {i}"
+        key, started = f"{m} | {i}", time.monotonic()
         table[key] = {"keras": outcome(keras_fit, m, i),
-                      "one": outcome(app_fit, m, i, f"{out_dir}/{m}-{i}-1", backend="local")}
-        if [m, i] in two_workers:
-            table[key]["two"] = outcome(app_fit, m, i, f"{out_dir}/{m}-{i}-2", num_workers=2)
-        print(key, {k: v.get("error", "ok") for k, v in table[key].items()}, flush=True)
+                      workers: outcome(app_fit, m, i, f"{out_dir}/{m}-{i}-{workers}", **WHERE[workers])}
+        print(key, {k: v.get("error", "ok") for k, v in table[key].items()}, f"{time.monotonic() - started:.1f} s",
+              flush=True)
     with open(f"{out_dir}/table.json", "w") as f:
         json.dump(table, f)
 
