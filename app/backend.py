@@ -54,8 +54,8 @@ def backend_of(config: "TrainConfig") -> Backend:
                        replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False,
                        short_last_batch=True)
     one_replica = strategy in ("one-device", "pipeline")
-    if config.tensor_parallel:
-        replicas, why = 1, f"--tensor-parallel {config.tensor_parallel}: one replica, split over devices"
+    if config.tensor_degree:
+        replicas, why = 1, f"--tensor-parallel {config.tensor_degree}: one replica, split over devices"
     elif one_replica:
         replicas, why = 1, f"--strategy {strategy}: one replica"
     elif config.devices:

@@ -198,10 +198,10 @@ def _scale_problems(config: TrainConfig) -> list[str]:
 
 def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
     """--tensor-parallel and --tensor-layout: what they combine with."""
-    n = config.tensor_parallel
-    if n is None:
+    n = config.tensor_degree
+    if n is None:  # no split; with --tensor-parallel 1 (a split run resumed on one device) its layout is unused
         return ["--tensor-layout names the layers --tensor-parallel N splits: add --tensor-parallel N"] \
-            if config.tensor_layout else []
+            if config.tensor_layout and config.tensor_parallel is None else []
     problems = []
     if config.backend != "local":
         problems.append(f"--tensor-parallel {n} splits layers over the devices of one process: use it with "
@@ -210,9 +210,9 @@ def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
         problems.append(f"--tensor-parallel {n} trains one replica split over devices: leave out --strategy")
     if config.devices is not None and config.devices != n:
         problems.append(f"--tensor-parallel {n} splits the CPU into {n} logical devices itself: leave out --devices")
-    if config.resume:
-        problems.append("--resume of a --tensor-parallel run is not built: train it anew (its model.keras is an "
-                        "ordinary model that evaluate and predict read)")
+    if config.mixed_precision == "fp16":
+        problems.append(f"--tensor-parallel {n} with --mixed-precision fp16 (a loss-scaled optimizer) is not built: "
+                        "use --mixed-precision bf16 or off")
     bad = [item for item in config.tensor_layout or []
            if item.count("=") != 1 or item.split("=")[1] not in TENSOR_SPLITS or not item.split("=")[0]]
     if bad:

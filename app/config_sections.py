@@ -51,10 +51,10 @@ class RunSection(_Section):
         None, description="--strategy pipeline: the layers that start a stage (block_2,block_4 or block_2 block_4); "
         "default: where the parameters balance.")
     tensor_parallel: Optional[int] = Field(
-        None, ge=2, description="--backend local: one replica whose MLP blocks are split over N devices of this "
+        None, ge=1, description="--backend local: one replica whose MLP blocks are split over N devices of this "
         "process (Megatron's layout: each block's first Dense by output columns, its second by input rows; the GPUs, "
         "else N logical CPUs). The built-in mlp and transformer know their blocks; a model of your own names them "
-        "with --tensor-layout.")
+        "with --tensor-layout. 1: no split (a split run resumed on one device).")
     tensor_layout: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
         None, description="--tensor-parallel: LAYER=column|row|replicated items, LAYER a name or a pattern "
         "(ff_in_*): which Dense layers are split, and how.")
@@ -93,6 +93,11 @@ class RunSection(_Section):
         "for a frozen or cut-off worker.",
     )
     seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
+
+    @property
+    def tensor_degree(self) -> Optional[int]:
+        """The devices --tensor-parallel splits layers over; None: no split (--tensor-parallel 1 is none too)."""
+        return self.tensor_parallel if self.tensor_parallel and self.tensor_parallel > 1 else None
 
     @field_validator("num_workers", mode="before")
     @classmethod

@@ -1,4 +1,5 @@
-"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic.
+"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic,
+tensor-parallel.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -8,6 +9,7 @@
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit
     python jobs/benchmark.py ps --workers 2 --num-ps 1                          # parameter servers vs MWMS
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
+    python jobs/benchmark.py tensor-parallel --degrees 1 2 4                    # one layer split over devices
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml; --quick: quick.yaml; --preset FILE): params
 (flags override them) and a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override). Results go

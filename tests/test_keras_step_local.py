@@ -225,3 +225,32 @@ def test_a_py_datasets_own_parallel_reading_is_said_to_be_unused(tmp_path, caplo
     assert history.history["loss"] == pytest.approx(keras_history.history["loss"], abs=1e-6)
     assert "x: a PyDataset, read once here in the calling process, one batch after another: its workers=2, " \
            "use_multiprocessing=True are not used" in caplog.text
+
+
+def _logits(loss, units, metric):
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=[metric])
+        return model
+    return build
+
+
+@pytest.mark.parametrize("build, y", [
+    (_logits(keras.losses.SparseCategoricalCrossentropy(from_logits=True), 10, "accuracy"),
+     (X[:, 0] > 0).astype("float32") * 7),
+    (_logits("mse", 1, "mae"), (np.arange(60) % 3).astype("int64")),
+    (_logits(keras.losses.CategoricalCrossentropy(from_logits=True), 2, "accuracy"), np.eye(2, dtype="int32")[Y]),
+], ids=["float class ids, sparse loss", "int targets, mse", "one-hot ints, categorical loss"])
+def test_the_compiled_loss_reads_the_labels_as_they_are(tmp_path, build, y):
+    """No task, label encoding or target count guessed from the labels for a compiled model: Keras's loss reads
+    them (float class ids with a sparse loss over 10 logits, int targets with MSE, one-hot ints)."""
+    history = app.fit(build, X, y, batch_size=16, epochs=2, shuffle=False, backend="local",
+                      output=str(tmp_path / "run"), verbose=0)
+    model = build()
+    keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+    for a, b in zip(history.model.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)

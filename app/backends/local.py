@@ -136,7 +136,7 @@ def plan(config: TrainConfig):
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     devices = strategy_lib.stage_devices() if backend_of(config).pipeline else []
-    tensor = strategy_lib.stage_devices()[:config.tensor_parallel] if config.tensor_parallel else []
+    tensor = strategy_lib.stage_devices()[:config.tensor_degree] if config.tensor_degree else []
     checked = preflight.check(config, 1, replicas, stage_devices=devices, tensor_devices=tensor)
     name = "pipeline" if devices else "tensor parallel" if tensor else strategy_lib.name_of(strategy)
     return strategy, name, reason, checked, preflight.plan_lines(config, checked, 1, replicas, f"{name} ({reason})")
@@ -145,8 +145,8 @@ def plan(config: TrainConfig):
 def make_strategy(config: TrainConfig):
     """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
     try:
-        if config.tensor_parallel:
-            return strategy_lib.tensor_parallel_strategy(config.tensor_parallel, config.cpus_per_worker)
+        if config.tensor_degree:
+            return strategy_lib.tensor_parallel_strategy(config.tensor_degree, config.cpus_per_worker)
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:
         raise UserError(str(e)) from None

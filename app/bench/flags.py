@@ -52,6 +52,8 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     el = add("elastic", "Ray Train's elastic resize, 1 -> 2 -> 1 workers as a node joins and stops (TF_CONFIG backend).")
     el.add_argument("--monitor-s", type=float, help="How often Ray looks for room to grow."), el.add_argument(
         "--start-timeout-s", type=float, help="Ray Train's bound on a worker group's start.")
+    add("tensor-parallel", "The transformer's feed-forward pairs split over N devices of one process, vs one device."
+        ).add_argument("--degrees", type=int, nargs="+", help="Devices to split over (1: no split, the baseline).")
     return top
 
 

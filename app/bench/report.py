@@ -14,10 +14,10 @@ def write_json(path: Path, report: dict[str, Any]) -> Path:
 
 
 def throughput_table(rows: list[dict]) -> str:
-    lines = [f"{'run':<22}{'workers':>8}{'samples/s':>12}{'speedup':>9}{'efficiency':>12}{'vs baseline':>13}"]
+    lines = [f"{'run':<28}{'workers':>8}{'samples/s':>12}{'speedup':>9}{'efficiency':>12}{'vs baseline':>13}"]
     for r in rows:
         lines.append(
-            f"{r['run']:<22}{r['workers']:>8}{r['samples_per_second']:>12,.0f}{r['speedup']:>9.2f}"
+            f"{r['run']:<28}{r['workers']:>8}{r['samples_per_second']:>12,.0f}{r['speedup']:>9.2f}"
             f"{r['efficiency']:>12.1%}{r['vs_baseline']:>13.3f}"
         )
     return "\n".join(lines)

@@ -16,6 +16,8 @@
   memory at 1x and scale x the data -> predict.json
 - elastic (app.bench.elastic): Ray Train's elastic resize (1 -> 2 -> 1 workers as a node joins and leaves) under
   this product's TF_CONFIG backend: seconds to the first step at the new size, steps done again -> elastic.json
+- tensor-parallel (app.bench.tensor_split): the transformer's feed-forward pairs split over N = 1, 2, 4 devices of
+  one process: samples/s and the split layers' bytes per device -> tensor-parallel.json
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from app.bench import (
     ps_vs_mwms,
     scaling,
     sweep_cost,
+    tensor_split,
 )
 from app.bench.preset import Preset, load, parse_sets, preset_file
 from app.driver import output_guard
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
-          "predict": predict_cost, "elastic": elastic}
+          "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

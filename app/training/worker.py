@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from app.config import TrainConfig
     from app.training.pipeline import Pipeline
-    from app.training.tensor_parallel import TensorParallel, TensorPlan
+    from app.training.tensor_parallel import TensorParallel, TensorPlan, UnsplitOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,15 @@ class Training:
     lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
     pipe: Optional["Pipeline"]  # --strategy pipeline: the stages that run ``model``
     split: Optional["TensorParallel"] = None  # --tensor-parallel: ``model`` is its split clone
+    unsplit_optimizer: Optional["UnsplitOptimizer"] = None  # --tensor-parallel: the optimizer checkpoints hold
 
     def saved(self):
         """The model checkpoints and exports hold: ``model``, or the unsplit model with the split layers' weights."""
         return self.split.unsplit() if self.split is not None else self.model
+
+    def saved_optimizer(self):
+        """The optimizer checkpoints hold: ``optimizer``, or the unsplit model's, holding the shards' state."""
+        return self.unsplit_optimizer.gather() if self.unsplit_optimizer is not None else self.optimizer
 
 
 def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
@@ -125,8 +130,10 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
         from app.training.model import model_name
 
         split = tensor_parallel.TensorParallel.place(model, job.tensor, model_name(config))
-        tensor_parallel.place_optimizer_slots(optimizer)
-        return Training(split.model, optimizer, measures, lr_plan, lr_factor, None, split)
+        slots = tensor_parallel.place_optimizer_slots(optimizer)
+        with strategy.scope():
+            unsplit = tensor_parallel.UnsplitOptimizer(split, optimizer, slots)
+        return Training(split.model, optimizer, measures, lr_plan, lr_factor, None, split, unsplit)
     return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
 
 
@@ -170,8 +177,9 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         state["objective"] = job.objective.summary(config)
         state.update(hooks.state())
-        saved = training.saved()  # --tensor-parallel: the shards written into the unsplit model first
-        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, optimizer, s))
+        # --tensor-parallel: the shards (weights and optimizer state) written into the unsplit model's first
+        saved, saved_optimizer = training.saved(), training.saved_optimizer()
+        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, saved_optimizer, s))
 
     def after_steps(k: int, bar) -> None:
         bar.update(k)
@@ -221,7 +229,10 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
 
     progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
     lr_plan, optimizer = training.lr_plan, training.optimizer
-    state = session.restore(training.saved(), optimizer)  # what a checkpoint holds: the unsplit model
+    # What a checkpoint holds: the unsplit model and its optimizer's state (--tensor-parallel: then split again).
+    state = session.restore(training.saved(), training.saved_optimizer())
+    if state is not None and training.unsplit_optimizer is not None:
+        training.unsplit_optimizer.scatter()
     if state is None:
         progress.sized(session.world)
         return progress, None, lr_plan
