@@ -182,6 +182,14 @@ def compile_arguments(model: Any) -> Optional[dict[str, Any]]:
     return dict(model._compile_config.config)
 
 
+def learning_rate_schedule(optimizer: Any) -> Any:
+    """The optimizer's learning rate as it was given: its schedule object, or its variable for a constant rate.
+    ``optimizer.learning_rate`` is the rate at the current step (a tensor), and ``get_config()`` a serialised schedule
+    that only a registered class can be rebuilt from; an optimizer of the same class and schedule (the unsplit one
+    that a --tensor-parallel checkpoint holds) needs the object."""
+    return optimizer._learning_rate
+
+
 def resolve_metric(identifier: Any, y_true: Any, y_pred: Any) -> Any:
     """A compile() metric (a name, a function, a Metric) -> the Metric object fit() would use for these shapes."""
     from keras.src.trainers.compile_utils import get_metric

@@ -358,6 +358,10 @@ def test_keras_compile_internals_still_give_what_objective_and_measures_take():
     loss = internals.resolve_loss("categorical_crossentropy", one_hot, out)
     assert tuple(loss.call(one_hot, out).shape) == (2,)  # per example: call() does not reduce
     assert internals.auto_name_of(auc) == "auc" and internals.auto_name_of(keras.metrics.AUC()) == "auc"
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert internals.learning_rate_schedule(keras.optimizers.Adam(schedule)) is schedule
+    constant = internals.learning_rate_schedule(keras.optimizers.SGD(0.25))
+    assert float(constant.numpy()) == 0.25 and hasattr(constant, "assign")  # a variable
 
 
 def test_the_keras_step_internals_read_inputs_and_reduce_logs_as_fit_does():

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
     from app.config import TrainConfig
     from app.training.pipeline import Pipeline
-    from app.training.tensor_parallel import TensorParallel, TensorPlan, UnsplitOptimizer
+    from app.training.tensor_optimizer import UnsplitOptimizer
+    from app.training.tensor_parallel import TensorParallel, TensorPlan
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,13 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
     if job.tensor is not None:
         # --tensor-parallel: the model's graph again with the planned layers split, each shard's variables (and
         # their optimizer slots) and matmuls on its device; checkpoints and exports get the unsplit model.
-        from app.training import tensor_parallel
+        from app.training import tensor_optimizer, tensor_parallel
         from app.training.model import model_name
 
         split = tensor_parallel.TensorParallel.place(model, job.tensor, model_name(config))
-        slots = tensor_parallel.place_optimizer_slots(optimizer)
+        slots = tensor_optimizer.place_optimizer_slots(optimizer)
         with strategy.scope():
-            unsplit = tensor_parallel.UnsplitOptimizer(split, optimizer, slots)
+            unsplit = tensor_optimizer.UnsplitOptimizer(split, optimizer, slots)
         return Training(split.model, optimizer, measures, lr_plan, lr_factor, None, split, unsplit)
     return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
 

@@ -1,0 +1,88 @@
+"""The optimizer's state of a --tensor-parallel run: each shard's slots (Adam's moments...) on the shard's device,
+and the state as the unsplit model's optimizer holds it, which checkpoints keep (so a run resumes at any degree)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from app import internals
+from app.errors import UserError
+from app.training.tensor_parallel import TensorParallel, device_of
+
+
+def place_optimizer_slots(optimizer, place: bool = True) -> dict[int, list]:
+    """Each variable's optimizer slots (Adam's moments...) on the variable's device: Keras creates them in
+    ``optimizer.build`` under no device scope (all on the first device); call before the optimizer is built.
+    Returns the slots it will create, by ``id`` of their variable, in the order Keras creates them (``place``
+    False: recorded only, where Keras puts them)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    make = optimizer.add_variable_from_reference
+    slots: dict[int, list] = {}
+
+    def placed(reference_variable, *args, **kwargs):
+        with tf.device(device_of(reference_variable)) if place else contextlib.nullcontext():
+            slot = make(reference_variable, *args, **kwargs)
+        slots.setdefault(id(reference_variable), []).append(slot)
+        return slot
+
+    optimizer.add_variable_from_reference = placed
+    return slots
+
+
+class UnsplitOptimizer:
+    """The optimizer's state as the unsplit model's optimizer holds it, for checkpoints: an optimizer of the same
+    class and schedule built on the original model's variables, its slots the split optimizer's shards put together
+    (``gather``, before a save) or the source of them (``scatter``, after a restore). A checkpoint is then the one an
+    unsplit run writes, and a run resumes at any degree, or none."""
+
+    def __init__(self, split: TensorParallel, optimizer, slots: dict[int, list]):
+        import keras
+
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise UserError("--tensor-parallel with --mixed-precision fp16 (a loss-scaled optimizer) is not built: "
+                            "use --mixed-precision bf16 or off")
+        self.split, self.optimizer, self.slots = split, optimizer, slots
+        rate = internals.learning_rate_schedule(optimizer)  # the same structure as an unsplit run's optimizer
+        rate = rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(rate.numpy())
+        self.unsplit = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": rate})
+        self.unsplit_slots = place_optimizer_slots(self.unsplit, place=False)
+        self.unsplit.build(split.original.trainable_variables)
+        if not optimizer.built:
+            optimizer.build(split.model.trainable_variables)
+
+    def _pieces(self) -> list[tuple[Any, list, Optional[int]]]:
+        """(the original model's variable, its pieces in the split model, the axis they join on or None)."""
+        out, split_ids = [], set()
+        for name, how in self.split.plan.splits.items():
+            layer, original = self.split.model.get_layer(name), self.split.original.get_layer(name)
+            out.append((original.kernel, layer.kernels, 1 if how == "column" else 0))
+            if original.use_bias:
+                out.append((original.bias, layer.biases, 0 if how == "column" else None))
+            split_ids |= {id(w) for w in original.weights}
+        return out + [(v, [v], None) for v in self.split.original.trainable_variables if id(v) not in split_ids]
+
+    def gather(self):
+        """The unsplit optimizer, holding the split one's state (call before each checkpoint)."""
+        import numpy as np
+
+        self.unsplit.iterations.assign(self.optimizer.iterations)
+        for variable, pieces, axis in self._pieces():
+            for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
+                parts = [self.slots[id(p)][k].numpy() for p in pieces]
+                slot.assign(parts[0] if axis is None else np.concatenate(parts, axis=axis))
+        return self.unsplit
+
+    def scatter(self) -> None:
+        """The restored unsplit state into the split model and optimizer (after a checkpoint was read)."""
+        import numpy as np
+
+        self.split.resplit()
+        self.optimizer.iterations.assign(self.unsplit.iterations)
+        for variable, pieces, axis in self._pieces():
+            for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
+                parts = [slot.numpy()] * len(pieces) if axis is None else np.split(slot.numpy(), len(pieces), axis=axis)
+                for piece, part in zip(pieces, parts):
+                    self.slots[id(piece)][k].assign(part)
