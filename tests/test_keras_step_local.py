@@ -1,6 +1,8 @@
 """app.fit by the model's own step, in this process (backend="local": the per-worker function of the Ray path, one
-worker): Keras's initial_epoch and validation_freq, a two-optimizer model resumed from its checkpoint, and every
-refusal in one line before anything trains. The Ray runs are tests/test_keras_step.py's."""
+worker): Keras's initial_epoch and validation_freq, a two-optimizer model resumed from its checkpoint, every refusal
+in one line before anything trains, tf.data pipelines run every epoch, labels as the compiled loss reads them, a
+PyDataset's own parallel reading said unused, compute_metrics and predict_step overrides. The Ray runs are
+tests/test_keras_step.py's."""
 
 from __future__ import annotations
 
@@ -254,3 +256,45 @@ def test_the_compiled_loss_reads_the_labels_as_they_are(tmp_path, build, y):
         assert history.history[key] == pytest.approx(values, abs=1e-6), key
     for a, b in zip(history.model.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+class OwnMetricsAndPredict(keras.Model):
+    """keras.io's "customizing fit" shapes: compute_metrics adds a metric of its own, predict_step returns classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.logit_mae = keras.metrics.MeanAbsoluteError(name="logit_mae")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        self.logit_mae.update_state(tf.one_hot(y, 2), y_pred)
+        return super().compute_metrics(x, y, y_pred, sample_weight)
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return tf.argmax(self(x), axis=-1)
+
+
+def _own_metrics_and_predict():
+    keras.utils.set_random_seed(1)
+    model = OwnMetricsAndPredict()
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def test_compute_metrics_and_predict_step_run_as_keras_runs_them(tmp_path):
+    history = app.fit(_own_metrics_and_predict, X, Y, batch_size=16, epochs=2, shuffle=False, backend="local",
+                      validation_data=(X[:20], Y[:20]), output=str(tmp_path / "run"), verbose=0)
+    model = _own_metrics_and_predict()
+    keras_history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, validation_data=(X[:20], Y[:20]),
+                              verbose=0)
+    assert "logit_mae" in keras_history.history and list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+    # history.model is the trained model, its own predict_step included (classes, not logits).
+    np.testing.assert_array_equal(history.model.predict(X, verbose=0), model.predict(X, verbose=0))
+    assert history.model.predict(X[:3], verbose=0).shape == (3,)
