@@ -10,20 +10,17 @@ from app.errors import UserError
 from app.training.tensor_parallel import TensorParallel, device_of
 
 
-def place_optimizer_slots(optimizer, place: bool = True) -> dict[int, list]:
-    """Each variable's optimizer slots (Adam's moments...) on the variable's device: Keras creates them in
-    ``optimizer.build`` under no device scope (all on the first device); call before the optimizer is built.
-    Returns the slots it will create, by ``id`` of their variable, in the order Keras creates them (``place``
-    False: recorded only, where Keras puts them)."""
-    import contextlib
-
+def place_optimizer_slots(optimizer, device: Optional[str] = None) -> dict[int, list]:
+    """Each variable's optimizer slots (Adam's moments...) on the variable's device (or on ``device``): Keras creates
+    them in ``optimizer.build`` under no device scope (all on the first device); call before the optimizer is built.
+    Returns the slots it will create, by ``id`` of their variable, in the order Keras creates them."""
     import tensorflow as tf
 
     make = optimizer.add_variable_from_reference
     slots: dict[int, list] = {}
 
     def placed(reference_variable, *args, **kwargs):
-        with tf.device(device_of(reference_variable)) if place else contextlib.nullcontext():
+        with tf.device(device or device_of(reference_variable)):
             slot = make(reference_variable, *args, **kwargs)
         slots.setdefault(id(reference_variable), []).append(slot)
         return slot
@@ -48,7 +45,8 @@ class UnsplitOptimizer:
         rate = internals.learning_rate_schedule(optimizer)  # the same structure as an unsplit run's optimizer
         rate = rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(rate.numpy())
         self.unsplit = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": rate})
-        self.unsplit_slots = place_optimizer_slots(self.unsplit, place=False)
+        # In host memory, where a checkpoint reads and writes them: no device holds the unsplit layers' slots.
+        self.unsplit_slots = place_optimizer_slots(self.unsplit, device="/CPU:0")
         self.unsplit.build(split.original.trainable_variables)
         if not optimizer.built:
             optimizer.build(split.model.trainable_variables)
