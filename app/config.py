@@ -216,7 +216,8 @@ def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
     bad = [item for item in config.tensor_layout or []
            if item.count("=") != 1 or item.split("=")[1] not in TENSOR_SPLITS or not item.split("=")[0]]
     if bad:
-        problems.append(f"--tensor-layout takes LAYER=column, LAYER=row or LAYER=replicated items, got {' '.join(bad)}")
+        problems.append(f"--tensor-layout takes LAYER=column, LAYER=row, LAYER=heads or LAYER=replicated items, got "
+                        f"{' '.join(bad)}")
     return problems
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from app import config_scale
 
 LrScaling = Literal["linear", "sqrt", "none"]
-TENSOR_SPLITS = ("column", "row", "replicated")  # --tensor-layout LAYER=<one of these>
+TENSOR_SPLITS = ("column", "row", "heads", "replicated")  # --tensor-layout LAYER=<one of these>
 PIPELINE_MICROBATCHES = 4  # 2 stages, each batch in quarters: a stage idles 1/5 of a step, not 1/2 (docs/guides/pipeline.md)
 PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # A model or dataset: a built-in name, "file.py:function", "package.module:function",
@@ -56,8 +56,8 @@ class RunSection(_Section):
         "else N logical CPUs). The built-in mlp and transformer know their blocks; a model of your own names them "
         "with --tensor-layout. 1: no split (a split run resumed on one device).")
     tensor_layout: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
-        None, description="--tensor-parallel: LAYER=column|row|replicated items, LAYER a name or a pattern "
-        "(ff_in_*): which Dense layers are split, and how.")
+        None, description="--tensor-parallel: LAYER=column|row|heads|replicated items, LAYER a name or a pattern "
+        "(ff_in_*): which Dense layers are split (by columns or rows) and which MultiHeadAttention (by heads).")
     steps_per_execution: PositiveInt = Field(
         1, description="Train steps per tf.function call (TPUs want many: fewer host round trips)."
     )

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from app import internals
 from app.errors import UserError
-from app.training.tensor_parallel import TensorParallel, device_of
+from app.training.tensor_parallel import TensorParallel, cut, device_of, join
 
 
 def place_optimizer_slots(optimizer, device: Optional[str] = None) -> dict[int, list]:
@@ -51,36 +51,25 @@ class UnsplitOptimizer:
         if not optimizer.built:
             optimizer.build(split.model.trainable_variables)
 
-    def _pieces(self) -> list[tuple[Any, list, Optional[int]]]:
-        """(the original model's variable, its pieces in the split model, the axis they join on or None)."""
-        out, split_ids = [], set()
-        for name, how in self.split.plan.splits.items():
-            layer, original = self.split.model.get_layer(name), self.split.original.get_layer(name)
-            out.append((original.kernel, layer.kernels, 1 if how == "column" else 0))
-            if original.use_bias:
-                out.append((original.bias, layer.biases, 0 if how == "column" else None))
-            split_ids |= {id(w) for w in original.weights}
-        return out + [(v, [v], None) for v in self.split.original.trainable_variables if id(v) not in split_ids]
-
     def gather(self):
         """The unsplit optimizer, holding the split one's state (call before each checkpoint)."""
-        import numpy as np
-
         self.unsplit.iterations.assign(self.optimizer.iterations)
         for variable, pieces, axis in self._pieces():
             for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
-                parts = [self.slots[id(p)][k].numpy() for p in pieces]
-                slot.assign(parts[0] if axis is None else np.concatenate(parts, axis=axis))
+                slot.assign(join([self.slots[id(p)][k].numpy() for p in pieces], axis))
         return self.unsplit
 
     def scatter(self) -> None:
         """The restored unsplit state into the split model and optimizer (after a checkpoint was read)."""
-        import numpy as np
-
         self.split.resplit()
         self.optimizer.iterations.assign(self.unsplit.iterations)
         for variable, pieces, axis in self._pieces():
             for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
-                parts = [slot.numpy()] * len(pieces) if axis is None else np.split(slot.numpy(), len(pieces), axis=axis)
-                for piece, part in zip(pieces, parts):
+                for piece, part in zip(pieces, cut(slot.numpy(), len(pieces), axis)):
                     self.slots[id(piece)][k].assign(part)
+
+    def _pieces(self) -> list[tuple[Any, list, Any]]:
+        """The split layers' pieces, and every other trainable variable as its own one piece (shared by both models)."""
+        split = self.split.pieces()
+        ids = {id(variable) for variable, _, _ in split}
+        return split + [(v, [v], None) for v in self.split.original.trainable_variables if id(v) not in ids]

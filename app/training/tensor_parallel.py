@@ -13,7 +13,8 @@ so the split is done here:
 
 Each shard's variables (and the optimizer's slots for them: app.training.tensor_optimizer) are created under its
 device and its matmuls run there, forward and backward: the gradient rules are the ``custom_gradient``
-functions below, so the backward ops are placed by them, not left to the placer. The step is the usual one
+functions of app.training.tensor_layers (the split layers), so the backward ops are placed by them, not left to
+the placer. The step is the usual one
 (app.training.step: one traced step, one tape): the gradients are those of the unsplit layer, summed in
 another order (1e-6 apart in float32).
 
@@ -30,158 +31,18 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from app import internals
 from app.errors import UserError
+from app.training import tensor_layers
 
 if TYPE_CHECKING:
     import keras
 
-# The built-in models' layouts: each MLP block's pair of Dense layers (the output layer stays whole).
+# The built-in models' layouts: each MLP block's pair of Dense layers (the output layer stays whole), and each
+# transformer block's attention by heads.
 BUILTIN_LAYOUTS = {
     "mlp": {"dense_0": "column", "dense_1": "row"},
-    "transformer": {"ff_in_*": "column", "ff_out_*": "row"},
+    "transformer": {"attention_*": "heads", "ff_in_*": "column", "ff_out_*": "row"},
 }
-
-
-def to_shards(x, devices: Sequence[str]):
-    """Megatron's *f*: ``x`` on every shard's device; backward, the shards' gradients summed (the all-reduce)."""
-    import tensorflow as tf
-
-    @tf.custom_gradient
-    def f(x):
-        copies = []
-        for d in devices:
-            with tf.device(d):
-                copies.append(tf.identity(x))
-
-        def grad(*upstream):
-            with tf.device(devices[0]):
-                return tf.add_n([tf.convert_to_tensor(g) for g in upstream])
-
-        return copies, grad
-
-    return f(x)
-
-
-def from_shards(parts, device: str):
-    """Megatron's *g*: the shards' partial outputs summed on ``device``; backward, the gradient to every shard."""
-    import tensorflow as tf
-
-    @tf.custom_gradient
-    def g(*parts):
-        with tf.device(device):
-            total = tf.add_n(list(parts))
-
-        def grad(upstream):
-            outs = []
-            for p in parts:
-                with tf.device(p.device or device):
-                    outs.append(tf.identity(upstream))
-            return outs
-
-        return total, grad
-
-    return g(*parts)
-
-
-def _is_shapes(shape) -> bool:
-    """The shapes of several tensors (the column layer's shards), not one tensor's shape."""
-    return isinstance(shape, (list, tuple)) and bool(shape) and isinstance(shape[0], (list, tuple))
-
-
-def _split_layer_class():
-    import keras
-
-    class SplitDense(keras.layers.Layer):
-        """A Dense layer's kernel in ``len(devices)`` shards, one per device (``mode``: column or row)."""
-
-        def __init__(self, units: int, input_dim: int, devices: Sequence[str], mode: str, activation=None,
-                     use_bias: bool = True, gather: bool = True, **kwargs):
-            super().__init__(**kwargs)
-            self.units, self.input_dim, self.devices, self.mode = units, input_dim, list(devices), mode
-            self.use_bias, self.gather = use_bias, gather
-            self.activation = keras.activations.get(activation)
-            self.kernels: list[Any] = []
-            self.biases: list[Any] = []
-
-        def build(self, input_shape):
-            import tensorflow as tf
-
-            n = len(self.devices)
-            # (a row layer's input may arrive as the column layer's shards: its size is the unsplit layer's)
-            in_dim, out_dim = (self.input_dim, self.units // n) if self.mode == "column" \
-                else (self.input_dim // n, self.units)
-            for i, d in enumerate(self.devices):
-                with tf.device(d):
-                    self.kernels.append(self.add_weight(shape=(in_dim, out_dim), name=f"kernel_shard_{i}",
-                                                        initializer="glorot_uniform"))
-                    if self.use_bias and (self.mode == "column" or i == 0):
-                        self.biases.append(self.add_weight(shape=(out_dim,), name=f"bias_shard_{i}",
-                                                           initializer="zeros"))
-
-        def call(self, inputs):
-            import tensorflow as tf
-            from keras import ops
-
-            n = len(self.devices)
-            if self.mode == "column":
-                xs = to_shards(ops.cast(inputs, self.compute_dtype), self.devices)
-                outs = []
-                for i, d in enumerate(self.devices):
-                    with tf.device(d):
-                        y = ops.matmul(xs[i], ops.cast(self.kernels[i], self.compute_dtype))
-                        if self.use_bias:
-                            y = y + ops.cast(self.biases[i], self.compute_dtype)
-                        outs.append(self.activation(y) if self.activation is not None else y)
-                if not self.gather:  # the row layer after it takes the shards where they are
-                    return outs
-                with tf.device(self.devices[0]):
-                    return ops.concatenate(outs, axis=-1)
-            parts = inputs if isinstance(inputs, (list, tuple)) else ops.split(inputs, n, axis=-1)
-            partials = []
-            for i, d in enumerate(self.devices):
-                with tf.device(d):
-                    partials.append(ops.matmul(ops.cast(parts[i], self.compute_dtype),
-                                               ops.cast(self.kernels[i], self.compute_dtype)))
-            y = from_shards(partials, self.devices[0])
-            with tf.device(self.devices[0]):
-                if self.use_bias:
-                    y = y + ops.cast(self.biases[0], self.compute_dtype)
-                return self.activation(y) if self.activation is not None else y
-
-        def compute_output_shape(self, input_shape):
-            if self.mode == "column":
-                shape = tuple(input_shape[:-1])
-                return ([(*shape, self.units // len(self.devices))] * len(self.devices) if not self.gather
-                        else (*shape, self.units))
-            first = input_shape[0] if _is_shapes(input_shape) else input_shape
-            return (*tuple(first[:-1]), self.units)
-
-        def shards_of(self, kernel, bias) -> list:
-            """The unsplit layer's weights as this layer's, in its variables' order."""
-            import numpy as np
-
-            n = len(self.devices)
-            axis = 1 if self.mode == "column" else 0
-            kernels = np.split(kernel, n, axis=axis)
-            if not self.use_bias:
-                return kernels
-            if self.mode == "column":
-                biases = np.split(bias, n)
-                return [w for pair in zip(kernels, biases) for w in pair]
-            return [kernels[0], bias, *kernels[1:]]
-
-        def unsplit(self) -> list:
-            """[kernel, bias] of the unsplit layer."""
-            import numpy as np
-
-            axis = 1 if self.mode == "column" else 0
-            kernel = np.concatenate([k.numpy() for k in self.kernels], axis=axis)
-            if not self.use_bias:
-                return [kernel]
-            bias = (np.concatenate([b.numpy() for b in self.biases]) if self.mode == "column"
-                    else self.biases[0].numpy())
-            return [kernel, bias]
-
-    return SplitDense
+BY = {"column": "columns", "row": "rows", "heads": "heads"}
 
 
 @dataclass
@@ -189,7 +50,7 @@ class TensorPlan:
     """Which layers are split and how (decided in the driver, before training: ``plan_split``)."""
 
     devices: list[str]
-    splits: dict[str, str]  # layer name -> column / row (replicated layers are not listed)
+    splits: dict[str, str]  # layer name -> column / row / heads (replicated layers are not listed)
     gathered: dict[str, bool] = field(default_factory=dict)  # column layer -> its output is concatenated
     device_bytes: dict[str, int] = field(default_factory=dict)  # the split layers' variable bytes per device
     unsplit_bytes: int = 0  # the same layers' bytes unsplit
@@ -202,7 +63,7 @@ class TensorPlan:
     def lines(self) -> list[str]:
         per = ", ".join(f"{d} {b / 2**10:.1f} KiB" for d, b in self.device_bytes.items())
         return [f"tensor parallel: {len(self.devices)} devices; "
-                + ", ".join(f"{name} by {'columns' if how == 'column' else 'rows'}" for name, how in self.splits.items()),
+                + ", ".join(f"{name} by {BY[how]}" for name, how in self.splits.items()),
                 f"tensor parallel: split layers' variables per device: {per} (unsplit {self.unsplit_bytes / 2**10:.1f} KiB)"]
 
 
@@ -218,16 +79,17 @@ def checked_plan(model: "keras.Model", config, devices: Sequence[str], name: str
 
 
 def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str) -> TensorPlan:
-    """Each layer the layout names, checked: a Dense whose split size divides by the devices; one line otherwise."""
-    import keras
+    """Each layer the layout names, checked: a Dense whose split size divides by the devices, a MultiHeadAttention
+    whose heads do; one line otherwise."""
 
     from app.training.pipeline import functional
 
     model = functional(model, name)
     n = len(devices)
     if not layout:
-        raise UserError(f"--tensor-parallel {n}: give --tensor-layout LAYER=column|row ... for {name} (which "
-                        "layers to split: the first Dense of each MLP block by columns, the second by rows)")
+        raise UserError(f"--tensor-parallel {n}: give --tensor-layout LAYER=column|row|heads ... for {name} (which "
+                        "layers to split: the first Dense of each MLP block by columns, the second by rows, attention "
+                        "by heads)")
     splits: dict[str, str] = {}
     for pattern, how in layout.items():
         matched = [layer for layer in model.layers if fnmatch.fnmatchcase(layer.name, pattern)]
@@ -238,14 +100,7 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
             if how == "replicated":
                 splits.pop(layer.name, None)
                 continue
-            if type(layer) is not keras.layers.Dense:
-                raise UserError(f"--tensor-layout {layer.name}={how}: {layer.name} is a {type(layer).__name__}; "
-                                "tensor parallel splits Dense layers (by columns or rows)")
-            size = layer.units if how == "column" else layer.kernel.shape[0]
-            if size % n:
-                what = "units" if how == "column" else "inputs"
-                raise UserError(f"--tensor-layout {layer.name}={how}: its {size} {what} do not split into "
-                                f"{n} equal shards: use a --tensor-parallel that divides {size}")
+            _check_splits(layer, how, n)
             splits[layer.name] = how
     by_name = {layer.name: layer for layer in model.layers}
     gathered = {}
@@ -255,6 +110,29 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
             gathered[layer_name] = not (len(consumers) == 1 and splits.get(consumers[0].name) == "row")
     unsplit = sum(int(v.numpy().nbytes) for layer_name in splits for v in by_name[layer_name].weights)
     return TensorPlan([short_name(d) for d in devices], splits, gathered, unsplit_bytes=unsplit)
+
+
+def _check_splits(layer, how: str, n: int) -> None:
+    import keras
+
+    kind = "MultiHeadAttention" if how == "heads" else "Dense"
+    if type(layer) is not getattr(keras.layers, kind):
+        raise UserError(f"--tensor-layout {layer.name}={how}: {layer.name} is a {type(layer).__name__}; tensor "
+                        "parallel splits Dense layers (by columns or rows) and MultiHeadAttention (by heads)")
+    if how == "heads":
+        config = layer.get_config()
+        plain = {"dropout": 0.0, "use_gate": False, "sliding_window": None, "output_shape": None,
+                 "attention_axes": (1,)}
+        other = [f"{k}={config.get(k)!r}" for k, v in plain.items() if k in config and config[k] not in (v, [1])]
+        if other:
+            raise UserError(f"--tensor-layout {layer.name}=heads: tensor parallel splits a MultiHeadAttention with "
+                            f"no dropout, gate, sliding window, output shape or attention axes of its own ({layer.name}"
+                            f" has {', '.join(other)})")
+    size = layer.num_heads if how == "heads" else layer.units if how == "column" else layer.kernel.shape[0]
+    if size % n:
+        what = {"heads": "heads", "column": "units", "row": "inputs"}[how]
+        raise UserError(f"--tensor-layout {layer.name}={how}: its {size} {what} do not split into "
+                        f"{n} equal shards: use a --tensor-parallel that divides {size}")
 
 
 class TensorParallel:
@@ -272,7 +150,7 @@ class TensorParallel:
         from app.training.pipeline import Graph, functional
 
         graph = functional(original, name)
-        split_dense = _split_layer_class()
+        split_dense, split_attention = tensor_layers.split_dense_class(), tensor_layers.split_attention_class()
         inputs = [keras.Input(shape=t.shape[1:], dtype=t.dtype, name=internals.keras_history(t).operation.name)
                   for t in graph.inputs]
         tensors = {id(a): b for a, b in zip(graph.inputs, inputs)}
@@ -280,7 +158,12 @@ class TensorParallel:
         for node in Graph.of(graph).nodes:
             op = node.operation
             how = plan.splits.get(op.name)
-            if how is not None and op.name not in split:
+            if how == "heads" and op.name not in split:
+                dims = (*(int(d.kernel.shape[0]) for d in (op.query_dense, op.key_dense, op.value_dense)),
+                        int(op.output_dense.kernel.shape[-1]))
+                split[op.name] = split_attention(op.num_heads, op.key_dim, op.value_dim, dims, plan.devices,
+                                                 use_bias=op.use_bias, name=op.name, dtype=op.dtype_policy)
+            elif how is not None and op.name not in split:
                 split[op.name] = split_dense(op.units, int(op.kernel.shape[0]), plan.devices, how,
                                              activation=op.activation, use_bias=op.use_bias,
                                              gather=plan.gathered.get(op.name, True), name=op.name,
@@ -297,19 +180,24 @@ class TensorParallel:
         placed.resplit()
         return placed
 
+    def pieces(self) -> list[tuple[Any, list, Any]]:
+        """Every split layer's (unsplit variable, its pieces, the axis they join on or None): the one map between
+        the original model's variables and the shards, for the weights and the optimizer's state."""
+        return [piece for layer in self.model.layers if layer.name in self.plan.splits
+                for piece in layer.pieces(self.original.get_layer(layer.name))]
+
     def unsplit(self) -> "keras.Model":
         """The original model, holding the trained weights (what checkpoints and exports save): the split layers'
         shards written back (the other layers are the original's own)."""
-        for layer in self.model.layers:
-            if layer.name in self.plan.splits:
-                self.original.get_layer(layer.name).set_weights(layer.unsplit())
+        for variable, pieces, axis in self.pieces():
+            variable.assign(join([p.numpy() for p in pieces], axis))
         return self.original
 
     def resplit(self) -> None:
         """The original model's weights (a restored checkpoint) into the split layers' shards."""
-        for layer in self.model.layers:
-            if layer.name in self.plan.splits:
-                layer.set_weights(layer.shards_of(*self.original.get_layer(layer.name).get_weights()))
+        for variable, pieces, axis in self.pieces():
+            for piece, part in zip(pieces, cut(variable.numpy(), len(pieces), axis)):
+                piece.assign(part)
 
     def variable_bytes(self) -> dict[str, int]:
         """The split layers' variable bytes on each device, read from where the variables are."""
@@ -319,6 +207,20 @@ class TensorParallel:
                 for v in layer.weights:
                     out[device_of(v)] = out.get(device_of(v), 0) + int(v.numpy().nbytes)
         return out
+
+
+def join(parts: list, axis: Any):
+    """The pieces of one variable put together (``axis`` None: one piece, whole)."""
+    import numpy as np
+
+    return parts[0] if axis is None else np.concatenate(parts, axis=axis)
+
+
+def cut(value, n: int, axis: Any) -> list:
+    """One variable's value cut into its ``n`` pieces (``axis`` None: one piece, whole)."""
+    import numpy as np
+
+    return [value] if axis is None else np.split(value, n, axis=axis)
 
 
 def short_name(device: str) -> str:
