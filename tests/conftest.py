@@ -97,11 +97,13 @@ def ray_cluster():
     """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.driver.cluster.connect)."""
     import ray
 
+    from app.driver.cluster import init_local_ray
+
     # As app.driver.cluster does for a local Ray it starts (this is one): nothing preempts its node, so the runs
     # made in this process start no preemption watcher (one more process on their critical path). Jobs that
     # join this Ray from the command line keep theirs, as on any cluster they join.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    ray.init(address="local", num_cpus=3, include_dashboard=True, logging_level="WARNING")
+    init_local_ray(num_cpus=3)  # as a run's local Ray starts (its state API answered by its own dashboard)
     yield ray
     ray.shutdown()
 

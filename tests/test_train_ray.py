@@ -149,3 +149,25 @@ def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):
     node = ray_cluster.get_runtime_context().get_node_id()
     assert result["worker_nodes"] == [node, node]  # one node here; tests/test_ray_up.py and test_cluster_job.py spread them
 
+
+
+def test_the_state_api_in_this_rays_processes_answers_for_this_ray(ray_cluster):
+    """Ray Train's placement-group cleaner asks Ray's state API, from a process of the run's Ray, whether the run's
+    controller still lives, and the run's end waits for its last answer. The API must answer for this Ray (never the
+    cluster /tmp/ray/ray_current_cluster names: a `ray start` stopped since, or another live one), and at once:
+    app.driver.cluster.init_local_ray, which started the session's Ray as it starts a run's."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ask(self):
+            import time
+
+            from ray.util.state import get_actor
+
+            start = time.monotonic()
+            state = get_actor(ray.get_runtime_context().get_actor_id(), timeout=10)
+            return (state.state if state else None), time.monotonic() - start
+
+    state, seconds = ray.get(Probe.remote().ask.remote(), timeout=120)
+    assert state == "ALIVE" and seconds < 5, (state, seconds)
