@@ -37,10 +37,10 @@ for _name, _value in KEPT_RAY_ENV.items():
 # use Ray in the other, in the order collected (so still one Ray at a time, own clusters last). A Ray run leaves
 # about a third of this 2-core machine idle while its processes start (measured: 66 % busy over three default
 # runs), which the local lane takes up.
-LOCAL_LANE = {"test_architecture", "test_benchmarks_doc", "test_cli_reference", "test_cluster_config", "test_console",
-              "test_export", "test_install", "test_keras_step_local", "test_local", "test_local_files",
-              "test_one_line_errors", "test_output_guard", "test_pipeline", "test_platforms", "test_precision",
-              "test_readme", "test_tensor_parallel"}
+LOCAL_LANE = {"test_architecture", "test_bad_input_property", "test_benchmarks_doc", "test_builtin_models", "test_cli_reference",
+              "test_cluster_config", "test_config", "test_console", "test_export", "test_install",
+              "test_keras_step_local", "test_local", "test_local_files", "test_one_line_errors", "test_output_guard",
+              "test_pipeline", "test_platforms", "test_precision", "test_readme", "test_tensor_parallel"}
 
 
 # ... and these tests of files that otherwise use Ray (each runs the local backend only, with no Ray fixture).
@@ -61,7 +61,36 @@ LOCAL_LANE_TESTS = {
     "test_compiled::test_sample_weights_of_one_are_no_weights",
     "test_compiled::test_a_compiled_model_that_does_not_fit_is_one_line_before_training",
     "test_keras_step::test_one_worker_is_keras_fit_weight_for_weight_or_refused_as_keras_refuses",
+    "test_named_inputs::test_parquet_columns_train_a_two_input_model_by_name_then_evaluate_and_predict",
+    "test_callbacks::test_bad_callbacks_are_one_line_before_training",
+    "test_data::test_bad_numpy_data_is_refused_without_ray",
+    "test_data::test_tokenizer_is_deterministic_and_pads",
+    "test_data::test_validation_split_is_seeded_and_stable",
+    "test_examples::test_the_readmes_python_is_in_the_examples_verbatim",
+    "test_fit::test_at_a_terminal_verbose_1_draws_an_epoch_bar_and_verbose_2_only_the_epoch_lines",
+    "test_fit::test_fit_refuses_a_built_model_it_needs_the_function",
+    "test_fit::test_fit_refuses_in_one_line_before_anything_starts",
+    "test_fit::test_the_epoch_record_maps_to_keras_history_keys_for_any_metric",
+    "test_fit::test_validation_split_is_the_last_rows_cut_as_keras_cuts",
+    "test_parameter_server::test_parameter_server_requests_that_cannot_be_met_are_one_line",
+    "test_parameter_server::test_sharded_embedding_is_one_table_with_sparse_gradients",
+    "test_predict::test_a_corrupt_model_file_is_one_line_for_evaluate_and_predict",
+    "test_predict::test_app_predict_from_every_in_memory_source",
+    "test_predict::test_app_predict_takes_arrays_and_dataframes",
+    "test_resume::test_the_schedule_goes_on_from_the_restored_epoch_boundary",
+    "test_run_files::test_a_function_passed_from_python_is_recorded_with_what_to_do",
+    "test_tfrecord::test_a_binary_parquet_column_of_png_bytes_is_read_as_images",
+    "test_tune::test_a_key_both_fixed_and_searched_is_refused",
+    "test_tune::test_a_trials_error_is_one_line_whatever_tune_hands_over",
+    "test_tune::test_asha_judges_trials_only_after_the_warmup",
+    "test_tune::test_bad_spaces_are_refused_by_name",
+    "test_tune::test_shipped_spaces_parse",
+    "test_tune::test_the_plan_says_where_asha_judges_trials",
+    "test_tune::test_the_summary_sorts_trials_by_the_metric_failed_last_and_names_the_best",
+    "test_tune::test_trial_lines_say_each_event_in_one_line",
 }
+# (A test that watches this machine for a new Ray session or raylet, "refused before Ray starts", stays in the Ray lane
+# whatever it runs: beside that lane it would see the lane's Rays.)
 
 
 def lane(nodeid: str) -> str:
@@ -82,10 +111,18 @@ def pytest_xdist_make_scheduler(config, log):
     return Lanes(config, log)
 
 
+# The fixtures that give a test the session's Ray (or stop it): never in the local lane.
+RAY_FIXTURES = {"ray_cluster", "joined", "two_worker_run", "no_shared_ray"}
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests that start a Ray cluster of their own run last, after the shared
     # one is shut down: only one Ray instance at a time on this machine.
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
+    misplaced = [item.nodeid for item in items if lane(item.nodeid) == "local" and (
+        RAY_FIXTURES & set(item.fixturenames) or item.get_closest_marker("own_ray_cluster"))]
+    if misplaced:
+        raise pytest.UsageError(f"tests in the local lane that use a Ray (LOCAL_LANE, LOCAL_LANE_TESTS): {misplaced}")
 
 
 def pytest_configure(config):

@@ -89,8 +89,8 @@ def test_parquet_columns_train_a_two_input_model_by_name_then_evaluate_and_predi
 
     evaluated, predicted = run_jobs_at_once(
         ["jobs/evaluate.py", "--model", str(run / "model.keras")],
-        ["jobs/predict.py", "--model", str(run / "model.keras"), "--keep-columns", "label", "--output",
-         str(tmp_path / "predictions")], timeout=300)
+        ["jobs/predict.py", "--model", str(run / "model.keras"), "--backend", "local", "--keep-columns", "label",
+         "--output", str(tmp_path / "predictions")], timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     scores = json.loads((run / "eval.json").read_text())
     assert scores["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)  # the same rows
