@@ -203,9 +203,6 @@ def _tensor_parallel_problems(config: "TrainConfig") -> list[str]:
         return ["--tensor-layout names the layers --tensor-parallel N splits: add --tensor-parallel N"] \
             if config.tensor_layout and config.tensor_parallel is None else []
     problems = []
-    if config.backend != "local":
-        problems.append(f"--tensor-parallel {n} splits layers over the devices of one process: use it with "
-                        "--backend local (a Ray worker holding a tensor-parallel group is not built)")
     if config.strategy != "auto":
         problems.append(f"--tensor-parallel {n} trains one replica split over devices: leave out --strategy")
     if config.devices is not None and config.devices != n:

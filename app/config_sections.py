@@ -51,10 +51,11 @@ class RunSection(_Section):
         None, description="--strategy pipeline: the layers that start a stage (block_2,block_4 or block_2 block_4); "
         "default: where the parameters balance.")
     tensor_parallel: Optional[int] = Field(
-        None, ge=1, description="--backend local: one replica whose MLP blocks are split over N devices of this "
-        "process (Megatron's layout: each block's first Dense by output columns, its second by input rows; the GPUs, "
-        "else N logical CPUs). The built-in mlp and transformer know their blocks; a model of your own names them "
-        "with --tensor-layout. 1: no split (a split run resumed on one device).")
+        None, ge=1, description="Each replica's layers split over N devices of its process (Megatron's layout: an "
+        "MLP block's first Dense by output columns, its second by input rows, attention by heads; the GPUs, else N "
+        "logical CPUs): one replica on --backend local, one per Ray worker, the workers' gradients all-reduced. The "
+        "built-in mlp and transformer know their blocks; a model of your own names them with --tensor-layout. "
+        "1: no split (a split run resumed on one device).")
     tensor_layout: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
         None, description="--tensor-parallel: LAYER=column|row|heads|replicated items, LAYER a name or a pattern "
         "(ff_in_*): which Dense layers are split (by columns or rows) and which MultiHeadAttention (by heads).")

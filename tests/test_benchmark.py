@@ -70,3 +70,8 @@ def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_share
             assert {(r["strategy"], r["input"]) for r in result["results"]} == {
                 (s, i) for s in ("none", "mwms") for i in ("arrays", "raydata")}
             assert all(r["samples_per_second"] > 0 for r in result["results"])
+            # 2 processes as 2 workers, summed and not: the same steps, the same gradients' size
+            pairs = result["two_workers"]
+            assert [p["summed"] for p in pairs] == [True, False] and all(p["samples_per_second"] > 0 for p in pairs)
+            assert pairs[0]["gradient_bytes"] == pairs[1]["gradient_bytes"] > 0
+            assert pairs[0]["steps_per_epoch"] == pairs[1]["steps_per_epoch"] > 0

@@ -146,7 +146,8 @@ BAD = [
     (["--tensor-layout", "conv=heads"], "conv is a Conv2D; tensor parallel splits Dense layers (by columns or rows) and"),
     ([], "give --tensor-layout LAYER=column|row"),
     (["--tensor-layout", "odd=row", "--mixed-precision", "fp16"], "with --mixed-precision fp16 (a loss-scaled"),
-    (["--backend", "ray"], "use it with --backend local"),
+    (["--backend", "ray", "--strategy", "parameter-server", "--tensor-layout", "odd=row"],
+     "trains one replica split over devices: leave out --strategy"),
 ]
 
 

@@ -60,7 +60,8 @@ class RaySession:
     def strategy(self):
         from app.training.strategy import ray_worker_strategy
 
-        return ray_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s, self.world)
+        return ray_worker_strategy(self.config.cpus_per_worker, self.config.stall_timeout_s, self.world,
+                                   self.config.tensor_degree)
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
         import ray.train

@@ -60,7 +60,7 @@ def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_pat
     inputs = WorkerInputs.of(source, checked.facts)
     datasets = {"train": source.train, "val": source.val} if source.streamed else None
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, name or out.name),
-                    progress_bars=console.bars())
+                    progress_bars=console.bars(), tensor=checked.model.get("tensor"))
     config = for_workers(config)
     trainer = tf_config.trainer(
         train_loop_per_worker=train_loop_per_worker,
@@ -69,7 +69,9 @@ def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_pat
             num_workers=config.num_workers,  # (MIN, MAX): Ray Train's elastic scaling resizes the group
             elastic_resize_monitor_interval_s=config.resize_check_s,
             use_gpu=config.use_gpu,
-            resources_per_worker={"CPU": config.cpus_per_worker},
+            # --tensor-parallel N on GPUs: each worker's shards on N GPUs of its own
+            resources_per_worker={"CPU": config.cpus_per_worker,
+                                  **({"GPU": config.tensor_degree} if config.use_gpu and config.tensor_degree else {})},
             placement_strategy=config.placement_strategy,
         ),
         datasets=datasets,
@@ -208,7 +210,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
         console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
     if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
         cluster.check_room_for_reads(config)
-    checked = preflight.check(config, config.max_workers, loc=loc)
+    checked = preflight.check(config, config.max_workers, loc=loc, tensor_devices=_tensor_devices(config))
     if checked.source.streamed and step_exact:
         raise UserError(STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
@@ -216,6 +218,19 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     if checked.source.streamed and not streamed_files and (require_fit or joining):
         cluster.check_room_for_reads(config)
     return checked
+
+
+def _tensor_devices(config: TrainConfig) -> list[str]:
+    """--tensor-parallel N: the driver plans and checks the split on N devices of its own, as each worker will
+    split its layers over N devices of its own (app.training.strategy.ray_worker_strategy)."""
+    if not config.tensor_degree:
+        return []
+    from app.training.strategy import StrategyUnavailable, tensor_devices
+
+    try:
+        return tensor_devices(config.tensor_degree)
+    except StrategyUnavailable as e:
+        raise UserError(str(e)) from None
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
@@ -238,7 +253,8 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             config, state, Path(ckpt_dir) / checkpoint.MODEL_FILE, strategy=ray_strategy_name(workers),
             started_at=started_at,
             extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"
-                   if workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce"},
+                   if workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce",
+                   **({"tensor_parallel": tensor.as_dict()} if (tensor := checked.model.get("tensor")) else {})},
         )
     return summary
 

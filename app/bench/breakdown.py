@@ -17,6 +17,15 @@ without Ray Train, for every combination of
 each in a fresh process (``python -m app.bench.breakdown one '<json>'``), and
 reports steady-state samples/s (epochs after the first). The throughput suite
 measures the plain baseline and the real Ray run.
+
+Then what a step of 2 workers costs beyond the machine's two processes: two
+plain processes started at once (``pair``), each one worker of 2 (its part of
+every global batch of the epoch's order, as a Ray worker reads it), set up as
+a Ray worker sets itself up (TF_CONFIG, app.training.strategy.ray_worker_strategy),
+once with the gradients summed across the two (app.training.collective, the
+all-reduce 2 Ray workers run every step) and once without (the same work, each
+alone): the difference is the all-reduce's wait, with nothing of Ray Train
+around it. The gradients' bytes per step are reported beside it.
 """
 
 from __future__ import annotations
@@ -94,6 +103,50 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
             "samples_per_second": steady(per_epoch)}
 
 
+def pair(payload: dict[str, Any]) -> dict[str, Any]:
+    """One of 2 workers, in this process: ``{"workload": {...}, "rank": r, "summed": bool, "tf_config": {...}}``."""
+    import json
+    import os
+
+    from app.bench.training import build_training, distributed
+    from app.data import tf_input
+    from app.data.memory import load_source
+    from app.data.plan import EpochPlan
+    from app.training.collective import ALONE, Collective
+    from app.training.strategy import ray_worker_strategy
+
+    config, rank = TrainConfig(**payload["workload"]), payload["rank"]
+    if payload["summed"]:
+        os.environ["TF_CONFIG"] = json.dumps(payload["tf_config"])
+    strategy = ray_worker_strategy(config.cpus_per_worker, None, 2 if payload["summed"] else 1)
+    collective = Collective(2, None, rank) if payload["summed"] else ALONE
+    source = load_source(config)
+    plan = EpochPlan.for_run(config, len(source.train), 2)  # each process: one worker of 2, summed or not
+    training = build_training(config, strategy, source, plan, collective)
+    batches = tf_input.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs,
+                                                 rank)
+    iterator = distributed(strategy, batches)
+    per_epoch = []
+    for epoch in range(1, config.epochs + 1):
+        stats = training.epoch(iterator, plan, epoch)
+        per_epoch.append(stats.samples / stats.seconds)
+    gradient_bytes = sum(int(v.numpy().nbytes) for v in training.training.model.trainable_variables)
+    return {"per_epoch": per_epoch, "samples_per_second": steady(per_epoch), "gradient_bytes": gradient_bytes,
+            "steps_per_epoch": plan.steps}
+
+
+def _pair(workload: dict[str, Any], summed: bool) -> dict[str, Any]:
+    from app.driver.cluster import free_port
+
+    cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    both = measure("app.bench.breakdown", "pair", [
+        {"workload": workload, "rank": r, "summed": summed,
+         "tf_config": {"cluster": cluster, "task": {"type": "worker", "index": r}}} for r in range(2)])
+    return {"summed": summed, "processes": both,
+            "samples_per_second": sum(p["samples_per_second"] for p in both),
+            "gradient_bytes": both[0]["gradient_bytes"], "steps_per_epoch": both[0]["steps_per_epoch"]}
+
+
 def run(preset: Preset, out: Path, command: str) -> list[Path]:
     results = []
     for strategy in STRATEGIES:
@@ -103,9 +156,13 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
                                    {"workload": preset.workload, "strategy": strategy, "input": kind})[0])
             log.info("    %.0f samples/s", results[-1]["samples_per_second"])
     print(report.breakdown_table(results))
+    log.info("2 processes at once, each one worker of 2: gradients summed, then not ...")
+    pairs = [_pair(preset.workload, summed) for summed in (True, False)]
+    print(report.pair_lines(pairs))
     return [report.write_json(out / "breakdown.json",
-                              {"command": command, "preset": preset.as_dict(), "results": results})]
+                              {"command": command, "preset": preset.as_dict(), "results": results,
+                               "two_workers": pairs})]
 
 
 if __name__ == "__main__":
-    child_main({"one": one})
+    child_main({"one": one, "pair": pair})

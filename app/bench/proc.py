@@ -53,19 +53,22 @@ def run_script(cmd: list[str], timeout: float, env: dict[str, str] | None = None
     return p
 
 
-def measure(module: str, kind: str, payload: dict[str, Any], processes: int = 1,
+def measure(module: str, kind: str, payload: dict[str, Any] | list[dict[str, Any]], processes: int = 1,
             timeout: float = 1800) -> list[dict[str, Any]]:
-    """``python -m module KIND '<payload JSON>'`` in ``processes`` processes started at once; each one's result.
+    """``python -m module KIND '<payload JSON>'`` in ``processes`` processes started at once (or one process per
+    payload of a list); each one's result.
 
     Their output goes to files, not pipes: a process whose pipe filled while
     another was being read would stall, and its figure with it.
     """
     import tempfile
 
-    cmd = [sys.executable, "-m", module, kind, json.dumps(payload)]
+    payloads = payload if isinstance(payload, list) else [payload] * processes
+    cmds = [[sys.executable, "-m", module, kind, json.dumps(one)] for one in payloads]
     with contextlib.ExitStack() as files:
-        outputs = [tuple(files.enter_context(tempfile.TemporaryFile("w+")) for _ in "oe") for _ in range(processes)]
-        procs = [subprocess.Popen(cmd, cwd=REPO, env=local_env(), stdout=out, stderr=err) for out, err in outputs]
+        outputs = [tuple(files.enter_context(tempfile.TemporaryFile("w+")) for _ in "oe") for _ in cmds]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=local_env(), stdout=out, stderr=err)
+                 for cmd, (out, err) in zip(cmds, outputs)]
         results = []
         try:
             for p, (out, err) in zip(procs, outputs):

@@ -28,15 +28,18 @@ class Timed:
         return self.driver.train_epoch(iterator, plan.steps, epoch)
 
 
-def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan) -> Timed:
-    """``source``: the in-memory data (app.data.memory.load_source)."""
+def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan, collective=None) -> Timed:
+    """``source``: the in-memory data (app.data.memory.load_source); ``collective``: the sums across workers of a
+    process that is one of them (app.training.collective), else none."""
     from app.driver import preflight
+    from app.training.collective import ALONE
     from app.training.loop import EpochDriver
     from app.training.worker import WorkerJob, build_training, replica_steps
 
     facts, objective, _ = preflight.check_model(config, source.facts, examples=preflight.examples(source))
     training = build_training(config, WorkerJob(facts, objective, None), strategy, plan)
-    return Timed(training, EpochDriver(replica_steps(config, strategy, training, plan), training.measures))
+    steps = replica_steps(config, strategy, training, plan, collective or ALONE)
+    return Timed(training, EpochDriver(steps, training.measures))
 
 
 def distributed(strategy, batches):

@@ -259,7 +259,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
                         f"{where}")
     if (tensor_plan := m.get("tensor")) is not None:  # --tensor-parallel: its TensorPlan
-        lines[2:2] = tensor_plan.lines()
+        lines[2:2] = tensor_plan.lines(per_worker=backend_of(config).on_ray)
     if config.elastic:
         lines.insert(4, elastic_line(config, checked, replicas_per_worker))
     if config.resume:

@@ -56,6 +56,9 @@ class Collective:
         self.world, self.rank = world, rank
         self.timeout_s = timeout_s or 0  # 0: wait as long as it takes (--stall-timeout-s bounds it)
         self._host_calls = 0
+        # --tensor-parallel: a worker's variables live on several devices; its sums all run on one of them (the
+        # group has one member per worker). None: where the placer puts them (the worker's one device).
+        self.device: Optional[str] = None
 
     def in_graph(self, tensor, site: int):
         """Sum of a tensor over every worker, inside a traced function."""
@@ -63,7 +66,17 @@ class Collective:
             return tensor
         from app import internals
 
-        return internals.collective_sum(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+        with self._placed():
+            return internals.collective_sum(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+
+    def _placed(self):
+        import contextlib
+
+        if self.device is None:
+            return contextlib.nullcontext()
+        import tensorflow as tf
+
+        return tf.device(self.device)
 
     def host(self, values: np.ndarray) -> np.ndarray:
         """Sum of a host vector over every worker (float64, exact for counts)."""
@@ -95,11 +108,12 @@ class Collective:
             # A densified embedding gradient may have no static shape: it counts as small here.
             size += (grads[i].shape.num_elements() or 0) * grads[i].dtype.size
         out = grads
-        for k, members in enumerate(packs):
-            flat = tf.concat([tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in members], 0)
-            parts = tf.split(self.in_graph(flat, site + k), tf.stack([tf.size(grads[i]) for i in members]))
-            for i, part in zip(members, parts):
-                out[i] = tf.cast(tf.reshape(part, tf.shape(grads[i])), grads[i].dtype)
+        with self._placed():  # a pack gathers gradients from every device of the worker (--tensor-parallel)
+            for k, members in enumerate(packs):
+                flat = tf.concat([tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in members], 0)
+                parts = tf.split(self.in_graph(flat, site + k), tf.stack([tf.size(grads[i]) for i in members]))
+                for i, part in zip(members, parts):
+                    out[i] = tf.cast(tf.reshape(part, tf.shape(grads[i])), grads[i].dtype)
         return out
 
     def average_variables(self, variables: list) -> None:

@@ -76,11 +76,14 @@ _COLLECTIVES: list = []  # the MWMS that configured this process's collectives, 
 
 
 def ray_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None,
-                        num_workers: int) -> "tf.distribute.Strategy":
+                        num_workers: int, tensor_degree: int | None = None) -> "tf.distribute.Strategy":
     """A Ray Train worker's strategy: the default one (``one_replica``). In a group, MultiWorkerMirroredStrategy
     is made first to configure the collectives that app.training.collective calls; its scope would cost a CPU
-    step half to two thirds of its speed (``one_replica``), so nothing runs in it. Call it before any other
-    TensorFlow op."""
+    step half to two thirds of its speed (``one_replica``), so nothing runs in it. With ``tensor_degree``
+    (--tensor-parallel N) the worker's devices for the shards come first (``tensor_devices``): the CPU is split
+    before MWMS starts this process's TensorFlow. Call it before any other TensorFlow op."""
+    if tensor_degree:
+        _split_for_tensor_parallel(tensor_degree)  # the devices are listed later: listing starts TensorFlow
     if num_workers > 1:
         _COLLECTIVES.append(multi_worker_strategy(cpus_per_worker, stall_timeout_s))
     else:
@@ -248,13 +251,31 @@ def tensor_parallel_strategy(n: int, cpus: float | None = None) -> tuple["tf.dis
 
     if cpus:
         set_thread_counts(cpus)
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        _split_cpu(n)
+    devices = tensor_devices(n)
+    kind = "GPUs" if "GPU" in devices[0] else "logical CPUs"
+    return tf.distribute.get_strategy(), f"one replica, its split layers over {n} {kind}"
+
+
+def tensor_devices(n: int) -> list[str]:
+    """The N devices of this process that --tensor-parallel N's shards live on: the first N GPUs, else the CPU split
+    into N logical devices (before TensorFlow initialises its devices)."""
+    _split_for_tensor_parallel(n)
     found = _Devices.found()
     if len(found.compute) < n:
         raise StrategyUnavailable(f"--tensor-parallel {n} needs {n} devices, found {found}")
-    return tf.distribute.get_strategy(), f"one replica, its split layers over {n} {'GPUs' if gpus else 'logical CPUs'}"
+    return list(found.compute[:n])
+
+
+def _split_for_tensor_parallel(n: int) -> None:
+    """No GPU: the CPU split into N logical devices, unless this process's TensorFlow has started already (an
+    earlier run in it: ``tensor_devices`` counts what it has)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        with contextlib.suppress(RuntimeError):
+            _split_cpu(n)
 
 
 def stage_devices() -> list[str]:

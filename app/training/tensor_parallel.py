@@ -60,9 +60,17 @@ class TensorPlan:
         return {"devices": self.devices, "splits": self.splits, "device_bytes": self.device_bytes,
                 "unsplit_bytes": self.unsplit_bytes}
 
-    def lines(self) -> list[str]:
+    def on(self, devices: Sequence[str]) -> "TensorPlan":
+        """The same split on this process's devices (a Ray worker's GPUs where the driver planned on its CPU).
+        ``devices`` may list the other workers' too (TensorFlow lists a cluster's): a short name is this process's."""
+        names = list(dict.fromkeys(short_name(d) for d in devices))[:len(self.devices)]
+        return TensorPlan(names, self.splits, self.gathered,
+                          {new: self.device_bytes[old] for old, new in zip(self.devices, names)
+                           if old in self.device_bytes}, self.unsplit_bytes)
+
+    def lines(self, per_worker: bool = False) -> list[str]:
         per = ", ".join(f"{d} {b / 2**10:.1f} KiB" for d, b in self.device_bytes.items())
-        return [f"tensor parallel: {len(self.devices)} devices; "
+        return [f"tensor parallel: {len(self.devices)} devices{' in each worker' if per_worker else ''}; "
                 + ", ".join(f"{name} by {BY[how]}" for name, how in self.splits.items()),
                 f"tensor parallel: split layers' variables per device: {per} (unsplit {self.unsplit_bytes / 2**10:.1f} KiB)"]
 

@@ -129,8 +129,9 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
         # their optimizer slots) and matmuls on its device; checkpoints and exports get the unsplit model.
         from app.training import tensor_optimizer, tensor_parallel
         from app.training.model import model_name
+        from app.training.strategy import stage_devices
 
-        split = tensor_parallel.TensorParallel.place(model, job.tensor, model_name(config))
+        split = tensor_parallel.TensorParallel.place(model, job.tensor.on(stage_devices()), model_name(config))
         slots = tensor_optimizer.place_optimizer_slots(optimizer)
         with strategy.scope():
             unsplit = tensor_optimizer.UnsplitOptimizer(split, optimizer, slots)
@@ -155,6 +156,9 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
                              job.objective.short_last_batch)
     training = build_training(config, job, strategy, plan, asynchronous)
     model, optimizer = training.model, training.optimizer
+    if training.split is not None and session.collective.world > 1:
+        # --tensor-parallel on Ray workers: each worker's gradient sums gather on its first shard's device
+        session.collective.device = training.split.plan.devices[0]
 
     # A restarted worker group (a worker died) or a resumed run starts from the last checkpoint.
     progress, state, lr_plan = restore(config, session, strategy, training, plan, asynchronous)
