@@ -5,6 +5,7 @@ global batch: the math does not depend on the resizes."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import secrets
@@ -86,6 +87,12 @@ class Lines:
 def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed_size_run(no_shared_ray, tmp_path,
                                                                                          tmp_path_factory):
     user = user_module(tmp_path_factory, "elastic_user.py", USER)
+    # The same seed and global batch at a fixed size (one replica, no Ray), trained while the elastic run waits on
+    # its pauses and resizes: the same weights at the end.
+    fixed = tmp_path / "fixed"
+    fixed_run = concurrent.futures.ThreadPoolExecutor(1).submit(
+        run_job, "jobs/train.py", "--backend", "local", "--strategy", "one-device", "--dataset", f"{user}:rows",
+        "--callbacks", f"{user}:fast", "--output", str(fixed), *COMMON, timeout=600)
     env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     nodes = TwoNodes(env, REPO, Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")))
     out = tmp_path / "elastic"
@@ -126,10 +133,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
     workers = [int(float(r.split(",")[column])) for r in rows]
     assert 2 in workers and workers[0] == 1 and workers[-1] == 1, workers
 
-    # The same seed and global batch at a fixed size (one replica, no Ray): the same weights.
-    fixed = tmp_path / "fixed"
-    p = run_job("jobs/train.py", "--backend", "local", "--strategy", "one-device", "--dataset", f"{user}:rows",
-                "--callbacks", f"{user}:fast", "--output", str(fixed), *COMMON, timeout=600)
+    p = fixed_run.result(timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     import keras
 
