@@ -77,6 +77,15 @@ def _ray_data_shard(config: TrainConfig, split):
     return ds.streaming_split(1, equal=True)[0]
 
 
+def _rates(training, iterator, plan, epochs: int) -> list[float]:
+    """Samples/s of each of ``epochs`` epochs."""
+    rates = []
+    for epoch in range(1, epochs + 1):
+        stats = training.epoch(iterator, plan, epoch)
+        rates.append(stats.samples / stats.seconds)
+    return rates
+
+
 def one(payload: dict[str, Any]) -> dict[str, Any]:
     """One combination, in this process: ``{"workload": {...}, "strategy": ..., "input": ...}``."""
     from app.bench.training import build_training, distributed
@@ -94,11 +103,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     else:
         shard = _ray_data_shard(config, source.train)
         batches = tf_input.train_batches_from_shard(shard, plan, source.facts, config.epochs)
-    iterator = distributed(strategy, batches)
-    per_epoch = []
-    for epoch in range(1, config.epochs + 1):
-        stats = training.epoch(iterator, plan, epoch)
-        per_epoch.append(stats.samples / stats.seconds)
+    per_epoch = _rates(training, distributed(strategy, batches), plan, config.epochs)
     return {"strategy": payload["strategy"], "input": payload["input"], "per_epoch": per_epoch,
             "samples_per_second": steady(per_epoch)}
 
@@ -125,11 +130,7 @@ def pair(payload: dict[str, Any]) -> dict[str, Any]:
     training = build_training(config, strategy, source, plan, collective)
     batches = tf_input.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs,
                                                  rank)
-    iterator = distributed(strategy, batches)
-    per_epoch = []
-    for epoch in range(1, config.epochs + 1):
-        stats = training.epoch(iterator, plan, epoch)
-        per_epoch.append(stats.samples / stats.seconds)
+    per_epoch = _rates(training, distributed(strategy, batches), plan, config.epochs)
     gradient_bytes = sum(int(v.numpy().nbytes) for v in training.training.model.trainable_variables)
     return {"per_epoch": per_epoch, "samples_per_second": steady(per_epoch), "gradient_bytes": gradient_bytes,
             "steps_per_epoch": plan.steps}
