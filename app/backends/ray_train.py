@@ -221,16 +221,25 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
 
 
 def _tensor_devices(config: TrainConfig) -> list[str]:
-    """--tensor-parallel N: the driver plans and checks the split on N devices of its own, as each worker will
-    split its layers over N devices of its own (app.training.strategy.ray_worker_strategy)."""
+    """--tensor-parallel N: the devices the driver plans and checks the split on: N of its own when it can have
+    them, as each worker splits its layers over N devices of its own (app.training.strategy.ray_worker_strategy)."""
     if not config.tensor_degree:
         return []
     from app.training.strategy import StrategyUnavailable, tensor_devices
 
     try:
         return tensor_devices(config.tensor_degree)
-    except StrategyUnavailable as e:
-        raise UserError(str(e)) from None
+    except StrategyUnavailable:
+        # This process's TensorFlow started before the run (an app.fit from a script that used it) or has fewer
+        # GPUs than a worker gets: each worker is a process of its own with its own devices. The layout is
+        # checked on the names the workers' devices have; the bytes each holds are counted there.
+        return [f"{'GPU' if config.use_gpu else 'CPU'}:{i}" for i in range(config.tensor_degree)]
+
+
+def _worker_bytes(state: dict[str, Any]) -> dict[str, Any]:
+    """--tensor-parallel: the split layers' bytes on each device, as the first worker found them on its own."""
+    held = state.get("tensor_device_bytes")
+    return {"devices": list(held), "device_bytes": held} if held else {}
 
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
@@ -254,7 +263,8 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
             started_at=started_at,
             extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"
                    if workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce",
-                   **({"tensor_parallel": tensor.as_dict()} if (tensor := checked.model.get("tensor")) else {})},
+                   **({"tensor_parallel": {**tensor.as_dict(), **_worker_bytes(state)}}
+                      if (tensor := checked.model.get("tensor")) else {})},
         )
     return summary
 

@@ -69,7 +69,8 @@ class TensorPlan:
                            if old in self.device_bytes}, self.unsplit_bytes)
 
     def lines(self, per_worker: bool = False) -> list[str]:
-        per = ", ".join(f"{d} {b / 2**10:.1f} KiB" for d, b in self.device_bytes.items())
+        per = ", ".join(f"{d} {b / 2**10:.1f} KiB" for d, b in self.device_bytes.items()) \
+            or "counted in each worker"
         return [f"tensor parallel: {len(self.devices)} devices{' in each worker' if per_worker else ''}; "
                 + ", ".join(f"{name} by {BY[how]}" for name, how in self.splits.items()),
                 f"tensor parallel: split layers' variables per device: {per} (unsplit {self.unsplit_bytes / 2**10:.1f} KiB)"]
@@ -82,8 +83,17 @@ def checked_plan(model: "keras.Model", config, devices: Sequence[str], name: str
     layout = dict(item.split("=", 1) for item in config.tensor_layout) if config.tensor_layout \
         else dict(BUILTIN_LAYOUTS.get(config.model, {}) if isinstance(config.model, str) else {})
     plan = plan_split(model, layout, devices, name)
-    plan.device_bytes = TensorParallel.place(model, plan, name).variable_bytes()
+    if set(plan.devices) <= _own_devices():
+        plan.device_bytes = TensorParallel.place(model, plan, name).variable_bytes()
+    # Else a Ray driver whose TensorFlow started before the run (one CPU device): its workers split their own
+    # devices; what each holds is read there (the worker's state: ``tensor_device_bytes``).
     return plan
+
+
+def _own_devices() -> set[str]:
+    import tensorflow as tf
+
+    return {short_name(d.name) for d in tf.config.list_logical_devices()}
 
 
 def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str) -> TensorPlan:

@@ -182,6 +182,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         state["objective"] = job.objective.summary(config)
         state.update(hooks.state())
+        if training.split is not None:  # --tensor-parallel: what each of this worker's devices holds
+            state["tensor_device_bytes"] = training.split.variable_bytes()
         # --tensor-parallel: the shards (weights and optimizer state) written into the unsplit model's first
         saved, saved_optimizer = training.saved(), training.saved_optimizer()
         session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, saved_optimizer, s))
