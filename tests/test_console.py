@@ -78,6 +78,25 @@ def test_the_clusters_messages_reach_the_log_file_and_the_console_but_for_known_
     assert "(raylet) WARNING: 8 PYTHON worker processes" in text and "(raylet) A worker died" in text
 
 
+# Ray 2.60's autoscaler report, as its monitor sends it to the driver every 5 s.
+REPORT = ["2026-11-27 22:27:10,112\tINFO autoscaler.py:408 -- ", "======== Autoscaler status: 2026-11-27 22:27:10 ========",
+          "Node status", "-" * 63, "Active:", " 1 node_05cef058fb84e50aa93dc563b4ceb80e16b885d33a088b3e08961f18",
+          "Resources", "-" * 63, "Total Usage:", " 2.0/3.0 CPU (2.0 used of 2.0 reserved in placement groups)",
+          "Pending Demands:", " (no resource demands)"]
+
+
+def test_the_autoscalers_events_reach_the_log_file_and_its_routine_report_does_not(lines):
+    sorter, printed, log, handler = lines
+    console._WorkerLines.attach(handler)
+    sorter(batch(*REPORT, pid="autoscaler"))
+    sorter(batch("2026-11-27 22:27:10,114\tINFO autoscaler.py:469 -- The autoscaler took 0.002 seconds to complete "
+                 "the update iteration.", "Resource request cannot be scheduled", pid="autoscaler"))
+    assert len(printed) == 2  # Ray's printer still sees all of it (it keeps the events for the console)
+    text = log.read_text()
+    assert "pid=autoscaler, ip=10.0.0.1) Resource request cannot be scheduled" in text, text
+    assert "Autoscaler status" not in text and "Total Usage" not in text and "autoscaler took" not in text, text
+
+
 def test_in_a_sweep_the_workers_marked_lines_go_to_the_log_file(lines, capsys):
     sorter, _, log, handler = lines
     console._WorkerLines.attach(handler)

@@ -28,6 +28,7 @@ import collections
 import contextlib
 import json
 import logging
+import re
 import sys
 import threading
 from pathlib import Path
@@ -294,9 +295,12 @@ class _WorkerLines:
         from ray.experimental import tqdm_ray
         from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
 
+        lines = data.get("lines", [])
         if data.get("pid") in ("autoscaler", "raylet"):
             self.ray_printer(data)  # Ray filters these down to its events itself
-        lines = data.get("lines", [])
+        if data.get("pid") == "autoscaler":  # the log file keeps its events, not its routine report
+            lines = [] if any(AUTOSCALER_REPORT in line for line in lines) \
+                else [line for line in lines if not AUTOSCALER_ROUTINE.search(line)]
         people = [line[len(MARK):] for line in lines if line.startswith(MARK)]
         bars = [line for line in lines if RAY_TQDM_MAGIC in line]
         rest = [line for line in lines if not line.startswith(MARK) and RAY_TQDM_MAGIC not in line]
@@ -323,6 +327,12 @@ class _WorkerLines:
                 _WorkerLines._write([prefix + line for line in rest])
             if _people["verbose"] and data.get("pid") not in ("autoscaler", "raylet"):
                 self.ray_printer({**data, "lines": rest})
+
+
+# The autoscaler's cluster report, every 5 s (nodes, resources, demands: `ray status` shows it on demand), and its
+# monitor's timings around it: a long run's log would be mostly these.
+AUTOSCALER_REPORT = "======== Autoscaler status:"
+AUTOSCALER_ROUTINE = re.compile(r"\bINFO autoscaler\.py:\d+ -- ")
 
 
 # Ray's messages that go to the log file only: the raylet's warning that many worker processes are starting
