@@ -129,13 +129,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray_cluster: the test starts (and stops) its own Ray cluster")
 
 
-# The local lane only takes what the Ray lane leaves idle: its process (and every job it starts) at the lowest
-# priority. Ray's raylet starts its worker processes (the Train workers among them) at nice 15 (Ray's
-# worker_niceness); beside them at nice 0 the local lane's TensorFlow threads took the cores, and a Ray run's two
-# synchronous workers waited on each other's starved slices. Measured: a streamed-parquet test and an npz test (2
-# workers each) beside tests/test_tensor_parallel.py and tests/test_pipeline.py took 247 s with those at nice 0,
-# 176 s at nice 10, 128 s at nice 19 (the streamed test alone: 66 s).
-LOCAL_LANE_NICE = 19
+# The local lane only takes what the Ray lane leaves idle: its process (and every job it starts) at a lower
+# priority. Side by side at the same priority the two lanes' TensorFlow threads slice both cores, and a Ray run's
+# two synchronous workers wait on each other's slowest slice (measured: a streamed-parquet test and an npz test,
+# 2 workers each, beside tests/test_tensor_parallel.py and tests/test_pipeline.py: 247 s at the same priority,
+# 176 s with those at nice 10; the streamed test alone takes 66 s).
+LOCAL_LANE_NICE = 10
 
 
 @pytest.fixture(autouse=True)
