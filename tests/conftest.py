@@ -129,23 +129,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray_cluster: the test starts (and stops) its own Ray cluster")
 
 
-# The local lane only takes what the Ray lane leaves idle: its process (and every job it starts) at a lower
-# priority. Side by side at the same priority the two lanes' TensorFlow threads slice both cores, and a Ray run's
-# two synchronous workers wait on each other's slowest slice (measured: a streamed-parquet test and an npz test,
-# 2 workers each, beside tests/test_tensor_parallel.py and tests/test_pipeline.py: 247 s at the same priority,
-# 176 s with those at nice 10; the streamed test alone takes 66 s).
-LOCAL_LANE_NICE = 10
-
-
-@pytest.fixture(autouse=True)
-def _local_lane_yields(request):
-    if lane(request.node.nodeid) == "local" and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1 \
-            and not getattr(_local_lane_yields, "done", False):
-        os.nice(LOCAL_LANE_NICE)  # a pytest-xdist worker runs one lane (the scheduler's scope): all its tests
-        _local_lane_yields.done = True
-    yield
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The session's local Ray: 2 worker CPUs + 1 for Ray Data's tasks (see app.driver.cluster.connect)."""
