@@ -47,8 +47,8 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     from app.backends import ray_train
     from app.config import build_config
     # The stall bound is above a killed worker's own recovery (Ray restarts its actor, the coordinator re-runs its
-    # steps: up to ~20 s on a loaded 2-core machine), so only the frozen server trips it.
-    out, stall = tmp_path / "ps", 30
+    # steps: ~20 s on a loaded 2-core machine, once over 30 s in a CI-style run), so only the frozen server trips it.
+    out, stall = tmp_path / "ps", 45
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     cmd = [sys.executable, "jobs/train.py", "--strategy", "parameter-server", "--num-workers", "2", "--num-ps", "2",
            "--cpus-per-worker", "0.5", "--cpus-per-ps", "0.5", *flags(TEXT), "--max-failures", "1",
@@ -83,7 +83,7 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     assert driver.returncode == 0, stderr[-3000:]
     console = stdout + stderr
     assert "Traceback" not in console and "pid=" not in console, console
-    assert re.search(r"no step, evaluation or checkpoint for 3[0-9] s \(--stall-timeout-s\).*restart 1 of 1",
+    assert re.search(r"no step, evaluation or checkpoint for (4[5-9]|5[0-9]) s \(--stall-timeout-s\).*restart 1 of 1",
                      console), console
     resumed = re.search(r"resumed at epoch (\d) step 0 from its checkpoint", console)
     assert resumed and int(resumed.group(1)) >= 3, console  # the epoch training goes on at: 2 were done
