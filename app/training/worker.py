@@ -177,13 +177,15 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     hooks = callbacks.hooks_for(config, session.rank, model, optimizer, training.lr_factor, driver.runner,
                                 lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
     last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
+    # --tensor-parallel: what each of this worker's devices holds (fixed once split: read once, not per checkpoint)
+    device_bytes = training.split.variable_bytes() if training.split is not None else None
 
     def save(metrics: dict[str, Any]) -> None:
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         state["objective"] = job.objective.summary(config)
         state.update(hooks.state())
-        if training.split is not None:  # --tensor-parallel: what each of this worker's devices holds
-            state["tensor_device_bytes"] = training.split.variable_bytes()
+        if device_bytes is not None:
+            state["tensor_device_bytes"] = device_bytes
         # --tensor-parallel: the shards (weights and optimizer state) written into the unsplit model's first
         saved, saved_optimizer = training.saved(), training.saved_optimizer()
         session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, saved_optimizer, s))
