@@ -147,6 +147,23 @@ def test_fit_refuses_a_built_model_it_needs_the_function(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_file_function_that_takes_the_products_arguments_trains_by_the_products_step(tmp_path):
+    """app.fit("file.py:build", ...) where build takes (input_shape, num_classes), as --model file.py:build does:
+    not called without them to see whether it brings its own step (that call raised a TypeError)."""
+    from app.run.keras_step import model_that_brings_its_step
+
+    (tmp_path / "models.py").write_text(
+        "import keras\n\n"
+        "def build(input_shape, num_classes):\n"
+        "    return keras.Sequential([keras.Input(input_shape), keras.layers.Dense(num_classes)])\n\n"
+        "def compiled():\n"
+        "    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+        "    m.compile(optimizer='adam', loss='mse')\n"
+        "    return m\n")
+    assert model_that_brings_its_step(f"{tmp_path / 'models.py'}:build") is None
+    assert model_that_brings_its_step(f"{tmp_path / 'models.py'}:compiled").compiled
+
+
 def test_the_epoch_record_maps_to_keras_history_keys_for_any_metric():
     from app.run.fit import keras_history
 

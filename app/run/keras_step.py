@@ -29,6 +29,8 @@ def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
         if not isinstance(model_fn, str) or model_fn in registry.MODELS:
             return None
         model_fn = registry.resolve(model_fn, registry.MODELS)
+    if _needs_arguments(model_fn):  # the product's convention (input_shape, num_classes, ...): its step fills them
+        return None
     tf_import.install()
     import keras
 
@@ -37,6 +39,18 @@ def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
         return None
     overrides = any(getattr(type(model), n) is not getattr(keras.Model, n) for n in _STEPS)
     return model if getattr(model, "compiled", False) or overrides else None
+
+
+def _needs_arguments(fn: Any) -> bool:
+    """Whether ``fn`` has a parameter without a default (a call with none would raise)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: try the call
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in parameters)
 
 
 def overrides_step(model) -> list[str]:
