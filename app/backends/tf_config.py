@@ -20,6 +20,7 @@ the named framework's modules to record their versions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -39,7 +40,11 @@ def _set_tf_config(worker_addresses: list[str], index: int) -> None:
     # The training function starts by importing TensorFlow and Keras: seconds of CPU, which here
     # overlap Ray Train's own set-up between this call and that function (its dataset and
     # checkpoint helpers). Importing only: thread counts and collectives are still unset.
-    threading.Thread(target=_import_tensorflow, name="import-tensorflow", daemon=True).start()
+    _IMPORTING[:] = [threading.Thread(target=_import_tensorflow, name="import-tensorflow", daemon=True)]
+    _IMPORTING[0].start()
+
+
+_IMPORTING: list[threading.Thread] = []  # the worker's import of TensorFlow, started by _set_tf_config
 
 
 def _import_tensorflow() -> None:
@@ -87,10 +92,34 @@ class TFConfig(BackendConfig):
 HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 
 
-def trainer(**kwargs):
-    """A DataParallelTrainer with the TF_CONFIG backend: what TensorflowTrainer(**kwargs) is, minus the import."""
+def trainer(train_loop_per_worker, train_loop_config=None, **kwargs):
+    """A DataParallelTrainer with the TF_CONFIG backend: what TensorflowTrainer(**kwargs) is, minus the import.
+
+    The training function's config reaches the workers through the object store, unopened on the way. Ray Train
+    hands it to its controller inside the run's context, and the controller unpickles that context: a user's
+    model function or callbacks (pickled by value) import Keras, hence TensorFlow, when unpickled, so the
+    controller, which never runs a TensorFlow op, imported it (~4 s on 2 cores) before it asked for the workers.
+    """
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     # Read by the driver when it starts the controller, which passes it on (Ray Train's ENV_VARS_TO_PROPAGATE).
     os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S)
-    return DataParallelTrainer(backend_config=TFConfig(), **kwargs)
+    return DataParallelTrainer(
+        train_loop_per_worker=functools.partial(_opened, train_loop_per_worker),
+        train_loop_config={SHIPPED: ray.put(train_loop_config)},
+        backend_config=TFConfig(), **kwargs)
+
+
+SHIPPED = "shipped"  # the one key of the config Ray Train sees: the object store's reference to the real one
+
+
+def _opened(train_loop_per_worker, shipped: dict):
+    """In each worker: the training function called with its config, read from the object store.
+
+    Unpickling the config imports what a user's functions import (Keras, TensorFlow): after the import thread's
+    own import has ended, as two threads importing TensorFlow at once can see a module half made ("module
+    'tensorflow.python.data.ops.dataset_ops' has no attribute 'DatasetV2'", seen).
+    """
+    for thread in _IMPORTING:
+        thread.join(timeout=300)  # an import does not hang; if it did, the unpickling's own import says why
+    return train_loop_per_worker(ray.get(shipped[SHIPPED]))
