@@ -309,7 +309,7 @@ def test_some_as_real_subprocesses(place):
          "'a' is the label column"),
     ]
     done = run_jobs_at_once(*([str(REPO / a) if a.startswith("jobs/") else a for a in argv] for argv, _ in cases),
-                            timeout=120, env=clean_env(), at_once=2, cwd=root)
+                            timeout=300, env=clean_env(), at_once=2, cwd=root)
     for (argv, words), p in zip(cases, done):
         assert_told_well(argv, False, p.returncode, p.stdout + p.stderr)
         assert words in p.stderr, (argv, p.stderr[-2000:])
@@ -326,7 +326,7 @@ def test_a_directory_that_exists_is_a_dataset_path_and_zero_rows_to_predict_say_
     root, run = place
     # A process of its own: the local backend sets TensorFlow's threads, which this process has initialised already.
     p = run_job(str(REPO / "jobs" / "train.py"), "--dry-run", "--backend", "local", "--dataset", "data", "--output",
-                str(tmp_path / "o"), cwd=root, timeout=120)
+                str(tmp_path / "o"), cwd=root, timeout=300)
     assert p.returncode == 0 and "training rows" in p.stdout + p.stderr, p.stderr[-2000:]
     with pytest.raises(UserError, match="has no rows to predict"):
         app.predict(str(run), data=np.zeros((0, 64), np.float32), output=str(tmp_path / "p"), backend="local")

@@ -176,5 +176,5 @@ def test_tensorflows_absl_info_lines_stay_off_a_job_scripts_stderr(tmp_path):
               "print('after', file=sys.stderr)")
     # No TF_CPP_MIN_LOG_LEVEL from the tests' environment; a HOME of its own for Keras's and matplotlib's caches.
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stderr == "after\n", p.stderr

@@ -64,7 +64,7 @@ def test_saved_model_serves_what_the_keras_model_predicts(parquet_run, two_input
     # What the serving guide's saved_model_cli shows of it: the signature, its input and its output.
     shown = subprocess.run(["saved_model_cli", "show", "--dir", str(run / "saved_model"), "--tag_set", "serve",
                             "--signature_def", "serving_default"], env=venv_env(), capture_output=True, text=True,
-                           timeout=120)
+                           timeout=300)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "inputs['x'] tensor_info" in shown.stdout and "shape: (-1, 16)" in shown.stdout, shown.stdout
     assert "outputs['output_0'] tensor_info" in shown.stdout and "shape: (-1, 4)" in shown.stdout, shown.stdout

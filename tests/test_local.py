@@ -116,7 +116,7 @@ IMPOSSIBLE = [
 @pytest.fixture(scope="module")
 def impossible_runs(tmp_path_factory):
     return refusals_at_once(tmp_path_factory, "impossible", lambda i, out: [
-        "jobs/train.py", "--backend", "local", "--output", str(out), *IMPOSSIBLE[i][0]], len(IMPOSSIBLE), timeout=120)
+        "jobs/train.py", "--backend", "local", "--output", str(out), *IMPOSSIBLE[i][0]], len(IMPOSSIBLE), timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(IMPOSSIBLE)), ids=[" ".join(args) for args, _ in IMPOSSIBLE])
@@ -130,7 +130,7 @@ def test_impossible_strategy_requests_fail_clearly(impossible_runs, case):
 
 
 def test_ray_flags_are_refused_for_local_and_vice_versa(tmp_path):
-    p = run_job("jobs/train.py", "--strategy", "mirrored", "--output", str(tmp_path / "o"), timeout=60)
+    p = run_job("jobs/train.py", "--strategy", "mirrored", "--output", str(tmp_path / "o"), timeout=300)
     assert p.returncode == 2 and "use it with --backend local" in p.stderr
 
 

@@ -111,7 +111,7 @@ def test_an_unexpected_error_is_one_line_with_its_traceback_kept(tmp_path):
     line, with the exception's type and message and where the whole traceback is, exit 1."""
     code = "from app import cli\n\ndef body():\n    return 1 / 0\n\ncli.main(body)\n"
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
     found = re.fullmatch(r"error: ZeroDivisionError: division by zero \(traceback in (\S+)\)", lines[0])

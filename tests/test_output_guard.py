@@ -92,11 +92,11 @@ def test_each_dangerous_output_is_refused_with_nothing_deleted(project):
     env = clean_env(HOME=str(home))
     commands = [[str(REPO / a) if a.startswith("jobs/") else a.format(home=home, repo=REPO) for a in argv]
                 for argv, _ in DANGEROUS]
-    runs = run_jobs_at_once(*commands, timeout=120, env=env, at_once=2, cwd=work)
+    runs = run_jobs_at_once(*commands, timeout=300, env=env, at_once=2, cwd=work)
     for (argv, words), p in zip(DANGEROUS, runs):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and words in lines[0], (argv, p.stderr[-2000:])
-        assert "Traceback" not in p.stdout + p.stderr and p.seconds < 60, (argv, p.seconds)
+        assert "Traceback" not in p.stdout + p.stderr and p.seconds < 120, (argv, p.seconds)
     assert tree_hash(home) == before
     assert not (work / "runs").exists()  # the suggested default was only suggested
 
@@ -119,7 +119,7 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
             ["jobs/train.py", "--backend", "local", "--output", str(busy), "--overwrite"],
             ["jobs/train.py", "--backend", "local", "--output", str(busy), "--resume"],
             ["jobs/predict.py", "--run", str(local_digits_run), "--output", str(busy), "--overwrite", "--backend",
-             "local"], timeout=120, at_once=2)
+             "local"], timeout=300, at_once=2)
         for p in refused:
             assert p.returncode == 2 and f"another job is writing '{busy}' (train, pid {writer.pid}" in p.stderr, \
                 p.stderr[-2000:]
@@ -134,7 +134,7 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
     shutil.copytree(local_digits_run, earlier)
     before = tree_hash(earlier)
     bad = run_job("jobs/train.py", "--backend", "local", "--output", str(earlier), "--overwrite", "--dataset",
-                  str(tmp_path / "missing.parquet"), timeout=120)
+                  str(tmp_path / "missing.parquet"), timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr and tree_hash(earlier) == before, bad.stderr
     preds = tmp_path / "preds"
     again, first = run_jobs_at_once(

@@ -158,7 +158,7 @@ def cut_refusals(tmp_path_factory):
     models = user_module(tmp_path_factory, "my_models.py", USER_MODELS)
     return refusals_at_once(tmp_path_factory, "cuts", lambda i, out: [
         "jobs/train.py", "--backend", "local", "--output", str(out), "--strategy", "pipeline", "--model",
-        f"{models}:residual", *CUTS[i][0]], len(CUTS), timeout=120)
+        f"{models}:residual", *CUTS[i][0]], len(CUTS), timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(CUTS)), ids=[" ".join(args) for args, _ in CUTS])

@@ -46,7 +46,7 @@ def test_every_file_flag_and_test_the_readme_names_exists():
 
     commands = [["train"], ["tune"], ["evaluate"], ["predict"], *[["benchmark", suite] for suite in SUITES]]
     helps = "".join(subprocess.run([sys.executable, f"jobs/{job}.py", *rest, "--help"], cwd=REPO, capture_output=True,
-                                   text=True, timeout=120).stdout for job, *rest in commands)
+                                   text=True, timeout=300).stdout for job, *rest in commands)
     ours = set(re.findall(r"(--[a-z][a-z0-9-]*)", helps))
     theirs = {"--head", "--num-cpus", "--address", "--working-dir", "--submission-id", "--port", "--block",
               "--dashboard-host", "--dashboard-port", "--temp-dir", "--no-config-cache", "--yes", "--dir",
