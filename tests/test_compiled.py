@@ -163,6 +163,11 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     assert result["metrics"]["val_accuracy"] >= 0.95 and result["num_replicas"] == 2
     history = (out / "history.csv").read_text().splitlines()[0].split(",")
     assert {"train_auc", "val_auc", "train_accuracy", "val_accuracy"} <= set(history)
+    # The model function (pickled by value, it imports Keras) reached the workers without the Train controller
+    # unpickling it: TensorFlow's start-up notice is the workers', never the controller's (docs/design.md).
+    log = (out / "train.log").read_text().splitlines()
+    notices = [line for line in log if "oneDNN custom operations" in line]
+    assert notices and not [line for line in notices if line.startswith("(TrainController")], notices
 
     # One process, Keras's own metrics, the same validation rows.
     config = build_config(None, {"dataset": f"{user_file}:digits_one_hot", "output": str(tmp_path / "x")})
