@@ -75,3 +75,9 @@ def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_share
             assert [p["summed"] for p in pairs] == [True, False] and all(p["samples_per_second"] > 0 for p in pairs)
             assert pairs[0]["gradient_bytes"] == pairs[1]["gradient_bytes"] > 0
             assert pairs[0]["steps_per_epoch"] == pairs[1]["steps_per_epoch"] > 0
+            # The pair's samples, counted once: summed, each process counts both workers' (its measures are summed
+            # across the two); not summed, each its own. The same epoch either way.
+            summed, alone = pairs
+            assert [p["samples_per_epoch"] for p in summed["processes"]] == [summed["samples_per_epoch"]] * 2
+            assert sum(p["samples_per_epoch"] for p in alone["processes"]) == alone["samples_per_epoch"]
+            assert summed["samples_per_epoch"] == alone["samples_per_epoch"] > 0

@@ -77,13 +77,15 @@ def _ray_data_shard(config: TrainConfig, split):
     return ds.streaming_split(1, equal=True)[0]
 
 
-def _rates(training, iterator, plan, epochs: int) -> list[float]:
-    """Samples/s of each of ``epochs`` epochs."""
-    rates = []
+def _rates(training, iterator, plan, epochs: int) -> tuple[list[float], int]:
+    """Samples/s of each of ``epochs`` epochs, and the samples the last one counted (a worker of several counts
+    every worker's: its measures are summed across them, as a run's are)."""
+    rates, samples = [], 0
     for epoch in range(1, epochs + 1):
         stats = training.epoch(iterator, plan, epoch)
         rates.append(stats.samples / stats.seconds)
-    return rates
+        samples = stats.samples
+    return rates, samples
 
 
 def one(payload: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +105,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     else:
         shard = _ray_data_shard(config, source.train)
         batches = tf_input.train_batches_from_shard(shard, plan, source.facts, config.epochs)
-    per_epoch = _rates(training, distributed(strategy, batches), plan, config.epochs)
+    per_epoch, _ = _rates(training, distributed(strategy, batches), plan, config.epochs)
     return {"strategy": payload["strategy"], "input": payload["input"], "per_epoch": per_epoch,
             "samples_per_second": steady(per_epoch)}
 
@@ -130,10 +132,10 @@ def pair(payload: dict[str, Any]) -> dict[str, Any]:
     training = build_training(config, strategy, source, plan, collective)
     batches = tf_input.train_batches_from_arrays(source.train, plan, config.seed, config.shuffle, 0, config.epochs,
                                                  rank)
-    per_epoch = _rates(training, distributed(strategy, batches), plan, config.epochs)
+    per_epoch, samples = _rates(training, distributed(strategy, batches), plan, config.epochs)
     gradient_bytes = sum(int(v.numpy().nbytes) for v in training.training.model.trainable_variables)
-    return {"per_epoch": per_epoch, "samples_per_second": steady(per_epoch), "gradient_bytes": gradient_bytes,
-            "steps_per_epoch": plan.steps}
+    return {"per_epoch": per_epoch, "samples_per_second": steady(per_epoch), "samples_per_epoch": samples,
+            "gradient_bytes": gradient_bytes, "steps_per_epoch": plan.steps}
 
 
 def _pair(workload: dict[str, Any], summed: bool) -> dict[str, Any]:
@@ -143,8 +145,12 @@ def _pair(workload: dict[str, Any], summed: bool) -> dict[str, Any]:
     both = measure("app.bench.breakdown", "pair", [
         {"workload": workload, "rank": r, "summed": summed,
          "tf_config": {"cluster": cluster, "task": {"type": "worker", "index": r}}} for r in range(2)])
+    # Summed, each process counts both workers' samples (its measures are summed across the two, as a run's are):
+    # each one's rate is the pair's. Not summed, each counts its own: the pair's rate is their sum.
+    pick = (lambda rates: sum(rates) / len(rates)) if summed else sum
     return {"summed": summed, "processes": both,
-            "samples_per_second": sum(p["samples_per_second"] for p in both),
+            "samples_per_second": pick([p["samples_per_second"] for p in both]),
+            "samples_per_epoch": pick([p["samples_per_epoch"] for p in both]),
             "gradient_bytes": both[0]["gradient_bytes"], "steps_per_epoch": both[0]["steps_per_epoch"]}
 
 
