@@ -81,3 +81,4 @@ def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_share
             assert [p["samples_per_epoch"] for p in summed["processes"]] == [summed["samples_per_epoch"]] * 2
             assert sum(p["samples_per_epoch"] for p in alone["processes"]) == alone["samples_per_epoch"]
             assert summed["samples_per_epoch"] == alone["samples_per_epoch"] > 0
+            assert summed["cpu_seconds"] > 0 and alone["cpu_seconds"] > 0

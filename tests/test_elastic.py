@@ -23,9 +23,11 @@ from app.bench.node import TwoNodes
 from conftest import REPO, clean_env, ray_sessions, refusals_at_once, run_job, user_module
 
 # Rows and a rank-0 callback that makes each epoch last long enough for the cluster to change under the run
-# (it sleeps: the math is untouched); the fixed-size run takes a callback that does nothing, so that both runs
-# have the same callbacks machinery.
+# (it sleeps while the file HOLD exists, which the test removes once the cluster has changed twice: the math is
+# untouched); the fixed-size run takes a callback that does nothing, so that both runs have the same callbacks
+# machinery.
 USER = '''
+import os
 import time
 
 import keras
@@ -44,7 +46,8 @@ class Pause(keras.callbacks.Callback):
         self.seconds = seconds
 
     def on_epoch_end(self, epoch, logs=None):
-        time.sleep(self.seconds)
+        if os.path.exists(os.path.join(os.path.dirname(__file__), "HOLD")):
+            time.sleep(self.seconds)
 
 
 def slow():
@@ -87,6 +90,8 @@ class Lines:
 def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed_size_run(no_shared_ray, tmp_path,
                                                                                          tmp_path_factory):
     user = user_module(tmp_path_factory, "elastic_user.py", USER)
+    hold = user.parent / "HOLD"
+    hold.touch()
     # The same seed and global batch at a fixed size (one replica, no Ray), trained while the elastic run waits on
     # its pauses and resizes: the same weights at the end.
     fixed = tmp_path / "fixed"
@@ -117,6 +122,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
             at = console.wait_for(r"epoch +\d+/24", 120, at + 1)
         nodes.leave()
         console.wait_for(r"resized 2 -> 1 workers: node \w+ lost; resumed at epoch \d+ step \d+ from", 240, at)
+        hold.unlink()  # the cluster has changed twice: the epochs left need no pause
         assert driver.wait(timeout=600) == 0, "".join(console.lines)[-4000:]
     finally:
         nodes.close()

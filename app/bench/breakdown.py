@@ -31,6 +31,7 @@ around it. The gradients' bytes per step are reported beside it.
 from __future__ import annotations
 
 import logging
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +143,21 @@ def _pair(workload: dict[str, Any], summed: bool) -> dict[str, Any]:
     from app.driver.cluster import free_port
 
     cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     both = measure("app.bench.breakdown", "pair", [
         {"workload": workload, "rank": r, "summed": summed,
          "tf_config": {"cluster": cluster, "task": {"type": "worker", "index": r}}} for r in range(2)])
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)  # both processes waited for: their CPU time is counted
     # Summed, each process counts both workers' samples (its measures are summed across the two, as a run's are):
     # each one's rate is the pair's. Not summed, each counts its own: the pair's rate is their sum.
     pick = (lambda rates: sum(rates) / len(rates)) if summed else sum
     return {"summed": summed, "processes": both,
             "samples_per_second": pick([p["samples_per_second"] for p in both]),
             "samples_per_epoch": pick([p["samples_per_epoch"] for p in both]),
-            "gradient_bytes": both[0]["gradient_bytes"], "steps_per_epoch": both[0]["steps_per_epoch"]}
+            "gradient_bytes": both[0]["gradient_bytes"], "steps_per_epoch": both[0]["steps_per_epoch"],
+            # Both processes' CPU seconds (user + system), start-up included: where the all-reduce's cost would show
+            # if it were compute rather than waiting.
+            "cpu_seconds": (ended.ru_utime - used.ru_utime) + (ended.ru_stime - used.ru_stime)}
 
 
 def run(preset: Preset, out: Path, command: str) -> list[Path]:

@@ -83,7 +83,8 @@ def pair_lines(pairs: list[dict[str, Any]]) -> str:
     return (f"2 processes, each one worker of 2, gradients summed: {summed['samples_per_second']:,.0f} samples/s; "
             f"the same without the sum: {alone['samples_per_second']:,.0f} samples/s; summed / not "
             f"{summed['samples_per_second'] / alone['samples_per_second']:.2f} "
-            f"({summed['gradient_bytes']:,} gradient bytes summed per step)")
+            f"({summed['gradient_bytes']:,} gradient bytes summed per step; CPU seconds of both processes, summed "
+            f"{summed['cpu_seconds']:.1f}, not {alone['cpu_seconds']:.1f})")
 
 
 def checkpoint_summary(r: dict[str, Any]) -> str:
