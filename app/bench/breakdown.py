@@ -153,7 +153,7 @@ def _pair(workload: dict[str, Any], summed: bool) -> dict[str, Any]:
     pick = (lambda rates: sum(rates) / len(rates)) if summed else sum
     return {"summed": summed, "processes": both,
             "samples_per_second": pick([p["samples_per_second"] for p in both]),
-            "samples_per_epoch": pick([p["samples_per_epoch"] for p in both]),
+            "samples_per_epoch": int(pick([p["samples_per_epoch"] for p in both])),
             "gradient_bytes": both[0]["gradient_bytes"], "steps_per_epoch": both[0]["steps_per_epoch"],
             # Both processes' CPU seconds (user + system), start-up included: where the all-reduce's cost would show
             # if it were compute rather than waiting.
