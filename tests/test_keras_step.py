@@ -7,8 +7,8 @@ fit on x alone; a GAN with compile(d_optimizer, g_optimizer); a distiller with a
 compile() of its own and compute_loss overridden; add_loss; two named outputs with dict losses and loss_weights),
 each input as fit() takes it (arrays, a dict of arrays, a list of arrays, tf.data of x, (x, y) and (x, y, w), a
 PyDataset, a generator with steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split). It
-runs twice: every pair on one worker (the local backend, in the local test lane) and on 2 workers (joined to the
-session's Ray) every pair whose rows reach the workers by a path of their own; the tests below read the two tables.
+runs twice: every pair on one worker (the local backend, in the local test lane), and on 2 workers (joined to the
+session's Ray) every model kind and every path by which rows reach the workers; the tests below read the two tables.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ PAIRS = [("functional", "arrays"), ("functional", "dict"), ("functional", "tf.da
          ("two_outputs", "two targets"), ("two_inputs", "list")]
 NAMES = [f"{m} | {i}" for m, i in PAIRS]
 # On 2 workers (a Ray run each, ~18 s): every model kind, and every path by which rows reach the workers (not
-# every pairing of the two). A dict of arrays, a PyDataset and a generator are read by the driver into rows as arrays are
-# (app.data.keras_inputs.read), and the workers cut those rows as they cut the arrays' (KerasData.worker_dataset):
-# on 2 workers they run what "functional | arrays" runs (a nested structure is cut in "two_inputs | list" and
-# "two_outputs | two targets"); the distiller's arrays take that path too, its tf.data the pipeline's. The
-# one-worker table checks every pair against Keras's fit.
+# every pairing of the two). A dict of arrays, a PyDataset and a generator are read by the driver into rows as
+# arrays are (app.data.keras_inputs.read), and the workers cut those rows as they cut the arrays'
+# (KerasData.worker_dataset): on 2 workers they run what "functional | arrays" runs (a nested structure is cut in
+# "two_inputs | list" and "two_outputs | two targets"); the distiller's arrays take that path too, its tf.data the
+# pipeline's. The one-worker table checks every pair against Keras's fit.
 TWO_WORKER_PAIRS = [pair for pair in PAIRS if pair not in {("functional", "dict"), ("functional", "PyDataset"),
                                                            ("functional", "generator"), ("distiller", "arrays")}]
 TWO_WORKER_NAMES = [f"{m} | {i}" for m, i in TWO_WORKER_PAIRS]
