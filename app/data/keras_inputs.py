@@ -103,29 +103,43 @@ class KerasData:
         return int(sizes[sizes < world].sum())
 
     def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
-        """This worker's batches over ``epochs`` as one ``tf.data.Dataset`` (fit() reads it with
-        ``steps_per_epoch``); ``training``: batches that cannot give every worker a row are left out, so every
-        worker has the same steps."""
+        """This worker's batches of one epoch of ``epochs`` as a ``tf.data.Dataset`` that fit() iterates once per
+        epoch, and ``choose(epoch)``, which says which epoch its next pass is (call it when the epoch begins: a
+        callback's ``on_epoch_begin``, ahead of the epoch's iterator). Returns (dataset, choose).
+
+        One pass per epoch, as fit() reads the user's arrays: a model compiled with ``steps_per_execution`` runs
+        its last execution of an epoch short, where one dataset of every epoch read with ``steps_per_epoch`` would
+        run it into the next epoch's batches. ``training``: batches that cannot give every worker a row are left
+        out, so every worker has the same steps."""
         import tensorflow as tf
 
         if self.pipeline is not None:
-            return self._rerun(epochs, seed, rank, world, training)
-        parts = []
+            return self._rerun(epochs, seed, rank, world, training), lambda epoch: None
+        parts, counts = [], []
         for e in epochs:
-            for batch in self.epoch(e, seed):
-                if len(batch) < world and (training or len(batch) <= rank):
-                    continue
-                parts.append(batch[rank * len(batch) // world:(rank + 1) * len(batch) // world])
+            kept = [batch for batch in self.epoch(e, seed) if len(batch) >= world or not training and len(batch) > rank]
+            parts += [batch[rank * len(batch) // world:(rank + 1) * len(batch) // world] for batch in kept]
+            counts.append(len(kept))
         index = np.concatenate(parts) if parts else np.zeros((0,), np.int64)
         starts = np.r_[0, np.cumsum([len(p) for p in parts])].astype(np.int64)
         leaves = [tf.constant(a) for a in tf.nest.flatten(self.rows)]
         index_t, starts_t = tf.constant(index), tf.constant(starts)
+        first_part_t = tf.constant(np.r_[0, np.cumsum(counts)].astype(np.int64))
+        with tf.device("/cpu:0"):
+            chosen = tf.Variable(0, dtype=tf.int64, trainable=False)  # which epoch of ``epochs`` (from 0)
 
         def batch(i):
             take = index_t[starts_t[i]:starts_t[i + 1]]
             return tf.nest.pack_sequence_as(self.rows, [tf.gather(leaf, take) for leaf in leaves])
 
-        return tf.data.Dataset.range(len(parts)).map(batch).prefetch(2)
+        def one_epoch(_):  # read when a pass begins: after choose()
+            k = chosen.read_value()
+            return tf.data.Dataset.range(first_part_t[k], first_part_t[k + 1])
+
+        ds = tf.data.Dataset.from_tensors(0).flat_map(one_epoch)
+        if len(set(counts)) == 1:  # fit() knows an epoch's steps (callbacks' params["steps"]), as for arrays
+            ds = ds.apply(tf.data.experimental.assert_cardinality(counts[0]))
+        return ds.map(batch).prefetch(2), lambda epoch: chosen.assign(epochs.index(epoch))
 
     def _rerun(self, epochs: range, seed: int, rank: int, world: int, training: bool):
         """The user's pipeline with, of each batch, this worker's rows (as above): one pass per epoch, for fit() to

@@ -139,17 +139,18 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     # Global batches too small to give every worker a row are left out (KerasData.worker_dataset): not steps.
     steps = sum(1 for batch in train.epoch(first, job.seed) if len(batch) >= session.world)
     epochs = range(first, job.epochs)
-    train_ds = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
+    train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
-                                                         training=False)
+                                                         training=False)[0]
     own = list(job.callbacks or [])
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
-    callbacks = [*(own if session.rank == 0 else []), *bar,
+    callbacks = [keras_callbacks.EpochInput(choose_epoch), *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
-    # A pipeline every worker runs again is one pass per epoch, which fit() iterates as it would the user's dataset.
-    model.fit(train_ds, epochs=job.epochs, initial_epoch=first, steps_per_epoch=None if train.pipeline else steps,
+    # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
+    # pipeline every worker runs again).
+    model.fit(train_ds, epochs=job.epochs, initial_epoch=first,
               validation_data=val_ds,
               validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
 

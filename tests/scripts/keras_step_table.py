@@ -36,6 +36,15 @@ def functional():
     return model
 
 
+def executions():
+    """The functional model compiled with steps_per_execution=3: an epoch's 5 steps run as 3 and 2, as fit() runs
+    them on arrays (one pass per epoch), not as 3 and 3 into the next epoch's batches."""
+    model = functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], weighted_metrics=["accuracy"], steps_per_execution=3)
+    return model
+
+
 def two_inputs():
     """Two inputs, fit on a list of two arrays (Keras's convention for a model of several inputs)."""
     keras.utils.set_random_seed(1)
@@ -245,8 +254,8 @@ INPUTS = {
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
     "list": lambda: {"x": [X[:, :2], X[:, 2:]], "y": Y, "batch_size": 24, "validation_split": 0.25},
 }
-MODELS = {"functional": functional, "two_inputs": two_inputs, "own_step": own_step, "gan": gan, "distiller": distiller,
-          "add_loss": add_loss, "two_outputs": two_outputs}
+MODELS = {"functional": functional, "executions": executions, "two_inputs": two_inputs, "own_step": own_step,
+          "gan": gan, "distiller": distiller, "add_loss": add_loss, "two_outputs": two_outputs}
 EPOCHS = 2
 
 
