@@ -80,6 +80,37 @@ def test_initial_epoch_and_validation_freq_as_keras_counts_them(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def executions():
+    model = compiled()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  steps_per_execution=3)
+    return model
+
+
+def test_a_steps_per_epoch_that_ends_inside_an_execution_is_said_and_a_whole_one_trains_as_keras(tmp_path):
+    """Keras's fit reads a generator through one iterator and runs whole executions: steps_per_epoch=4 with
+    steps_per_execution=3 trains 6 steps an epoch there. app.fit trains the 4 it was given and says so; with
+    steps_per_epoch=6 the two agree. (Arrays and datasets, one pass an epoch: tests/test_keras_step.py.)"""
+    def batches(passes):
+        for _ in range(passes):
+            for i in range(0, 60, 16):
+                yield X[i:i + 16], Y[i:i + 16]
+
+    app.fit(executions, batches(3), steps_per_epoch=4, epochs=2, backend="local", output=str(tmp_path / "split"),
+            verbose=0)
+    assert ("steps_per_epoch 4 is not a multiple of the model's steps_per_execution 3: Keras's fit would run 6 steps "
+            "an epoch") in (tmp_path / "split" / "train.log").read_text()
+    model = executions()
+    expected = model.fit(batches(3), steps_per_epoch=6, epochs=2, verbose=0)
+    got = app.fit(executions, batches(3), steps_per_epoch=6, epochs=2, backend="local", output=str(tmp_path / "whole"),
+                  verbose=0)
+    assert int(got.model.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 12
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(got.history[key], values, atol=1e-6, err_msg=key)
+    for a, b in zip(model.get_weights(), got.model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_a_two_optimizer_model_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     whole = app.fit(two_optimizers, X, batch_size=20, epochs=3, shuffle=False, backend="local",
                     output=str(tmp_path / "whole"), verbose=0)

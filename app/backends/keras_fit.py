@@ -140,13 +140,16 @@ def _replace(final: Path, fresh: Path) -> None:
     os.replace(fresh, final)
 
 
+WARNING = "warning: "  # a plan line that starts so is a warning
+
+
 def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
     """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already)."""
     from app.backend import backend_of
 
     started = time.time()
-    for line in plan:
-        log.info(line)
+    for line in plan:  # a warning reaches the console even under app.fit(verbose=0)
+        (log.warning if line.startswith(WARNING) else log.info)(line.removeprefix(WARNING))
     on_ray = backend_of(config).on_ray
     if on_ray:
         cluster.connect(config)

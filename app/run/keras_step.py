@@ -238,6 +238,15 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
     if callbacks:
         lines.append(f"callbacks: {', '.join(type(c).__name__ for c in callbacks)} on rank 0; their stop and "
                      "learning-rate decisions taken by every worker")
+    executions = int(getattr(model, "steps_per_execution", 1) or 1)
+    if train.steps_per_epoch and train.steps_per_epoch % executions:
+        # Keras's fit reads such an input through one iterator and runs whole executions: it would go on into the
+        # next epoch's batches. Each epoch here is the steps_per_epoch batches it names.
+        whole = -(-train.steps_per_epoch // executions) * executions
+        lines.append(f"warning: steps_per_epoch {train.steps_per_epoch} is not a multiple of the model's "
+                     f"steps_per_execution {executions}: Keras's fit would run {whole} steps an epoch (whole "
+                     f"executions), this run runs {train.steps_per_epoch}; give steps_per_epoch={whole} for the two to "
+                     "agree")
     return lines
 
 
