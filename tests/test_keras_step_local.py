@@ -174,7 +174,7 @@ def test_a_tf_data_pipeline_runs_every_epoch_on_every_worker_each_row_once():
         assert data.pipeline is not None and data.read_once == "" and data.num_batches == 4
 
         def passes(rank, data=data):
-            ds = data.worker_dataset(range(3), 0, rank, 2, training=True)
+            ds, _ = data.worker_dataset(range(3), 0, rank, 2, training=True)
             return [list(ds.as_numpy_iterator()) for _ in range(3)]
 
         ranks = [passes(0), passes(1)]
