@@ -59,18 +59,22 @@ def worker_loop(p: dict[str, Any]) -> None:
     context = ray.train.get_context()
     size, rank = context.get_world_size(), context.get_world_rank()
     strategy = tf.distribute.MultiWorkerMirroredStrategy() if size > 1 else tf.distribute.get_strategy()
-    start = 0
+    start, largest = 0, size
     if ray.train.get_checkpoint():
         with ray.train.get_checkpoint().as_directory() as d:
-            start = json.loads((Path(d) / "state.json").read_text())["step"]
+            state = json.loads((Path(d) / "state.json").read_text())
+        start, largest = state["step"], max(size, state.get("largest", size))
+    # Once the group has shrunk, both resizes are behind it: the steps left only end the run, so they do not sleep
+    # (``steps`` is a budget for slow resizes, not a duration).
+    pause = p["step_seconds"] if size >= largest else 0.0
     for step in range(start, p["steps"]):
         total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
         with open(p["events"], "a") as f:
             f.write(json.dumps({"t": time.time(), "step": step, "size": size, "rank": rank, "sum": float(total)}) + "\n")
-        time.sleep(p["step_seconds"])
+        time.sleep(pause)
         if (step + 1) % p["checkpoint_every"] == 0:
             with tempfile.TemporaryDirectory() as d:
-                (Path(d) / "state.json").write_text(json.dumps({"step": step + 1}))
+                (Path(d) / "state.json").write_text(json.dumps({"step": step + 1, "largest": largest}))
                 checkpoint = ray.train.Checkpoint.from_directory(d) if rank == 0 else None
                 ray.train.report({"step": step + 1, "size": size}, checkpoint=checkpoint)
 
