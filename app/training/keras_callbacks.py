@@ -63,18 +63,6 @@ class Decisions(keras.callbacks.Callback):
         self._agree()
 
 
-class EpochInput(keras.callbacks.Callback):
-    """Points the worker's input at the epoch that begins (app.data.keras_inputs.KerasData.worker_dataset): fit()
-    makes the epoch's iterator after every callback's on_epoch_begin."""
-
-    def __init__(self, choose: Callable[[int], Any]):
-        super().__init__()
-        self.choose = choose
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.choose(epoch)
-
-
 class Bar(keras.callbacks.Callback):
     """verbose=1 for a person at a terminal: rank 0's bar inside each epoch (app.training.loop.EpochBar: drawn
     only once an epoch has run a few seconds), closed before the epoch's line."""

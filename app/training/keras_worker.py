@@ -145,7 +145,9 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     own = list(job.callbacks or [])
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
-    callbacks = [keras_callbacks.EpochInput(choose_epoch), *(own if session.rank == 0 else []), *bar,
+    # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
+    epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
+    callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
