@@ -63,8 +63,13 @@ class RayKerasSession:
 
     def inputs(self) -> tuple[KerasData, Optional[KerasData]]:
         import ray
+        import ray.train
 
-        return ray.get(self.payload["train"]), ray.get(self.payload["val"]) if self.payload["val"] else None
+        train, val = ray.get(self.payload["train"]), ray.get(self.payload["val"]) if self.payload["val"] else None
+        for data in (train, val):
+            if getattr(data, "streamed", False):  # a path or a ray.data.Dataset: this worker's split of it
+                data.shard = ray.train.get_dataset_shard(data.name)
+        return train, val
 
     def last_checkpoint(self) -> Optional[str]:
         import ray.train
@@ -143,8 +148,9 @@ def _replace(final: Path, fresh: Path) -> None:
 WARNING = "warning: "  # a plan line that starts so is a warning
 
 
-def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
-    """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already)."""
+def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[dict] = None) -> KerasRun:
+    """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already).
+    ``datasets``: the Ray Datasets of streamed inputs (app.data.keras_stream), by the name the workers ask for."""
     from app.backend import backend_of
 
     started = time.time()
@@ -158,7 +164,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
     try:
         with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
             if on_ray:
-                directory = _ray_fit(config, job, out)
+                directory = _ray_fit(config, job, out, datasets or {})
             else:
                 keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
                 directory = str(out / "checkpoint")
@@ -167,7 +173,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str]) -> KerasRun:
         outputs.release_output_dir(config)
 
 
-def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
+def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> str:
     import ray
     import ray.train
 
@@ -187,9 +193,13 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path) -> str:
                "cpus_per_worker": config.cpus_per_worker, "stall_timeout_s": job.stall_timeout_s,
                "start_from": _last_checkpoint(config, out)}
     name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from app.data import keras_stream
+
     trainer = tf_config.trainer(
         train_loop_per_worker=keras_loop_per_worker,
         train_loop_config=payload,
+        datasets=datasets or None,
+        dataset_config=keras_stream.data_config(datasets) if datasets else None,
         scaling_config=ray.train.ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                                resources_per_worker={"CPU": config.cpus_per_worker},
                                                placement_strategy=config.placement_strategy),

@@ -201,15 +201,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
             cluster.connect(config)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if streamed_files or (function and require_fit):
-        cluster.connect(config)
-        from ray.data import DataContext
-
-        # Datasets seal the current context when created: set before any is. Their
-        # progress bars are Ray's internals (read tasks, split coordinators), not ours.
-        DataContext.get_current().enable_progress_bars = config.show_logs
-        console.quiet_now()  # Ray is up, and importing Ray Data made its console handler
-    if streamed_files:  # before Ray Data reads a byte: its read tasks need CPUs of their own
-        cluster.check_room_for_reads(config)
+        cluster.connect_for_data(config, reads=bool(streamed_files))
     checked = preflight.check(config, config.max_workers, loc=loc, tensor_devices=_tensor_devices(config))
     if checked.source.streamed and step_exact:
         raise UserError(STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))

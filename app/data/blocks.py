@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -153,7 +153,7 @@ def _conformed(table: "pa.Table", spec: Spec) -> "pa.Table":
     import pyarrow.compute as pc
 
     numeric = [*spec.features] if spec.kind == "scalars" else []
-    if spec.kind != "images":  # an image folder's labels are its class folders
+    if spec.kind != "images" and spec.label in table.column_names:  # an image folder's labels are its class folders
         numeric.append(spec.label)
     if spec.kind == "list":
         column = _column(table, spec.features[0])
@@ -336,6 +336,25 @@ def preprocess(table: "pa.Table", spec: Spec, keep: str, weights: bool) -> "pa.T
                ID: pa.array(ids)}
     if weights:
         columns[W] = pa.array(np.ones(len(y), dtype=np.float32))
+    return pa.table(columns)
+
+
+def keras_rows(table: "pa.Table", spec: Spec, labelled: bool) -> tuple[Any, Optional[np.ndarray]]:
+    """A raw block -> (x, y) as Keras's fit takes them from a streamed input (app.data.keras_stream): the features
+    as the product reads them (``features``), the label column's values as stored (y None: no label column)."""
+    table = _conformed(table, spec)
+    return features(table, spec), _labels(table, spec) if labelled else None
+
+
+def keras_block(table: "pa.Table", spec: Spec, labelled: bool) -> "pa.Table":
+    """A raw block -> the x (and y) columns of a streamed Keras input's Ray Dataset (``keras_rows``)."""
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    x, y = keras_rows(table, spec, labelled)
+    columns = {k: ArrowTensorArray.from_numpy(a) for k, a in x_columns(x).items()}
+    if y is not None:
+        columns[Y] = ArrowTensorArray.from_numpy(y) if y.ndim > 1 else pa.array(y)
     return pa.table(columns)
 
 

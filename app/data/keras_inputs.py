@@ -102,6 +102,14 @@ class KerasData:
             np.diff(np.r_[np.arange(0, self.num_rows, self.batch_size), self.num_rows])
         return int(sizes[sizes < world].sum())
 
+    def steps_on(self, world: int, epoch: int, seed: int) -> int:
+        """Each worker's steps in ``epoch``: global batches too small to give every worker a row are left out."""
+        return sum(1 for batch in self.epoch(epoch, seed) if len(batch) >= world)
+
+    def uneven_batches(self, world: int) -> bool:
+        """Whether a global batch of the first epoch does not divide over ``world`` workers."""
+        return world > 1 and any(len(b) % world for b in self.epoch(0, 0))
+
     def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
         """This worker's batches of one epoch of ``epochs`` as a ``tf.data.Dataset`` that fit() iterates once per
         epoch, and ``choose(epoch)``, which says which epoch its next pass is (call it when the epoch begins: a

@@ -54,6 +54,21 @@ def check_fits_locally(config: TrainConfig) -> None:
         raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
 
 
+def connect_for_data(config: TrainConfig, reads: bool) -> None:
+    """``connect``, before the driver makes any Ray Dataset: Ray Data's progress bars off (datasets seal the
+    current context when created; their bars are Ray's internals: read tasks, split coordinators), the console
+    quiet again (importing Ray Data made its handler), and with ``reads`` (files to stream) room for read tasks."""
+    connect(config)
+    from ray.data import DataContext
+
+    from app.ui import console
+
+    DataContext.get_current().enable_progress_bars = config.show_logs
+    console.quiet_now()
+    if reads:  # before Ray Data reads a byte: its read tasks need CPUs of their own
+        check_room_for_reads(config)
+
+
 def connect(config: TrainConfig) -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), or start a local one.
 

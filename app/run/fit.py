@@ -40,6 +40,7 @@ import numpy as np
 
 from app.backend import backend_of
 from app.config import TrainConfig, build_config
+from app.data import keras_stream
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
@@ -56,15 +57,20 @@ RECORD_ONLY = ("epoch", "seconds", "workers")  # a Keras-step run's record besid
 # product's own training features (LR scaling, gradient accumulation, ...), which its own step provides.
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
-                     "placement_strategy", "show_logs", "config"}
+                     "placement_strategy", "show_logs", "config",
+                     # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
+                     "label_column", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
+                     "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
+                     "stream_buffer_mib"}
 
 
 def keras_step_input(x: Any) -> bool:
-    """An input that Keras's fit reads itself: arrays (or a dict, list or tuple of them), a tf.data.Dataset, a
-    keras.utils.PyDataset or a generator; not a path or a data function, which are the product's own inputs."""
+    """An input that a model's own fit trains on: what Keras's fit reads itself (arrays, or a dict, list or tuple
+    of them, a tf.data.Dataset, a keras.utils.PyDataset, a generator), and a path or a ray.data.Dataset, streamed
+    to the workers (app.data.keras_stream); not a data function, the product's own input."""
     import inspect
 
-    return (is_array_input(x) or is_tf_dataset(x) or inspect.isgenerator(x)
+    return (is_array_input(x) or is_tf_dataset(x) or inspect.isgenerator(x) or keras_stream.is_streamed(x)
             or any(c.__name__ == "PyDataset" for c in type(x).__mro__))
 
 
@@ -270,6 +276,11 @@ def _data_fields(x: Any, y: Any, validation_data: Any, validation_split: float, 
             raise UserError("validation_data and validation_split take arrays: with a tf.data.Dataset as x, "
                             "give validation rows as a data function returning {'train': ds, 'val': ds_val}")
         return {"dataset": _given(x, "fit(tf.data.Dataset)")}
+    if keras_stream.is_ray_dataset(x):
+        if validating:
+            raise UserError("with a ray.data.Dataset as x and a model that brings no step of its own, validation "
+                            "rows are the seeded val_fraction holdout: leave out validation_data and validation_split")
+        return {"dataset": _given(x, "fit(ray.data.Dataset)")}
     if callable(x):
         if validating:
             raise UserError("validation_data and validation_split take arrays: a data function returns "

@@ -12,7 +12,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from app.config import build_config
-from app.data import keras_inputs
+from app.data import keras_inputs, keras_stream
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,15 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x)
     if isinstance(model_fn, str):
         model_fn = registry.resolve(model_fn, registry.MODELS)
+    config = build_config(fields.pop("config", None), {
+        **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
+        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, num_workers))})
+    world = 1 if not _on_ray(config) else num_workers
+    datasets: dict[str, Any] = {}
+    if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
+        x, y, validation_data, datasets = _streamed(config, world, x, y, validation_data, validation_split,
+                                                     sample_weight, class_weight, steps_per_epoch, validation_steps,
+                                                     batch_size, validation_batch_size, shuffle)
     arrays = keras_inputs.is_array_input(x)
     if arrays and validation_split and validation_data is None:
         from app import internals
@@ -81,23 +90,25 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elif validation_split and validation_data is None:
         raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
                         "give validation_data instead")
-    train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
-                              batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-                              epochs=epochs - initial_epoch, what="x", rerun=True)
+    if "train" in datasets:
+        train = x
+    else:
+        train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
+                                  batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
+                                  class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
     _check_labels(model, train)
     val = None
-    if validation_data is not None:
+    if "val" in datasets:
+        val = validation_data
+        _same_structure(train, val)
+    elif validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
                           train)
-    config = build_config(fields.pop("config", None), {
-        **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
-        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, num_workers))})
     outputs.check_output_dir(config)
     done = keras_fit.epochs_done(config)
     if done >= epochs:
         raise UserError(f"the run in {config.output_dir()} has trained {done} epochs already: give epochs= more than "
                         f"{done} to train it further with resume=True")
-    world = 1 if not _on_ray(config) else num_workers
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
@@ -108,8 +119,62 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
-        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan)
+        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets)
     return run, config.output_dir()
+
+
+def _streamed(config, world: int, x: Any, y: Any, validation_data: Any, validation_split: float, sample_weight: Any,
+              class_weight: Any, steps_per_epoch: Optional[int], validation_steps: Optional[int],
+              batch_size: Optional[int], validation_batch_size: Optional[int], shuffle: Any):
+    """Paths and ray.data.Datasets (app.data.keras_stream): on Ray, each one's description and its Ray Dataset
+    (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
+    Returns (x, y, validation_data, datasets)."""
+    given = [name for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight),
+                                      ("steps_per_epoch", steps_per_epoch), ("validation_steps", validation_steps))
+             if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} with a path or a ray.data.Dataset: its columns hold the labels "
+                        f"(label_column={config.label_column!r}) and every epoch streams every row; leave "
+                        f"{'it' if len(given) == 1 else 'them'} out")
+    if validation_split:
+        raise UserError("validation_split takes the last rows of arrays, as in Keras; with a path or a "
+                        "ray.data.Dataset give validation_data (a path or a Dataset of the same columns)")
+    for value, what in ((x, "x"), (validation_data, "validation_data")):
+        if value is not None and not keras_stream.is_streamed(value):
+            raise UserError(f"{what} is a {type(value).__name__} beside a streamed input: give x and "
+                            "validation_data both as paths or ray.data.Datasets")
+    if not _on_ray(config):
+        xy = keras_stream.read_local(x, config, "x")
+        val = None if validation_data is None else keras_stream.read_local(validation_data, config, "validation_data")
+        return xy[0], xy[1], val, {}
+    from app.driver import cluster
+
+    cluster.connect_for_data(config, reads=True)
+    train, train_ds = keras_stream.prepare(x, config, name="train", what="x", batch_size=batch_size or
+                                           KERAS_BATCH_SIZE, world=world, shuffle=bool(shuffle), training=True)
+    datasets = {"train": train_ds}
+    val = None
+    if validation_data is not None:
+        val, datasets["val"] = keras_stream.prepare(
+            validation_data, config, name="val", what="validation_data",
+            batch_size=validation_batch_size or batch_size or KERAS_BATCH_SIZE, world=world, shuffle=False,
+            training=False)
+    return train, None, val, datasets
+
+
+def _same_structure(train, val) -> None:
+    """Validation rows of another x / y structure than training's: one line before any worker starts."""
+    import tensorflow as tf
+
+    try:
+        tf.nest.assert_same_structure(train.rows, val.rows)
+    except (ValueError, TypeError):
+        raise UserError(f"validation_data's elements are {_structure(val.rows)} but the training data's are "
+                        f"{_structure(train.rows)}: give both the same x (and y) columns") from None
+    shapes = [(a.shape[1:], b.shape[1:]) for a, b in zip(tf.nest.flatten(train.rows), tf.nest.flatten(val.rows))]
+    if any(a != b for a, b in shapes):
+        raise UserError(f"validation_data's examples have shapes {[b for _, b in shapes]} but the training data's "
+                        f"{[a for a, _ in shapes]}: give both the same columns")
 
 
 def given(data: Any, name: str) -> Callable[[], Any]:
@@ -226,12 +291,13 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
             "its shuffle reshuffles and its random maps draw again, as in Keras's fit"] if train.pipeline else
           [f"x: a tf.data pipeline read once here, as its first pass: {train.read_once}; its shuffle and random maps "
            "are not drawn again each epoch"] if train.read_once else []),
+        *[data.describe(what) for data, what in ((train, "x"), (val, "validation_data"))
+          if getattr(data, "streamed", False)],
         (f"validation: {val.num_rows} rows" + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
          if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
          "epochs are ranked by the training loss"),
     ]
-    sizes = {len(b) for b in train.epoch(0, 0)}
-    if world > 1 and any(n % world for n in sizes):
+    if train.uneven_batches(world):
         lines.append(f"a global batch that does not divide over the {world} workers is cut into parts one row apart: "
                      "the gradients and Keras's loss are exact; a Mean tracker fed one value per batch (a train_step's "
                      "own, Keras's per-output losses) averages the parts' means (exact when every batch divides)")

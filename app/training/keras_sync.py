@@ -104,7 +104,11 @@ def _metric_variables(model) -> list:
 
 def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
     """The epoch's (or evaluation's) logs over every worker: Keras's own choice between the metrics' results and
-    the last step's logs, from the metric states summed over the workers."""
+    the last step's logs, from the metric states summed over the workers. A worker that ran no step (its part of
+    a streamed validation set is empty) has no logs: its metrics' results stand for them (zero states, keyed as
+    the others' logs of a step that returns its metrics' results)."""
+    if not logs:
+        logs = dict(model.get_metrics_result())
     if not isinstance(logs, dict) or any(isinstance(v, dict) or np.ndim(v) for v in logs.values()):
         raise TypeError(f"the model's train_step or test_step returned {_kind(logs)}: return a dict of scalars "
                         "(the metrics' results, {m.name: m.result() for m in self.metrics}), as fit() logs them")

@@ -86,13 +86,19 @@ def checkpoint_of(model) -> Any:
     return tf.train.Checkpoint(variables=list(model.variables), optimizers=optimizers_of(model))
 
 
-def build(model, data: KerasData) -> None:
+def build(model, data: KerasData, val: Optional[KerasData] = None) -> None:
     """Create every variable the model's step uses (layers, optimizers' slots, metrics) without taking a step:
-    trace ``train_step`` once on the input's element spec, as fit() would at its first step."""
+    trace ``train_step`` once on the input's element spec, as fit() would at its first step, and ``test_step`` on
+    the validation input's (a worker whose part of the validation rows is empty has the same metric states to sum
+    as the others)."""
     import tensorflow as tf
 
-    spec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data.rows)
-    tf.function(model.train_step).get_concrete_function(spec)
+    def spec(d):
+        return tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), d.rows)
+
+    tf.function(model.train_step).get_concrete_function(spec(data))
+    if val is not None:
+        tf.function(model.test_step).get_concrete_function(spec(val))
 
 
 def read_state(directory: str | Path) -> dict[str, Any]:
@@ -123,7 +129,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     train, val = session.inputs()
     model = job.model_fn()
     keras_sync.synchronise(model, collective)
-    build(model, train)
+    build(model, train, val)
 
     state = {"epoch": job.initial_epoch, "history": []}
     resumed = session.last_checkpoint()
@@ -136,8 +142,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
     first = state["epoch"]
-    # Global batches too small to give every worker a row are left out (KerasData.worker_dataset): not steps.
-    steps = sum(1 for batch in train.epoch(first, job.seed) if len(batch) >= session.world)
+    steps = train.steps_on(session.world, first, job.seed)
     epochs = range(first, job.epochs)
     train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
