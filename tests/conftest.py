@@ -55,6 +55,8 @@ LOCAL_LANE_TESTS = {
     "test_predict::test_local_backend_predicts_the_same_without_importing_ray",
     "test_tfrecord::test_local_backend_trains_on_tfrecords_without_ray",
     "test_named_inputs::test_bad_inputs_mappings_are_one_line",
+    "test_keras_stream::test_the_local_backend_reads_a_path_and_trains_as_keras_fit_weight_for_weight",
+    "test_keras_stream::test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts",
     "test_your_own::test_bad_plugins_give_one_line_before_anything_starts",
     "test_your_own::test_users_softmax_convnet_from_a_file_matches_its_logits_twin",
     "test_predict::test_bad_input_is_one_line_before_the_pool_starts",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -216,18 +216,22 @@ def _projected(raw: "ray.data.Dataset", loc, spec: Spec, labelled: bool) -> "ray
     return raw.select_columns([*spec.features, *([spec.label] if labelled else [])])
 
 
-def prepare(x: Any, config: "TrainConfig", *, name: str, what: str, batch_size: int, world: int, shuffle: bool,
-            training: bool) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
-    """A streamed input, checked and described (``inspect``), and its Ray Dataset of x / y columns (Ray must be
-    connected: the checks read the schema and the count through Ray Data)."""
-    from app.data import streamed
-    from app.data.blocks import batch_rows, keras_block, keras_rows
-
+def check_batch(batch_size: int, world: int, what: str) -> None:
+    """A streamed input's global batch is cut into equal worker batches."""
     if batch_size % world:
         below, above = batch_size // world * world, (batch_size // world + 1) * world
         raise UserError(f"batch_size {batch_size} is the global batch and a streamed {what} is cut into equal worker "
                         f"batches: it must divide over the {world} workers (use {below or above} or {above})")
-    loc = locate_input(x, config)
+
+
+def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int, world: int, shuffle: bool,
+            training: bool) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
+    """A located streamed input (``locate_input``), checked and described (``inspect``), and its Ray Dataset of
+    x / y columns (Ray must be connected: the checks read the schema and the count through Ray Data)."""
+    from app.data import streamed
+    from app.data.blocks import batch_rows, keras_block, keras_rows
+
+    check_batch(batch_size, world, what)
     spec, labelled, rows, first = inspect(loc, config, what)
     if training and rows < world:
         raise UserError(f"{what} has {rows} rows, fewer than the {world} workers: use fewer workers")
@@ -235,9 +239,9 @@ def prepare(x: Any, config: "TrainConfig", *, name: str, what: str, batch_size: 
     example = (x_first,) if y_first is None else (x_first, y_first)
     # Small enough for the object store (the product's one rule, app.data.streamed): read once into it, every
     # epoch a pass over its blocks; else read from the files every epoch, block by block, a bounded window ahead.
-    cached = streamed._fits_in_memory(config, rows, spec, f"{what} (Keras's fit)")
+    cached = streamed._fits_in_memory(config, rows, spec, "training" if training else "validation")
     reshuffled = training and shuffle and loc.format != "ray-dataset" and not cached
-    with nullcontext() if cached else streamed.streaming(config):
+    with nullcontext() if cached else streamed.streaming(config), _in_order(not (training and shuffle)):
         ds = _projected(streamed.read(loc, config, None, config.seed if reshuffled else None), loc, spec, labelled)
         ds = ds.map_batches(keras_block, batch_format="pyarrow", batch_size=batch_rows(spec),
                             fn_kwargs={"spec": spec, "labelled": labelled})
@@ -249,8 +253,24 @@ def prepare(x: Any, config: "TrainConfig", *, name: str, what: str, batch_size: 
     return data, ds
 
 
-def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[np.ndarray]]:
-    """A path read in this process (the local backend: one process, no Ray Data), as x and y arrays."""
+@contextmanager
+def _in_order(wanted: bool):
+    """Datasets made inside keep the rows in the files' order (``shuffle=False``: one worker then trains on the
+    rows as ``model.fit(shuffle=False)`` on them in that order would)."""
+    from ray.data import DataContext
+
+    options = DataContext.get_current().execution_options
+    saved = options.preserve_order
+    options.preserve_order = saved or wanted
+    try:
+        yield
+    finally:
+        options.preserve_order = saved
+
+
+def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[np.ndarray], Spec]:
+    """A path read in this process (the local backend: one process, no Ray Data), as x and y arrays (and the spec
+    of its columns)."""
     import pyarrow as pa
 
     from app.data import local_files
@@ -274,7 +294,7 @@ def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[
         raise UserError(f"{what} {loc.uri!r} is empty: 0 rows")
     table = pa.concat_tables(tables)
     spec = _with_lengths(spec, {k: low for k, (low, high) in _lengths(table, spec).items()})
-    return keras_rows(table, spec, labelled)
+    return (*keras_rows(table, spec, labelled), spec)
 
 
 def data_config(datasets: dict[str, "ray.data.Dataset"]):

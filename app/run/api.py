@@ -28,8 +28,11 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
         from app.driver import outputs
 
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
+        from app.run import keras_step
+
         try:
-            return driver(config).run(config, started_at)
+            by_keras_fit = keras_step.from_config(config)  # a model that brings its step, on files
+            return by_keras_fit if by_keras_fit is not None else driver(config).run(config, started_at)
         finally:
             outputs.release_output_dir(config)  # this process is done with it (a notebook goes on)
 
@@ -60,6 +63,9 @@ def _dry_run(config: TrainConfig) -> list[str]:
 def result_line(result: dict[str, Any]) -> str:
     from app.training.objective import metric_in
 
+    if "metrics" not in result:  # a run by the model's own fit: its last epoch's logs, as Keras keys them
+        logs = {k: v for k, v in result["final"].items() if k not in ("epoch", "seconds", "workers")}
+        return "  ".join(f"{k} {v:.4f}" for k, v in logs.items()) + f"  {result['seconds']:.1f} s wall"
     m = result["metrics"]
     metric = metric_in(m)
     return (

@@ -44,24 +44,13 @@ from app.data import keras_stream
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
-from app.run.keras_step import KERAS_BATCH_SIZE
+from app.run.keras_step import KERAS_BATCH_SIZE, KERAS_STEP_FIELDS
 from app.run.keras_step import given as _given
 
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
 # Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
 NOT_METRICS = ("samples", "seconds")
 RECORD_ONLY = ("epoch", "seconds", "workers")  # a Keras-step run's record beside Keras's own logs
-
-
-# The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
-# product's own training features (LR scaling, gradient accumulation, ...), which its own step provides.
-KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
-                     "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
-                     "placement_strategy", "show_logs", "config",
-                     # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
-                     "label_column", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
-                     "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
-                     "stream_buffer_mib"}
 
 
 def keras_step_input(x: Any) -> bool:

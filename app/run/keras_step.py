@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
@@ -19,6 +21,17 @@ log = logging.getLogger(__name__)
 
 KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's steps)
 _STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")
+
+
+# The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
+# product's own training features (LR scaling, gradient accumulation, ...), which its own step provides.
+KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
+                     "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
+                     "placement_strategy", "show_logs", "config",
+                     # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
+                     "label_column", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
+                     "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
+                     "stream_buffer_mib"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
@@ -78,9 +91,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     world = 1 if not _on_ray(config) else num_workers
     datasets: dict[str, Any] = {}
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
-        x, y, validation_data, datasets = _streamed(config, world, x, y, validation_data, validation_split,
-                                                     sample_weight, class_weight, steps_per_epoch, validation_steps,
-                                                     batch_size, validation_batch_size, shuffle)
+        with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
+            x, y, validation_data, datasets = _streamed(config, world, x, y, validation_data, validation_split,
+                                                         sample_weight, class_weight, steps_per_epoch,
+                                                         validation_steps, batch_size, validation_batch_size, shuffle)
     arrays = keras_inputs.is_array_input(x)
     if arrays and validation_split and validation_data is None:
         from app import internals
@@ -90,6 +104,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elif validation_split and validation_data is None:
         raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
                         "give validation_data instead")
+    columns = datasets.pop("columns", None) or getattr(x, "spec", None) and x.spec.features
     if "train" in datasets:
         train = x
     else:
@@ -97,6 +112,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                                   batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
                                   class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
     _check_labels(model, train)
+    _check_inputs(model, train, f"x (columns {', '.join(columns)})" if columns else "x")
     val = None
     if "val" in datasets:
         val = validation_data
@@ -144,21 +160,27 @@ def _streamed(config, world: int, x: Any, y: Any, validation_data: Any, validati
             raise UserError(f"{what} is a {type(value).__name__} beside a streamed input: give x and "
                             "validation_data both as paths or ray.data.Datasets")
     if not _on_ray(config):
-        xy = keras_stream.read_local(x, config, "x")
-        val = None if validation_data is None else keras_stream.read_local(validation_data, config, "validation_data")
-        return xy[0], xy[1], val, {}
+        x, y, spec = keras_stream.read_local(x, config, "x")
+        val = None if validation_data is None else keras_stream.read_local(validation_data, config,
+                                                                            "validation_data")[:2]
+        return x, y, val, {"columns": spec.features}
     from app.driver import cluster
 
+    # What is known without Ray first: the files exist, the batch cuts over the workers.
+    train_batch = batch_size or KERAS_BATCH_SIZE
+    val_batch = validation_batch_size or train_batch
+    keras_stream.check_batch(train_batch, world, "x")
+    keras_stream.check_batch(val_batch, world, "validation_data")
+    train_loc = keras_stream.locate_input(x, config)
+    val_loc = None if validation_data is None else keras_stream.locate_input(validation_data, config)
     cluster.connect_for_data(config, reads=True)
-    train, train_ds = keras_stream.prepare(x, config, name="train", what="x", batch_size=batch_size or
-                                           KERAS_BATCH_SIZE, world=world, shuffle=bool(shuffle), training=True)
+    train, train_ds = keras_stream.prepare(train_loc, config, name="train", what="x", batch_size=train_batch,
+                                           world=world, shuffle=bool(shuffle), training=True)
     datasets = {"train": train_ds}
     val = None
-    if validation_data is not None:
-        val, datasets["val"] = keras_stream.prepare(
-            validation_data, config, name="val", what="validation_data",
-            batch_size=validation_batch_size or batch_size or KERAS_BATCH_SIZE, world=world, shuffle=False,
-            training=False)
+    if val_loc is not None:
+        val, datasets["val"] = keras_stream.prepare(val_loc, config, name="val", what="validation_data",
+                                                    batch_size=val_batch, world=world, shuffle=False, training=False)
     return train, None, val, datasets
 
 
@@ -175,6 +197,43 @@ def _same_structure(train, val) -> None:
     if any(a != b for a, b in shapes):
         raise UserError(f"validation_data's examples have shapes {[b for _, b in shapes]} but the training data's "
                         f"{[a for a, _ in shapes]}: give both the same columns")
+
+
+# What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
+# every run, besides KERAS_STEP_FIELDS.
+_CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers", "per_replica_batch", "global_batch",
+                      "callbacks", "shuffle"}
+
+
+def from_config(config) -> Optional[dict[str, Any]]:
+    """``jobs/train.py`` / ``app.train`` with a model that brings its step (a ``file.py:function`` or a function of
+    no arguments that builds a compiled model, or one overriding ``train_step``) on a path of files: trained by
+    Keras's fit, as ``app.fit(model, path, validation_data=val_path)`` trains it; returns result.json's content.
+    None: the run is the product's own step (a built-in model, the product's own features asked for, a data
+    function, another backend)."""
+    from app import registry
+    from app.backend import backend_of
+
+    dataset = config.dataset
+    if not (isinstance(dataset, str) and registry.looks_like_path(dataset)) or backend_of(config).name == "parameter-server":
+        return None
+    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS or not isinstance(config.num_workers, int):
+        return None
+    model = model_that_brings_its_step(config.model)
+    if model is None:
+        return None
+    from app.training import callbacks as product_callbacks
+
+    fields = {**{k: getattr(config, k) for k in config.model_fields_set & KERAS_STEP_FIELDS},
+              "output": str(config.output_dir())}
+    run, _ = fit(model, config.model, dataset, None, batch_size=config.per_replica_batch * config.num_workers
+                 if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,
+                 validation_data=config.val_dataset, validation_split=0.0,
+                 callbacks=product_callbacks.load(config) if config.callbacks else None,
+                 num_workers=config.num_workers, sample_weight=None, class_weight=None, verbose="auto",
+                 shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+                 validation_batch_size=None, validation_freq=1, fields=fields)
+    return run.result
 
 
 def given(data: Any, name: str) -> Callable[[], Any]:
@@ -222,6 +281,28 @@ def _check_labels(model, train) -> None:
             overrides_step(model)):
         raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
                         "give y, or a dataset of (x, y) elements")
+
+
+def _check_inputs(model, data, what: str) -> None:
+    """Examples whose shape the model's one input cannot take (Keras would fail at the first step, on every worker:
+    "Exception encountered when calling Sequential.call()"), refused before any worker starts. Only where Keras's
+    own step feeds x to the model as it is (a Sequential or functional model of one input)."""
+    import keras
+    import tensorflow as tf
+
+    if overrides_step(model) or type(model).__name__ not in ("Sequential", "Functional"):
+        return
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a Sequential built without an Input: it takes any shape
+        return
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data.first_batch())
+    if len(inputs or ()) != 1 or tf.nest.is_nested(x):
+        return
+    expected, got = tuple(inputs[0].shape[1:]), tuple(np.shape(x)[1:])
+    if len(expected) != len(got) or any(e is not None and e != g for e, g in zip(expected, got)):
+        raise UserError(f"{what}: its examples have shape {got}, but the model's input takes "
+                        f"{tuple(expected)}: give data of that shape, or build the model for {got}")
 
 
 def _validation(validation_data: Any, batch_size: int, steps: Optional[int], train) -> keras_inputs.KerasData:
