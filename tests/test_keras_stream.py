@@ -61,6 +61,15 @@ def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
     assert abs(two["accuracy"][-1] - one["accuracy"][-1]) < 0.05
 
 
+def test_a_tfrecord_pipeline_is_read_by_every_worker_and_trains_as_keras_fit(runs):
+    """The driver reads its first batch only; each worker runs the pipeline (its seeded shuffle reshuffling every
+    epoch, as Keras's fit runs it) and trains on its part of every batch: the History of model.fit itself."""
+    ours, keras_fit = runs["tfrecord_pipeline"]["history"], runs["tfrecord_keras_fit"]["history"]
+    assert list(ours) == list(keras_fit) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for key in keras_fit:
+        np.testing.assert_allclose(ours[key], keras_fit[key], rtol=1e-5, err_msg=key)
+
+
 OWN_MODEL = """
 import keras
 import tensorflow as tf

@@ -63,17 +63,19 @@ class KerasData:
     steps_per_epoch: Optional[int] = None  # batches per epoch when the user set it
     pipeline: Optional[Pipeline] = None  # a tf.data.Dataset every worker runs again each epoch
     read_once: str = ""  # why a tf.data.Dataset is not (the plan says it)
+    counted: bool = True  # False: a pipeline that reads files; ``rows`` holds its first batch only, and its rows
+    # and batches are counted as the workers run it (num_rows, steps: None)
 
     @property
-    def num_rows(self) -> int:
-        return int(self.bounds[-1])
+    def num_rows(self) -> Optional[int]:
+        return int(self.bounds[-1]) if self.counted else None
 
     @property
-    def num_batches(self) -> int:
-        return len(self.bounds) - 1
+    def num_batches(self) -> Optional[int]:
+        return len(self.bounds) - 1 if self.counted else None
 
     @property
-    def steps(self) -> int:
+    def steps(self) -> Optional[int]:
         return self.steps_per_epoch or self.num_batches
 
     def first_batch(self) -> Any:
@@ -96,19 +98,23 @@ class KerasData:
             batches = [batches[(start + i) % len(batches)] for i in range(self.steps_per_epoch)]
         return batches
 
-    def dropped_rows(self, world: int) -> int:
+    def dropped_rows(self, world: int) -> Optional[int]:
         """Rows per epoch in global batches too small to give every worker a row."""
+        if not self.counted:
+            return None
         sizes = np.diff(self.bounds) if self.batch_size is None else \
             np.diff(np.r_[np.arange(0, self.num_rows, self.batch_size), self.num_rows])
         return int(sizes[sizes < world].sum())
 
-    def steps_on(self, world: int, epoch: int, seed: int) -> int:
+    def steps_on(self, world: int, epoch: int, seed: int) -> Optional[int]:
         """Each worker's steps in ``epoch``: global batches too small to give every worker a row are left out."""
+        if not self.counted:
+            return None
         return sum(1 for batch in self.epoch(epoch, seed) if len(batch) >= world)
 
     def uneven_batches(self, world: int) -> bool:
         """Whether a global batch of the first epoch does not divide over ``world`` workers."""
-        return world > 1 and any(len(b) % world for b in self.epoch(0, 0))
+        return world > 1 and (not self.counted or any(len(b) % world for b in self.epoch(0, 0)))
 
     def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
         """This worker's batches of one epoch of ``epochs`` as a ``tf.data.Dataset`` that fit() iterates once per
@@ -173,12 +179,17 @@ class KerasData:
 
         ds = self.pipeline.dataset(seed)
         counted = int(ds.cardinality()) >= 0
-        sizes = np.diff(self.bounds)
-        steps = int((sizes >= world).sum()) if training else int(((sizes >= world) | (sizes > rank)).sum())
-        if steps < self.num_batches:
-            ds = ds.filter(kept)
+        if not self.counted:  # files read by the workers: every worker sees the same batches and keeps the same
+            if world > 1:
+                ds = ds.filter(kept)
+                counted = False
+        else:
+            sizes = np.diff(self.bounds)
+            steps = int((sizes >= world).sum()) if training else int(((sizes >= world) | (sizes > rank)).sum())
+            if steps < self.num_batches:
+                ds = ds.filter(kept)
         ds = ds.map(part)
-        if counted:
+        if counted and self.counted:
             ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
         for _ in range(keras_passes_before(epochs.start, counted)):
             iter(ds)  # an iterator made moves the pipeline's shuffles on by one pass, read or not
@@ -210,9 +221,10 @@ def check_class_weight(class_weight: Any) -> None:
 
 def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Optional[int], shuffle: Any = True,
          steps_per_epoch: Optional[int] = None, class_weight: Any = None, epochs: int = 1,
-         what: str = "x", rerun: bool = False) -> KerasData:
+         what: str = "x", rerun: bool | str = False) -> KerasData:
     """One fit() input, read once through Keras's adapter (see the module docstring); ``rerun``: a tf.data.Dataset
-    is also kept as its pipeline, for the workers to run every epoch, when it can be."""
+    is also kept as its pipeline, for the workers to run every epoch, when it can be (``"files"``: only one that
+    reads files). A pipeline that reads files is read here for its first batch only."""
     arrays = is_array_input(x)
     check_class_weight(class_weight)
     pipeline, read_once = None, ""
@@ -221,6 +233,8 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
         # the read below draws.
         pipeline, read_once = (None, "steps_per_epoch is given") if steps_per_epoch else \
             (None, "class_weight is given") if class_weight is not None else serialise(x)
+        if rerun == "files" and pipeline is not None and not pipeline.files:
+            pipeline = None  # validation data in memory: read here, as before
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")
@@ -237,6 +251,8 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     import tensorflow as tf
 
     batches, first, held = [], None, 0
+    # A pipeline that reads files: the workers read them (app.data.tf_pipeline); here, its first batch alone.
+    lazy = pipeline is not None and bool(pipeline.files)
     for batch in adapter.get_numpy_iterator():
         # Lists as tuples, as Keras's own array adapter makes them for tf.data: a list of arrays (a model's several
         # inputs) is a structure there, where tf.data would stack it into one tensor.
@@ -249,7 +265,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
                             "and dtypes beyond the batch dimension")
         batches.append(batch)
         held += sum(a.nbytes for a in tf.nest.flatten(batch))
-        if limit is not None and len(batches) >= limit:
+        if lazy or limit is not None and len(batches) >= limit:
             break
         if held > MAX_BYTES:
             raise UserError(f"{what} holds more than {MAX_BYTES >> 30} GiB" + (
@@ -262,7 +278,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     py_dataset = not arrays and is_py_dataset(x)
     return KerasData(rows, bounds, batch_size if arrays else None,
                      shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch,
-                     pipeline=pipeline, read_once=read_once)
+                     pipeline=pipeline, read_once=read_once, counted=not lazy)
 
 
 def _endless(x: Any, epochs: int) -> str:

@@ -13,11 +13,17 @@ in the same order, so the pipeline must be the same everywhere:
   reshuffles, as with any seeded ``shuffle``);
 - parallel ``map``/``interleave`` keep their order (``deterministic``);
 - a pipeline whose batches could differ between processes is read once in the
-  driver instead (``why_read_once``): one that reads files (a worker on another
-  node may not see them), calls Python (``from_generator``, ``py_function``:
-  not serialisable), reads a variable or a lookup table (its state stays in the
-  driver), or picks elements at random (``sample_from_datasets``, a random
-  ``filter``, a ``shuffle`` inside an ``interleave``).
+  driver instead (``why_read_once``): one that calls Python (``from_generator``,
+  ``py_function``: not serialisable), reads a variable or a lookup table (its
+  state stays in the driver), caches to a file, or picks elements at random
+  (``sample_from_datasets``, a random ``filter``, a ``shuffle`` inside an
+  ``interleave``).
+
+A pipeline that reads files (``TFRecordDataset``, ``list_files`` + ``interleave``,
+``TextLineDataset``: ``files``) is never read by the driver but for its first
+batch: every worker reads the files itself, every epoch (they must be where every
+worker sees them: shared storage, or ``gs://`` / ``s3://`` URIs that TensorFlow
+reads), and so a data set of any size trains in bounded memory.
 
 A random op in a ``map`` is serialised as an op, not as its state: each worker
 draws its own augmentation for its own rows, once per epoch, as one Keras process
@@ -51,6 +57,7 @@ class Pipeline:
 
     graph: bytes
     spec: Any  # the dataset's element_spec (TensorSpecs pickle)
+    files: tuple[str, ...] = ()  # the local files it reads, named in its graph (a file source's constants)
 
     def dataset(self, seed: int):
         """The pipeline, rebuilt in this process, its unseeded shuffles seeded from ``seed``, its shuffles at their
@@ -82,7 +89,7 @@ def serialise(ds: Any) -> tuple[Optional[Pipeline], str]:
     if len(graph) > MAX_GRAPH_BYTES:
         return None, f"its graph (its in-memory data included) is over {MAX_GRAPH_BYTES >> 20} MiB"
     why = why_read_once(graph)
-    return (None, why) if why else (Pipeline(graph, ds.element_spec), "")
+    return (None, why) if why else (Pipeline(graph, ds.element_spec, files_read(graph)), "")
 
 
 def why_read_once(graph: bytes) -> str:
@@ -96,13 +103,31 @@ def why_read_once(graph: bytes) -> str:
     ops = set(top) | set(inner)
     if ops & _PYTHON:
         return "it calls Python (from_generator or py_function), which does not leave this process"
-    if ops & _FILES or _cache_file(gd):
-        return "it reads files, which a worker on another node may not see"
+    if _cache_file(gd):
+        return "it caches to a file, which every worker would write"
     if any(word in op for op in ops for word in _STATE):
         return "it reads a variable or a lookup table, whose state stays in this process"
     if ops & _RANDOM_CHOICE or set(inner) & _SHUFFLES or _random_filter(gd):
         return "it picks elements at random (sample_from_datasets, a random filter or a shuffle inside a function)"
     return ""
+
+
+def files_read(graph: bytes) -> tuple[str, ...]:
+    """The file names a pipeline that reads files holds as constants (TFRecordDataset(["a", "b"]), list_files'
+    pattern), or ("?",) when it reads files named otherwise (computed in the graph); () when it reads none."""
+    import tensorflow as tf
+
+    gd = tf.compat.v1.GraphDef()
+    gd.ParseFromString(graph)
+    ops = {n.op for n in gd.node} | {n.op for f in gd.library.function for n in f.node_def}
+    if not ops & _FILES:
+        return ()
+    names = []
+    for n in gd.node:
+        if n.op == "Const" and n.attr["value"].tensor.dtype == tf.string.as_datatype_enum:
+            values = [v.decode(errors="replace") for v in n.attr["value"].tensor.string_val]
+            names += [v for v in values if "/" in v or "." in v]
+    return tuple(dict.fromkeys(names)) or ("?",)
 
 
 def _cache_file(gd) -> bool:

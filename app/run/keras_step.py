@@ -317,7 +317,7 @@ def _validation(validation_data: Any, batch_size: int, steps: Optional[int], tra
                         "tf.data.Dataset or PyDataset, as in Keras")
     else:
         val = keras_inputs.read(validation_data, batch_size=None, shuffle=False, steps_per_epoch=steps,
-                                what="validation_data")
+                                what="validation_data", rerun="files")
     if steps is not None and val.steps_per_epoch is None:
         val.steps_per_epoch = steps
     # The model's input must have the same structure; labels and weights may differ (sample or class weights
@@ -356,6 +356,11 @@ def _py_dataset_line(data: Any, name: str) -> str:
             "read here)")
 
 
+def _files(names: tuple[str, ...]) -> str:
+    shown = ", ".join(n for n in names[:3] if n != "?") or "named in the graph"
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
     own = overrides_step(model)
     step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
@@ -364,17 +369,23 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
     lines = [
         f"step: {step}, run by model.fit on each of {world} worker(s)"
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
-        f"data: {train.num_rows} rows, {train.steps} steps per epoch"
+        (f"data: {train.num_rows} rows, {train.steps} steps per epoch" if train.num_rows is not None else
+         "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
         + (f", each global batch split over {world} workers" if world > 1 else "")
         + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
            else ", every row once per epoch"),
+        *[f"{what}: a tf.data pipeline that reads files ({_files(data.pipeline.files)}): every worker reads them "
+          "itself every epoch, so they must be where every worker sees them (shared storage, gs:// or s3://); each "
+          "worker parses every record and trains on its part of every batch" for data, what in
+          ((train, "x"), (val, "validation_data")) if getattr(data, "pipeline", None) and data.pipeline.files],
         *(["x: a tf.data pipeline, run anew every epoch by every worker (each trains on its part of every batch): "
             "its shuffle reshuffles and its random maps draw again, as in Keras's fit"] if train.pipeline else
           [f"x: a tf.data pipeline read once here, as its first pass: {train.read_once}; its shuffle and random maps "
            "are not drawn again each epoch"] if train.read_once else []),
         *[data.describe(what) for data, what in ((train, "x"), (val, "validation_data"))
           if getattr(data, "streamed", False)],
-        (f"validation: {val.num_rows} rows" + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
+        (f"validation: {val.num_rows if val.num_rows is not None else 'every'} rows"
+         + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
          if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
          "epochs are ranked by the training loss"),
     ]

@@ -1,9 +1,11 @@
-"""A user's script: Keras models trained by app.fit on files and on a ray.data.Dataset, streamed to 2 Ray workers.
+"""A user's script: Keras models trained by app.fit on files, on a ray.data.Dataset and on a tf.data pipeline of
+TFRecord files, on 2 Ray workers.
 
     python keras_stream_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
 
 Writes OUT/runs.json: each run's History, params and result.json figures, and Keras's own model.fit on the same
-rows (read here with pandas: the test's reference, not the product's input). tests/test_keras_stream.py reads it.
+rows (read here with pandas and tf.data: the test's reference, not the product's input).
+tests/test_keras_stream.py reads it.
 """
 
 import json
@@ -104,4 +106,33 @@ for workers in (1, 2):
                                                       output=str(out / f"r3_{workers}"), verbose=0))
 keras_fit = classifier().fit(X, labels, batch_size=30, epochs=4, shuffle=False, verbose=0)
 runs["keras_fit"] = {"history": keras_fit.history}
+
+# A tf.data pipeline that reads TFRecord files (3 files, 301 rows): every worker reads them, every epoch.
+records = out / "records"
+records.mkdir()
+files = [str(records / f"part-{i}.tfrecord") for i in range(3)]
+for i, path in enumerate(files):
+    with tf.io.TFRecordWriter(path) as writer:
+        for j in range(i, len(X), 3):
+            writer.write(tf.train.Example(features=tf.train.Features(feature={
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=X[j])),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[labels[j]]))})).SerializeToString())
+FEATURES = {"x": tf.io.FixedLenFeature([8], tf.float32), "y": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def parse(record):
+    example = tf.io.parse_single_example(record, FEATURES)
+    return example["x"], example["y"]
+
+
+def pipeline(names, shuffled):
+    ds = tf.data.TFRecordDataset(names).map(parse)
+    return (ds.shuffle(64, seed=5) if shuffled else ds).batch(43)  # 7 batches of 301 rows: none left out
+
+
+history = app.fit(classifier, pipeline(files, True), epochs=3, validation_data=pipeline(files[:1], False),
+                  num_workers=2, output=str(out / "r4"), verbose=0)
+runs["tfrecord_pipeline"] = {"history": history.history, "params": history.params}
+keras_fit = classifier().fit(pipeline(files, True), epochs=3, validation_data=pipeline(files[:1], False), verbose=0)
+runs["tfrecord_keras_fit"] = {"history": keras_fit.history}
 (out / "runs.json").write_text(json.dumps(runs, indent=1))
