@@ -218,7 +218,7 @@ def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tm
     both = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(4), tf.data.Dataset.range(4)]).batch(2)
     cases = {
         "calls Python": tf.data.Dataset.from_generator(lambda: iter(range(3)), output_types=tf.int64),
-        "reads files": tf.data.TFRecordDataset(records).batch(2),
+        "caches to a file": tf.data.Dataset.range(4).batch(2).cache(str(tmp_path / "cache")),
         "picks elements at random": both,
         "random filter": tf.data.Dataset.range(8).filter(lambda i: tf.random.uniform(()) > 0.5).batch(2),
         "repeats without end": tf.data.Dataset.range(3).batch(2).repeat(),
@@ -227,7 +227,11 @@ def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tm
     for words, ds in cases.items():
         pipeline, why = tf_pipeline.serialise(ds)
         assert pipeline is None and words.split()[-1] in why, (words, why)
+    assert "caches to a file" in tf_pipeline.serialise(cases["caches to a file"])[1]
     assert tf_pipeline.serialise(_pipeline().cache())[1] == ""  # a cache in memory is the same everywhere
+    # A pipeline that reads files runs on every worker, which reads them itself; the plan names them.
+    reads, why = tf_pipeline.serialise(tf.data.TFRecordDataset(records).batch(2))
+    assert why == "" and reads.files == (records,)
     from app.run import keras_step
 
     data = __import__("app.data.keras_inputs", fromlist=["read"]).read(
