@@ -92,6 +92,10 @@ class Autoencoder(keras.Model):
         self.tracker.update_state(loss)
         return {"reconstruction": self.tracker.result()}
 
+    def test_step(self, data):
+        self.tracker.update_state(tf.reduce_mean(tf.square(self(data[0]) - data[0])))
+        return {"reconstruction": self.tracker.result()}
+
     @property
     def metrics(self):
         return [self.tracker]
@@ -111,13 +115,16 @@ def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(j
     pd.DataFrame({f"f{i}": x[:, i] for i in range(6)}).to_parquet(data)
     out = module.parent / "run"
     p = run_job("jobs/train.py", "--model", f"{module}:build", "--dataset", str(data), "--epochs", "2",
-                "--output", str(out), timeout=600, env=joined)
+                "--val-fraction", "0.25", "--output", str(out), timeout=600, env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "the model's own train_step" in p.stderr + p.stdout
-    assert "no 'label' column: the rows are x alone" in p.stderr + p.stdout
+    said = p.stderr + p.stdout
+    assert "the model's own train_step, test_step" in said and "no 'label' column: the rows are x alone" in said
+    assert "seeded 0.25 validation split (val_fraction: this data set has no validation part)" in said
     result = json.loads((out / "result.json").read_text())
-    assert [set(r) - {"epoch", "seconds", "workers"} for r in result["history"]] == [{"reconstruction"}] * 2
-    assert result["rows"] == 200 and result["workers"] == 2
+    assert [set(r) - {"epoch", "seconds", "workers"} for r in result["history"]] == \
+        [{"reconstruction", "val_reconstruction"}] * 2
+    # The seeded split by row content: about a quarter held out, every row on one side.
+    assert 120 < result["rows"] < 180 and result["workers"] == 2
 
 
 LOCAL_SCRIPT = """

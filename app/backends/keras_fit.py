@@ -241,8 +241,10 @@ def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
     """The model the user's function builds, with the checkpoint's weights (and optimizers' state)."""
     import keras
 
+    from app.training import keras_features
+
     keras.utils.set_random_seed(job.seed)
-    model = job.model_fn()
+    model = keras_features.build(job.model_fn, job.features)
     keras_worker.build(model, job.train)
     return model, keras_worker.restore(model, directory)
 

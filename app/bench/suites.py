@@ -16,6 +16,9 @@
   memory at 1x and scale x the data -> predict.json
 - elastic (app.bench.elastic): Ray Train's elastic resize (1 -> 2 -> 1 workers as a node joins and leaves) under
   this product's TF_CONFIG backend: seconds to the first step at the new size, steps done again -> elastic.json
+- streaming (app.bench.streaming): one compiled model by Keras's fit on 2 Ray workers from arrays, parquet
+  (Ray Data) and TFRecord files (a tf.data pipeline every worker reads), rates and memory at 1x and scale x
+  -> streaming.json
 - tensor-parallel (app.bench.tensor_split): the transformer's feed-forward pairs split over N = 1, 2, 4 devices of
   one process: samples/s and the split layers' bytes per device -> tensor-parallel.json
 """
@@ -37,6 +40,7 @@ from app.bench import (
     predict_cost,
     ps_vs_mwms,
     scaling,
+    streaming,
     sweep_cost,
     tensor_split,
 )
@@ -45,7 +49,7 @@ from app.driver import output_guard
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
-          "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split}
+          "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

@@ -86,6 +86,7 @@ class StreamedKerasData:
     shuffle_buffer: int = 0  # rows of each worker's seeded mixing buffer (0: no shuffle)
     files_reshuffled: bool = False  # the files are dealt in a new seeded order every epoch
     cached: bool = False  # read once into Ray's object store (small data): each epoch a pass over its blocks
+    holdout: Optional[tuple[str, float]] = None  # one side of a seeded validation split ("train"/"val", fraction)
     shard: Any = field(default=None, repr=False)  # the worker's ray.data.DataIterator, bound on the worker
 
     streamed = True
@@ -135,6 +136,9 @@ class StreamedKerasData:
                         f"rows mixed in a seeded buffer of {self.shuffle_buffer} on each worker")
         else:
             how += "every row scored once, each worker scoring its part"
+        if self.holdout is not None:
+            how += (f"; the rows of the seeded {self.holdout[1]:g} validation split (val_fraction: this data set has "
+                    f"no validation part), {'held out of training' if self.holdout[0] == 'train' else 'scored'}")
         return how + ("" if self.labelled else f"; no {self.spec.label!r} column: the rows are x alone")
 
     def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
@@ -225,9 +229,11 @@ def check_batch(batch_size: int, world: int, what: str) -> None:
 
 
 def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int, world: int, shuffle: bool,
-            training: bool) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
+            training: bool, holdout: Optional[tuple[str, float]] = None) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
     """A located streamed input (``locate_input``), checked and described (``inspect``), and its Ray Dataset of
-    x / y columns (Ray must be connected: the checks read the schema and the count through Ray Data)."""
+    x / y columns (Ray must be connected: the checks read the schema and the count through Ray Data).
+    ``holdout`` ("train" or "val", fraction): one side of the seeded split of a data set with no validation part
+    (the command line's ``--val-fraction``), its rows counted by one more pass of Ray Data's tasks."""
     from app.data import streamed
     from app.data.blocks import batch_rows, keras_block, keras_rows
 
@@ -244,12 +250,18 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
     with nullcontext() if cached else streamed.streaming(config), _in_order(not (training and shuffle)):
         ds = _projected(streamed.read(loc, config, None, config.seed if reshuffled else None), loc, spec, labelled)
         ds = ds.map_batches(keras_block, batch_format="pyarrow", batch_size=batch_rows(spec),
-                            fn_kwargs={"spec": spec, "labelled": labelled})
+                            fn_kwargs={"spec": spec, "labelled": labelled, "holdout": holdout})
     if cached:
         ds = ds.materialize()
+    if holdout is not None:
+        rows = ds.count()
+        if training and rows < world:
+            raise UserError(f"{what}: val_fraction={holdout[1]} leaves {rows} training rows for {world} workers")
+        if not rows:
+            raise UserError(f"{what}: val_fraction={holdout[1]} leaves no validation rows: raise it")
     data = StreamedKerasData(name, loc.uri, spec, labelled, rows, world, batch_size // world, example,
                              training=training, shuffle_buffer=config.shuffle_buffer if training and shuffle else 0,
-                             files_reshuffled=reshuffled, cached=cached)
+                             files_reshuffled=reshuffled, cached=cached, holdout=holdout)
     return data, ds
 
 

@@ -9,13 +9,14 @@
 
 - **The model's own step** (app.run.keras_step), for a model that brings one: compiled, or overriding
   ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, with an ``x`` that Keras's fit reads
-  itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator). Every
+  itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a
+  path of files or a ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every
   argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
   validates nothing); every worker runs the model's own fit, made one exact run across workers by
   app.training.keras_sync. Config keywords that ask for the product's own features (``lr_scaling``,
   ``grad_accum``, ...) take the other way; with a model that overrides its step they are refused in one line.
 - **The product's own step** (app.run.api, as app.train): an uncompiled model (the task's defaults), an ``x``
-  that is a path or a data function (as ``--dataset``), or the product's features asked for. Here ``batch_size``
+  that is a data function (as ``--dataset``), or the product's features asked for. Here ``batch_size``
   must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path with a path ``x``),
   no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step reports validation numbers
   every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and
@@ -158,7 +159,9 @@ def fit(
         from app.run import keras_step
 
         built = keras_step.model_that_brings_its_step(model_fn)
-        product_only = sorted(set(fields) - KERAS_STEP_FIELDS)
+        # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given
+        product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
+                                                                 else set()))
         if built is not None and product_only and keras_step.overrides_step(built):
             raise UserError(f"{', '.join(product_only)}: the product's own training features, which its own step "
                             f"provides; this model trains by its own {', '.join(keras_step.overrides_step(built))}: "

@@ -24,14 +24,16 @@ _STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")
 
 
 # The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
-# product's own training features (LR scaling, gradient accumulation, ...), which its own step provides.
+# product's own training features that only its own step provides (the LR rules, tensor parallel, elastic ranges).
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
                      # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
                      "label_column", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
                      "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
-                     "stream_buffer_mib"}
+                     "stream_buffer_mib", "data_cache",
+                     # the product's features that Keras provides itself (app.training.keras_features)
+                     "grad_accum", "mixed_precision"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
@@ -94,7 +96,11 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
             x, y, validation_data, datasets = _streamed(config, world, x, y, validation_data, validation_split,
                                                          sample_weight, class_weight, steps_per_epoch,
-                                                         validation_steps, batch_size, validation_batch_size, shuffle)
+                                                         validation_steps, batch_size, validation_batch_size, shuffle,
+                                                         holdout="val_fraction" in fields)
+    elif "val_fraction" in fields:
+        raise UserError("val_fraction holds out a seeded part of a path of files or a ray.data.Dataset: with x "
+                        f"a {type(x).__name__}, give validation_split or validation_data, as in Keras")
     arrays = keras_inputs.is_array_input(x)
     if arrays and validation_split and validation_data is None:
         from app import internals
@@ -128,10 +134,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
+    from app.training.keras_features import KerasFeatures
+
+    features = KerasFeatures.of(config)
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
-                   stall_timeout_s=config.stall_timeout_s)
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + [
+                   stall_timeout_s=config.stall_timeout_s, features=features)
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
@@ -141,10 +150,14 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
 
 def _streamed(config, world: int, x: Any, y: Any, validation_data: Any, validation_split: float, sample_weight: Any,
               class_weight: Any, steps_per_epoch: Optional[int], validation_steps: Optional[int],
-              batch_size: Optional[int], validation_batch_size: Optional[int], shuffle: Any):
+              batch_size: Optional[int], validation_batch_size: Optional[int], shuffle: Any, holdout: bool = False):
     """Paths and ray.data.Datasets (app.data.keras_stream): on Ray, each one's description and its Ray Dataset
     (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
-    Returns (x, y, validation_data, datasets)."""
+    ``holdout``: ``val_fraction`` was given, a seeded part of x held out for validation (the command line's
+    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets)."""
+    if holdout and validation_data is not None:
+        raise UserError("val_fraction holds out a part of x for validation, and validation_data is given: pass one "
+                        "or the other")
     given = [name for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight),
                                       ("steps_per_epoch", steps_per_epoch), ("validation_steps", validation_steps))
              if value is not None]
@@ -160,6 +173,9 @@ def _streamed(config, world: int, x: Any, y: Any, validation_data: Any, validati
             raise UserError(f"{what} is a {type(value).__name__} beside a streamed input: give x and "
                             "validation_data both as paths or ray.data.Datasets")
     if not _on_ray(config):
+        if holdout:
+            raise UserError("val_fraction with backend='local': the path is read into memory here; give "
+                            "validation_split (its last rows) or validation_data")
         x, y, spec = keras_stream.read_local(x, config, "x")
         val = None if validation_data is None else keras_stream.read_local(validation_data, config,
                                                                             "validation_data")[:2]
@@ -174,13 +190,15 @@ def _streamed(config, world: int, x: Any, y: Any, validation_data: Any, validati
     train_loc = keras_stream.locate_input(x, config)
     val_loc = None if validation_data is None else keras_stream.locate_input(validation_data, config)
     cluster.connect_for_data(config, reads=True)
+    split = (lambda side: (side, config.val_fraction)) if holdout else (lambda side: None)
     train, train_ds = keras_stream.prepare(train_loc, config, name="train", what="x", batch_size=train_batch,
-                                           world=world, shuffle=bool(shuffle), training=True)
+                                           world=world, shuffle=bool(shuffle), training=True, holdout=split("train"))
     datasets = {"train": train_ds}
     val = None
-    if val_loc is not None:
-        val, datasets["val"] = keras_stream.prepare(val_loc, config, name="val", what="validation_data",
-                                                    batch_size=val_batch, world=world, shuffle=False, training=False)
+    if val_loc is not None or holdout:
+        val, datasets["val"] = keras_stream.prepare(val_loc or train_loc, config, name="val", what="validation_data",
+                                                    batch_size=val_batch, world=world, shuffle=False, training=False,
+                                                    holdout=split("val"))
     return train, None, val, datasets
 
 
@@ -202,7 +220,7 @@ def _same_structure(train, val) -> None:
 # What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
 # every run, besides KERAS_STEP_FIELDS.
 _CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers", "per_replica_batch", "global_batch",
-                      "callbacks", "shuffle"}
+                      "callbacks", "shuffle", "val_fraction"}
 
 
 def from_config(config) -> Optional[dict[str, Any]]:
@@ -224,7 +242,7 @@ def from_config(config) -> Optional[dict[str, Any]]:
         return None
     from app.training import callbacks as product_callbacks
 
-    fields = {**{k: getattr(config, k) for k in config.model_fields_set & KERAS_STEP_FIELDS},
+    fields = {**{k: getattr(config, k) for k in config.model_fields_set & (KERAS_STEP_FIELDS | {"val_fraction"})},
               "output": str(config.output_dir())}
     run, _ = fit(model, config.model, dataset, None, batch_size=config.per_replica_batch * config.num_workers
                  if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,

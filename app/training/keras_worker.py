@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from app.data.keras_inputs import KerasData
 from app.training.collective import Collective
+from app.training.keras_features import KerasFeatures
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class KerasJob:
     callbacks: Optional[list] = None
     stall_timeout_s: Optional[float] = None
     progress_bars: bool = False  # verbose=1 at a terminal: rank 0 draws a bar inside long epochs
+    features: KerasFeatures = KerasFeatures()  # the product's features asked for, as Keras provides them
     extra: dict = field(default_factory=dict)
 
 
@@ -122,12 +124,12 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     session.start()
     import keras
 
-    from app.training import keras_callbacks, keras_sync
+    from app.training import keras_callbacks, keras_features, keras_sync
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
-    model = job.model_fn()
+    model = keras_features.build(job.model_fn, job.features)
     keras_sync.synchronise(model, collective)
     build(model, train, val)
 

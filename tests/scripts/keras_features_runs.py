@@ -1,0 +1,61 @@
+"""A user's script: a model with its own train_step trained by app.fit on 2 Ray workers with the product's features
+that Keras provides itself (app.training.keras_features), and by Keras's own model.fit with the same settings.
+
+    python keras_features_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
+
+Writes OUT/features.json: each run's History. tests/test_keras_features.py reads it.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import app
+
+out = Path(sys.argv[1])
+x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+
+
+class Autoencoder(keras.Model):
+    """Its own train_step, written for mixed precision as Keras's guide writes it (the output cast to float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = keras.layers.Dense(4), keras.layers.Dense(8)
+        self.loss_tracker = keras.metrics.Mean(name="reconstruction")
+
+    def call(self, inputs):
+        return self.decoder(self.encoder(inputs))
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(self(data), tf.float32) - data))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        return {"reconstruction": self.loss_tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
+def build(accumulate=None):
+    keras.utils.set_random_seed(3)
+    model = Autoencoder()
+    model.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=accumulate))
+    return model
+
+
+runs = {}
+common = dict(batch_size=32, epochs=3, shuffle=False, num_workers=2, verbose=0)
+history = app.fit(build, x, grad_accum=2, output=str(out / "accum"), **common)
+runs["grad_accum"] = {"history": history.history, "iterations": int(history.model.optimizer.iterations.numpy())}
+runs["keras_grad_accum"] = {"history": build(2).fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0).history}
+history = app.fit(build, x, mixed_precision="bf16", output=str(out / "bf16"), **common)
+runs["bf16"] = {"history": history.history, "policy": history.model.encoder.dtype_policy.name}
+(out / "features.json").write_text(json.dumps(runs, indent=1))
