@@ -190,6 +190,15 @@ def learning_rate_schedule(optimizer: Any) -> Any:
     return optimizer._learning_rate
 
 
+def wrap_learning_rate(optimizer: Any, wrap: Callable[[Any], Any]) -> None:
+    """The optimizer's rate (its float, or its own schedule) replaced by the schedule ``wrap(rate)`` returns, its rate
+    variable left in place: Keras's ``learning_rate`` setter untracks that variable, a removal from the list
+    ``tf.train.Checkpoint`` reads (it then refuses to write: "A list element was replaced"), and the checkpoint of
+    the trained model would no longer match a model built without the schedule."""
+    own = optimizer._learning_rate  # a keras Variable, a LearningRateSchedule or a callable
+    optimizer._learning_rate = wrap(float(own.numpy()) if hasattr(own, "numpy") else own)
+
+
 def resolve_metric(identifier: Any, y_true: Any, y_pred: Any) -> Any:
     """A compile() metric (a name, a function, a Metric) -> the Metric object fit() would use for these shapes."""
     from keras.src.trainers.compile_utils import get_metric

@@ -56,6 +56,7 @@ LOCAL_LANE_TESTS = {
     "test_tfrecord::test_local_backend_trains_on_tfrecords_without_ray",
     "test_named_inputs::test_bad_inputs_mappings_are_one_line",
     "test_keras_stream::test_the_local_backend_reads_a_path_and_trains_as_keras_fit_weight_for_weight",
+    "test_keras_features::test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it",
     "test_keras_stream::test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts",
     "test_your_own::test_bad_plugins_give_one_line_before_anything_starts",
     "test_your_own::test_users_softmax_convnet_from_a_file_matches_its_logits_twin",

@@ -38,3 +38,37 @@ def test_bf16_builds_the_model_under_kerass_mixed_policy_on_two_workers(runs):
     assert list(run["history"]) == ["reconstruction"]
     values = run["history"]["reconstruction"]
     assert all(np.isfinite(values)) and values[-1] < values[0]
+
+
+def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it(tmp_path):
+    """The rule on a number is Keras's own CosineDecay with warmup, step for step; asked of app.fit it trains as
+    model.fit with that schedule on the user's optimizer; the trained model keeps the user's own rate."""
+    import keras
+
+    import app
+    from app.training.keras_features import _rule
+
+    rule = _rule()(0.05, 2.0, 8, 24, True)
+    kerass = keras.optimizers.schedules.CosineDecay(0.0, 24 - 8, warmup_target=0.1, warmup_steps=8)
+    np.testing.assert_allclose([float(rule(s)) for s in range(30)], [float(kerass(s)) for s in range(30)],
+                               rtol=1e-6, atol=1e-9)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
+        return model
+
+    ours = app.fit(build, x, y, batch_size=32, epochs=3, shuffle=False, lr_scaling="linear", reference_batch=16,
+                   warmup_epochs=1, lr_decay="cosine", backend="local", output=str(tmp_path / "run"), verbose=0)
+    reference = build()
+    reference.optimizer.learning_rate = kerass  # 8 batches an epoch: warm up over one, decay over the other two
+    expected = reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    np.testing.assert_allclose(ours.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert float(ours.model.optimizer.learning_rate.numpy()) == np.float32(0.05)
+    assert "learning rate: each optimizer's own rate, scaled linear by 32 rows an update / reference_batch 16 = x2" \
+        in (tmp_path / "run" / "train.log").read_text()

@@ -244,7 +244,7 @@ def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
     from app.training import keras_features
 
     keras.utils.set_random_seed(job.seed)
-    model = keras_features.build(job.model_fn, job.features)
+    model = keras_features.build(job.model_fn, job.features, schedules=False)
     keras_worker.build(model, job.train)
     return model, keras_worker.restore(model, directory)
 

@@ -24,7 +24,7 @@ _STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")
 
 
 # The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
-# product's own training features that only its own step provides (the LR rules, tensor parallel, elastic ranges).
+# product's own training features that only its own step provides (tensor parallel, elastic ranges, ...).
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
@@ -33,7 +33,7 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
                      "stream_buffer_mib", "data_cache",
                      # the product's features that Keras provides itself (app.training.keras_features)
-                     "grad_accum", "mixed_precision"}
+                     "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
@@ -136,7 +136,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                         "batches")
     from app.training.keras_features import KerasFeatures
 
-    features = KerasFeatures.of(config)
+    features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
+                                steps_per_epoch=train.steps, epochs=epochs)
+    features.check()
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features)
@@ -299,6 +301,16 @@ def _check_labels(model, train) -> None:
             overrides_step(model)):
         raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
                         "give y, or a dataset of (x, y) elements")
+
+
+def _global_batch(train, world: int, batch_size: Optional[int]) -> int:
+    """Rows of one step over every worker: a streamed input's worker batch x workers; arrays' batch_size; a
+    dataset's own batches (their first one's rows)."""
+    if getattr(train, "streamed", False):
+        return train.batch * train.world
+    if train.batch_size is not None:
+        return train.batch_size
+    return int(train.bounds[1] - train.bounds[0]) if len(train.bounds) > 1 else (batch_size or KERAS_BATCH_SIZE)
 
 
 def _check_inputs(model, data, what: str) -> None:
