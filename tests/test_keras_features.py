@@ -40,6 +40,17 @@ def test_bf16_builds_the_model_under_kerass_mixed_policy_on_two_workers(runs):
     assert all(np.isfinite(values)) and values[-1] < values[0]
 
 
+def test_an_elastic_range_trains_a_model_with_its_own_step_as_one_process(runs):
+    """num_workers="1:2" on the session's Ray (room for 2): Ray Train's elastic group, each size cutting every global
+    batch over its workers, so the History is model.fit's (tests/test_elastic.py resizes a run under a real
+    two-node cluster)."""
+    run = runs["elastic"]
+    assert "workers: elastic, 1 to 2" in run["plan"]
+    assert run["workers"] in (1, 2) and list(run["history"]) == ["reconstruction"]
+    np.testing.assert_allclose(run["history"]["reconstruction"], runs["keras_plain"]["history"]["reconstruction"],
+                               rtol=1e-4)
+
+
 def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it(tmp_path):
     """The rule on a number is Keras's own CosineDecay with warmup, step for step; asked of app.fit it trains as
     model.fit with that schedule on the user's optimizer; the trained model keeps the user's own rate."""

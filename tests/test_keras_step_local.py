@@ -6,6 +6,8 @@ tests/test_keras_step.py's."""
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -333,3 +335,45 @@ def test_compute_metrics_and_predict_step_run_as_keras_runs_them(tmp_path):
     # history.model is the trained model, its own predict_step included (classes, not logits).
     np.testing.assert_array_equal(history.model.predict(X, verbose=0), model.predict(X, verbose=0))
     assert history.model.predict(X[:3], verbose=0).shape == (3,)
+
+
+def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_starts(tmp_path):
+    """What Keras's fit would pass into the graph (a NaN label, a class id past the model's outputs), validation
+    examples of another shape, and a model with its own train_step that was never compiled: one line each."""
+    import app
+    from app.errors import UserError
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+
+    def classifier():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return model
+
+    def regression():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    class Uncompiled(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def train_step(self, data):
+            return {}
+
+    ids, nan = np.zeros(64, "int64"), np.zeros(64, "float32")
+    ids[[3, 9]], nan[5] = 3, np.nan
+    cases = [((classifier, x, ids), {}, "class ids must be 0..2 for the model's 3 outputs; row(s) 3, 9 hold 3, 3"),
+             ((regression, x, nan), {}, "labels are NaN in 1 row(s) (row 5)"),
+             ((regression, x, np.ones(64, "float32")), {"validation_data": (x[:10, :3], np.ones(10))},
+              "validation_data's x has examples of shape (3,) but the training data's (4,)"),
+             ((Uncompiled, x), {}, "call compile(optimizer=...) in Uncompiled's function")]
+    for args, kwargs, said in cases:
+        with pytest.raises(UserError, match=re.escape(said)):
+            app.fit(*args, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)
+    assert not (tmp_path / "never").exists()

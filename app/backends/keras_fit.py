@@ -201,6 +201,7 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> s
         datasets=datasets or None,
         dataset_config=keras_stream.data_config(datasets) if datasets else None,
         scaling_config=ray.train.ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                               elastic_resize_monitor_interval_s=config.resize_check_s,
                                                resources_per_worker={"CPU": config.cpus_per_worker},
                                                placement_strategy=config.placement_strategy),
         run_config=ray.train.RunConfig(
@@ -252,9 +253,10 @@ def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
 def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float) -> KerasRun:
     from app.backend import backend_of
 
-    world = config.num_workers if backend_of(config).on_ray else 1
     model, state = trained_model(job, directory)
     records = state["history"]
+    # The workers of the last epoch (an elastic run's size changes; the record says it).
+    world = (records[-1]["workers"] if records else config.min_workers) if backend_of(config).on_ray else 1
     exported = export(model, out)
     outputs.write_history(out / outputs.HISTORY_FILE, records)
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),

@@ -89,8 +89,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         model_fn = registry.resolve(model_fn, registry.MODELS)
     config = build_config(fields.pop("config", None), {
         **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
-        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, num_workers))})
-    world = 1 if not _on_ray(config) else num_workers
+        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(num_workers)))})
+    # An elastic range (num_workers="1:4"): every size cuts each global batch over its workers, so the math does not
+    # change with the size; the checks below take the largest.
+    world = 1 if not _on_ray(config) else config.max_workers
+    if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
+        raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
+                        "fixed number of workers; give num_workers a number")
     datasets: dict[str, Any] = {}
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
         with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
@@ -142,7 +147,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features)
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + [
+    elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
+               "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
+        if config.elastic and _on_ray(config) else []
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
@@ -237,7 +245,7 @@ def from_config(config) -> Optional[dict[str, Any]]:
     dataset = config.dataset
     if not (isinstance(dataset, str) and registry.looks_like_path(dataset)) or backend_of(config).name == "parameter-server":
         return None
-    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS or not isinstance(config.num_workers, int):
+    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS or config.elastic:
         return None
     model = model_that_brings_its_step(config.model)
     if model is None:
@@ -284,8 +292,8 @@ def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: An
                                                   isinstance(validation_freq, (list, tuple)) and validation_freq):
         raise UserError(f"validation_freq must be a positive integer (validate every that many epochs) or a list of "
                         f"epoch numbers (from 1), as in Keras (got {validation_freq!r})")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise UserError(f"num_workers must be a positive integer for a model trained by its own step (got "
+    if isinstance(num_workers, bool) or isinstance(num_workers, int) and num_workers < 1:
+        raise UserError(f"num_workers must be a positive integer, or a range MIN:MAX for an elastic run (got "
                         f"{num_workers!r})")
     if not 0 <= validation_split < 1:
         raise UserError(f"validation_split must be in [0, 1) (got {validation_split!r})")
@@ -297,10 +305,64 @@ def _check_labels(model, train) -> None:
     import keras
 
     _, y, _ = keras.utils.unpack_x_y_sample_weight(train.first_batch())
-    if y is None and getattr(model, "loss", None) is not None and not {"train_step", "compute_loss"} & set(
-            overrides_step(model)):
+    own = set(overrides_step(model))
+    from app.training.keras_sync import optimizers_of
+
+    if "train_step" in own and not getattr(model, "compiled", False) and not optimizers_of(model):
+        raise UserError(f"the model overrides train_step but was never compiled, so it has no optimizer (Keras's fit "
+                        f"refuses it too): call compile(optimizer=...) in {_named(model)}'s function before returning it")
+    if y is None and getattr(model, "loss", None) is not None and not {"train_step", "compute_loss"} & own:
         raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
                         "give y, or a dataset of (x, y) elements")
+    if y is None or own & {"train_step", "compute_loss"} or not getattr(train, "counted", True) or \
+            getattr(train, "streamed", False):
+        return
+    # The rows Keras's fit would pass straight into the graph: a NaN label, a class id outside the model's outputs
+    # (a sparse cross-entropy reads any id; on CPU an id past the end is a graph error from a worker).
+    _, y, _ = keras.utils.unpack_x_y_sample_weight(train.rows)
+    import tensorflow as tf
+
+    for labels in tf.nest.flatten(y):
+        labels = np.asarray(labels)
+        if labels.dtype.kind == "f" and np.isnan(labels).any():
+            rows = np.flatnonzero(np.isnan(labels.reshape(len(labels), -1)).any(axis=1))
+            raise UserError(f"labels are NaN in {len(rows)} row(s) (row {', '.join(map(str, rows[:5]))}"
+                            f"{', ...' if len(rows) > 5 else ''}): Keras's fit would train on them; drop or fill them")
+    classes = _sparse_classes(model)
+    if classes and len(tf.nest.flatten(y)) == 1:
+        labels = np.asarray(tf.nest.flatten(y)[0]).reshape(-1)
+        bad = np.flatnonzero((labels < 0) | (labels >= classes) | (labels != np.round(labels)))
+        if len(bad):
+            raise UserError(f"class ids must be 0..{classes - 1} for the model's {classes} outputs; row(s) "
+                            f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''} hold "
+                            f"{', '.join(str(labels[i]) for i in bad[:5])}")
+
+
+def _named(model) -> str:
+    return type(model).__name__
+
+
+def _sparse_classes(model) -> int:
+    """The outputs of a one-output model compiled with a sparse categorical cross-entropy (0: another loss)."""
+    loss = getattr(model, "loss", None)
+    name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
+    if "sparse_categorical" not in str(name):
+        return 0
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return 0
+    return int(outputs[0].shape[-1] or 0) if outputs and len(outputs) == 1 else 0
+
+
+def _fewest(num_workers: Any) -> int:
+    """The fewest workers a run has: N, or an elastic range's MIN (the config validates the range itself)."""
+    from app import config_scale
+
+    try:
+        return config_scale.sizes(config_scale.parse_workers(num_workers))[0]
+    except (ValueError, TypeError, UserError):
+        return 1
 
 
 def _global_batch(train, world: int, batch_size: Optional[int]) -> int:
@@ -361,6 +423,10 @@ def _validation(validation_data: Any, batch_size: int, steps: Optional[int], tra
     except (ValueError, TypeError):
         raise UserError(f"validation_data's elements are {_structure(val.rows)} but the training data's are "
                         f"{_structure(train.rows)}: give both the same x (and y) structure") from None
+    shapes = [(tuple(a.shape[1:]), tuple(b.shape[1:])) for a, b in zip(tf.nest.flatten(tx), tf.nest.flatten(vx))]
+    if any(a != b for a, b in shapes):
+        raise UserError(f"validation_data's x has examples of shape {', '.join(str(b) for _, b in shapes)} but the "
+                        f"training data's {', '.join(str(a) for a, _ in shapes)}: give both the same shape")
     return val
 
 

@@ -58,4 +58,9 @@ runs["grad_accum"] = {"history": history.history, "iterations": int(history.mode
 runs["keras_grad_accum"] = {"history": build(2).fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0).history}
 history = app.fit(build, x, mixed_precision="bf16", output=str(out / "bf16"), **common)
 runs["bf16"] = {"history": history.history, "policy": history.model.encoder.dtype_policy.name}
+elastic = {**common, "num_workers": "1:2"}
+history = app.fit(build, x, output=str(out / "elastic"), **elastic)
+runs["elastic"] = {"history": history.history, "workers": history.result["workers"],
+                   "plan": (out / "elastic" / "train.log").read_text()}
+runs["keras_plain"] = {"history": build().fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0).history}
 (out / "features.json").write_text(json.dumps(runs, indent=1))
