@@ -1,6 +1,7 @@
 """The product's features on Keras's own fit, for a model with its own train_step on 2 Ray workers
-(app.training.keras_features): each is what Keras provides, checked against Keras's own model.fit where Keras has
-it. One user script (tests/scripts/keras_features_runs.py) makes the runs; the tests read its record."""
+(app.training.keras_features): each is what Keras provides, checked against Keras's own model.fit with the same
+setting. One user script (tests/scripts/keras_features_runs.py) makes one Ray run of them all; the learning-rate
+rule is checked in this process."""
 
 from __future__ import annotations
 
@@ -22,33 +23,19 @@ def runs(joined, tmp_path_factory):
     return json.loads((out / "features.json").read_text())
 
 
-def test_grad_accum_is_kerass_gradient_accumulation_on_two_workers(runs):
-    """grad_accum=2 on 2 workers = model.fit with gradient_accumulation_steps=2 in one process (the gradients of
-    each step averaged over both workers' rows, then accumulated as Keras accumulates them)."""
-    ours, keras_fit = runs["grad_accum"]["history"], runs["keras_grad_accum"]["history"]
-    assert list(ours) == ["reconstruction"]
-    np.testing.assert_allclose(ours["reconstruction"], keras_fit["reconstruction"], rtol=1e-4)
-    # Keras counts optimizer steps, one per two batches: 8 batches of 32 an epoch, 3 epochs.
-    assert runs["grad_accum"]["iterations"] == 8 * 3 // 2
-
-
-def test_bf16_builds_the_model_under_kerass_mixed_policy_on_two_workers(runs):
-    run = runs["bf16"]
-    assert run["policy"] == "mixed_bfloat16"
+def test_grad_accum_bf16_and_an_elastic_range_on_two_workers_train_as_model_fit_with_kerass_own_settings(runs):
+    """grad_accum=2, mixed_precision="bf16" and num_workers="1:2" at once, a model with its own train_step: the
+    History of model.fit with gradient_accumulation_steps=2 under the mixed_bfloat16 policy in one process (each
+    step's gradients averaged over both workers' rows, then accumulated as Keras accumulates them; bf16 rounding
+    in the sums: 1e-2). The resize itself under a real two-node cluster: tests/test_elastic.py."""
+    run, keras_fit = runs["features"], runs["keras_fit"]["history"]
     assert list(run["history"]) == ["reconstruction"]
-    values = run["history"]["reconstruction"]
-    assert all(np.isfinite(values)) and values[-1] < values[0]
-
-
-def test_an_elastic_range_trains_a_model_with_its_own_step_as_one_process(runs):
-    """num_workers="1:2" on the session's Ray (room for 2): Ray Train's elastic group, each size cutting every global
-    batch over its workers, so the History is model.fit's (tests/test_elastic.py resizes a run under a real
-    two-node cluster)."""
-    run = runs["elastic"]
-    assert "workers: elastic, 1 to 2" in run["plan"]
-    assert run["workers"] in (1, 2) and list(run["history"]) == ["reconstruction"]
-    np.testing.assert_allclose(run["history"]["reconstruction"], runs["keras_plain"]["history"]["reconstruction"],
-                               rtol=1e-4)
+    np.testing.assert_allclose(run["history"]["reconstruction"], keras_fit["reconstruction"], rtol=1e-2)
+    # Keras counts optimizer steps, one per two batches: 8 batches of 32 an epoch, 3 epochs.
+    assert run["iterations"] == 8 * 3 // 2
+    assert run["policy"] == "mixed_bfloat16" and run["workers"] in (1, 2)  # the size Ray Train found room for
+    for said in ("workers: elastic, 1 to 2", "gradient_accumulation_steps=2", "mixed_bfloat16 dtype policy"):
+        assert said in run["plan"]
 
 
 def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it(tmp_path):

@@ -57,7 +57,11 @@ def _dry_run(config: TrainConfig) -> list[str]:
     from app.driver import outputs
 
     outputs.check_output_dir(config)  # refused as the run would refuse it
-    return [*driver(config).dry_run_lines(config), f"output: {config.output_dir()} (not created: --dry-run)"]
+    from app.run import keras_step
+
+    plan = keras_step.from_config(config, dry=True)  # a model that brings its step, on files: Keras's fit's plan
+    return [*(plan if plan is not None else driver(config).dry_run_lines(config)),
+            f"output: {config.output_dir()} (not created: --dry-run)"]
 
 
 def result_line(result: dict[str, Any]) -> str:

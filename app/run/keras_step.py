@@ -77,7 +77,7 @@ def overrides_step(model) -> list[str]:
 def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epochs: int, validation_data: Any,
         validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
         verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
-        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any]):
+        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False):
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
@@ -152,6 +152,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         if config.elastic and _on_ray(config) else []
     plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
+    if dry:  # --dry-run: the plan, nothing trained or written
+        return plan, config.output_dir()
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets)
@@ -233,12 +235,12 @@ _CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers"
                       "callbacks", "shuffle", "val_fraction"}
 
 
-def from_config(config) -> Optional[dict[str, Any]]:
+def from_config(config, dry: bool = False) -> Optional[Any]:
     """``jobs/train.py`` / ``app.train`` with a model that brings its step (a ``file.py:function`` or a function of
     no arguments that builds a compiled model, or one overriding ``train_step``) on a path of files: trained by
     Keras's fit, as ``app.fit(model, path, validation_data=val_path)`` trains it; returns result.json's content.
     None: the run is the product's own step (a built-in model, the product's own features asked for, a data
-    function, another backend)."""
+    function, another backend). ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
     from app import registry
     from app.backend import backend_of
 
@@ -260,8 +262,8 @@ def from_config(config) -> Optional[dict[str, Any]]:
                  callbacks=product_callbacks.load(config) if config.callbacks else None,
                  num_workers=config.num_workers, sample_weight=None, class_weight=None, verbose="auto",
                  shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-                 validation_batch_size=None, validation_freq=1, fields=fields)
-    return run.result
+                 validation_batch_size=None, validation_freq=1, fields=fields, dry=dry)
+    return run if dry else run.result
 
 
 def given(data: Any, name: str) -> Callable[[], Any]:
