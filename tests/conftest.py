@@ -56,6 +56,7 @@ LOCAL_LANE_TESTS = {
     "test_tfrecord::test_local_backend_trains_on_tfrecords_without_ray",
     "test_named_inputs::test_bad_inputs_mappings_are_one_line",
     "test_keras_stream::test_the_local_backend_reads_a_path_and_trains_as_keras_fit_weight_for_weight",
+    "test_keras_stream::test_a_tfrecord_input_larger_than_4_gib_trains_with_the_process_under_2_gib",
     "test_keras_features::test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it",
     "test_keras_stream::test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts",
     "test_your_own::test_bad_plugins_give_one_line_before_anything_starts",
@@ -312,6 +313,17 @@ def run_job(*args: str, timeout: float = 600, env: dict[str, str] | None = None,
                        timeout=timeout)
     p.seconds = time.monotonic() - started
     return p
+
+
+def script_record(script: Path, tmp_path_factory, record: str, env: dict[str, str], timeout: float = 900) -> dict:
+    """Run a user's script (tests/scripts/) with an output directory and read the JSON record it writes there."""
+    import json
+
+    out = tmp_path_factory.mktemp(script.stem)
+    p = run_job(str(script), str(out), timeout=timeout, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Starting execution of Dataset" not in p.stderr, "Ray Data's own lines reached a verbose=0 console"
+    return json.loads((out / record).read_text())
 
 
 def run_jobs_at_once(*commands: list[str], timeout: float = 600, env: dict[str, str] | None = None,

@@ -5,22 +5,17 @@ rule is checked in this process."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from conftest import REPO, run_job
+from conftest import REPO, script_record
 
 SCRIPT = REPO / "tests" / "scripts" / "keras_features_runs.py"
 
 
 @pytest.fixture(scope="module")
 def runs(joined, tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras_features")
-    p = run_job(str(SCRIPT), str(out), timeout=900, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads((out / "features.json").read_text())
+    return script_record(SCRIPT, tmp_path_factory, "features.json", joined)
 
 
 def test_grad_accum_bf16_and_an_elastic_range_on_two_workers_train_as_model_fit_with_kerass_own_settings(runs):

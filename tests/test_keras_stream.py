@@ -15,18 +15,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import REPO, clean_env, run_job, user_module
+from conftest import REPO, clean_env, run_job, script_record, user_module
 
 SCRIPT = REPO / "tests" / "scripts" / "keras_stream_runs.py"
 
 
 @pytest.fixture(scope="module")
 def runs(joined, tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras_stream")
-    p = run_job(str(SCRIPT), str(out), timeout=900, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Starting execution of Dataset" not in p.stderr, "Ray Data's own lines reached a verbose=0 console"
-    return json.loads((out / "runs.json").read_text())
+    return script_record(SCRIPT, tmp_path_factory, "runs.json", joined)
 
 
 def test_a_model_with_its_own_step_trains_from_files_every_row_of_an_uneven_split_each_epoch(runs):
@@ -218,3 +214,58 @@ def test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts(t
     assert "x (columns f0, f1): its examples have shape (2,), but the model's input takes (3,)" in lines["shape"]
     assert not os.path.exists(tmp_path / "never")  # nothing written
     assert "Started a local Ray" not in p.stderr  # refused before Ray
+
+
+LARGE = """
+import resource, shutil, sys
+import keras, numpy as np, tensorflow as tf
+import app
+
+out = sys.argv[1]
+width, per_file, files = 1 << 20, 260, 4  # 4 MiB records: 1,040 of them, 4.06 GiB in 4 files
+row = np.random.default_rng(0).normal(size=width).astype("float32").tobytes()
+names = [f"{out}/part-{i}.tfrecord" for i in range(files)]
+for name in names:
+    with tf.io.TFRecordWriter(name) as writer:
+        for j in range(per_file):
+            writer.write(tf.train.Example(features=tf.train.Features(feature={
+                "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[row])),
+                "y": tf.train.Feature(float_list=tf.train.FloatList(value=[j % 2]))})).SerializeToString())
+FEATURES = {"x": tf.io.FixedLenFeature([], tf.string), "y": tf.io.FixedLenFeature([], tf.float32)}
+
+
+def parse(records):
+    parsed = tf.io.parse_example(records, FEATURES)
+    return tf.reshape(tf.io.decode_raw(parsed["x"], tf.float32), (-1, width)), parsed["y"]
+
+
+def build():
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    return model
+
+
+pipeline = tf.data.TFRecordDataset(names).batch(8).map(parse)
+history = app.fit(build, pipeline, epochs=1, backend="local", output=out + "/run", verbose=0)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+for name in names:
+    __import__("os").remove(name)
+print("RESULT", peak, len(history.history["loss"]), history.result["rows"])
+"""
+
+
+def test_a_tfrecord_input_larger_than_4_gib_trains_with_the_process_under_2_gib(tmp_path):
+    """4.06 GiB of TFRecord files (more than the 4 GiB a driver would hold of an input it reads) through a tf.data
+    pipeline: the files are read as the run goes (the driver read one batch), and the process's peak RSS stays
+    under 2 GiB. One process (the local backend): the driver and the worker are one, so one peak bounds both."""
+    import shutil
+
+    if shutil.disk_usage(tmp_path).free < 12 << 30:
+        pytest.skip("needs 12 GiB of free disk for 4 GiB of TFRecord files")
+    script = tmp_path / "large.py"
+    script.write_text(LARGE)
+    p = run_job(str(script), str(tmp_path), timeout=900, env=clean_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    peak, epochs, rows = p.stdout.split("RESULT", 1)[1].split()
+    assert epochs == "1" and rows == "None"  # one epoch; its rows counted by the run, not read beforehand
+    assert float(peak) < 2048, f"peak RSS {float(peak):,.0f} MiB"
