@@ -1,0 +1,209 @@
+"""app.fit's inputs for a model's own fit, on the driver: what Keras's fit would refuse or pass into the graph,
+refused in one line before any worker starts (labels, the model's input shape, validation of another structure or
+shape), validation data read as fit reads it, and a path of files or a ``ray.data.Dataset`` checked and described
+for the workers (app.data.keras_stream) or, on the local backend, read into arrays."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from app.backend import backend_of
+from app.data import keras_inputs, keras_stream
+from app.errors import UserError
+
+STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")  # what a model may override
+
+
+def overrides_step(model) -> list[str]:
+    import keras
+
+    return [n for n in STEPS if getattr(type(model), n) is not getattr(keras.Model, n)]
+
+
+def check_labels(model, train) -> None:
+    """What Keras's fit refuses at its first step (ValueError: None values not supported), refused before any worker
+    starts: a loss given to compile, Keras's own step and loss computation, and batches with no labels."""
+    import keras
+
+    _, y, _ = keras.utils.unpack_x_y_sample_weight(train.first_batch())
+    own = set(overrides_step(model))
+    from app.training.keras_sync import optimizers_of
+
+    if "train_step" in own and not getattr(model, "compiled", False) and not optimizers_of(model):
+        raise UserError(f"the model overrides train_step but was never compiled, so it has no optimizer (Keras's fit "
+                        f"refuses it too): call compile(optimizer=...) in {type(model).__name__}'s function before returning it")
+    if y is None and getattr(model, "loss", None) is not None and not {"train_step", "compute_loss"} & own:
+        raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
+                        "give y, or a dataset of (x, y) elements")
+    if y is None or own & {"train_step", "compute_loss"} or not getattr(train, "counted", True) or \
+            getattr(train, "streamed", False):
+        return
+    # The rows Keras's fit would pass straight into the graph: a NaN label, a class id outside the model's outputs
+    # (a sparse cross-entropy reads any id; on CPU an id past the end is a graph error from a worker).
+    _, y, _ = keras.utils.unpack_x_y_sample_weight(train.rows)
+    import tensorflow as tf
+
+    for labels in tf.nest.flatten(y):
+        labels = np.asarray(labels)
+        if labels.dtype.kind == "f" and np.isnan(labels).any():
+            rows = np.flatnonzero(np.isnan(labels.reshape(len(labels), -1)).any(axis=1))
+            raise UserError(f"labels are NaN in {len(rows)} row(s) (row {', '.join(map(str, rows[:5]))}"
+                            f"{', ...' if len(rows) > 5 else ''}): Keras's fit would train on them; drop or fill them")
+    classes = _sparse_classes(model)
+    if classes and len(tf.nest.flatten(y)) == 1:
+        labels = np.asarray(tf.nest.flatten(y)[0]).reshape(-1)
+        bad = np.flatnonzero((labels < 0) | (labels >= classes) | (labels != np.round(labels)))
+        if len(bad):
+            raise UserError(f"class ids must be 0..{classes - 1} for the model's {classes} outputs; row(s) "
+                            f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''} hold "
+                            f"{', '.join(str(labels[i]) for i in bad[:5])}")
+
+
+def _sparse_classes(model) -> int:
+    """The outputs of a one-output model compiled with a sparse categorical cross-entropy (0: another loss)."""
+    loss = getattr(model, "loss", None)
+    name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
+    if "sparse_categorical" not in str(name):
+        return 0
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return 0
+    return int(outputs[0].shape[-1] or 0) if outputs and len(outputs) == 1 else 0
+
+
+def check_inputs(model, data, what: str) -> None:
+    """Examples whose shape the model's one input cannot take (Keras would fail at the first step, on every worker:
+    "Exception encountered when calling Sequential.call()"), refused before any worker starts. Only where Keras's
+    own step feeds x to the model as it is (a Sequential or functional model of one input)."""
+    import keras
+    import tensorflow as tf
+
+    if overrides_step(model) or type(model).__name__ not in ("Sequential", "Functional"):
+        return
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a Sequential built without an Input: it takes any shape
+        return
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data.first_batch())
+    if len(inputs or ()) != 1 or tf.nest.is_nested(x):
+        return
+    expected, got = tuple(inputs[0].shape[1:]), tuple(np.shape(x)[1:])
+    if len(expected) != len(got) or any(e is not None and e != g for e, g in zip(expected, got)):
+        raise UserError(f"{what}: its examples have shape {got}, but the model's input takes "
+                        f"{tuple(expected)}: give data of that shape, or build the model for {got}")
+
+
+def validation(validation_data: Any, batch_size: int, steps: Optional[int], train) -> keras_inputs.KerasData:
+    import keras
+    import tensorflow as tf
+
+    if isinstance(validation_data, tuple) and keras_inputs.is_array_input(validation_data[0]):
+        vx, vy, vw = keras.utils.unpack_x_y_sample_weight(validation_data)
+        val = keras_inputs.read(vx, vy, vw, batch_size=batch_size, shuffle=False, what="validation_data")
+    elif isinstance(validation_data, (list, tuple)):
+        raise UserError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) arrays, or a "
+                        "tf.data.Dataset or PyDataset, as in Keras")
+    else:
+        val = keras_inputs.read(validation_data, batch_size=None, shuffle=False, steps_per_epoch=steps,
+                                what="validation_data", rerun="files")
+    if steps is not None and val.steps_per_epoch is None:
+        val.steps_per_epoch = steps
+    # The model's input must have the same structure; labels and weights may differ (sample or class weights
+    # on the training data alone, as Keras takes them).
+    (tx, ty, _), (vx, vy, _) = (keras.utils.unpack_x_y_sample_weight(r) for r in (train.rows, val.rows))
+    try:
+        tf.nest.assert_same_structure(tx, vx)
+        tf.nest.assert_same_structure(ty, vy)
+        if (ty is None) != (vy is None):
+            raise ValueError("labels on one side only")
+    except (ValueError, TypeError):
+        raise UserError(f"validation_data's elements are {structure(val.rows)} but the training data's are "
+                        f"{structure(train.rows)}: give both the same x (and y) structure") from None
+    shapes = [(tuple(a.shape[1:]), tuple(b.shape[1:])) for a, b in zip(tf.nest.flatten(tx), tf.nest.flatten(vx))]
+    if any(a != b for a, b in shapes):
+        raise UserError(f"validation_data's x has examples of shape {', '.join(str(b) for _, b in shapes)} but the "
+                        f"training data's {', '.join(str(a) for a, _ in shapes)}: give both the same shape")
+    return val
+
+
+def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, validation_split: float, sample_weight: Any,
+              class_weight: Any, steps_per_epoch: Optional[int], validation_steps: Optional[int],
+              batch_size: Optional[int], validation_batch_size: Optional[int], shuffle: Any, holdout: bool = False,
+              default_batch: int = 32):
+    """Paths and ray.data.Datasets (app.data.keras_stream): on Ray, each one's description and its Ray Dataset
+    (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
+    ``holdout``: ``val_fraction`` was given, a seeded part of x held out for validation (the command line's
+    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets)."""
+    if holdout and validation_data is not None:
+        raise UserError("val_fraction holds out a part of x for validation, and validation_data is given: pass one "
+                        "or the other")
+    given = [name for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight),
+                                      ("steps_per_epoch", steps_per_epoch), ("validation_steps", validation_steps))
+             if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} with a path or a ray.data.Dataset: its columns hold the labels "
+                        f"(label_column={config.label_column!r}) and every epoch streams every row; leave "
+                        f"{'it' if len(given) == 1 else 'them'} out")
+    if validation_split:
+        raise UserError("validation_split takes the last rows of arrays, as in Keras; with a path or a "
+                        "ray.data.Dataset give validation_data (a path or a Dataset of the same columns)")
+    for value, what in ((x, "x"), (validation_data, "validation_data")):
+        if value is not None and not keras_stream.is_streamed(value):
+            raise UserError(f"{what} is a {type(value).__name__} beside a streamed input: give x and "
+                            "validation_data both as paths or ray.data.Datasets")
+    if not backend_of(config).on_ray:
+        if holdout:
+            raise UserError("val_fraction with backend='local': the path is read into memory here; give "
+                            "validation_split (its last rows) or validation_data")
+        x, y, spec = keras_stream.read_local(x, config, "x")
+        val = None if validation_data is None else keras_stream.read_local(validation_data, config,
+                                                                            "validation_data")[:2]
+        return x, y, val, {"columns": spec.features}
+    from app.driver import cluster
+
+    # What is known without Ray first: the files exist, the batch cuts over the workers.
+    train_batch = batch_size or default_batch
+    val_batch = validation_batch_size or train_batch
+    keras_stream.check_batch(train_batch, world, "x")
+    keras_stream.check_batch(val_batch, world, "validation_data")
+    train_loc = keras_stream.locate_input(x, config)
+    val_loc = None if validation_data is None else keras_stream.locate_input(validation_data, config)
+    cluster.connect_for_data(config, reads=True)
+    split = (lambda side: (side, config.val_fraction)) if holdout else (lambda side: None)
+    train, train_ds = keras_stream.prepare(train_loc, config, name="train", what="x", batch_size=train_batch,
+                                           world=world, shuffle=bool(shuffle), training=True, holdout=split("train"))
+    datasets = {"train": train_ds}
+    val = None
+    if val_loc is not None or holdout:
+        val, datasets["val"] = keras_stream.prepare(val_loc or train_loc, config, name="val", what="validation_data",
+                                                    batch_size=val_batch, world=world, shuffle=False, training=False,
+                                                    holdout=split("val"))
+    return train, None, val, datasets
+
+
+def same_structure(train, val) -> None:
+    """Streamed validation rows of another x / y structure or shape than training's: one line before any worker."""
+    import tensorflow as tf
+
+    try:
+        tf.nest.assert_same_structure(train.rows, val.rows)
+    except (ValueError, TypeError):
+        raise UserError(f"validation_data's elements are {structure(val.rows)} but the training data's are "
+                        f"{structure(train.rows)}: give both the same x (and y) columns") from None
+    shapes = [(a.shape[1:], b.shape[1:]) for a, b in zip(tf.nest.flatten(train.rows), tf.nest.flatten(val.rows))]
+    if any(a != b for a, b in shapes):
+        raise UserError(f"validation_data's examples have shapes {[b for _, b in shapes]} but the training data's "
+                        f"{[a for a, _ in shapes]}: give both the same columns")
+
+
+def structure(rows: Any) -> str:
+    import tensorflow as tf
+
+    if isinstance(rows, tuple):
+        return "(" + ", ".join(structure(r) for r in rows) + ")"
+    if isinstance(rows, dict):
+        return "{" + ", ".join(f"{k!r}: {structure(v)}" for k, v in rows.items()) + "}"
+    return "array" if not tf.nest.is_nested(rows) else type(rows).__name__
