@@ -155,8 +155,8 @@ def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
 
 
 def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
-    with pytest.raises(UserError, match="lr_scaling: the product's own training features"):
-        app.fit(two_optimizers, X, epochs=1, lr_scaling="linear", output=str(tmp_path / "never"))
+    with pytest.raises(UserError, match="tensor_parallel: the product's own training features"):
+        app.fit(two_optimizers, X, epochs=1, tensor_parallel=2, output=str(tmp_path / "never"))
 
 
 def _pipeline(seed=None):

@@ -52,13 +52,13 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     el = add("elastic", "Ray Train's elastic resize, 1 -> 2 -> 1 workers as a node joins and stops (TF_CONFIG backend).")
     el.add_argument("--monitor-s", type=float, help="How often Ray looks for room to grow."), el.add_argument(
         "--start-timeout-s", type=float, help="Ray Train's bound on a worker group's start.")
+    add("tensor-parallel", "The transformer's feed-forward pairs split over N devices of one process, vs one device."
+        ).add_argument("--degrees", type=int, nargs="+", help="Devices to split over (1: no split, the baseline).")
     st = add("streaming", "One compiled model by Keras's fit on 2 Ray workers from arrays, parquet and TFRecord "
              "files: samples/s, and the streamed inputs' memory at 1x and --scale x the rows.")
     st.add_argument("--rows", type=int, help="Rows at 1x."), st.add_argument(
         "--scale", type=int, help="The second data set's size, in times --rows.")
     st.add_argument("--epochs", type=int, help="Epochs of every run (the first one's rate is left out).")
-    add("tensor-parallel", "The transformer's feed-forward pairs split over N devices of one process, vs one device."
-        ).add_argument("--degrees", type=int, nargs="+", help="Devices to split over (1: no split, the baseline).")
     return top
 
 

@@ -76,14 +76,14 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import ray
 
-    import app
     from app.bench.sampler import ProcessPeaks
+    from app.run.fit import fit as app_fit
     from app.training.metrics import peak_rss_mib
 
     params, kind, data = payload["params"], payload["input"], Path(payload["data"])
     shape = tuple(params["shape"])
     width = int(np.prod(shape))
-    fit = functools.partial(app.fit, functools.partial(build_model, shape), batch_size=int(params["batch_size"]),
+    fit = functools.partial(app_fit, functools.partial(build_model, shape), batch_size=int(params["batch_size"]),
                             epochs=int(params["epochs"]), num_workers=int(params["workers"]),
                             output=payload["out"], overwrite=True, verbose=0)
     started = time.time()
