@@ -141,11 +141,17 @@ def for_workers(config: TrainConfig) -> TrainConfig:
 def by_value(obj) -> None:
     """Pickle the module that defines ``obj`` by value: a worker may not be able to import it (a file loaded by
     path, a test module, a notebook)."""
+    import functools
+
     from ray import cloudpickle
 
-    module = sys.modules.get(getattr(obj, "__module__", ""))
-    if module is not None and module.__name__ != "__main__" and not module.__name__.startswith(("app.", "keras")):
-        cloudpickle.register_pickle_by_value(module)
+    while isinstance(obj, functools.partial):  # a partial's own module is functools: its function's is the one
+        obj = obj.func
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__" or module.__name__.startswith(("app.", "keras")) \
+            or module.__name__.split(".")[0] in sys.stdlib_module_names:  # importable everywhere
+        return
+    cloudpickle.register_pickle_by_value(module)
 
 
 def _data_config(source, datasets):
