@@ -75,6 +75,7 @@ LOCAL_LANE_TESTS = {
     "test_examples::test_the_readmes_python_is_in_the_examples_verbatim",
     "test_fit::test_at_a_terminal_verbose_1_draws_an_epoch_bar_and_verbose_2_only_the_epoch_lines",
     "test_fit::test_fit_refuses_a_built_model_it_needs_the_function",
+    "test_fit::test_a_model_function_given_as_a_functools_partial_pickles_for_the_workers",
     "test_fit::test_a_model_file_function_that_takes_the_products_arguments_trains_by_the_products_step",
     "test_fit::test_fit_refuses_in_one_line_before_anything_starts",
     "test_fit::test_the_epoch_record_maps_to_keras_history_keys_for_any_metric",

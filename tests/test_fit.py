@@ -250,3 +250,21 @@ def test_at_a_terminal_verbose_1_draws_an_epoch_bar_and_verbose_2_only_the_epoch
     # (a compiled model trains by its own step: its epoch line names the logs as Keras's History does)
     assert one.count("epoch 1/1  loss ") == 1 and two.count("epoch 1/1  loss ") == 1
     assert "%|" not in two
+
+
+def test_a_model_function_given_as_a_functools_partial_pickles_for_the_workers():
+    """app.fit(functools.partial(build, ...), ...): the module of a partial is functools, which must not be pickled by
+    value (cloudpickle then fails: "cannot pickle 'classmethod_descriptor'"); its function's module is the one."""
+    import functools
+
+    from ray import cloudpickle
+
+    from app.backends.ray_train import by_value
+
+    model_fn = functools.partial(_zeros, 3)
+    by_value(model_fn)  # this test module by value, as a worker could not import it
+    assert cloudpickle.loads(cloudpickle.dumps(model_fn))().shape == (3,)
+
+
+def _zeros(n):
+    return np.zeros(n)
