@@ -87,6 +87,7 @@ class StreamedKerasData:
     files_reshuffled: bool = False  # the files are dealt in a new seeded order every epoch
     cached: bool = False  # read once into Ray's object store (small data): each epoch a pass over its blocks
     holdout: Optional[tuple[str, float]] = None  # one side of a seeded validation split ("train"/"val", fraction)
+    shared: str = ""  # why the files must be where every node sees them ("": one node, or a URI)
     shard: Any = field(default=None, repr=False)  # the worker's ray.data.DataIterator, bound on the worker
 
     streamed = True
@@ -139,7 +140,7 @@ class StreamedKerasData:
         if self.holdout is not None:
             how += (f"; the rows of the seeded {self.holdout[1]:g} validation split (val_fraction: this data set has "
                     f"no validation part), {'held out of training' if self.holdout[0] == 'train' else 'scored'}")
-        return how + ("" if self.labelled else f"; no {self.spec.label!r} column: the rows are x alone")
+        return how + ("" if self.labelled else f"; no {self.spec.label!r} column: the rows are x alone") + self.shared
 
     def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
         """One pass of this worker's shard as a ``tf.data.Dataset`` fit() iterates once per epoch, and
@@ -261,7 +262,8 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
             raise UserError(f"{what}: val_fraction={holdout[1]} leaves no validation rows: raise it")
     data = StreamedKerasData(name, loc.uri, spec, labelled, rows, world, batch_size // world, example,
                              training=training, shuffle_buffer=config.shuffle_buffer if training and shuffle else 0,
-                             files_reshuffled=reshuffled, cached=cached, holdout=holdout)
+                             files_reshuffled=reshuffled, cached=cached, holdout=holdout,
+                             shared=_shared(loc))
     return data, ds
 
 
@@ -278,6 +280,17 @@ def _in_order(wanted: bool):
         yield
     finally:
         options.preserve_order = saved
+
+
+def _shared(loc) -> str:
+    """On a cluster of several nodes, a local path is read by Ray Data's tasks wherever they run: it must be on
+    storage every node mounts at that path (a task on a node without it fails, naming the file)."""
+    import ray
+
+    if loc.format == "ray-dataset" or "://" in loc.uri or sum(n["Alive"] for n in ray.nodes()) < 2:
+        return ""
+    return (f"; {loc.uri} is a local path and this cluster has several nodes: Ray Data reads it on any of them, so "
+            "it must be on shared storage mounted at that path everywhere (or give an s3:// or gs:// URI)")
 
 
 def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[np.ndarray], Spec]:
