@@ -2,9 +2,10 @@
 
 One user script (tests/scripts/keras_stream_runs.py), joined to the session's Ray, trains on 2 Ray workers: a model
 with its own train_step / test_step on x alone from 3 parquet files of 301 rows (neither divides over the workers)
-with a 9-row parquet validation set, 22 epochs; a compiled model from a ray.data.Dataset with no validation
-argument; the compiled model from a path with shuffle=False on 1 and 2 workers; and Keras's own model.fit on the same
-rows. The tests below read its record; the command line and the refusals are tested on their own.
+with a 9-row parquet validation set, 22 epochs; the same model from a ray.data.Dataset with no validation argument;
+a compiled model from a path with shuffle=False on 1 and 2 workers; a compiled model from a tf.data pipeline of
+TFRecord files; and Keras's own model.fit on the same rows. The tests below read its record; the command line and
+the refusals are tested on their own.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def test_a_model_with_its_own_step_trains_from_files_every_row_of_an_uneven_spli
     assert history["reconstruction"][-1] < 0.5 * history["reconstruction"][0]
 
 
-def test_a_compiled_model_from_a_ray_dataset_with_no_validation_argument_validates_nothing(runs):
-    history = runs["compiled_ray_dataset"]["history"]
-    assert list(history) == ["accuracy", "loss"]
-    assert runs["compiled_ray_dataset"]["result"]["steps_per_epoch"] == 10  # ceil(150 / 16)
-    assert history["loss"][-1] < history["loss"][0]
+def test_a_model_with_its_own_step_trains_from_a_ray_dataset_with_no_validation_argument(runs):
+    """The Dataset a Ray user holds (ray.data.read_parquet), no validation argument: nothing validates, and its
+    own metrics count every row of an epoch but the one an uneven split leaves out."""
+    run = runs["own_step_ray_dataset"]
+    assert list(run["history"]) == ["reconstruction", "rows"]
+    assert run["history"]["rows"] == [300.0] * 3
+    assert run["result"]["steps_per_epoch"] == 10  # ceil(150 / 16)
+    assert run["history"]["reconstruction"][-1] < run["history"]["reconstruction"][0]
 
 
 def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
@@ -51,6 +55,10 @@ def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
     batches, the same History. Two workers cut their batches from their own halves: the same rows an epoch but
     other batches, so close, not equal (the docs state the tolerance: 10 % of the loss after 4 epochs here, 5 % seen)."""
     keras_fit, one, two = (runs[k]["history"] for k in ("keras_fit", "compiled_path_1", "compiled_path_2"))
+    # A compiled model from a path with no validation argument: no val_*, every row of an epoch trained (one worker;
+    # two leave out the row an uneven split cannot give both).
+    assert list(one) == list(two) == ["accuracy", "loss"]
+    assert [runs[f"compiled_path_{n}"]["result"]["dropped_rows_per_epoch"] for n in (1, 2)] == [0, 1]
     np.testing.assert_allclose(one["loss"], keras_fit["loss"], rtol=1e-5)
     np.testing.assert_allclose(one["accuracy"], keras_fit["accuracy"], rtol=1e-5)
     assert abs(two["loss"][-1] - one["loss"][-1]) < 0.10 * one["loss"][-1]

@@ -1,5 +1,6 @@
 """A user's script: Keras models trained by app.fit on files, on a ray.data.Dataset and on a tf.data pipeline of
-TFRecord files, on 2 Ray workers.
+TFRecord files, on 2 Ray workers (a model with its own train_step from a path and from a Dataset; a compiled one
+from a path and from TFRecord files).
 
     python keras_stream_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
 
@@ -98,7 +99,7 @@ runs["own_step_path"] = record(app.fit(autoencoder, str(unlabelled), batch_size=
                                        validation_data=str(val_rows), num_workers=2, output=str(out / "r1"), verbose=0))
 import ray.data  # noqa: E402  (the Ray the script joined: app.fit connected it)
 
-runs["compiled_ray_dataset"] = record(app.fit(classifier, ray.data.read_parquet(str(labelled)), batch_size=32,
+runs["own_step_ray_dataset"] = record(app.fit(autoencoder, ray.data.read_parquet(str(unlabelled)), batch_size=32,
                                               epochs=3, num_workers=2, output=str(out / "r2"), verbose=0))
 for workers in (1, 2):
     runs[f"compiled_path_{workers}"] = record(app.fit(classifier, str(labelled), batch_size=30, epochs=4,
