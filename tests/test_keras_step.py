@@ -7,7 +7,8 @@ own train_step, test_step and three Mean trackers, fit on x alone; a GAN with co
 distiller with a frozen teacher in its constructor, compile() of its own and compute_loss overridden; add_loss; two
 named outputs with dict losses and loss_weights),
 each input as fit() takes it (arrays, a dict of arrays, a list of arrays, tf.data of x, (x, y) and (x, y, w), a
-PyDataset, a generator with steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split). It
+PyDataset, a generator with steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split; and a
+path of parquet files, with and without a label column, read on one worker into the same rows). It
 runs twice: every pair on one worker (the local backend, in the local test lane), and on 2 workers (joined to the
 session's Ray) every model kind and every path by which rows reach the workers; the tests below read the two tables.
 """
@@ -30,7 +31,8 @@ PAIRS = [("functional", "arrays"), ("functional", "dict"), ("functional", "tf.da
          ("functional", "tf.data x"), ("executions", "arrays"), ("executions", "tf.data x,y"),
          ("own_step", "arrays x"), ("own_step", "tf.data x"), ("gan", "tf.data x"),
          ("distiller", "arrays"), ("distiller", "tf.data x,y"), ("add_loss", "regression"),
-         ("two_outputs", "two targets"), ("two_inputs", "list")]
+         ("two_outputs", "two targets"), ("two_inputs", "list"),
+         ("functional", "parquet x,y"), ("own_step", "parquet x"), ("distiller", "parquet x,y")]
 NAMES = [f"{m} | {i}" for m, i in PAIRS]
 # On 2 workers (a Ray run each, ~18 s): every model kind, and every path by which rows reach the workers (not
 # every pairing of the two). A dict of arrays, a PyDataset and a generator are read by the driver into rows as
@@ -41,7 +43,9 @@ NAMES = [f"{m} | {i}" for m, i in PAIRS]
 # Keras's fit.
 TWO_WORKER_PAIRS = [pair for pair in PAIRS if pair not in {
     ("functional", "dict"), ("functional", "PyDataset"), ("functional", "generator"), ("distiller", "arrays"),
-    ("executions", "tf.data x,y")}]
+    ("executions", "tf.data x,y"),
+    # a path on Ray workers streams each worker its own share (not Keras's batches): tests/test_keras_stream.py
+    ("functional", "parquet x,y"), ("own_step", "parquet x"), ("distiller", "parquet x,y")}]
 TWO_WORKER_NAMES = [f"{m} | {i}" for m, i in TWO_WORKER_PAIRS]
 
 

@@ -254,6 +254,31 @@ INPUTS = {
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
     "list": lambda: {"x": [X[:, :2], X[:, 2:]], "y": Y, "batch_size": 24, "validation_split": 0.25},
 }
+# A path of parquet files as x (and validation_data): the same rows as an in-memory kind, written as columns f0..f3
+# (and label); Keras's fit gets that kind's arrays. On one worker (the local backend) app.fit reads the path into
+# those arrays; on Ray workers a path streams through Ray Data (tests/test_keras_stream.py).
+PATHS = {"parquet x,y": "arrays", "parquet x": "arrays x"}
+
+
+def as_path(input_name, out):
+    kwargs = INPUTS[PATHS[input_name]]()
+
+    def write(x, y, name):
+        import pandas as pd
+
+        frame = pd.DataFrame({f"f{i}": x[:, i] for i in range(x.shape[1])})
+        if y is not None:
+            frame["label"] = y
+        frame.to_parquet(f"{out}-{name}.parquet")
+        return f"{out}-{name}.parquet"
+
+    kwargs["x"] = write(kwargs.pop("x"), kwargs.pop("y", None), "train")
+    if "validation_data" in kwargs:
+        val = kwargs.pop("validation_data")
+        kwargs["validation_data"] = write(val[0], val[1] if len(val) > 1 else None, "val")
+    return kwargs
+
+
 MODELS = {"functional": functional, "executions": executions, "two_inputs": two_inputs, "own_step": own_step,
           "gan": gan, "distiller": distiller, "add_loss": add_loss, "two_outputs": two_outputs}
 EPOCHS = 2
@@ -276,12 +301,12 @@ def optimizers(model):
 
 def keras_fit(model_name, input_name):
     model = MODELS[model_name]()
-    return model.fit(**INPUTS[input_name](), epochs=EPOCHS, shuffle=False, verbose=0), model
+    return model.fit(**INPUTS[PATHS.get(input_name, input_name)](), epochs=EPOCHS, shuffle=False, verbose=0), model
 
 
 def app_fit(model_name, input_name, out, **where):
-    history = app.fit(MODELS[model_name], **INPUTS[input_name](), epochs=EPOCHS, shuffle=False, verbose=0,
-                      output=out, **where)
+    given = as_path(input_name, out) if input_name in PATHS else INPUTS[input_name]()
+    history = app.fit(MODELS[model_name], **given, epochs=EPOCHS, shuffle=False, verbose=0, output=out, **where)
     return history, history.model
 
 
