@@ -13,10 +13,11 @@
   path of files or a ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every
   argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
   validates nothing); every worker runs the model's own fit, made one exact run across workers by
-  app.training.keras_sync. Config keywords that ask for the product's own features (``lr_scaling``,
-  ``grad_accum``, ...) take the other way; with a model that overrides its step they are refused in one line.
-- **The product's own step** (app.run.api, as app.train): an uncompiled model (the task's defaults), an ``x``
-  that is a data function (as ``--dataset``), or the product's features asked for. Here ``batch_size``
+  app.training.keras_sync. ``grad_accum``, ``mixed_precision``, the learning-rate rule and an elastic range are
+  Keras's own there (app.training.keras_features); keywords asking for the product's other features
+  (``tensor_parallel``, ...) take the other way, and with a model that overrides its step they are refused in one line.
+- **The product's own step** (app.run.api, as app.train): an uncompiled model (the task's defaults, a path too),
+  an ``x`` that is a data function (as ``--dataset``), or the product's other features asked for. Here ``batch_size``
   must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path with a path ``x``),
   no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step reports validation numbers
   every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and
