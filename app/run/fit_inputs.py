@@ -136,7 +136,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
     """Paths and ray.data.Datasets (app.data.keras_stream): on Ray, each one's description and its Ray Dataset
     (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
     ``holdout``: ``val_fraction`` was given, a seeded part of x held out for validation (the command line's
-    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets)."""
+    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets, x's columns)."""
     if holdout and validation_data is not None:
         raise UserError("val_fraction holds out a part of x for validation, and validation_data is given: pass one "
                         "or the other")
@@ -161,7 +161,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
         x, y, spec = keras_stream.read_local(x, config, "x")
         val = None if validation_data is None else keras_stream.read_local(validation_data, config,
                                                                             "validation_data")[:2]
-        return x, y, val, {"columns": spec.features}
+        return x, y, val, {}, spec.features
     from app.driver import cluster
 
     # What is known without Ray first: the files exist, the batch cuts over the workers.
@@ -181,7 +181,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
         val, datasets["val"] = keras_stream.prepare(val_loc or train_loc, config, name="val", what="validation_data",
                                                     batch_size=val_batch, world=world, shuffle=False, training=False,
                                                     holdout=split("val"))
-    return train, None, val, datasets
+    return train, None, val, datasets, train.spec.features
 
 
 def same_structure(train, val) -> None:

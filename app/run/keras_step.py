@@ -90,13 +90,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
                         "fixed number of workers; give num_workers a number")
     datasets: dict[str, Any] = {}
+    columns: tuple[str, ...] = ()  # a path's or a Dataset's columns that are x (the refusals name them)
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
         with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
-            x, y, validation_data, datasets = fit_inputs.streamed_inputs(config, world, x, y, validation_data, validation_split,
-                                                         sample_weight, class_weight, steps_per_epoch,
-                                                         validation_steps, batch_size, validation_batch_size, shuffle,
-                                                         holdout="val_fraction" in fields,
-                                                         default_batch=KERAS_BATCH_SIZE)
+            x, y, validation_data, datasets, columns = fit_inputs.streamed_inputs(
+                config, world, x, y, validation_data, validation_split, sample_weight, class_weight, steps_per_epoch,
+                validation_steps, batch_size, validation_batch_size, shuffle, holdout="val_fraction" in fields,
+                default_batch=KERAS_BATCH_SIZE)
     elif "val_fraction" in fields:
         raise UserError("val_fraction holds out a seeded part of a path of files or a ray.data.Dataset: with x "
                         f"a {type(x).__name__}, give validation_split or validation_data, as in Keras")
@@ -109,7 +109,6 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elif validation_split and validation_data is None:
         raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
                         "give validation_data instead")
-    columns = datasets.pop("columns", None) or getattr(x, "spec", None) and x.spec.features
     if "train" in datasets:
         train = x
     else:
