@@ -70,6 +70,9 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
         if self.strategy == "parameter-server" and (self.grad_accum > 1 or self.steps_per_execution > 1):
             problems.append("--strategy parameter-server applies every step's gradients at once: leave --grad-accum "
                             "and --steps-per-execution at 1")
+        if self.strategy == "parameter-server" and self.shard_optimizer:
+            problems.append("--shard-optimizer cuts the optimizer's state over synchronous workers; with "
+                            "--strategy parameter-server the parameter servers already hold it apart: leave it out")
         if self.strategy == "parameter-server" and self.audit_sample_ids:
             problems.append("--audit-sample-ids gathers ids across synchronous replicas: not with parameter-server")
         if self.strategy == "parameter-server" and self.mixed_precision == "fp16":

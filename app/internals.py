@@ -273,6 +273,40 @@ def collective_sum(tensor: Any, group_size: int, group_key: int, instance_key: i
                                         communication_hint="auto", timeout=timeout_s)
 
 
+def collective_gather(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
+    """Every worker's ``tensor`` concatenated along its first axis, in rank order (CPUs: ring; GPUs: NCCL).
+
+    TensorFlow 2.21 has no reduce-scatter on CPUs (``CollectiveReduceScatterV2`` finds no implementation but
+    NCCL's): app.training.zero sums with ``collective_sum`` and keeps its part."""
+    from tensorflow.python.ops import collective_ops
+
+    return collective_ops.all_gather_v2(tensor, group_size=group_size, group_key=group_key,
+                                        instance_key=instance_key, communication_hint="auto", timeout=timeout_s)
+
+
+# --- Keras: an optimizer's clipping and weight-decay exclusions (app.training.zero) --------------------------------
+#
+# ``BaseOptimizer._backend_apply_gradients`` clips the (accumulated) gradients with ``self._clip_gradients`` just
+# before the update (keras/src/optimizers/base_optimizer.py); ``exclude_from_weight_decay`` keeps its variables and
+# name pattern in ``_exclude_from_weight_decay`` / ``_exclude_from_weight_decay_pattern``. An optimizer that updates
+# flat parts of many variables clips by the variables' norms across the parts, and cannot exclude by variable.
+
+
+def replace_clip_gradients(optimizer: Any, clip: Callable[[list], list]) -> None:
+    """Make ``optimizer`` clip its gradients with ``clip(grads)`` (its own clipping is ``clip``'s to call)."""
+    optimizer._clip_gradients = clip
+
+
+def own_clip_gradients(optimizer: Any) -> Callable[[list], list]:
+    return type(optimizer)._clip_gradients.__get__(optimizer)
+
+
+def weight_decay_exclusions(optimizer: Any) -> bool:
+    """Whether ``exclude_from_weight_decay`` was given any variable or name."""
+    return bool(getattr(optimizer, "_exclude_from_weight_decay", None)
+                or getattr(optimizer, "_exclude_from_weight_decay_pattern", None))
+
+
 # --- Keras: fit()'s own reading of its inputs (app.data.keras_inputs) ---------------------------------------------
 #
 # ``model.fit`` reads x, y, sample_weight and class_weight through a data adapter chosen by input kind

@@ -60,9 +60,12 @@ def driver_for(ray_cluster, out, *flags: str) -> subprocess.Popen:
 
 
 def test_workers_killed_while_the_group_starts_are_replaced_under_max_failures(ray_cluster, tmp_path):
-    """Kills 0.2 s, 0.9 s and 1.4 s after a start's worker appears (Ray 2.60 hung 3 times in 13 at 1-1.5 s)."""
+    """Kills 0.2 s, 0.9 s and 1.4 s after a start's worker appears (Ray 2.60 hung 3 times in 13 at 1-1.5 s).
+
+    Ray counts each kill once most times, but a kill that lands while the controller talks to the group can count
+    twice (the start's failure, then the dead actor in its next control-loop step): the budget leaves room for that."""
     out = tmp_path / "killed-at-start"
-    driver = driver_for(ray_cluster, out, "--max-failures", "3", "--worker-start-timeout-s", "30")
+    driver = driver_for(ray_cluster, out, "--max-failures", "6", "--worker-start-timeout-s", "30")
     try:
         killed = kill_during_starts(driver, [0.2, 0.9, 1.4])
         # Bounded: three restarts (a few seconds each) and two short epochs, not a wait for CPUs never freed.

@@ -265,6 +265,9 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
               "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
               "dropped_rows_per_epoch": job.train.dropped_rows(world),
               "checkpoint": "checkpoint", **exported,
+              # per worker (rank 0's): every optimizer's variables, and a sharded one's flat part of the weights
+              "optimizer_state_bytes": state.get("optimizer_state_bytes"),
+              "optimizer_parts_bytes": state.get("optimizer_parts_bytes"),
               "seconds": round(time.time() - started, 2)}
     (out / outputs.RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
     return KerasRun(records, model, result)

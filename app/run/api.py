@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from app.backend import backend_of
 from app.config import TrainConfig, build_config
+from app.errors import UserError
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
@@ -41,6 +42,12 @@ def driver(config: TrainConfig):
     """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
     its ``dry_run_lines(config)`` is the plan. Imported here, not with this module: the Python API stays light."""
     from app.backends import local, ps, ray_train
+
+    if config.shard_optimizer:  # the product's own step (a built-in model, a data function) does not shard
+        raise UserError("shard_optimizer runs inside Keras's fit: give a model that brings its step (a function of "
+                        "no arguments returning a compiled model, or one with its own train_step) and data that "
+                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model or a data "
+                        "function trains on the product's own step, which does not shard")
 
     return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
 

@@ -32,7 +32,9 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
                      "stream_buffer_mib", "data_cache",
                      # the product's features that Keras provides itself (app.training.keras_features)
-                     "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay"}
+                     "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay",
+                     # the optimizer's state cut over the workers (app.training.zero)
+                     "shard_optimizer"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
@@ -132,18 +134,20 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
+    from app.training import keras_sync, zero
     from app.training.keras_features import KerasFeatures
 
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
                                 steps_per_epoch=train.steps, epochs=epochs)
     features.check()
+    shard = zero.sharding(model, keras_sync.optimizers_of(model), config.shard_optimizer, world)
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
-                   stall_timeout_s=config.stall_timeout_s, features=features)
+                   stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage)
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + elastic + [
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + shard.lines + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()

@@ -39,8 +39,10 @@ class Site(IntEnum):
 
     ROWS = 1
     OVERFLOW = 2
+    NORMS = 10  # + the optimizer's index: its variables' squared norms, summed over their parts (app.training.zero)
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
     PACKS = 1000
+    PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)
 
 
 BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size
@@ -68,6 +70,22 @@ class Collective:
 
         with self._placed():
             return internals.collective_sum(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+
+    def gather_in_graph(self, tensor, site: int):
+        """Every worker's ``tensor`` concatenated along the first axis in rank order, inside a traced function."""
+        if self.world == 1:
+            return tensor
+        from app import internals
+
+        with self._placed():
+            return internals.collective_gather(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+
+    def gather_tensor(self, tensor):
+        """``gather_in_graph`` on the host (eager), under the next host key."""
+        if self.world == 1:
+            return tensor
+        self._host_calls += 1
+        return self.gather_in_graph(tensor, HOST_KEYS + self._host_calls)
 
     def _placed(self):
         import contextlib

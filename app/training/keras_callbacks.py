@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -86,10 +86,12 @@ class Bar(keras.callbacks.Callback):
 class Checkpoints(keras.callbacks.Callback):
     """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
 
-    def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int):
-        """``state``: what ``write`` saves beside the weights: the epoch reached and the history, kept here."""
+    def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
+                 gather: Optional[Callable[[], None]] = None):
+        """``state``: what ``write`` saves beside the weights: the epoch reached and the history, kept here;
+        ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put together)."""
         super().__init__()
-        self.session, self.write, self.state, self.epochs = session, write, state, epochs
+        self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
         self.started = time.perf_counter()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -102,6 +104,8 @@ class Checkpoints(keras.callbacks.Callback):
         self.state["epoch"] = epoch + 1
         if self.session.rank == 0:
             log.info(epoch_line(record, self.epochs))
+        if self.gather is not None:
+            self.gather()
         self.session.save_and_report(record, self.write)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from app import internals
+from app.training import zero
 from app.training.collective import Collective, Site
 
 
@@ -56,10 +57,11 @@ class _Rows:
     value: Any = None
 
 
-def synchronise(model, collective: Collective) -> None:
-    """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows."""
+def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list:
+    """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows; with
+    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns."""
     if collective.world == 1:
-        return
+        return []
     rows = _Rows()
     own_step = model.train_step
 
@@ -70,9 +72,14 @@ def synchronise(model, collective: Collective) -> None:
         return own_step(data)
 
     model.train_step = train_step
+    sharded = []
     for i, optimizer in enumerate(optimizers_of(model)):
-        _average_gradients(optimizer, collective, Site.GRADIENTS + i * Site.PACKS, rows)
+        if shard_optimizer:
+            sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
+        else:
+            _average_gradients(optimizer, collective, Site.GRADIENTS + i * Site.PACKS, rows)
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
+    return sharded
 
 
 def _average_gradients(optimizer, collective: Collective, site: int, rows: _Rows) -> None:

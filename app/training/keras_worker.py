@@ -24,11 +24,12 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
+from app.training.zero import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class KerasJob:
     stall_timeout_s: Optional[float] = None
     progress_bars: bool = False  # verbose=1 at a terminal: rank 0 draws a bar inside long epochs
     features: KerasFeatures = KerasFeatures()  # the product's features asked for, as Keras provides them
+    shard_optimizer: int = 0  # ZeRO's stage (app.training.zero); 0: every worker holds every optimizer's state
     extra: dict = field(default_factory=dict)
 
 
@@ -74,8 +76,9 @@ class KerasSession(Protocol):
         """A tqdm-like bar, drawn where the person watching the run sees it."""
 
 
-def checkpoint_of(model) -> Any:
-    """Every variable of the model and every optimizer it holds, as one ``tf.train.Checkpoint``.
+def checkpoint_of(model, optimizers: Optional[list] = None) -> Any:
+    """Every variable of the model and every optimizer it holds (or ``optimizers``: their unsharded copies, in the
+    same order), as one ``tf.train.Checkpoint``.
 
     By the model's ``variables`` (in their order: the same model function builds them in the same order), not by
     the model object: Keras 3 layers do not expose their variables to TensorFlow's object graph, so
@@ -85,7 +88,8 @@ def checkpoint_of(model) -> Any:
 
     from app.training.keras_sync import optimizers_of
 
-    return tf.train.Checkpoint(variables=list(model.variables), optimizers=optimizers_of(model))
+    return tf.train.Checkpoint(variables=list(model.variables),
+                               optimizers=optimizers if optimizers is not None else optimizers_of(model))
 
 
 def build(model, data: KerasData, val: Optional[KerasData] = None) -> None:
@@ -107,16 +111,38 @@ def read_state(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / STATE_FILE).read_text())
 
 
-def save(model, directory: str | Path, state: dict[str, Any]) -> None:
-    """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history)."""
-    checkpoint_of(model).write(str(Path(directory) / TRAIN_STATE))
+def save(model, directory: str | Path, state: dict[str, Any], optimizers: Optional[list] = None) -> None:
+    """A whole checkpoint: the model and its optimizers (``optimizers``: their unsharded copies), then state.json
+    (the epoch, the history)."""
+    checkpoint_of(model, optimizers).write(str(Path(directory) / TRAIN_STATE))
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
-def restore(model, directory: str | Path) -> dict[str, Any]:
-    """Weights and every optimizer's state from a checkpoint directory; its state.json."""
-    checkpoint_of(model).read(str(Path(directory) / TRAIN_STATE)).assert_existing_objects_matched()
+def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = ()) -> dict[str, Any]:
+    """Weights and every optimizer's state from a checkpoint directory (a sharded optimizer: the whole state read
+    into an unsharded copy, of which this worker keeps its part); its state.json."""
+    from app.training.keras_sync import optimizers_of
+
+    twins = {id(s.optimizer): s.twin() for s in sharded}
+    optimizers = [twins[id(o)].optimizer if id(o) in twins else o for o in optimizers_of(model)]
+    checkpoint_of(model, optimizers).read(str(Path(directory) / TRAIN_STATE)).assert_existing_objects_matched()
+    for s in sharded:
+        s.take_from(twins[id(s.optimizer)])
     return read_state(directory)
+
+
+def unsharded_optimizers(model, sharded: Sequence[ShardedOptimizer], rank: int) -> Optional[list]:
+    """Every worker: the sharded optimizers' parts gathered; rank 0 gets the optimizers to checkpoint (each sharded
+    one as an unsharded copy holding the whole state), the others None."""
+    from app.training.keras_sync import optimizers_of
+
+    twins = {}
+    for s in sharded:
+        twin = s.twin() if rank == 0 else None
+        s.gather_into(twin)
+        if twin is not None:
+            twins[id(s.optimizer)] = twin.optimizer
+    return [twins.get(id(o), o) for o in optimizers_of(model)] if rank == 0 else None
 
 
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
@@ -124,31 +150,39 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     session.start()
     import keras
 
-    from app.training import keras_callbacks, keras_features, keras_sync
+    from app.training import keras_callbacks, keras_features, keras_sync, zero
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
     model = keras_features.build(job.model_fn, job.features)
-    keras_sync.synchronise(model, collective)
+    sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
     build(model, train, val)
 
     state = {"epoch": job.initial_epoch, "history": []}
     resumed = session.last_checkpoint()
     if resumed is not None:
-        state = restore(model, resumed)
+        state = restore(model, resumed, sharded)
         if session.rank == 0:
             log.info("resumed at epoch %d step 0 from its checkpoint", state["epoch"] + 1)
     else:
         # Every worker starts from rank 0's weights (a model function need not be seeded).
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
+    # What this worker holds for its optimizers (result.json): their variables, and a sharded one's flat weights.
+    state["optimizer_state_bytes"] = zero.state_bytes(keras_sync.optimizers_of(model))
+    state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
     first = state["epoch"]
     steps = train.steps_on(session.world, first, job.seed)
     epochs = range(first, job.epochs)
     train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
                                                          training=False)[0]
+    held: dict[str, Any] = {}
+
+    def gather() -> None:  # every worker, before rank 0 writes the checkpoint
+        held["optimizers"] = unsharded_optimizers(model, sharded, session.rank)
+
     own = list(job.callbacks or [])
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
@@ -156,7 +190,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
     callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
-                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state), state, job.epochs)]
+                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.get("optimizers")), state,
+                                             job.epochs, gather=gather if sharded else None)]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).
     model.fit(train_ds, epochs=job.epochs, initial_epoch=first,

@@ -10,7 +10,9 @@ from app.ui import console
 
 def one_line(error: BaseException, config: TrainConfig) -> str:
     """The line for a ray.train.TrainingFailedError, with where the full traceback went."""
-    line = start_failure(error, config) or f"training failed: {summarize(error)}{restart_hint(error, config)}"
+    # A ControllerError's own message is a header ("Training failed due to controller error:"): tell its cause.
+    told = getattr(error, "controller_failure", None) or error
+    line = start_failure(error, config) or f"training failed: {summarize(told)}{restart_hint(error, config)}"
     return f"{line}{trace_note(error)}"
 
 

@@ -1,0 +1,362 @@
+"""Optimizer state sharded over the workers (ZeRO stages 1 and 2), inside Keras's own fit.
+
+Data parallel keeps the whole optimizer state on every worker (Adam: two moments, twice the weights). Sharded,
+each of N workers keeps 1/N of it:
+
+- the variables an optimizer updates are cut, in their order, into buckets of about ``BYTES_PER_PACK`` (one dtype
+  each), and each bucket's flat vector into N equal parts (zeros pad the last): the cut is even whatever the
+  layer sizes, and one part may hold pieces of several variables;
+- the optimizer (the user's own object, any elementwise Keras optimizer) is built on this worker's parts, one
+  flat variable per bucket, so its slots (Adam's moments, SGD's momentum, the accumulators of
+  ``gradient_accumulation_steps``) are 1/N of the unsharded ones;
+- a step: each worker's gradients, weighed by its rows, are summed over the workers in the same packs as an
+  unsharded step, and each worker keeps its part, divided by the global batch's rows; its part of the current
+  weights is copied into its flat variables; the optimizer updates them (clipping by a variable's norm or the
+  global norm from the squares summed over every part); the updated parts are gathered from every worker into
+  every variable (an all-gather of the weights), and the variables' constraints applied, as Keras applies them.
+
+Stages: TensorFlow 2.21 has no reduce-scatter on CPUs (``CollectiveReduceScatterV2`` has only NCCL's), so the
+gradients are summed whole and then cut. After the cut a worker holds only its part of the summed gradients and of
+any accumulator, which is stage 2; stage 1 asks for less and gets the same. The bytes on the wire are an
+all-reduce plus an all-gather of the weights (an unsharded step: the all-reduce).
+
+An update is the same, element by element, as the unsharded one for an optimizer whose update of an element reads
+only that element's gradient and state (``ELEMENTWISE``). Others (Adafactor's factored moments, Lamb's and Muon's
+per-matrix steps) are refused, as are weight-decay exclusions (a part mixes variables). A variable that never gets
+a gradient stays as it is under these optimizers (zero gradient, zero state) unless weight decay is on.
+
+Checkpoints hold the unsharded state: at an epoch's end every worker gathers the parts, and rank 0 puts them into
+a copy of the optimizer (deep-copied unbuilt when the run started) built on the model's variables, which it
+writes as an unsharded run would. A resume reads that state whole into such a copy and each worker keeps its
+part: a run resumes sharded or not, at any worker count, and the trained model is read as any run's.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from app import internals
+from app.errors import UserError
+from app.training.collective import BYTES_PER_PACK, Collective, Site
+
+STAGES = (1, 2)
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
+
+
+def check(optimizers: list, stage: int) -> None:
+    """What cannot be sharded, in one line before any worker starts."""
+    if stage not in (0, *STAGES):
+        raise UserError(f"shard_optimizer must be 1 or 2 (ZeRO's stage; 0: off), got {stage!r}")
+    if not stage:
+        return
+    if not optimizers:
+        raise UserError("shard_optimizer cuts a compiled optimizer's state over the workers: this model holds no "
+                        "Keras optimizer (compile it with one)")
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        kind = type(inner).__name__
+        if not any(c.__name__ in ELEMENTWISE and c.__module__.startswith("keras") for c in type(inner).__mro__):
+            raise UserError(f"shard_optimizer: {kind}'s update of a weight reads more than that weight's own "
+                            f"gradient and state, so its state cannot be cut into flat parts; shardable: "
+                            f"{', '.join(ELEMENTWISE)} (or leave shard_optimizer out)")
+        if internals.weight_decay_exclusions(inner):
+            raise UserError(f"shard_optimizer: {kind}.exclude_from_weight_decay names variables, and a worker's "
+                            "part mixes pieces of several variables: leave the exclusions or shard_optimizer out")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What a run shards: ``stage`` (0: nothing) and the plan's lines."""
+
+    stage: int
+    lines: list[str]
+
+
+def sharding(model, optimizers: list, stage: int, world: int) -> Sharding:
+    """The run's sharding, checked (``model``: the driver's copy; ``optimizers``: those it holds, unbuilt)."""
+    check(optimizers, stage)
+    if not stage:
+        return Sharding(0, [])
+    if world == 1:
+        return Sharding(0, [f"shard_optimizer {stage}: one worker, nothing to shard: it trains unsharded"])
+    sizes = ""
+    if len(optimizers) == 1:
+        whole = _unsharded_bytes(optimizers[0], sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+        sizes = f" ({_mb(whole / world)} of {_mb(whole)} a worker)"
+    stage_1 = "; stage 1 asked: the summed gradients are cut too, at no cost" if stage == 1 else ""
+    return Sharding(stage, [
+        f"shard_optimizer {stage} (ZeRO): each of the {world} workers keeps 1/{world} of every optimizer's state"
+        f"{sizes}, on its flat part of the weights; a step sums the gradients as unsharded and each worker keeps "
+        f"its part (TensorFlow has no reduce-scatter on CPUs){stage_1}, then gathers the updated parts (an "
+        "all-gather of the weights); checkpoints hold the whole state (result.json: optimizer_state_bytes)"])
+
+
+def _unsharded_bytes(optimizer, params: int) -> int:
+    """The state ``optimizer`` holds for ``params`` weights (float32): its slots per weight counted on a copy built
+    on one weight, plus its counters."""
+    import keras
+
+    twin = Twin(copy.deepcopy(optimizer), {})
+    record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
+    twin.optimizer.build([keras.Variable(np.zeros(1, "float32"), name="probe")])
+    others = [v for v in _variables(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+    return len(twin.slots) * params * 4 + state_bytes_of(others)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n:.0f} B"
+
+
+def state_bytes(optimizers: list) -> int:
+    """Bytes of every variable the optimizers hold on this worker (their state: slots, step counters, scales)."""
+    return state_bytes_of(list({id(v): v for optimizer in optimizers for v in _variables(optimizer)}.values()))
+
+
+def state_bytes_of(variables: list) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(_numpy_dtype(str(v.dtype))).itemsize for v in variables)
+
+
+def _numpy_dtype(dtype: str) -> str:
+    return "float16" if dtype == "bfloat16" else dtype  # the same two bytes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive variables of one dtype, flat, cut into ``world`` parts of ``part`` elements."""
+
+    members: tuple[int, ...]  # the variables' positions in the optimizer's list
+    sizes: tuple[int, ...]
+    part: int
+
+    @property
+    def length(self) -> int:
+        return sum(self.sizes)
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(member, start, stop): the pieces of the variables in ``rank``'s part, in order (start and stop within
+        that variable's flat values)."""
+        lo, hi = rank * self.part, (rank + 1) * self.part
+        out, at = [], 0
+        for j, size in enumerate(self.sizes):
+            a, b = max(lo, at), min(hi, at + size)
+            if a < b:
+                out.append((j, a - at, b - at))
+            at += size
+        return out
+
+
+def cut(sizes: list[int], itemsizes: list[int], dtypes: list[str], world: int,
+        bytes_per_bucket: int = BYTES_PER_PACK) -> list[Bucket]:
+    """The buckets of variables of these sizes; the first has room for one more element (the step's rows)."""
+    groups: list[list[int]] = []
+    size = bytes_per_bucket
+    for i in range(len(sizes)):
+        if size >= bytes_per_bucket or dtypes[groups[-1][-1]] != dtypes[i]:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += sizes[i] * itemsizes[i]
+    return [Bucket(tuple(g), tuple(sizes[i] for i in g), max(1, math.ceil((sum(sizes[i] for i in g) + (k == 0))
+                                                                          / world)))
+            for k, g in enumerate(groups)]
+
+
+def record_slots(optimizer, slots: dict[tuple[int, str], Any]) -> None:
+    """Have ``optimizer`` note each slot it makes: (id of the variable it follows, slot name) -> the slot."""
+    own = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
+        slot = own(reference_variable, name=name, initializer=initializer)
+        slots[(id(reference_variable), name or "var")] = slot
+        return slot
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+
+
+@dataclass
+class Twin:
+    """An unsharded copy of an optimizer, built on the model's variables: the checkpoint's layout."""
+
+    optimizer: Any
+    slots: dict[tuple[int, str], Any]
+
+
+class ShardedOptimizer:
+    """One optimizer of the model, its state cut over the workers (see the module docstring)."""
+
+    def __init__(self, optimizer, collective: Collective, index: int, rows: Any):
+        """``rows.value``: the rows of the step being traced (app.training.keras_sync)."""
+        self.optimizer, self.collective, self.index, self.rows = optimizer, collective, index, rows
+        self.inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's own
+        self.template = copy.deepcopy(optimizer)  # unbuilt: the unsharded layout, for checkpoints
+        self.references: Optional[list] = None  # the variables it updates (its first apply's)
+        self.buckets: list[Bucket] = []
+        self.parts: list = []  # this worker's flat variables, one per bucket
+        self.slots: dict[tuple[int, str], Any] = {}
+        record_slots(self.inner, self.slots)
+        self._own_apply, self._own_clip = optimizer.apply, internals.own_clip_gradients(self.inner)
+        optimizer.apply = self.apply
+        internals.replace_clip_gradients(self.inner, self.clip)
+
+    # --- the step ------------------------------------------------------------------------------------------------
+
+    def _build(self, variables: list) -> None:
+        import keras
+        import tensorflow as tf
+
+        if any(getattr(v, "overwrite_with_gradient", False) for v in variables):
+            raise UserError("shard_optimizer: a variable with overwrite_with_gradient (float8 training) takes its "
+                            "gradient as its value, not an update: leave shard_optimizer out")
+        self.references = list(variables)
+        dtypes = [str(v.dtype) for v in variables]
+        self.buckets = cut([int(np.prod(v.shape)) for v in variables],
+                           [np.dtype(_numpy_dtype(d)).itemsize for d in dtypes], dtypes, self.collective.world)
+        with tf.init_scope():  # made once, outside the step being traced
+            self.parts = [keras.Variable(initializer="zeros", shape=(b.part,), dtype=dtypes[b.members[0]],
+                                         name=f"shard_{self.index}_{k}") for k, b in enumerate(self.buckets)]
+            self.optimizer.build(self.parts)
+
+    def apply(self, grads, trainable_variables=None):
+        import tensorflow as tf
+
+        if trainable_variables is None:
+            raise UserError("shard_optimizer: the model's step calls optimizer.apply(grads) without its variables: "
+                            "pass them, optimizer.apply(grads, variables), as Keras's own train_step does")
+        variables = list(trainable_variables)
+        if self.references is None:
+            self._build(variables)
+        elif [id(v) for v in variables] != [id(v) for v in self.references]:
+            raise UserError(f"shard_optimizer: {self.optimizer.name} updates other variables than at its first "
+                            "step; a sharded optimizer updates one fixed list")
+        world, rank = self.collective.world, self.collective.rank
+        n = self.rows.value
+        summed = []
+        for k, b in enumerate(self.buckets):
+            flat = [tf.zeros([size]) if grads[i] is None else
+                    tf.reshape(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32), [-1]) * n
+                    for i, size in zip(b.members, b.sizes)] + ([tf.reshape(n, [1])] if k == 0 else [])
+            flat.append(tf.zeros([b.part * world - b.length - (k == 0)]))
+            summed.append(self.collective.in_graph(tf.concat(flat, 0), Site.GRADIENTS + self.index * Site.PACKS + k))
+        total = summed[0][self.buckets[0].length]
+        if hasattr(self.optimizer, "inner_optimizer"):
+            # A loss scale overflowed on one worker overflows on all: an inf in any part skips every worker's step.
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in summed])
+            poison = tf.where(finite, 0.0, float("nan"))
+        else:
+            poison = 0.0
+        part_grads = []
+        for k, b in enumerate(self.buckets):
+            lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
+            mine = summed[k][lo:max(lo, hi)] / total + poison
+            mine = tf.concat([mine, tf.zeros([b.part - max(0, hi - lo)])], 0)
+            part_grads.append(tf.cast(mine, self.parts[k].dtype))
+            self.parts[k].assign(self._part_of(k, variables, rank))
+        self._own_apply(part_grads, self.parts)
+        for k, b in enumerate(self.buckets):
+            whole = self.collective.gather_in_graph(tf.convert_to_tensor(self.parts[k]),
+                                                    Site.PARTS + self.index * Site.PACKS + k)[:b.length]
+            for i, piece in zip(b.members, tf.split(whole, list(b.sizes))):
+                v = variables[i]
+                v.assign(tf.reshape(piece, v.shape))
+                if v.constraint is not None:  # as Keras applies them, after the update
+                    v.assign(v.constraint(v))
+
+    def _part_of(self, k: int, variables: list, rank: int):
+        """``rank``'s part of bucket ``k`` of ``variables``' values (zeros past their end)."""
+        import tensorflow as tf
+
+        b = self.buckets[k]
+        pieces = [tf.reshape(tf.convert_to_tensor(variables[b.members[j]]), [-1])[a:z] for j, a, z in b.pieces(rank)]
+        filled = sum(z - a for _, a, z in b.pieces(rank))
+        return tf.concat([*pieces, tf.zeros([b.part - filled], self.parts[k].dtype)], 0)
+
+    def clip(self, grads: list) -> list:
+        """Keras's clipping of the parts' gradients: by each variable's norm, or the global norm, from the squares
+        summed over every part; by value, element by element, as Keras does."""
+        import tensorflow as tf
+
+        clipnorm, global_clipnorm = self.inner.clipnorm, self.inner.global_clipnorm
+        if not (clipnorm and clipnorm > 0) and not (global_clipnorm and global_clipnorm > 0):
+            return self._own_clip(grads)
+        rank = self.collective.rank
+        squares: list[list] = [[] for _ in self.references]
+        for b, g in zip(self.buckets, grads):
+            at = 0
+            for j, a, z in b.pieces(rank):
+                squares[b.members[j]].append(tf.reduce_sum(tf.square(tf.cast(g[at:at + z - a], tf.float32))))
+                at += z - a
+        local = tf.stack([tf.add_n(s) if s else tf.constant(0.0) for s in squares])
+        norms = tf.sqrt(self.collective.in_graph(local, Site.NORMS + self.index))
+        if clipnorm and clipnorm > 0:  # Keras's _clip_by_norm: g x c / max(norm, c), per variable
+            factor = clipnorm / tf.maximum(norms, clipnorm)
+            out = []
+            for b, g in zip(self.buckets, grads):
+                scale = [tf.fill([z - a], factor[b.members[j]]) for j, a, z in b.pieces(rank)]
+                filled = sum(z - a for _, a, z in b.pieces(rank))
+                out.append(g * tf.cast(tf.concat([*scale, tf.ones([b.part - filled])], 0), g.dtype))
+            return out
+        # Keras's clip_by_global_norm (a NaN where the norm is not finite)
+        norm = tf.sqrt(tf.reduce_sum(tf.square(norms)))
+        scale = global_clipnorm * tf.minimum(1.0 / norm, 1.0 / global_clipnorm) + (norm - norm)
+        return [g * tf.cast(scale, g.dtype) for g in grads]
+
+    # --- checkpoints: the unsharded state ---------------------------------------------------------------------
+
+    def twin(self) -> Twin:
+        """An unsharded copy of the optimizer built on the model's variables (its whole state, in this process)."""
+        twin = Twin(copy.deepcopy(self.template), {})
+        record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
+        twin.optimizer.build(self.references)
+        return twin
+
+    def _own_variables(self) -> tuple[list, list]:
+        """(this optimizer's slots as (bucket, slot name, variable), its other variables), in a fixed order."""
+        bucket_of = {id(p): k for k, p in enumerate(self.parts)}
+        slot_ids = {id(v): (bucket_of[ref], name) for (ref, name), v in self.slots.items()}
+        slots, others = [], []
+        for v in _variables(self.optimizer):
+            (slots.append((*slot_ids[id(v)], v)) if id(v) in slot_ids else others.append(v))
+        return slots, others
+
+    def gather_into(self, twin: Optional[Twin]) -> None:
+        """Every worker: its parts of the state gathered from all; ``twin`` (rank 0's) takes the whole state."""
+        slots, others = self._own_variables()
+        twin_others = [] if twin is None else [v for v in _variables(twin.optimizer)
+                                               if all(v is not s for s in twin.slots.values())]
+        for k, name, v in slots:
+            b = self.buckets[k]
+            whole = np.asarray(self.collective.gather_tensor(v.value))[:b.length]
+            if twin is not None:
+                for i, piece in zip(b.members, np.split(whole, np.cumsum(b.sizes)[:-1])):
+                    target = twin.slots[(id(self.references[i]), name)]
+                    target.assign(piece.reshape(target.shape))
+        for mine, theirs in zip(others, twin_others):
+            theirs.assign(mine.value)
+
+    def take_from(self, twin: Twin) -> None:
+        """This worker's parts of the whole state ``twin`` holds (read from a checkpoint)."""
+        slots, others = self._own_variables()
+        rank = self.collective.rank
+        for k, name, v in slots:
+            b = self.buckets[k]
+            flat = np.concatenate([np.ravel(twin.slots[(id(self.references[i]), name)].numpy()) for i in b.members])
+            mine = np.zeros(b.part, flat.dtype)
+            lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
+            mine[:max(0, hi - lo)] = flat[lo:max(lo, hi)]
+            v.assign(mine)
+        twin_others = [v for v in _variables(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+        for mine, theirs in zip(others, twin_others):
+            mine.assign(theirs.value)
+
+
+def _variables(optimizer) -> list:
+    """An optimizer's variables and its inner optimizer's (a LossScaleOptimizer), each once, in order."""
+    seen: dict[int, Any] = {}
+    for v in [*optimizer.variables, *getattr(optimizer, "inner_optimizer", optimizer).variables]:
+        seen.setdefault(id(v), v)
+    return list(seen.values())

@@ -1,0 +1,100 @@
+"""A user's script: models trained by app.fit on 2 Ray workers with their optimizers' state sharded
+(shard_optimizer, app.training.zero), unsharded, and by Keras's own model.fit in one process.
+
+    python zero_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
+
+Writes OUT/zero.json: each run's final weights, History and result.json figures. tests/test_zero.py reads it.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import app
+
+out = Path(sys.argv[1])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(200, 9)).astype("float32")  # 200 rows, batch 32: a short last batch of 8 every epoch
+y = (x[:, :3] @ rng.normal(size=(3, 3))).astype("float32")
+
+
+class Regressor(keras.Model):
+    """Its own train_step; layer sizes whose flat lengths are odd, so the parts cut across variables."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def train_step(self, data):
+        inputs, targets = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(inputs) - targets))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5),
+    "adamw_global_clipnorm": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.01, global_clipnorm=0.3),
+}
+
+
+def builder(optimizer: str, own_step: bool):
+    def build():
+        keras.utils.set_random_seed(5)
+        if own_step:
+            model = Regressor()
+        else:  # compiled, with a constraint Keras applies after each update
+            model = keras.Sequential([keras.Input((9,)), keras.layers.Dense(7, activation="tanh",
+                                      kernel_constraint=keras.constraints.MaxNorm(0.8)), keras.layers.Dense(3)])
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss=None if own_step else "mse")
+        return model
+
+    return build
+
+
+def weights(model) -> list:
+    return [np.asarray(w).tolist() for w in model.get_weights()]
+
+
+runs = {}
+fit = dict(batch_size=32, shuffle=False, verbose=0)
+for name, own_step in (("adam", True), ("sgd_momentum_clipnorm", False), ("adamw_global_clipnorm", True)):
+    build = builder(name, own_step)
+    sharded = app.fit(build, x, y, epochs=3, num_workers=2, shard_optimizer=2 if name == "adam" else 1,
+                      output=str(out / f"{name}-sharded"), **fit)
+    reference = build()
+    reference_history = reference.fit(x, y, epochs=3, **fit)
+    runs[name] = {"sharded": weights(sharded.model), "keras_fit": weights(reference),
+                  "history": sharded.history, "keras_history": reference_history.history,
+                  "result": {k: sharded.result[k] for k in ("optimizer_state_bytes", "optimizer_parts_bytes")},
+                  "plan": (out / f"{name}-sharded" / "train.log").read_text()}
+
+# Adam unsharded on the same 2 workers: the state every worker holds whole.
+build = builder("adam", True)
+whole = app.fit(build, x, y, epochs=3, num_workers=2, output=str(out / "adam-whole"), **fit)
+runs["adam"]["unsharded"] = weights(whole.model)
+runs["adam"]["unsharded_result"] = {k: whole.result[k] for k in ("optimizer_state_bytes", "optimizer_parts_bytes")}
+
+# Sharded on 2 workers for 2 epochs, then resumed on 1 worker (unsharded) to the third: the checkpoint holds the
+# whole state, put together from both workers' parts.
+first = app.fit(build, x, y, epochs=2, num_workers=2, shard_optimizer=2, output=str(out / "resumed"), **fit)
+resumed = app.fit(build, x, y, epochs=3, num_workers=1, resume=True, output=str(out / "resumed"), **fit)
+runs["adam"]["resumed"] = weights(resumed.model)
+runs["adam"]["resumed_history"] = resumed.history
+(out / "zero.json").write_text(json.dumps(runs, indent=1))

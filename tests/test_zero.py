@@ -1,0 +1,144 @@
+"""Optimizer state sharded over the workers (shard_optimizer, app.training.zero): the same weights as an unsharded
+run and as Keras's own model.fit, 1/N of the state per worker, checkpoints that hold the whole state. One user
+script (tests/scripts/zero_runs.py) makes the Ray runs; the cut and the refusals are checked in this process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO, script_record
+
+SCRIPT = REPO / "tests" / "scripts" / "zero_runs.py"
+
+
+@pytest.fixture(scope="module")
+def runs(joined, tmp_path_factory):
+    return script_record(SCRIPT, tmp_path_factory, "zero.json", joined)
+
+
+def _close(a: list, b: list, atol: float) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum_clipnorm", "adamw_global_clipnorm"])
+def test_two_sharded_workers_train_the_weights_of_model_fit_in_one_process(runs, optimizer):
+    """3 epochs of 200 rows (a short last batch each): Adam (stage 2, a model with its own train_step), SGD with
+    momentum and clipnorm (stage 1, compiled, a kernel constraint), AdamW with weight decay and global_clipnorm
+    (stage 1, own train_step): every weight within 1e-6 of model.fit's (seen: at most 5e-7)."""
+    run = runs[optimizer]
+    _close(run["sharded"], run["keras_fit"], atol=1e-6)
+    np.testing.assert_allclose(run["history"]["loss"], run["keras_history"]["loss"], rtol=1e-5)
+    assert "each of the 2 workers keeps 1/2 of every optimizer's state" in run["plan"]
+
+
+def test_sharded_and_unsharded_workers_hold_the_same_weights_and_half_the_state(runs):
+    """Sharded and unsharded, on 2 workers: the same weights; each sharded worker holds half of Adam's moments
+    (the bucket's rounding: 94 weights cut into parts of 48, the step's row count riding in the padding), plus
+    the same counters, and its flat part of the weights."""
+    adam = runs["adam"]
+    _close(adam["sharded"], adam["unsharded"], atol=1e-6)
+    weights = 9 * 7 + 7 + 7 * 3 + 3  # 94
+    counters = adam["unsharded_result"]["optimizer_state_bytes"] - 2 * weights * 4  # iterations, learning rate
+    assert counters == 12 and adam["unsharded_result"]["optimizer_parts_bytes"] == 0
+    part = -(-(weights + 1) // 2)  # 48
+    assert adam["result"] == {"optimizer_state_bytes": counters + 2 * part * 4, "optimizer_parts_bytes": part * 4}
+
+
+def test_a_sharded_run_resumes_on_one_unsharded_worker_as_if_never_stopped(runs):
+    """2 epochs sharded on 2 workers, the third resumed on 1 worker: its checkpoint held the whole state (both
+    workers' parts put together), so the weights are model.fit's 3 epochs."""
+    adam = runs["adam"]
+    _close(adam["resumed"], adam["keras_fit"], atol=1e-6)
+    assert len(adam["resumed_history"]["loss"]) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8), world=st.integers(1, 5),
+       bucket=st.integers(4, 200))
+def test_every_weight_is_in_exactly_one_workers_part_and_the_parts_are_equal(sizes, world, bucket):
+    from app.training.zero import cut
+
+    buckets = cut(sizes, [4] * len(sizes), ["float32"] * len(sizes), world, bytes_per_bucket=bucket)
+    assert [i for b in buckets for i in b.members] == list(range(len(sizes)))
+    for k, b in enumerate(buckets):
+        assert b.part * world >= b.length + (k == 0)  # room for the row count in the first
+        assert b.part * world - b.length - (k == 0) < world  # the padding: less than one element a worker
+        covered = [np.zeros(s, int) for s in b.sizes]
+        for rank in range(world):
+            held = 0
+            for j, a, z in b.pieces(rank):
+                covered[j][a:z] += 1
+                held += z - a
+            assert held <= b.part
+        assert all((c == 1).all() for c in covered)
+
+
+def _compiled(optimizer):
+    def build():
+        import keras
+
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=optimizer(), loss="mse")
+        return model
+
+    return build
+
+
+def test_what_cannot_be_sharded_is_one_line_before_anything_trains(tmp_path):
+    """A stage other than 1 or 2; an optimizer whose update is not element by element; weight-decay exclusions;
+    parameter servers; the product's own step (a built-in model): each refused in one line, nothing written."""
+    import keras
+
+    import app
+    from app.config import TrainConfig
+    from app.errors import UserError
+
+    x, y = np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32")
+
+    def adamw_excluding():
+        optimizer = keras.optimizers.AdamW(0.01)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    for optimizer, said in ((keras.optimizers.Adafactor, "Adafactor's update of a weight reads more than"),
+                            (adamw_excluding, "AdamW.exclude_from_weight_decay names variables")):
+        with pytest.raises(UserError) as refused:
+            app.fit(_compiled(optimizer), x, y, epochs=1, shard_optimizer=1, backend="local",
+                    output=str(tmp_path / "never"), verbose=0)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(UserError, match="shard_optimizer") as refused:
+        app.fit(_compiled(keras.optimizers.Adam), x, y, epochs=1, shard_optimizer=3, backend="local",
+                output=str(tmp_path / "never"), verbose=0)
+    with pytest.raises(ValueError, match="parameter servers already hold it apart"):
+        TrainConfig(strategy="parameter-server", shard_optimizer=1)
+    with pytest.raises(UserError, match="shard_optimizer runs inside Keras's fit"):
+        app.train(model="mlp", epochs=1, shard_optimizer=1, backend="local",
+                  output=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+
+
+def test_one_worker_has_nothing_to_shard_and_trains_as_model_fit(tmp_path):
+    """shard_optimizer with one worker (the local backend): the plan says it trains unsharded, and it does."""
+    import keras
+
+    import app
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(2)
+        return _compiled(lambda: keras.optimizers.Adam(0.01))()
+
+    ours = app.fit(build, x, y, epochs=2, shard_optimizer=2, backend="local", output=str(tmp_path / "run"),
+                   shuffle=False, verbose=0)
+    reference = build()
+    reference.fit(x, y, epochs=2, shuffle=False, verbose=0)
+    _close(ours.model.get_weights(), reference.get_weights(), atol=1e-7)
+    assert "shard_optimizer 2: one worker, nothing to shard: it trains unsharded" in \
+        (tmp_path / "run" / "train.log").read_text()
