@@ -1,5 +1,5 @@
 """Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic,
-tensor-parallel, streaming.
+tensor-parallel, streaming, shard-optimizer.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
@@ -11,6 +11,7 @@ tensor-parallel, streaming.
     python jobs/benchmark.py sweep --space tune_spaces/asha_vs_grid.yaml         # ASHA vs the full grid
     python jobs/benchmark.py tensor-parallel --degrees 1 2 4                    # one layer split over devices
     python jobs/benchmark.py streaming                                          # arrays vs parquet vs TFRecord
+    python jobs/benchmark.py shard-optimizer                                    # ZeRO vs unsharded, 2 workers
 
 Each suite reads its section of a preset (app/bench/presets/full.yaml; --quick: quick.yaml; --preset FILE): params
 (flags override them) and a workload of TrainConfig fields (--config FILE, --set FIELD=VALUE override). Results go

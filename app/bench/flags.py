@@ -59,6 +59,9 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     st.add_argument("--rows", type=int, help="Rows at 1x."), st.add_argument(
         "--scale", type=int, help="The second data set's size, in times --rows.")
     st.add_argument("--epochs", type=int, help="Epochs of every run (the first one's rate is left out).")
+    so = add("shard-optimizer", "Adam's state sharded over 2 Ray workers vs unsharded: samples/s, and each worker's "
+             "state and peak memory on a model with a large state.")
+    so.add_argument("--epochs", type=int, help="Epochs of every run (the first one's rate is left out).")
     return top
 
 

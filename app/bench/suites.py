@@ -19,6 +19,8 @@
 - streaming (app.bench.streaming): one compiled model by Keras's fit on 2 Ray workers from arrays, parquet
   (Ray Data) and TFRecord files (a tf.data pipeline every worker reads), rates and memory at 1x and scale x
   -> streaming.json
+- shard-optimizer (app.bench.shard_optimizer): Adam's state sharded over 2 Ray workers against unsharded:
+  samples/s, and each worker's state and peak memory on a model with a large state -> shard-optimizer.json
 - tensor-parallel (app.bench.tensor_split): the transformer's feed-forward pairs split over N = 1, 2, 4 devices of
   one process: samples/s and the split layers' bytes per device -> tensor-parallel.json
 """
@@ -40,6 +42,7 @@ from app.bench import (
     predict_cost,
     ps_vs_mwms,
     scaling,
+    shard_optimizer,
     streaming,
     sweep_cost,
     tensor_split,
@@ -49,7 +52,8 @@ from app.driver import output_guard
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
-          "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming}
+          "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming,
+          "shard-optimizer": shard_optimizer}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

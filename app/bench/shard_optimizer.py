@@ -1,0 +1,115 @@
+"""The shard-optimizer suite: Adam's state sharded over 2 Ray workers (app.training.zero) against unsharded, in the
+same run: samples/s on a model whose step is mostly compute, and each worker's peak memory on a model whose Adam
+state is large (``memory_width`` x ``memory_depth`` dense layers: ``memory_width``^2 x depth weights, twice that
+in Adam's moments).
+
+Each run is a fresh process with a local Ray of its own (``python -m app.bench.shard_optimizer one '<json>'``), so
+its peaks are its own (app.bench.sampler: the largest sampled RSS of the Ray Train workers). Steady samples/s are
+the epochs after the first (rows trained / the epoch's seconds). -> shard-optimizer.json, with the rate sharded /
+unsharded and the per-worker figures: optimizer_state_bytes and optimizer_parts_bytes from result.json, and the peak
+RSS difference unsharded - sharded (on paper: half of Adam's state, less the flat part of the weights each sharded
+worker keeps: weights x (2 (N - 1) - 1) / N).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from app.bench import report
+from app.bench.preset import Preset
+from app.bench.proc import child_main, measure, steady
+
+log = logging.getLogger(__name__)
+
+PARAMS = ("workers", "rows", "features", "speed_width", "speed_depth", "memory_width", "memory_depth", "memory_rows",
+          "batch_size", "epochs")
+
+
+def build_model(features: int, width: int, depth: int):
+    """A compiled MLP (Adam), as a Keras script compiles it."""
+    import keras
+
+    model = keras.Sequential([keras.Input((features,)),
+                              *[keras.layers.Dense(width, activation="relu") for _ in range(depth)],
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def one(payload: dict[str, Any]) -> dict[str, Any]:
+    """One app.fit in this process: ``{"stage": 0|1|2, "size": "speed"|"memory", "out": DIR, "params": {...}}``."""
+    import functools
+
+    import numpy as np
+    import ray
+
+    from app.bench.sampler import ProcessPeaks
+    from app.run.fit import fit as app_fit
+
+    params, size, stage = payload["params"], payload["size"], int(payload["stage"])
+    features, rows = int(params["features"]), int(params["rows" if size == "speed" else "memory_rows"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, features)).astype("float32")
+    y = (x[:, :10].argmax(axis=1)).astype("int64")
+    model = functools.partial(build_model, features, int(params[f"{size}_width"]), int(params[f"{size}_depth"]))
+    started = time.time()
+    with ProcessPeaks() as peaks:
+        ray.init(num_cpus=int(params["workers"]) + 1, include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            history = app_fit(model, x, y, batch_size=int(params["batch_size"]), epochs=int(params["epochs"]),
+                              num_workers=int(params["workers"]), shard_optimizer=stage, output=payload["out"],
+                              overwrite=True, verbose=0)
+        finally:
+            ray.shutdown()
+    trained = history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0)
+    per_epoch = [trained / r["seconds"] for r in history.records]
+    return {
+        "samples_per_second": round(steady(per_epoch), 1),
+        "per_epoch": [round(r, 1) for r in per_epoch],
+        "loss": history.history["loss"][-1],
+        "seconds": round(time.time() - started, 1),
+        "weights_bytes": int(sum(np.asarray(w).nbytes for w in history.model.get_weights())),
+        "optimizer_state_bytes": history.result["optimizer_state_bytes"],
+        "optimizer_parts_bytes": history.result["optimizer_parts_bytes"],
+        "train_worker_peak_mib": peaks.largest(lambda name: name.startswith("ray::RayTrainWorker")),
+    }
+
+
+def run(preset: Preset, out: Path, command: str) -> list[Path]:
+    params = preset.params
+    results: dict[str, Any] = {}
+    # Alternating, so that a slower spell of this shared machine falls on both.
+    for size in ("speed", "memory"):
+        for stage in (0, 2):
+            label = f"{size}-{'sharded' if stage else 'unsharded'}"
+            payload = {"stage": stage, "size": size, "out": str(out / f"run-{label}"), "params": params}
+            results[label] = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
+            print(f"{label}: {json.dumps(results[label])}", flush=True)
+    results["rate_sharded_vs_unsharded"] = round(results["speed-sharded"]["samples_per_second"]
+                                                 / results["speed-unsharded"]["samples_per_second"], 3)
+    whole, cut = results["memory-unsharded"], results["memory-sharded"]
+    mib = 2 ** 20
+    results["memory"] = {
+        "weights_mib": round(whole["weights_bytes"] / mib, 1),
+        "state_mib_unsharded": round(whole["optimizer_state_bytes"] / mib, 1),
+        "state_mib_sharded": round(cut["optimizer_state_bytes"] / mib, 1),
+        "parts_mib_sharded": round(cut["optimizer_parts_bytes"] / mib, 1),
+        "worker_peak_mib_unsharded": whole["train_worker_peak_mib"],
+        "worker_peak_mib_sharded": cut["train_worker_peak_mib"],
+        "peak_saved_mib": round(whole["train_worker_peak_mib"] - cut["train_worker_peak_mib"], 1),
+        "on_paper_saved_mib": round((whole["optimizer_state_bytes"] - cut["optimizer_state_bytes"]
+                                     - cut["optimizer_parts_bytes"]) / mib, 1),
+    }
+    summary = out / "shard-optimizer.json"
+    report.write_json(summary, {**results, "command": command, "preset": preset.as_dict()})
+    print(f"samples/s sharded / unsharded: {results['rate_sharded_vs_unsharded']:.3f}")
+    print("memory per worker: " + ", ".join(f"{k} {v}" for k, v in results["memory"].items()))
+    return [summary]
+
+
+if __name__ == "__main__":
+    child_main({"one": one})
