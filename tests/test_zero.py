@@ -49,12 +49,14 @@ def test_sharded_and_unsharded_workers_hold_the_same_weights_and_half_the_state(
     assert adam["result"] == {"optimizer_state_bytes": counters + 2 * part * 4, "optimizer_parts_bytes": part * 4}
 
 
-def test_a_sharded_run_resumes_on_one_unsharded_worker_as_if_never_stopped(runs):
+def test_a_sharded_run_resumes_unsharded_on_one_worker_and_an_unsharded_one_sharded_as_if_never_stopped(runs):
     """2 epochs sharded on 2 workers, the third resumed on 1 worker: its checkpoint held the whole state (both
-    workers' parts put together), so the weights are model.fit's 3 epochs."""
+    workers' parts, one file per variable and slot), so the weights are model.fit's 3 epochs. And 2 epochs
+    unsharded, the third sharded: each worker kept its part of the unsharded checkpoint's state."""
     adam = runs["adam"]
     _close(adam["resumed"], adam["keras_fit"], atol=1e-6)
     assert len(adam["resumed_history"]["loss"]) == 3
+    _close(adam["resharded"], adam["keras_fit"], atol=1e-6)
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -137,11 +138,10 @@ class LocalKerasSession:
 
 
 def _replace(final: Path, fresh: Path) -> None:
-    """This run's checkpoint directory ``final`` (flat: files only) replaced by the complete ``fresh`` one."""
+    """This run's checkpoint directory ``final`` (only this product writes there) replaced by the complete ``fresh``
+    one."""
     if final.exists():
-        for f in final.iterdir():
-            f.unlink()
-        final.rmdir()
+        shutil.rmtree(final)
     os.replace(fresh, final)
 
 

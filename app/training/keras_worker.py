@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
+from app.training import zero_state
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
@@ -92,12 +94,18 @@ def checkpoint_of(model, optimizers: Optional[list] = None) -> Any:
                                optimizers=optimizers if optimizers is not None else optimizers_of(model))
 
 
-def build(model, data: KerasData, val: Optional[KerasData] = None) -> None:
+def build(model, data: KerasData, val: Optional[KerasData] = None, sharded: Sequence[ShardedOptimizer] = ()) -> None:
     """Create every variable the model's step uses (layers, optimizers' slots, metrics) without taking a step:
     trace ``train_step`` once on the input's element spec, as fit() would at its first step, and ``test_step`` on
     the validation input's (a worker whose part of the validation rows is empty has the same metric states to sum
-    as the others)."""
+    as the others). The unsharded optimizers note their slots as they build (a sharded run's checkpoint names them)."""
     import tensorflow as tf
+
+    from app.training.keras_sync import optimizers_of
+
+    for optimizer in optimizers_of(model):
+        if not optimizer.built and all(optimizer is not s.optimizer for s in sharded):
+            zero_state.track(optimizer)
 
     def spec(d):
         return tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), d.rows)
@@ -111,38 +119,38 @@ def read_state(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / STATE_FILE).read_text())
 
 
-def save(model, directory: str | Path, state: dict[str, Any], optimizers: Optional[list] = None) -> None:
-    """A whole checkpoint: the model and its optimizers (``optimizers``: their unsharded copies), then state.json
-    (the epoch, the history)."""
-    checkpoint_of(model, optimizers).write(str(Path(directory) / TRAIN_STATE))
+def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Path] = None) -> None:
+    """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history). ``parts``: the
+    sharded optimizers' state as app.training.zero_state wrote it, which the checkpoint takes instead."""
+    import tensorflow as tf
+
+    if parts is None:
+        checkpoint_of(model).write(str(Path(directory) / TRAIN_STATE))
+    else:
+        shutil.move(str(parts), str(Path(directory) / zero_state.DIRECTORY))
+        tf.train.Checkpoint(variables=list(model.variables)).write(str(Path(directory) / TRAIN_STATE))
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
 def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = ()) -> dict[str, Any]:
-    """Weights and every optimizer's state from a checkpoint directory (a sharded optimizer: the whole state read
-    into an unsharded copy, of which this worker keeps its part); its state.json."""
+    """Weights and every optimizer's state from a checkpoint directory, sharded or not whichever wrote it (a sharded
+    optimizer keeps its part); its state.json."""
+    import tensorflow as tf
+
     from app.training.keras_sync import optimizers_of
 
+    path = str(Path(directory) / TRAIN_STATE)
+    if zero_state.written(directory):
+        tf.train.Checkpoint(variables=list(model.variables)).read(path).assert_existing_objects_matched()
+        zero_state.read(directory, optimizers_of(model), sharded)
+        return read_state(directory)
+    # An unsharded checkpoint: a sharded optimizer reads it whole into an unsharded copy, then keeps its part.
     twins = {id(s.optimizer): s.twin() for s in sharded}
     optimizers = [twins[id(o)].optimizer if id(o) in twins else o for o in optimizers_of(model)]
-    checkpoint_of(model, optimizers).read(str(Path(directory) / TRAIN_STATE)).assert_existing_objects_matched()
+    checkpoint_of(model, optimizers).read(path).assert_existing_objects_matched()
     for s in sharded:
         s.take_from(twins[id(s.optimizer)])
     return read_state(directory)
-
-
-def unsharded_optimizers(model, sharded: Sequence[ShardedOptimizer], rank: int) -> Optional[list]:
-    """Every worker: the sharded optimizers' parts gathered; rank 0 gets the optimizers to checkpoint (each sharded
-    one as an unsharded copy holding the whole state), the others None."""
-    from app.training.keras_sync import optimizers_of
-
-    twins = {}
-    for s in sharded:
-        twin = s.twin() if rank == 0 else None
-        s.gather_into(twin)
-        if twin is not None:
-            twins[id(s.optimizer)] = twin.optimizer
-    return [twins.get(id(o), o) for o in optimizers_of(model)] if rank == 0 else None
 
 
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
@@ -157,7 +165,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     train, val = session.inputs()
     model = keras_features.build(job.model_fn, job.features)
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
-    build(model, train, val)
+    build(model, train, val, sharded)
 
     state = {"epoch": job.initial_epoch, "history": []}
     resumed = session.last_checkpoint()
@@ -181,7 +189,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     held: dict[str, Any] = {}
 
     def gather() -> None:  # every worker, before rank 0 writes the checkpoint
-        held["optimizers"] = unsharded_optimizers(model, sharded, session.rank)
+        held["parts"] = zero_state.gather(sharded, session.rank)
 
     own = list(job.callbacks or [])
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
@@ -190,7 +198,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
     callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
-                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.get("optimizers")), state,
+                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None)), state,
                                              job.epochs, gather=gather if sharded else None)]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).

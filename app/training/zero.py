@@ -25,10 +25,10 @@ only that element's gradient and state (``ELEMENTWISE``). Others (Adafactor's fa
 per-matrix steps) are refused, as are weight-decay exclusions (a part mixes variables). A variable that never gets
 a gradient stays as it is under these optimizers (zero gradient, zero state) unless weight decay is on.
 
-Checkpoints hold the unsharded state: at an epoch's end every worker gathers the parts, and rank 0 puts them into
-a copy of the optimizer (deep-copied unbuilt when the run started) built on the model's variables, which it
-writes as an unsharded run would. A resume reads that state whole into such a copy and each worker keeps its
-part: a run resumes sharded or not, at any worker count, and the trained model is read as any run's.
+Checkpoints hold the unsharded state, one file per variable and slot (app.training.zero_state), gathered and written
+one bucket at a time; a run resumes sharded or not, at any worker count. A sharded run resumed from an unsharded
+checkpoint reads it into an unbuilt copy of the optimizer (deep-copied when the run started) built on the model's
+variables, and each worker keeps its part.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def _unsharded_bytes(optimizer, params: int) -> int:
     twin = Twin(copy.deepcopy(optimizer), {})
     record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
     twin.optimizer.build([keras.Variable(np.zeros(1, "float32"), name="probe")])
-    others = [v for v in _variables(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+    others = [v for v in variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
     return len(twin.slots) * params * 4 + state_bytes_of(others)
 
 
@@ -114,7 +114,7 @@ def _mb(n: float) -> str:
 
 def state_bytes(optimizers: list) -> int:
     """Bytes of every variable the optimizers hold on this worker (their state: slots, step counters, scales)."""
-    return state_bytes_of(list({id(v): v for optimizer in optimizers for v in _variables(optimizer)}.values()))
+    return state_bytes_of(list({id(v): v for optimizer in optimizers for v in variables_of(optimizer)}.values()))
 
 
 def state_bytes_of(variables: list) -> int:
@@ -166,13 +166,16 @@ def cut(sizes: list[int], itemsizes: list[int], dtypes: list[str], world: int,
             for k, g in enumerate(groups)]
 
 
-def record_slots(optimizer, slots: dict[tuple[int, str], Any]) -> None:
-    """Have ``optimizer`` note each slot it makes: (id of the variable it follows, slot name) -> the slot."""
+def record_slots(optimizer, slots: dict[tuple[int, str], Any], references: Optional[dict[int, Any]] = None) -> None:
+    """Have ``optimizer`` note each slot it makes: (id of the variable it follows, slot name) -> the slot (and, in
+    ``references``, that id -> the variable)."""
     own = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
         slot = own(reference_variable, name=name, initializer=initializer)
         slots[(id(reference_variable), name or "var")] = slot
+        if references is not None:
+            references[id(reference_variable)] = reference_variable
         return slot
 
     optimizer.add_variable_from_reference = add_variable_from_reference
@@ -319,42 +322,49 @@ class ShardedOptimizer:
         bucket_of = {id(p): k for k, p in enumerate(self.parts)}
         slot_ids = {id(v): (bucket_of[ref], name) for (ref, name), v in self.slots.items()}
         slots, others = [], []
-        for v in _variables(self.optimizer):
+        for v in variables_of(self.optimizer):
             (slots.append((*slot_ids[id(v)], v)) if id(v) in slot_ids else others.append(v))
         return slots, others
 
-    def gather_into(self, twin: Optional[Twin]) -> None:
-        """Every worker: its parts of the state gathered from all; ``twin`` (rank 0's) takes the whole state."""
+    def whole_state(self) -> Iterator[tuple[Any, str, np.ndarray]]:
+        """Every worker, the same calls in the same order: each slot of each variable, whole, gathered from every
+        worker's part: (the variable, the slot's name, its flat values), one bucket at a time."""
+        import tensorflow as tf
+
+        for k, name, v in self._own_variables()[0]:
+            b = self.buckets[k]
+            whole = np.asarray(self.collective.gather_tensor(tf.convert_to_tensor(v)))[:b.length]
+            for i, piece in zip(b.members, np.split(whole, np.cumsum(b.sizes)[:-1])):
+                yield self.references[i], name, piece
+
+    def other_values(self) -> list[np.ndarray]:
+        """The optimizer's variables that are no slot (its step count, learning rate, loss scale), in order."""
+        return [np.asarray(v.numpy()) for v in self._own_variables()[1]]
+
+    def take(self, slot_of: Callable[[Any, str], np.ndarray], other_values: list) -> None:
+        """This worker's parts of a whole state: ``slot_of(variable, slot name)`` its flat values (only this
+        worker's pieces are read from it), ``other_values`` as ``other_values()`` gives them."""
         slots, others = self._own_variables()
-        twin_others = [] if twin is None else [v for v in _variables(twin.optimizer)
-                                               if all(v is not s for s in twin.slots.values())]
+        if len(other_values) != len(others):
+            raise ValueError(f"the checkpoint's {self.optimizer.name} holds {len(other_values)} variables besides its "
+                             f"slots, this one {len(others)}: another optimizer")
         for k, name, v in slots:
             b = self.buckets[k]
-            whole = np.asarray(self.collective.gather_tensor(v.value))[:b.length]
-            if twin is not None:
-                for i, piece in zip(b.members, np.split(whole, np.cumsum(b.sizes)[:-1])):
-                    target = twin.slots[(id(self.references[i]), name)]
-                    target.assign(piece.reshape(target.shape))
-        for mine, theirs in zip(others, twin_others):
-            theirs.assign(mine.value)
+            mine, at = np.zeros(b.part, np.asarray(v.numpy()).dtype), 0
+            for j, a, z in b.pieces(self.collective.rank):
+                mine[at:at + z - a] = slot_of(self.references[b.members[j]], name)[a:z]
+                at += z - a
+            v.assign(mine)
+        for v, value in zip(others, other_values):
+            v.assign(value)
 
     def take_from(self, twin: Twin) -> None:
-        """This worker's parts of the whole state ``twin`` holds (read from a checkpoint)."""
-        slots, others = self._own_variables()
-        rank = self.collective.rank
-        for k, name, v in slots:
-            b = self.buckets[k]
-            flat = np.concatenate([np.ravel(twin.slots[(id(self.references[i]), name)].numpy()) for i in b.members])
-            mine = np.zeros(b.part, flat.dtype)
-            lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
-            mine[:max(0, hi - lo)] = flat[lo:max(lo, hi)]
-            v.assign(mine)
-        twin_others = [v for v in _variables(twin.optimizer) if all(v is not s for s in twin.slots.values())]
-        for mine, theirs in zip(others, twin_others):
-            mine.assign(theirs.value)
+        """This worker's parts of the whole state an unsharded copy holds (read from an unsharded checkpoint)."""
+        kept = [v for v in variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+        self.take(lambda ref, name: np.ravel(twin.slots[(id(ref), name)].numpy()), [v.numpy() for v in kept])
 
 
-def _variables(optimizer) -> list:
+def variables_of(optimizer) -> list:
     """An optimizer's variables and its inner optimizer's (a LossScaleOptimizer), each once, in order."""
     seen: dict[int, Any] = {}
     for v in [*optimizer.variables, *getattr(optimizer, "inner_optimizer", optimizer).variables]:

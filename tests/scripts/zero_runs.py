@@ -97,4 +97,10 @@ first = app.fit(build, x, y, epochs=2, num_workers=2, shard_optimizer=2, output=
 resumed = app.fit(build, x, y, epochs=3, num_workers=1, resume=True, output=str(out / "resumed"), **fit)
 runs["adam"]["resumed"] = weights(resumed.model)
 runs["adam"]["resumed_history"] = resumed.history
+# The other way: 2 epochs unsharded on 2 workers, the third resumed sharded: each worker keeps its part of the
+# whole state the unsharded checkpoint holds.
+app.fit(build, x, y, epochs=2, num_workers=2, output=str(out / "resharded"), **fit)
+resharded = app.fit(build, x, y, epochs=3, num_workers=2, shard_optimizer=2, resume=True,
+                    output=str(out / "resharded"), **fit)
+runs["adam"]["resharded"] = weights(resharded.model)
 (out / "zero.json").write_text(json.dumps(runs, indent=1))
