@@ -36,6 +36,15 @@ def test_two_sharded_workers_train_the_weights_of_model_fit_in_one_process(runs,
     assert "each of the 2 workers keeps 1/2 of every optimizer's state" in run["plan"]
 
 
+def test_a_model_with_two_optimizers_has_each_sharded_and_trains_as_model_fit(runs):
+    """A GAN's shape, compile(d_optimizer=Adam, g_optimizer=SGD with momentum), its own train_step applying each:
+    both sharded (their own parts, collectives and checkpoint files), the weights of model.fit after 2 epochs."""
+    run = runs["two_optimizers"]
+    _close(run["sharded"], run["keras_fit"], atol=1e-6)
+    np.testing.assert_allclose(run["history"]["d_loss"], run["keras_history"]["d_loss"], rtol=1e-5, atol=1e-6)
+    assert run["iterations"] == [2 * 7, 2 * 7]  # 7 batches an epoch (200 rows of 32), each optimizer a step each
+
+
 def test_sharded_and_unsharded_workers_hold_the_same_weights_and_half_the_state(runs):
     """Sharded and unsharded, on 2 workers: the same weights; each sharded worker holds half of Adam's moments
     (the bucket's rounding: 94 weights cut into parts of 48, the step's row count riding in the padding), plus

@@ -47,6 +47,47 @@ class Regressor(keras.Model):
         return [self.loss_tracker]
 
 
+class TwoOptimizers(keras.Model):
+    """A GAN's shape: compile(d_optimizer, g_optimizer), each applied in its own train_step (the generator's input
+    a fixed function of the row, so that 2 workers see what one process sees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(9)])
+        self.discriminator = keras.Sequential([keras.Input((9,)), keras.layers.Dense(5, activation="tanh"),
+                                               keras.layers.Dense(1)])
+        self.tracker = keras.metrics.Mean(name="d_loss")
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        real, _ = data
+        noise = tf.tanh(real[:, :3] * 0.5)
+        with tf.GradientTape() as tape:
+            d_loss = tf.reduce_mean(self.discriminator(self.generator(noise))) - tf.reduce_mean(self.discriminator(real))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = -tf.reduce_mean(self.discriminator(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.tracker.update_state(d_loss)
+        return {"d_loss": self.tracker.result()}
+
+
+def two_optimizers():
+    keras.utils.set_random_seed(6)
+    model = TwoOptimizers()
+    model.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.02, momentum=0.5))
+    return model
+
+
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5),
@@ -84,6 +125,15 @@ for name, own_step in (("adam", True), ("sgd_momentum_clipnorm", False), ("adamw
                   "history": sharded.history, "keras_history": reference_history.history,
                   "result": {k: sharded.result[k] for k in ("optimizer_state_bytes", "optimizer_parts_bytes")},
                   "plan": (out / f"{name}-sharded" / "train.log").read_text()}
+
+# Two optimizers, each sharded (their parts and checkpoints apart).
+gan = app.fit(two_optimizers, x, y, epochs=2, num_workers=2, shard_optimizer=2, output=str(out / "gan"), **fit)
+reference = two_optimizers()
+reference_history = reference.fit(x, y, epochs=2, **fit)
+runs["two_optimizers"] = {"sharded": weights(gan.model), "keras_fit": weights(reference), "history": gan.history,
+                          "keras_history": reference_history.history,
+                          "iterations": [int(o.iterations.numpy()) for o in (gan.model.d_optimizer,
+                                                                             gan.model.g_optimizer)]}
 
 # Adam unsharded on the same 2 workers: the state every worker holds whole.
 build = builder("adam", True)
