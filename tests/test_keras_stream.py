@@ -113,13 +113,15 @@ def build():
 
 
 def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(joined, tmp_path_factory):
+    """jobs/train.py --model own.py:build --dataset rows.parquet: Keras's fit on 2 workers, a seeded holdout, and
+    the optimizer's state sharded over the workers (--shard-optimizer 2)."""
     module = user_module(tmp_path_factory, "own.py", OWN_MODEL)
     data = module.parent / "rows.parquet"
     x = np.random.default_rng(0).normal(size=(200, 6)).astype("float32")
     pd.DataFrame({f"f{i}": x[:, i] for i in range(6)}).to_parquet(data)
     out = module.parent / "run"
     p = run_job("jobs/train.py", "--model", f"{module}:build", "--dataset", str(data), "--epochs", "2",
-                "--val-fraction", "0.25", "--output", str(out), timeout=600, env=joined)
+                "--val-fraction", "0.25", "--shard-optimizer", "2", "--output", str(out), timeout=600, env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     said = p.stderr + p.stdout
     assert "the model's own train_step, test_step" in said and "no 'label' column: the rows are x alone" in said
@@ -129,6 +131,9 @@ def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(j
         [{"reconstruction", "val_reconstruction"}] * 2
     # The seeded split by row content: about a quarter held out, every row on one side.
     assert 120 < result["rows"] < 180 and result["workers"] == 2
+    # Adam's two moments of 6 x 3 + 3 + 3 x 6 + 6 = 45 weights, cut in 2 parts of 23 (the row count in the padding)
+    assert "shard_optimizer 2 (ZeRO): each of the 2 workers keeps 1/2 of every optimizer's state" in said
+    assert result["optimizer_parts_bytes"] == 23 * 4 and result["optimizer_state_bytes"] == 2 * 23 * 4 + 12
 
 
 LOCAL_SCRIPT = """

@@ -314,7 +314,8 @@ class ShardedOptimizer:
         """An unsharded copy of the optimizer built on the model's variables (its whole state, in this process)."""
         twin = Twin(copy.deepcopy(self.template), {})
         record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
-        twin.optimizer.build(self.references)
+        if self.references is not None:  # else never applied (compile()'s default beside a model's own optimizers)
+            twin.optimizer.build(self.references)
         return twin
 
     def _own_variables(self) -> tuple[list, list]:

@@ -48,7 +48,7 @@ def gather(sharded: Sequence[zero.ShardedOptimizer], rank: int) -> Optional[Path
     which it returns (the others: None)."""
     root = Path(tempfile.mkdtemp(prefix="optimizer-state-")) if rank == 0 else None
     for s in sharded:
-        place = {id(v): i for i, v in enumerate(s.references)}
+        place = {id(v): i for i, v in enumerate(s.references or [])}  # none: never applied (compile()'s default)
         for variable, name, values in s.whole_state():
             if root is not None:
                 path = _file(root, s.index, place[id(variable)], name)
