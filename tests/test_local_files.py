@@ -114,7 +114,10 @@ def every_row_once(out, result, rows):
     val = history(out, "val_samples")[-1]
     trained = history(out, "train_samples")[-1]  # whole batches and, in memory, the short last one
     assert val + trained + result["dropped_samples_per_epoch"] == rows
-    assert 0.1 * rows < val < 0.3 * rows  # --val-fraction 0.2, in expectation
+    # --val-fraction 0.2, in expectation: within 4 standard deviations of the binomial (120 images, split by a
+    # hash of their path, which holds the test's temporary directory: 12 of 120 is seen once in a few hundred runs)
+    sd = (rows * 0.2 * 0.8) ** 0.5
+    assert 0.2 * rows - 4 * sd < val < 0.2 * rows + 4 * sd and val > 0
 
 
 @pytest.mark.parametrize("name", ["parquet", "csv"])
