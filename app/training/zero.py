@@ -101,8 +101,7 @@ def _unsharded_bytes(optimizer, params: int) -> int:
     on one weight, plus its counters."""
     import keras
 
-    twin = Twin(copy.deepcopy(optimizer), {})
-    record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
+    twin = Twin.of(optimizer)
     twin.optimizer.build([keras.Variable(np.zeros(1, "float32"), name="probe")])
     others = [v for v in variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
     return len(twin.slots) * params * 4 + state_bytes_of(others)
@@ -187,6 +186,13 @@ class Twin:
 
     optimizer: Any
     slots: dict[tuple[int, str], Any]
+
+    @classmethod
+    def of(cls, optimizer) -> "Twin":
+        """A deep copy of an unbuilt ``optimizer`` that notes its slots as it builds."""
+        twin = cls(copy.deepcopy(optimizer), {})
+        record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
+        return twin
 
 
 class ShardedOptimizer:
@@ -312,8 +318,7 @@ class ShardedOptimizer:
 
     def twin(self) -> Twin:
         """An unsharded copy of the optimizer built on the model's variables (its whole state, in this process)."""
-        twin = Twin(copy.deepcopy(self.template), {})
-        record_slots(getattr(twin.optimizer, "inner_optimizer", twin.optimizer), twin.slots)
+        twin = Twin.of(self.template)
         if self.references is not None:  # else never applied (compile()'s default beside a model's own optimizers)
             twin.optimizer.build(self.references)
         return twin
