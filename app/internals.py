@@ -115,6 +115,25 @@ def train_callback_bases() -> tuple[type, type]:
     return WorkerGroupCallback, ControllerCallback
 
 
+def retry_worker_deaths_in_the_controller() -> None:
+    """Have this process's Ray Train failure policy retry a control step that fails on a dead worker.
+
+    Ray 2.60 retries a ``ControllerError`` only when its cause is a start failure
+    (``RETRYABLE_CONTROLLER_ERRORS`` in failure_handling/default.py). A worker that dies
+    after its group's state is built and before the train function runs (the launch's
+    ``ray.get`` in ``WorkerGroup._start_impl`` is outside the block that turns a
+    ``RayActorError`` into a start failure) ends the run at once, whatever
+    ``max_failures`` says. A dead worker is the failure ``max_failures`` budgets for:
+    with ``RayActorError`` retryable it is counted against ``controller_failure_limit``,
+    which the product sets to the same budget. Called in the controller's process.
+    """
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.execution.failure_handling import default
+
+    if RayActorError not in default.RETRYABLE_CONTROLLER_ERRORS:
+        default.RETRYABLE_CONTROLLER_ERRORS = (*default.RETRYABLE_CONTROLLER_ERRORS, RayActorError)
+
+
 # --- Keras: a functional model's graph (app.training.pipeline) -----------------------------------------------
 #
 # Cutting a model into stages needs its call graph: which layer calls consume which

@@ -242,8 +242,26 @@ def test_train_callback_bases_still_have_the_hooks_start_guard_uses():
                  "after_worker_group_training_start"):
         assert callable(getattr(workers, hook)), hook
     assert inspect.iscoroutinefunction(controller.before_controller_shutdown)
+    assert callable(controller.after_controller_start)
     assert internals.TRAIN_CALLBACKS_ENV_VAR == RAY_TRAIN_CALLBACKS_ENV_VAR
     assert "RAY_TRAIN_CALLBACKS_ENV_VAR" in inspect.getsource(_initialize_env_callbacks)  # read by fit()
+
+
+def test_a_control_step_lost_to_a_dead_worker_is_retried_within_the_budget_once_patched():
+    """Ray's own policy ends the run on it (start_guard patches the controller's process)."""
+    import ray.train
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.api.exceptions import ControllerError
+
+    def decisions():
+        policy = DefaultFailurePolicy(ray.train.FailureConfig(max_failures=2, controller_failure_limit=2))
+        return [policy.make_decision(ControllerError(RayActorError())) for _ in range(3)]
+
+    assert decisions()[0] == FailureDecision.RAISE  # unpatched: a fault the product must cover
+    internals.retry_worker_deaths_in_the_controller()
+    internals.retry_worker_deaths_in_the_controller()  # idempotent
+    assert decisions() == [FailureDecision.RETRY, FailureDecision.RETRY, FailureDecision.RAISE]
 
 
 # --- Ray: the loggers app.driver.cluster quiets by name ---------------------------------------------------------

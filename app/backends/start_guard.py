@@ -12,8 +12,15 @@ unless ``FailureConfig.controller_failure_limit`` is set). Seen: 3 of 13 runs
 with a worker SIGKILLed 1-1.5 s after its process appeared were still waiting
 minutes later ("1.0 used of 2.0 reserved in placement groups").
 
-``ReleaseFailedStart`` is a controller-side callback that shuts such a group
-down: at once when the start raises inside the callbacks' context, and, for a
+A worker that dies just after the start, before the train function is
+launched, raises outside the part Ray turns into a start failure: the run
+ends on a ``ControllerError`` Ray's failure policy does not retry, whatever
+``max_failures`` says. ``ReleaseFailedStart`` makes such an error retryable
+in the controller's process (``internals.retry_worker_deaths_in_the_controller``),
+counted against the same budget.
+
+``ReleaseFailedStart`` is a controller-side callback that shuts a group
+whose start failed down: at once when the start raises inside the callbacks' context, and, for a
 group the controller lost (a launch that failed after the callbacks), at the
 next start or when the controller shuts down.
 Ray Train takes extra controller callbacks, ahead of its own, from the
@@ -43,6 +50,11 @@ class ReleaseFailedStart(WorkerGroupCallback, ControllerCallback):
 
     def __init__(self):
         self._group = None  # the group being started, as soon as it has state
+
+    def after_controller_start(self, train_run_context) -> None:
+        # In the controller's process: a worker lost between the group's start and the launch of
+        # the train function is a worker failure, retried within the run's budget.
+        internals.retry_worker_deaths_in_the_controller()
 
     def before_worker_group_start(self, worker_group_context) -> None:
         # A group from an earlier start that the controller never got (its launch failed after
