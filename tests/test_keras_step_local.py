@@ -6,6 +6,7 @@ tests/test_keras_step.py's."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import keras
@@ -373,6 +374,30 @@ def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_star
              ((regression, x, np.ones(64, "float32")), {"validation_data": (x[:10, :3], np.ones(10))},
               "validation_data's x has examples of shape (3,) but the training data's (4,)"),
              ((Uncompiled, x), {}, "call compile(optimizer=...) in Uncompiled's function")]
+
+    # The user's own code raising (a PyDataset, a generator, the model function): its name, the error, where.
+    class Corrupt(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 2:
+                raise ValueError("batch 2 is corrupt")
+            return x[:16], nan[:16]
+
+    def batches():
+        yield x[:16], nan[:16]
+        raise KeyError("shard-7")
+
+    def unbuildable():
+        raise OSError("no weights file")
+
+    line = inspect.getsourcelines(Corrupt)[1] + 6
+    cases += [((regression, Corrupt()), {},
+               f"x: Corrupt.__getitem__ raised ValueError: batch 2 is corrupt (test_keras_step_local.py line {line})"),
+              ((regression, batches()), {"epochs": 1}, "x: the generator batches raised KeyError: 'shard-7' ("),
+              ((unbuildable, x, nan), {}, "the model function test_labels_shapes_and_a_missing_compile_are_one_line_"
+                                          "before_any_worker_starts.<locals>.unbuildable raised OSError: no weights")]
     for args, kwargs, said in cases:
         with pytest.raises(UserError, match=re.escape(said)):
             app.fit(*args, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)

@@ -33,7 +33,7 @@ random augmentation was drawn once (``MAX_BYTES`` bounds what is held).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -238,10 +238,14 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")
-    try:
+    try:  # a generator's first batches are read here (Keras's adapter peeks at them)
         adapter = internals.keras_data_adapter(x, y, sample_weight, batch_size, steps_per_epoch, class_weight)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"{what}: {_first_line(e)}") from None
+    except Exception as e:
+        if raised_at(e):
+            raise _users_error(e, x, what) from e
+        if isinstance(e, (ValueError, TypeError)):  # Keras's own refusal of the input
+            raise UserError(f"{what}: {_first_line(e)}") from None
+        raise
     if steps_per_epoch is None and _endless(x, epochs):
         raise UserError(f"{what} is {_endless(x, epochs)}: give steps_per_epoch (batches per epoch), as Keras's fit "
                         "needs it for more than one pass")
@@ -253,7 +257,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     batches, first, held = [], None, 0
     # A pipeline that reads files: the workers read them (app.data.tf_pipeline); here, its first batch alone.
     lazy = pipeline is not None and bool(pipeline.files)
-    for batch in adapter.get_numpy_iterator():
+    for batch in _users_code(adapter.get_numpy_iterator(), x, what):
         # Lists as tuples, as Keras's own array adapter makes them for tf.data: a list of arrays (a model's several
         # inputs) is a structure there, where tf.data would stack it into one tensor.
         batch = keras.tree.lists_to_tuples(tf.nest.map_structure(np.asarray, batch))
@@ -279,6 +283,41 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     return KerasData(rows, bounds, batch_size if arrays else None,
                      shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch,
                      pipeline=pipeline, read_once=read_once, counted=not lazy)
+
+
+def _users_code(batches: Iterator[Any], x: Any, what: str) -> Iterator[Any]:
+    """``batches``, with an error raised by the user's own data code (a PyDataset's ``__getitem__``, a generator,
+    a tf.data pipeline's ``map``) told in one line that names it and where it was raised; the traceback chained."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except UserError:
+            raise
+        except Exception as e:
+            raise _users_error(e, x, what) from e
+        yield batch
+
+
+def _users_error(e: Exception, x: Any, what: str) -> UserError:
+    import inspect
+
+    code = (f"{type(x).__name__}.__getitem__" if is_py_dataset(x) else
+            f"the generator {getattr(x, '__name__', type(x).__name__)}" if inspect.isgenerator(x) else
+            "its tf.data pipeline" if is_tf_dataset(x) else type(x).__name__)
+    return UserError(f"{what}: {code} raised {type(e).__name__}: {_first_line(e)}{raised_at(e)}")
+
+
+def raised_at(error: BaseException) -> str:
+    """" (file.py line N)": the last frame of the traceback outside the installed libraries and app/."""
+    import traceback
+    from pathlib import Path
+
+    own = Path(__file__).resolve().parents[1]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "-packages" not in f.filename and not Path(f.filename).resolve().is_relative_to(own)]
+    return f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if frames else ""
 
 
 def _endless(x: Any, epochs: int) -> str:
