@@ -10,6 +10,8 @@
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
 - keras (app.bench.keras_fit): a compiled model (two metrics) on this product's loop against Keras's own
   model.fit, local and on one Ray worker -> keras.json
+- engine (app.bench.engine): app.fit on Keras's own fit, 1 and 2 Ray workers, against plain model.fit processes
+  and local runs, in the same run: the three speed ratios -> engine.json
 - input (app.bench.input_sources): the same rows as parquet (streamed, cached), TFRecord and tf.data against
   arrays in memory, on Ray workers -> input.json
 - predict (app.bench.predict_cost): batch prediction's rows/s (Ray, 1 and 2 actors) against model.predict, and its
@@ -35,6 +37,7 @@ from app.bench import (
     breakdown,
     checkpoint_cost,
     elastic,
+    engine,
     exit_gap,
     input_sources,
     keras_fit,
@@ -51,7 +54,7 @@ from app.bench.preset import Preset, load, parse_sets, preset_file
 from app.driver import output_guard
 
 SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
-          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "input": input_sources,
+          "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "engine": engine, "input": input_sources,
           "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming,
           "shard-optimizer": shard_optimizer}
 

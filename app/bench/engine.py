@@ -1,0 +1,149 @@
+"""The engine suite: app.fit (each worker running the model's own Keras fit) against what the machine gives the same
+work without it, in the same run, as three ratios.
+
+One compiled CNN (app.bench.keras_fit.compiled_cnn), synthetic images, a global batch of ``batch_size``; every
+process has 1 CPU's worth of TensorFlow threads unless said. Each row of the table is a fresh process (or two started
+at once) with a local Ray of its own where it needs one:
+
+- ``fit 2 threads``: ``model.fit`` in one plain process on both cores (the reference a user has today);
+- ``fit pair``: two plain ``model.fit`` processes at once, 1 thread each, each on half the rows with half the batch:
+  what two free single-thread processes reach (their rates summed);
+- ``local``: ``app.fit(..., backend="local")``, one device, 1 thread;
+- ``local pair``: two such runs at once, each on half the rows with half the batch (their rates summed);
+- ``ray 1``, ``ray 2``: ``app.fit(..., num_workers=1|2)`` on Ray workers of 1 CPU each.
+
+Steady samples/s are the epochs after the first; a whole run's are every epoch's rows over every epoch's seconds
+(the first epoch, which traces the step, included; not the start-up). The ratios, each against a baseline measured
+in the same run: ray 2 steady / fit pair steady (target 0.95); ray 2 whole / local pair whole (0.90); ray 1 whole /
+local whole (0.97) -> engine.json. ``runs`` repeats the whole set, alternating, and keeps each row's best (the
+machine drifts: BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from app.bench import report
+from app.bench.preset import Preset
+from app.bench.proc import child_main, measure, steady
+
+log = logging.getLogger(__name__)
+
+PARAMS = ("runs", "rows", "image_size", "batch_size", "epochs")
+
+# (row, kind, processes, payload): the set, in the order it runs.
+ROWS = (("fit 2 threads", "fit", 1, {"threads": 2, "part": 1}),
+        ("fit pair", "fit", 2, {"threads": 1, "part": 2}),
+        ("local", "app", 1, {"backend": "local", "workers": 1, "part": 1}),
+        ("local pair", "app", 2, {"backend": "local", "workers": 1, "part": 2}),
+        ("ray 1", "app", 1, {"backend": "ray", "workers": 1, "part": 1}),
+        ("ray 2", "app", 1, {"backend": "ray", "workers": 2, "part": 1}))
+TARGETS = (("ray 2 steady / fit pair steady", "ray 2", "fit pair", "steady", 0.95),
+           ("ray 2 whole / local pair whole", "ray 2", "local pair", "whole", 0.90),
+           ("ray 1 whole / local whole", "ray 1", "local", "whole", 0.97))
+
+
+def images(params: dict[str, Any], part: int):
+    """The rows of one process: seeded images whose class is where their brightest quadrant is, 1/``part`` of them."""
+    import numpy as np
+
+    rows, side = int(params["rows"]) // part, int(params["image_size"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, side, side, 1)).astype("float32")
+    half = side // 2
+    quadrants = np.stack([x[:, :half, :half].mean((1, 2, 3)), x[:, :half, half:].mean((1, 2, 3)),
+                          x[:, half:, :half].mean((1, 2, 3)), x[:, half:, half:].mean((1, 2, 3))], axis=1)
+    return x, quadrants.argmax(axis=1).astype("int64")
+
+
+def rates(rows: int, seconds: list[float]) -> dict[str, Any]:
+    per_epoch = [rows / s for s in seconds]
+    return {"steady": round(steady(per_epoch), 1), "whole": round(rows * len(seconds) / sum(seconds), 1),
+            "per_epoch": [round(r, 1) for r in per_epoch]}
+
+
+def plain_fit(payload: dict[str, Any]) -> dict[str, Any]:
+    """``model.fit`` in this plain process, ``threads`` TensorFlow threads (no Ray, no strategy)."""
+    import tensorflow as tf
+
+    threads = int(payload["threads"])
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    import keras
+
+    from app.bench.keras_fit import compiled_cnn
+
+    params, part = payload["params"], int(payload["part"])
+    x, y = images(params, part)
+    keras.utils.set_random_seed(0)
+    model = compiled_cnn(x.shape[1:], 4)
+    seconds: list[float] = []
+
+    class EpochTimes(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.start)
+
+    model.fit(x, y, batch_size=int(params["batch_size"]) // part, epochs=int(params["epochs"]), verbose=0,
+              callbacks=[EpochTimes()])
+    return rates(len(x), seconds)
+
+
+def app_fit(payload: dict[str, Any]) -> dict[str, Any]:
+    """``app.fit`` in this process, on ``backend`` with ``workers`` workers of 1 CPU."""
+    import ray
+
+    from app.bench.keras_fit import compiled_cnn
+    from app.run.fit import fit
+
+    params, part, on_ray = payload["params"], int(payload["part"]), payload["backend"] == "ray"
+    x, y = images(params, part)
+    if on_ray:
+        ray.init(num_cpus=int(payload["workers"]) + 1, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        history = fit(functools.partial(compiled_cnn, x.shape[1:], 4), x, y,
+                      batch_size=int(params["batch_size"]) // part, epochs=int(params["epochs"]),
+                      num_workers=int(payload["workers"]), backend=payload["backend"], cpus_per_worker=1,
+                      output=payload["out"], overwrite=True, verbose=0)
+    finally:
+        if on_ray:
+            ray.shutdown()
+    trained = history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0)
+    return rates(trained, [r["seconds"] for r in history.records])
+
+
+def run(preset: Preset, out: Path, command: str) -> list[Path]:
+    params = preset.params
+    best: dict[str, dict[str, float]] = {}
+    measured: dict[str, list[Any]] = {}
+    for i in range(int(params["runs"])):
+        for name, kind, processes, given in ROWS:
+            payloads = [{**given, "params": params, "out": str(out / f"{name.replace(' ', '-')}-{i}-{p}")}
+                        for p in range(processes)]
+            results = measure("app.bench.engine", kind, payloads, timeout=3600)
+            row = {k: round(sum(r[k] for r in results), 1) for k in ("steady", "whole")}  # a pair's rates summed
+            measured.setdefault(name, []).append(results)
+            best[name] = {k: max(row[k], best.get(name, {}).get(k, 0.0)) for k in row}
+            print(f"run {i + 1}, {name}: steady {row['steady']:,.0f}, whole {row['whole']:,.0f} samples/s", flush=True)
+    ratios = {label: {"measured": round(best[a][kind] / best[b][kind], 3), "target": target,
+                      "reached": best[a][kind] / best[b][kind] >= target}
+              for label, a, b, kind, target in TARGETS}
+    summary = out / "engine.json"
+    report.write_json(summary, {"command": command, "preset": preset.as_dict(), "best": best, "runs": measured,
+                                "ratios": ratios, "fit pair / fit 2 threads (steady)":
+                                round(best["fit pair"]["steady"] / best["fit 2 threads"]["steady"], 3)})
+    for label, ratio in ratios.items():
+        print(f"{label}: {ratio['measured']:.2f} (target {ratio['target']:.2f})")
+    print(json.dumps(best))
+    return [summary]
+
+
+if __name__ == "__main__":
+    child_main({"fit": plain_fit, "app": app_fit})
