@@ -143,15 +143,31 @@ class Collective:
         self._assign_sum(variables, 1.0, mine=self.rank == 0)
 
     def _assign_sum(self, variables: list, scale: float, mine: bool) -> None:
+        """Each variable set to its sum over the workers x ``scale``, a pack of about BYTES_PER_PACK at a time (a
+        variable larger than that alone), so the copies it makes are a pack's, not the model's. A broadcast
+        (``scale`` 1: every other worker sends zeros) sums in the variables' own dtype, which is exact; a mean in
+        float64."""
         if self.world == 1 or not variables:
             return
-        local = [np.asarray(v.numpy()) for v in variables]
-        flat = np.concatenate([a.ravel() for a in local]).astype(np.float64)
-        total = self.host(flat if mine else np.zeros_like(flat)) * scale
-        at = 0
-        for v, a in zip(variables, local):
-            v.assign(total[at:at + a.size].reshape(a.shape).astype(a.dtype))
-            at += a.size
+        import tensorflow as tf
+
+        packs: list[list] = [[]]
+        for v in variables:
+            if packs[-1] and sum(_nbytes(p) for p in packs[-1]) + _nbytes(v) > BYTES_PER_PACK:
+                packs.append([])
+            packs[-1].append(v)
+        for pack in packs:
+            dtype = pack[0].dtype if scale == 1.0 and all(v.dtype == pack[0].dtype for v in pack) else "float64"
+            flat = tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v), dtype), [-1]) for v in pack], 0)
+            self._host_calls += 1
+            total = self.in_graph(flat if mine else tf.zeros_like(flat), HOST_KEYS + self._host_calls)
+            if scale != 1.0:
+                total = total * scale
+            at = 0
+            for v in pack:
+                size = int(np.prod(v.shape))
+                v.assign(tf.cast(tf.reshape(total[at:at + size], v.shape), v.dtype))
+                at += size
 
     def gather(self, row: np.ndarray) -> np.ndarray:
         """Every worker's ``row`` (the same length everywhere), stacked in rank order, on the host."""
@@ -162,3 +178,9 @@ class Collective:
 
 
 ALONE = Collective(1)  # one process: nothing crosses
+
+
+def _nbytes(variable) -> int:
+    import tensorflow as tf
+
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size

@@ -46,6 +46,7 @@ from app.training.collective import BYTES_PER_PACK, Collective, Site
 
 STAGES = (1, 2)
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
+IN_FLIGHT = 4  # buckets whose collectives a step runs at once (their transient buffers: ~4 x 4 MiB x 3)
 
 
 def check(optimizers: list, stage: int) -> None:
@@ -244,36 +245,44 @@ class ShardedOptimizer:
                             "step; a sharded optimizer updates one fixed list")
         world, rank = self.collective.world, self.collective.rank
         n = self.rows.value
-        summed = []
+        # IN_FLIGHT buckets at a time, each waiting for the one IN_FLIGHT before it: a bucket's summed gradients
+        # (and, below, its gathered weights) are freed before later ones are made, so the step's transient memory
+        # is a few buckets', not the model's (the executor would otherwise run every all-reduce, or every gather,
+        # before any slice), while a few collectives still overlap.
+        part_grads, finite, total, done = [], [], None, []
         for k, b in enumerate(self.buckets):
-            flat = [tf.zeros([size]) if grads[i] is None else
-                    tf.reshape(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32), [-1]) * n
-                    for i, size in zip(b.members, b.sizes)] + ([tf.reshape(n, [1])] if k == 0 else [])
-            flat.append(tf.zeros([b.part * world - b.length - (k == 0)]))
-            summed.append(self.collective.in_graph(tf.concat(flat, 0), Site.GRADIENTS + self.index * Site.PACKS + k))
-        total = summed[0][self.buckets[0].length]
-        if hasattr(self.optimizer, "inner_optimizer"):
-            # A loss scale overflowed on one worker overflows on all: an inf in any part skips every worker's step.
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in summed])
-            poison = tf.where(finite, 0.0, float("nan"))
-        else:
-            poison = 0.0
-        part_grads = []
-        for k, b in enumerate(self.buckets):
+            with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
+                flat = [tf.zeros([size]) if grads[i] is None else
+                        tf.reshape(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32), [-1]) * n
+                        for i, size in zip(b.members, b.sizes)] + ([tf.reshape(n, [1])] if k == 0 else [])
+                flat.append(tf.zeros([b.part * world - b.length - (k == 0)]))
+                summed = self.collective.in_graph(tf.concat(flat, 0), Site.GRADIENTS + self.index * Site.PACKS + k)
+            total = summed[b.length] if k == 0 else total
             lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
-            mine = summed[k][lo:max(lo, hi)] / total + poison
-            mine = tf.concat([mine, tf.zeros([b.part - max(0, hi - lo)])], 0)
-            part_grads.append(tf.cast(mine, self.parts[k].dtype))
+            mine = tf.concat([summed[lo:max(lo, hi)] / total, tf.zeros([b.part - max(0, hi - lo)])], 0)
+            finite.append(tf.reduce_all(tf.math.is_finite(summed)))
+            part_grads.append(mine)
+            done.append([mine, finite[-1]])
+        # A loss scale overflowed on one worker overflows on all: an inf in any part skips every worker's step.
+        poison = tf.where(tf.reduce_all(finite), 0.0, float("nan")) if hasattr(self.optimizer, "inner_optimizer") \
+            else 0.0
+        part_grads = [tf.cast(g + poison, part.dtype) for g, part in zip(part_grads, self.parts)]
+        for k in range(len(self.buckets)):
             self.parts[k].assign(self._part_of(k, variables, rank))
         self._own_apply(part_grads, self.parts)
+        done = []
         for k, b in enumerate(self.buckets):
-            whole = self.collective.gather_in_graph(tf.convert_to_tensor(self.parts[k]),
-                                                    Site.PARTS + self.index * Site.PACKS + k)[:b.length]
-            for i, piece in zip(b.members, tf.split(whole, list(b.sizes))):
-                v = variables[i]
-                v.assign(tf.reshape(piece, v.shape))
-                if v.constraint is not None:  # as Keras applies them, after the update
-                    v.assign(v.constraint(v))
+            with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
+                whole = self.collective.gather_in_graph(tf.convert_to_tensor(self.parts[k]),
+                                                        Site.PARTS + self.index * Site.PACKS + k)[:b.length]
+                for i, piece in zip(b.members, tf.split(whole, list(b.sizes))):
+                    v = variables[i]
+                    v.assign(tf.reshape(piece, v.shape))
+                    if v.constraint is not None:  # as Keras applies them, after the update
+                        v.assign(v.constraint(v))
+            # Reads of the variables just written: ordered after their assigns (the same resource), they hold the
+            # next bucket's gather back until this one's is in place.
+            done.append([tf.convert_to_tensor(variables[i]) for i in b.members])
 
     def _part_of(self, k: int, variables: list, rank: int):
         """``rank``'s part of bucket ``k`` of ``variables``' values (zeros past their end)."""
