@@ -1,7 +1,7 @@
 """The engine suite: app.fit (each worker running the model's own Keras fit) against what the machine gives the same
 work without it, in the same run, as three ratios.
 
-One compiled CNN (app.bench.keras_fit.compiled_cnn), synthetic images, a global batch of ``batch_size``; every
+One compiled CNN, synthetic images, a global batch of ``batch_size``; every
 process has 1 CPU's worth of TensorFlow threads unless said. Each row of the table is a fresh process (or two started
 at once) with a local Ray of its own where it needs one:
 
@@ -34,7 +34,7 @@ from app.bench.proc import child_main, measure, steady
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("runs", "rows", "image_size", "batch_size", "epochs")
+PARAMS = ("runs", "model", "rows", "image_size", "batch_size", "epochs")
 
 # (row, kind, processes, payload): the set, in the order it runs.
 ROWS = (("fit 2 threads", "fit", 1, {"threads": 2, "part": 1}),
@@ -61,6 +61,34 @@ def images(params: dict[str, Any], part: int):
     return x, quadrants.argmax(axis=1).astype("int64")
 
 
+def pooled_cnn(input_shape, num_classes):
+    """A CNN whose weights are few for its compute (pooling, global average): what crosses the workers is small."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(num_classes, activation="softmax"),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def model_fn(params: dict[str, Any], input_shape):
+    """``model``: "dense-head" (app.bench.keras_fit.compiled_cnn: a Dense on the whole feature map, 1.6M weights at
+    32x32) or "pooled" (``pooled_cnn``: 66k weights)."""
+    from app.bench.keras_fit import compiled_cnn
+
+    return functools.partial({"dense-head": compiled_cnn, "pooled": pooled_cnn}[params["model"]], input_shape, 4)
+
+
 def rates(rows: int, seconds: list[float]) -> dict[str, Any]:
     per_epoch = [rows / s for s in seconds]
     return {"steady": round(steady(per_epoch), 1), "whole": round(rows * len(seconds) / sum(seconds), 1),
@@ -76,12 +104,10 @@ def plain_fit(payload: dict[str, Any]) -> dict[str, Any]:
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     import keras
 
-    from app.bench.keras_fit import compiled_cnn
-
     params, part = payload["params"], int(payload["part"])
     x, y = images(params, part)
     keras.utils.set_random_seed(0)
-    model = compiled_cnn(x.shape[1:], 4)
+    model = model_fn(params, x.shape[1:])()
     seconds: list[float] = []
 
     class EpochTimes(keras.callbacks.Callback):
@@ -100,7 +126,6 @@ def app_fit(payload: dict[str, Any]) -> dict[str, Any]:
     """``app.fit`` in this process, on ``backend`` with ``workers`` workers of 1 CPU."""
     import ray
 
-    from app.bench.keras_fit import compiled_cnn
     from app.run.fit import fit
 
     params, part, on_ray = payload["params"], int(payload["part"]), payload["backend"] == "ray"
@@ -108,7 +133,7 @@ def app_fit(payload: dict[str, Any]) -> dict[str, Any]:
     if on_ray:
         ray.init(num_cpus=int(payload["workers"]) + 1, include_dashboard=False, logging_level=logging.WARNING)
     try:
-        history = fit(functools.partial(compiled_cnn, x.shape[1:], 4), x, y,
+        history = fit(model_fn(params, x.shape[1:]), x, y,
                       batch_size=int(params["batch_size"]) // part, epochs=int(params["epochs"]),
                       num_workers=int(payload["workers"]), backend=payload["backend"], cpus_per_worker=1,
                       output=payload["out"], overwrite=True, verbose=0)

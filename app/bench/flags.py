@@ -47,8 +47,10 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     add("sweep", "ASHA against the full grid (fifo) on one search space: worker-seconds, best accuracy.").add_argument(
         "--space", help="The search space YAML (jobs/tune.py --space).")
     add("keras", "A compiled model (two metrics): this product's loop, local and on 1 Ray worker, vs model.fit.")
-    add("engine", "app.fit by Keras's fit on 1 and 2 Ray workers vs plain model.fit processes and local runs: "
-        "three ratios.").add_argument("--runs", type=int, help="Times the whole set runs (each row's best counts).")
+    en = add("engine", "app.fit by Keras's fit on 1 and 2 Ray workers vs plain model.fit processes and local runs: "
+             "three ratios.")
+    en.add_argument("--runs", type=int, help="Times the whole set runs (each row's best counts).")
+    en.add_argument("--model", choices=["pooled", "dense-head"], help="The CNN: few weights (pooled) or many.")
     add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
     add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     el = add("elastic", "Ray Train's elastic resize, 1 -> 2 -> 1 workers as a node joins and stops (TF_CONFIG backend).")
