@@ -51,6 +51,7 @@ def parser(description: str = "") -> argparse.ArgumentParser:
              "three ratios.")
     en.add_argument("--runs", type=int, help="Times the whole set runs (each row's best counts).")
     en.add_argument("--model", choices=["pooled", "dense-head"], help="The CNN: few weights (pooled) or many.")
+    en.add_argument("--batch-size", type=int, help="The global batch (a pair's processes each take half).")
     add("input", "The same rows as parquet (streamed, cached), TFRecord and tf.data, against arrays in memory.")
     add("predict", "Batch prediction: Ray Data's actor pool (1, 2 actors) vs model.predict; memory at 1x and --scale x.")
     el = add("elastic", "Ray Train's elastic resize, 1 -> 2 -> 1 workers as a node joins and stops (TF_CONFIG backend).")
