@@ -39,6 +39,9 @@ class Decisions(keras.callbacks.Callback):
         super().__init__()
         self.collective, self.rank, self.per_batch = collective, rank, per_batch
         self.rates = learning_rates(model)
+        # Its batch hook does nothing then: Keras may run the batch hooks off the training thread (a hook that
+        # acts makes fit() read every step's logs on it).
+        self.async_safe = not per_batch
 
     def _agree(self) -> None:
         if self.collective.world == 1:
