@@ -68,6 +68,22 @@ def test_a_sharded_run_resumes_unsharded_on_one_worker_and_an_unsharded_one_shar
     _close(adam["resharded"], adam["keras_fit"], atol=1e-6)
 
 
+def test_fp16_steps_that_overflow_on_any_worker_are_skipped_on_every_worker_sharded_as_unsharded(runs):
+    """A LossScaleOptimizer whose first scale (2^24) overflows float16: the steps it skips while the scale halves
+    are skipped on both workers alike, sharded as unsharded (the same scale, the same steps, the same weights).
+    One model.fit process (2 epochs of 7 batches) skips 9 and applies 5. Two workers skip one more: each worker's
+    float16 backward pass carries the mean over its own 16 rows, twice one process's share of a row, so it
+    overflows at half the scale (seen: 4 steps applied, scale 2^14)."""
+    run = runs["fp16"]
+    sharded, unsharded, keras_fit = run["sharded"], run["unsharded"], run["keras_fit"]
+    assert keras_fit["adam_iterations"] == 5 and keras_fit["scale"] == 2.0 ** 15
+    for name in ("scale", "iterations", "adam_iterations"):
+        assert sharded[name] == unsharded[name], name
+    assert keras_fit["adam_iterations"] - 1 <= sharded["adam_iterations"] <= keras_fit["adam_iterations"]
+    _close(sharded["weights"], unsharded["weights"], atol=1e-6)
+    assert sharded["history"]["loss"][0] == pytest.approx(keras_fit["history"]["loss"][0], rel=1e-3)
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8), world=st.integers(1, 5),
        bucket=st.integers(4, 200))
