@@ -249,6 +249,7 @@ class ShardedOptimizer:
         # (and, below, its gathered weights) are freed before later ones are made, so the step's transient memory
         # is a few buckets', not the model's (the executor would otherwise run every all-reduce, or every gather,
         # before any slice), while a few collectives still overlap.
+        scaled = hasattr(self.optimizer, "inner_optimizer")  # a LossScaleOptimizer: its step may be skipped
         part_grads, finite, total, done = [], [], None, []
         for k, b in enumerate(self.buckets):
             with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
@@ -260,12 +261,11 @@ class ShardedOptimizer:
             total = summed[b.length] if k == 0 else total
             lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
             mine = tf.concat([summed[lo:max(lo, hi)] / total, tf.zeros([b.part - max(0, hi - lo)])], 0)
-            finite.append(tf.reduce_all(tf.math.is_finite(summed)))
+            finite += [tf.reduce_all(tf.math.is_finite(summed))] if scaled else []
             part_grads.append(mine)
-            done.append([mine, finite[-1]])
+            done.append([mine, *finite[-1:]])
         # A loss scale overflowed on one worker overflows on all: an inf in any part skips every worker's step.
-        poison = tf.where(tf.reduce_all(finite), 0.0, float("nan")) if hasattr(self.optimizer, "inner_optimizer") \
-            else 0.0
+        poison = tf.where(tf.reduce_all(finite), 0.0, float("nan")) if scaled else 0.0
         part_grads = [tf.cast(g + poison, part.dtype) for g, part in zip(part_grads, self.parts)]
         for k in range(len(self.buckets)):
             self.parts[k].assign(self._part_of(k, variables, rank))
@@ -281,7 +281,7 @@ class ShardedOptimizer:
                     if v.constraint is not None:  # as Keras applies them, after the update
                         v.assign(v.constraint(v))
             # Reads of the variables just written: ordered after their assigns (the same resource), they hold the
-            # next bucket's gather back until this one's is in place.
+            # gather IN_FLIGHT buckets later back until this one's is in place.
             done.append([tf.convert_to_tensor(variables[i]) for i in b.members])
 
     def _part_of(self, k: int, variables: list, rank: int):
