@@ -24,13 +24,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 from app.bench import report
 from app.bench.preset import Preset
-from app.bench.proc import child_main, measure, steady
+from app.bench.proc import child_main, epoch_timer, fit_seconds, measure, steady
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +108,8 @@ def plain_fit(payload: dict[str, Any]) -> dict[str, Any]:
     keras.utils.set_random_seed(0)
     model = model_fn(params, x.shape[1:])()
     seconds: list[float] = []
-
-    class EpochTimes(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
     model.fit(x, y, batch_size=int(params["batch_size"]) // part, epochs=int(params["epochs"]), verbose=0,
-              callbacks=[EpochTimes()])
+              callbacks=[epoch_timer(seconds)])
     return rates(len(x), seconds)
 
 
@@ -140,8 +131,7 @@ def app_fit(payload: dict[str, Any]) -> dict[str, Any]:
     finally:
         if on_ray:
             ray.shutdown()
-    trained = history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0)
-    return rates(trained, [r["seconds"] for r in history.records])
+    return rates(*fit_seconds(history))
 
 
 def run(preset: Preset, out: Path, command: str) -> list[Path]:

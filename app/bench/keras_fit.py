@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from app.bench.preset import Preset
-from app.bench.proc import child_main, measure, run_script, steady, workload_flags
+from app.bench.proc import child_main, epoch_timer, measure, run_script, steady, workload_flags
 from app.config import TrainConfig
 
 PARAMS = ("runs",)
@@ -64,17 +63,10 @@ def keras_fit(payload: dict[str, Any]) -> dict[str, Any]:
         model.compile(optimizer="adam", loss=loss, metrics=["accuracy"] if source.facts.task == "classification"
                       else None)
 
-    class EpochTimes(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
     seconds: list[float] = []
     rows = len(source.train) // config.per_replica_batch * config.per_replica_batch  # whole batches, as the product
     model.fit(source.train.x[:rows], source.train.y[:rows], batch_size=config.per_replica_batch, epochs=config.epochs,
-              shuffle=True, verbose=0, callbacks=[EpochTimes()])
+              shuffle=True, verbose=0, callbacks=[epoch_timer(seconds)])
     per_epoch = [rows / s for s in seconds]
     return {"samples_per_second": steady(per_epoch), "per_epoch": per_epoch, "threads": threads}
 

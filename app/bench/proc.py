@@ -28,6 +28,28 @@ def steady(per_epoch: list[float]) -> float:
     return statistics.mean(per_epoch[1:] or per_epoch)
 
 
+def epoch_timer(seconds: list[float]):
+    """A Keras callback that appends each epoch's wall seconds to ``seconds`` (a plain model.fit's epochs)."""
+    import time
+
+    import keras
+
+    class EpochTimes(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.start)
+
+    return EpochTimes()
+
+
+def fit_seconds(history) -> tuple[int, list[float]]:
+    """The rows an app.fit run trained each epoch and each epoch's seconds, from its History's records."""
+    return (history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0),
+            [r["seconds"] for r in history.records])
+
+
 def local_env() -> dict[str, str]:
     """This environment without RAY_ADDRESS: every measurement starts a local Ray of its own, if any."""
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

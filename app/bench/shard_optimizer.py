@@ -21,7 +21,7 @@ from typing import Any
 
 from app.bench import report
 from app.bench.preset import Preset
-from app.bench.proc import child_main, measure, steady
+from app.bench.proc import child_main, fit_seconds, measure, steady
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
                               overwrite=True, verbose=0)
         finally:
             ray.shutdown()
-    trained = history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0)
-    per_epoch = [trained / r["seconds"] for r in history.records]
+    trained, seconds = fit_seconds(history)
+    per_epoch = [trained / s for s in seconds]
     return {
         "samples_per_second": round(steady(per_epoch), 1),
         "per_epoch": [round(r, 1) for r in per_epoch],

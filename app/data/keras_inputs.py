@@ -241,7 +241,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     try:  # a generator's first batches are read here (Keras's adapter peeks at them)
         adapter = internals.keras_data_adapter(x, y, sample_weight, batch_size, steps_per_epoch, class_weight)
     except Exception as e:
-        if raised_at(e):
+        if _raised_at(e):
             raise _users_error(e, x, what) from e
         if isinstance(e, (ValueError, TypeError)):  # Keras's own refusal of the input
             raise UserError(f"{what}: {_first_line(e)}") from None
@@ -306,10 +306,15 @@ def _users_error(e: Exception, x: Any, what: str) -> UserError:
     code = (f"{type(x).__name__}.__getitem__" if is_py_dataset(x) else
             f"the generator {getattr(x, '__name__', type(x).__name__)}" if inspect.isgenerator(x) else
             "its tf.data pipeline" if is_tf_dataset(x) else type(x).__name__)
-    return UserError(f"{what}: {code} raised {type(e).__name__}: {_first_line(e)}{raised_at(e)}")
+    return UserError(f"{what}: {raised(e, code)}")
 
 
-def raised_at(error: BaseException) -> str:
+def raised(e: Exception, code: str) -> str:
+    """"<code> raised <Error>: <its first line> (file.py line N)": an error of the user's own code, in one line."""
+    return f"{code} raised {type(e).__name__}: {_first_line(e)}{_raised_at(e)}"
+
+
+def _raised_at(error: BaseException) -> str:
     """" (file.py line N)": the last frame of the traceback outside the installed libraries and app/."""
     import traceback
     from pathlib import Path

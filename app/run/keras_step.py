@@ -54,8 +54,7 @@ def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
         model = model_fn()
     except Exception as e:  # the user's own code: one line naming it, the traceback chained
         name = getattr(model_fn, "__qualname__", type(model_fn).__name__)
-        raise UserError(f"the model function {name} raised {type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]}{keras_inputs.raised_at(e)}") from e
+        raise UserError(keras_inputs.raised(e, f"the model function {name}")) from e
     if not isinstance(model, keras.Model):
         return None
     overrides = any(getattr(type(model), n) is not getattr(keras.Model, n) for n in STEPS)

@@ -27,7 +27,7 @@ bound to its first shape).
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -116,15 +116,11 @@ class Collective:
 
         # A sparse gradient (an embedding's rows) is summed dense; an unused variable's None stays None.
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        packs: list[list[int]] = []
-        size = bytes_per_pack
-        for i in (i for i in reversed(range(len(grads))) if grads[i] is not None):
-            if size >= bytes_per_pack:
-                packs.append([])
-                size = 0
-            packs[-1].append(i)
-            # A densified embedding gradient may have no static shape: it counts as small here.
-            size += (grads[i].shape.num_elements() or 0) * grads[i].dtype.size
+        order = [i for i in reversed(range(len(grads))) if grads[i] is not None]
+        # A densified embedding gradient may have no static shape: it counts as small here.
+        packs = [[order[j] for j in pack] for pack in
+                 cut_in_packs([(grads[i].shape.num_elements() or 0) * grads[i].dtype.size for i in order],
+                              bytes_per_pack)]
         out = grads
         with self._placed():  # a pack gathers gradients from every device of the worker (--tensor-parallel)
             for k, members in enumerate(packs):
@@ -143,21 +139,18 @@ class Collective:
         self._assign_sum(variables, 1.0, mine=self.rank == 0)
 
     def _assign_sum(self, variables: list, scale: float, mine: bool) -> None:
-        """Each variable set to its sum over the workers x ``scale``, a pack of about BYTES_PER_PACK at a time (a
-        variable larger than that alone), so the copies it makes are a pack's, not the model's. A broadcast
-        (``scale`` 1: every other worker sends zeros) sums in the variables' own dtype, which is exact; a mean in
-        float64."""
+        """Each variable set to its sum over the workers x ``scale``, a pack of about BYTES_PER_PACK (of one dtype)
+        at a time, so the copies it makes are a pack's, not the model's. A broadcast (``scale`` 1: every other
+        worker sends zeros) sums in the variables' own dtype, which is exact; a mean in float64."""
         if self.world == 1 or not variables:
             return
         import tensorflow as tf
 
-        packs: list[list] = [[]]
-        for v in variables:
-            if packs[-1] and sum(_nbytes(p) for p in packs[-1]) + _nbytes(v) > BYTES_PER_PACK:
-                packs.append([])
-            packs[-1].append(v)
-        for pack in packs:
-            dtype = pack[0].dtype if scale == 1.0 and all(v.dtype == pack[0].dtype for v in pack) else "float64"
+        dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        for members in cut_in_packs([int(np.prod(v.shape)) * d.size for v, d in zip(variables, dtypes)],
+                                    BYTES_PER_PACK, dtypes):
+            pack = [variables[i] for i in members]
+            dtype = dtypes[members[0]] if scale == 1.0 else tf.float64
             flat = tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v), dtype), [-1]) for v in pack], 0)
             self._host_calls += 1
             total = self.in_graph(flat if mine else tf.zeros_like(flat), HOST_KEYS + self._host_calls)
@@ -180,7 +173,15 @@ class Collective:
 ALONE = Collective(1)  # one process: nothing crosses
 
 
-def _nbytes(variable) -> int:
-    import tensorflow as tf
-
-    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+def cut_in_packs(nbytes: Sequence[int], limit: int = BYTES_PER_PACK, kinds: Optional[Sequence] = None) -> list[list[int]]:
+    """Positions ``0..len(nbytes) - 1``, in order, cut into packs: the next pack starts once one holds ``limit``
+    bytes or more, or where ``kinds`` (a dtype each) changes. Every worker cuts the same list the same way."""
+    packs: list[list[int]] = []
+    size = limit
+    for i, n in enumerate(nbytes):
+        if size >= limit or kinds is not None and kinds[i] != kinds[packs[-1][-1]]:
+            packs.append([])
+            size = 0
+        packs[-1].append(i)
+        size += n
+    return packs

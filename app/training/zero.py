@@ -42,7 +42,7 @@ import numpy as np
 
 from app import internals
 from app.errors import UserError
-from app.training.collective import BYTES_PER_PACK, Collective, Site
+from app.training.collective import BYTES_PER_PACK, Collective, Site, cut_in_packs
 
 STAGES = (1, 2)
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
@@ -153,14 +153,7 @@ class Bucket:
 def cut(sizes: list[int], itemsizes: list[int], dtypes: list[str], world: int,
         bytes_per_bucket: int = BYTES_PER_PACK) -> list[Bucket]:
     """The buckets of variables of these sizes; the first has room for one more element (the step's rows)."""
-    groups: list[list[int]] = []
-    size = bytes_per_bucket
-    for i in range(len(sizes)):
-        if size >= bytes_per_bucket or dtypes[groups[-1][-1]] != dtypes[i]:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += sizes[i] * itemsizes[i]
+    groups = cut_in_packs([n * item for n, item in zip(sizes, itemsizes)], bytes_per_bucket, dtypes)
     return [Bucket(tuple(g), tuple(sizes[i] for i in g), max(1, math.ceil((sum(sizes[i] for i in g) + (k == 0))
                                                                           / world)))
             for k, g in enumerate(groups)]
