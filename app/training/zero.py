@@ -86,9 +86,16 @@ def sharding(model, optimizers: list, stage: int, world: int) -> Sharding:
     if world == 1:
         return Sharding(0, [f"shard_optimizer {stage}: one worker, nothing to shard: it trains unsharded"])
     sizes = ""
-    if len(optimizers) == 1:
-        whole = _unsharded_bytes(optimizers[0], sum(int(np.prod(v.shape)) for v in model.trainable_variables))
-        sizes = f" ({_mb(whole / world)} of {_mb(whole)} a worker)"
+    # The bytes result.json's optimizer_state_bytes will give, unsharded and sharded; a subclassed model's copy here
+    # is not built yet (its variables are made at its first call, on the workers): no sizes then.
+    if len(optimizers) == 1 and model.built and model.trainable_variables:
+        variables = model.trainable_variables
+        dtypes = [str(v.dtype) for v in variables]
+        lengths = [int(np.prod(v.shape)) for v in variables]
+        parts = sum(b.part for b in cut(lengths, [np.dtype(_numpy_dtype(d)).itemsize for d in dtypes], dtypes, world))
+        slots, counters = _slots_and_counters(optimizers[0])
+        whole, mine = slots * sum(lengths) * 4 + counters, slots * parts * 4 + counters
+        sizes = f" ({_mb(mine)} of {_mb(whole)} a worker)"
     stage_1 = "; stage 1 asked: the summed gradients are cut too, at no cost" if stage == 1 else ""
     return Sharding(stage, [
         f"shard_optimizer {stage} (ZeRO): each of the {world} workers keeps 1/{world} of every optimizer's state"
@@ -97,15 +104,15 @@ def sharding(model, optimizers: list, stage: int, world: int) -> Sharding:
         "all-gather of the weights); checkpoints hold the whole state (result.json: optimizer_state_bytes)"])
 
 
-def _unsharded_bytes(optimizer, params: int) -> int:
-    """The state ``optimizer`` holds for ``params`` weights (float32): its slots per weight counted on a copy built
-    on one weight, plus its counters."""
+def _slots_and_counters(optimizer) -> tuple[int, int]:
+    """The slots ``optimizer`` keeps per float32 weight and the bytes of its other variables (its counters),
+    counted on a copy built on one weight."""
     import keras
 
     twin = Twin.of(optimizer)
     twin.optimizer.build([keras.Variable(np.zeros(1, "float32"), name="probe")])
     others = [v for v in variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
-    return len(twin.slots) * params * 4 + state_bytes_of(others)
+    return len(twin.slots), state_bytes_of(others)
 
 
 def _mb(n: float) -> str:
