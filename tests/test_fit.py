@@ -24,9 +24,12 @@ import numpy as np
 import app
 
 
-def build_model():  # what a Keras script builds; no compile, so the product's defaults train it
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
-                             keras.layers.Dense(3, activation="softmax")])
+def build_model():  # what a Keras script builds; no compile, so the product compiles it with the task's defaults
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    start = np.random.default_rng(1)  # the same starting point in every process
+    model.set_weights([start.normal(scale=0.4, size=w.shape).astype("float32") for w in model.get_weights()])
+    return model
 
 
 rng = np.random.default_rng(0)
@@ -35,23 +38,36 @@ y = np.argmax(x[:, :3], axis=1)
 out = sys.argv[1]
 
 split = app.fit(build_model, x, y, batch_size=64, epochs=2, validation_split=0.2, num_workers=2,
-                warmup_epochs=0, output=out + "/split", verbose=2)
+                output=out + "/split", verbose=2)
 # Keras's cut: floor(507 * 0.8) = 405 training rows, the last 102 validate.
 xv, yv = x[405:], y[405:]
 p = split.model.predict(xv, verbose=0)
-given = app.fit(build_model, x[:300], y[:300], epochs=1, validation_data=(x[300:401], y[300:401]),
+given = app.fit(build_model, x[:300], y[:300], epochs=2, shuffle=False, validation_data=(x[300:401], y[300:401]),
                 num_workers=2, output=out + "/given", verbose=0)
+# One model.fit process, the model compiled as the plan says: SGD(0.05, momentum 0.9) at global batch 32 / reference
+# 32, warmed up over the first epoch's 10 batches and decayed by a cosine over the second's.
+reference = build_model()
+rate = keras.optimizers.schedules.CosineDecay(0.0, 10, warmup_target=0.05, warmup_steps=10)
+reference.compile(optimizer=keras.optimizers.SGD(rate, momentum=0.9), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+keras_history = reference.fit(x[:300], y[:300], epochs=2, shuffle=False, validation_data=(x[300:401], y[300:401]),
+                              verbose=0).history
 json.dump({
-    "history": split.history, "epoch": split.epoch, "records": split.records, "result": split.result,
+    "history": split.history, "epoch": split.epoch, "result": split.result,
     "loss_on_last_rows": float(np.mean(keras.losses.sparse_categorical_crossentropy(yv, p))),
     "accuracy_on_last_rows": float(np.mean(np.argmax(p, axis=1) == yv)),
-    "given_records": given.records, "given_history": given.history,
+    "given_history": given.history, "keras_history": keras_history,
+    "given_weights": [w.tolist() for w in given.model.get_weights()],
+    "keras_weights": [w.tolist() for w in reference.get_weights()],
 }, open(out + "/fit.json", "w"))
 '''
 
 
 
-def test_fit_from_a_fresh_script_keras_history_and_the_last_rows_validate(joined, tmp_path):
+def test_fit_from_a_fresh_script_compiles_a_model_that_compiles_nothing_and_trains_it_as_model_fit(joined, tmp_path):
+    """A model function that compiles nothing, as a Keras script writes it: the product compiles it with the task's
+    defaults (the plan says which) and Keras's fit trains it on 2 workers, weight for weight as one model.fit
+    process of the model so compiled; validation_split validates the last rows, as Keras cuts them."""
     script = tmp_path / "keras_script.py"
     script.write_text(SCRIPT)
     p = run_job(str(script), str(tmp_path), timeout=400, env=joined)
@@ -59,33 +75,32 @@ def test_fit_from_a_fresh_script_keras_history_and_the_last_rows_validate(joined
     got = json.loads((tmp_path / "fit.json").read_text())
 
     history = got["history"]
-    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history), history
-    assert list(history)[0] == "loss" and not any(k.endswith(("samples", "seconds")) for k in history)
+    assert list(history) == ["accuracy", "loss", "val_accuracy", "val_loss"], history
     assert all(len(values) == 2 for values in history.values()) and got["epoch"] == [0, 1]
-    assert got["result"]["num_replicas"] == 2 and got["result"]["global_batch_size"] == 64
-    assert got["result"]["per_replica_batch"] == 32
-    last = got["records"][-1]
+    assert got["result"]["workers"] == 2 and got["result"]["steps_per_epoch"] == 7  # ceil(405 / 64)
     import pandas as pd
 
     on_disk = pd.read_csv(tmp_path / "split" / "history.csv")  # what the run wrote, beside what app.fit returned
     assert history["val_loss"] == pytest.approx(on_disk["val_loss"].tolist())
-    assert history["loss"] == pytest.approx(on_disk["train_loss"].tolist())
-    assert history["val_loss"][-1] == pytest.approx(got["result"]["metrics"]["val_loss"])
-    # The validation rows are the last 102, in order: their count, the training rows left, and the exported
-    # model scoring exactly the reported val numbers on them.
-    assert last["val_samples"] == 102
-    assert last["train_samples"] + last["dropped_samples"] == 405
+    assert history["loss"] == pytest.approx(on_disk["loss"].tolist())
+    # The validation rows are the last 102, in order: the trained model scores exactly the reported numbers on them.
     assert history["val_loss"][-1] == pytest.approx(got["loss_on_last_rows"], rel=1e-4)
     assert history["val_accuracy"][-1] == pytest.approx(got["accuracy_on_last_rows"], abs=1e-6)
 
-    # validation_data=(xv, yv): exactly those 101 rows validate (odd: padded over 2 workers, padding weighs 0).
-    assert got["given_records"][-1]["val_samples"] == 101
-    assert got["given_records"][-1]["train_samples"] + got["given_records"][-1]["dropped_samples"] == 300
-    assert len(got["given_history"]["val_loss"]) == 1
-    # verbose=2: a line per epoch; verbose=0 (the second run, 1 epoch): nothing on the console, its epoch in train.log.
+    # validation_data=(xv, yv), shuffle=False: 2 workers are one model.fit process of the model compiled as said.
+    for key, values in got["keras_history"].items():
+        np.testing.assert_allclose(got["given_history"][key], values, rtol=0, atol=1e-5, err_msg=key)
+    for i, (a, b) in enumerate(zip(got["keras_weights"], got["given_weights"], strict=True)):
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=0, atol=1e-5, err_msg=f"weight {i}")
+    assert got["keras_history"]["loss"][-1] < got["keras_history"]["loss"][0]
+    plan = (tmp_path / "given" / "train.log").read_text()
+    assert ("compile: the model compiles nothing, so it is compiled with the classification defaults: loss "
+            "sparse_categorical_crossentropy, metric accuracy, optimizer SGD (momentum 0.9) at base_lr 0.05") in plan
+    assert "warmed up linearly over 1 epoch(s), decayed to 0 by a cosine over the run" in plan
+    # verbose=2: a line per epoch; verbose=0: nothing on the console, its epochs in train.log.
     console = p.stdout + p.stderr
-    assert "epoch   1/2" in console and "epoch   2/2" in console and "epoch   1/1" not in console
-    assert "epoch   1/1" in (tmp_path / "given" / "train.log").read_text()
+    assert "epoch 1/2" in console and "epoch 2/2" in console and console.count("epoch 1/2") == 1
+    assert "epoch 2/2" in plan
 
 
 X = np.zeros((100, 4), dtype="float32")
@@ -93,36 +108,36 @@ Y = np.zeros(100, dtype="int64")
 
 
 def build_model():
-    """Uncompiled: the product's own step (app.run.fit builds the model once to tell whether it brings its step)."""
+    """Uncompiled: the product compiles it with the task's defaults and Keras's fit trains it (app.run.keras_step)."""
     import keras
 
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"batch_size": 33}, "batch_size 33 is the global batch and does not divide over 2 replicas (2 Ray worker(s), "
-                         "one replica each): use 32 or 34"),
-    ({"num_workers": 3}, "batch_size 32 (Keras's default) is the global batch and does not divide over 3 replicas"),
     ({"callbacks": [object()]}, "callbacks holds '<object object at"),
-    ({"x": (i for i in range(3)), "y": None}, "x of type generator is not supported: give numpy arrays (with y), "
-                                              "a data function"),
-    ({"x": [X, X]}, "x is a list of 2, which Keras reads as several model inputs by position: give a dict"),
-    ({"sample_weight": Y[:50]}, "sample_weight has 50 rows but its x has 100"),
-    ({"y": None}, "x arrays need y"),
-    ({"y": Y[:50]}, "y has 50 rows but its x has 100"),
+    ({"x": (i for i in range(3)), "y": None}, "x: When passing a Python generator to a Keras model, the generator "
+                                              "must return a tuple"),
+    ({"sample_weight": Y[:50]}, "'sample_weight' sizes: 50"),
+    ({"y": None}, "the model compiles nothing and x has no labels (y), so no loss can be chosen for it: compile it in "
+                  "the model function"),
+    ({"y": Y[:50]}, "'y' sizes: 50"),
     ({"validation_split": 1.0}, "validation_split must be in [0, 1)"),
-    ({"validation_split": 0.999}, "validation_split=0.999 leaves an empty train or val set for 100 rows"),
-    ({"validation_data": (X, Y, Y)}, "validation_data with sample weights"),
+    ({"validation_split": 0.999}, "validation_split=0.999: Training data contains 100 samples, which is not "
+                                  "sufficient to split it"),
     ({"validation_data": (X, Y), "val_fraction": 0.1}, "val_fraction is the product's own validation set"),
     ({"batch_size": 32, "per_replica_batch": 16}, "batch_size is the global batch and per_replica_batch"),
-    ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of x arrays"),
-    # Keras's fit arguments this product does not take as Keras means them: each named, with what to use.
-    ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3): 0 prints nothing"),
-    ({"initial_epoch": 2}, "initial_epoch continues an earlier run in Keras: here, give that run's output and resume=True"),
-    ({"steps_per_epoch": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
-    ({"validation_steps": 5}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
-    ({"validation_batch_size": 8}, "validation_batch_size: validation runs at the training batch here"),
-    ({"validation_freq": 2}, "validation_freq=2: every epoch is validated here"),
+    ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of arrays"),
+    ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3)"),
+    ({"initial_epoch": 2}, "initial_epoch must be an integer from 0 to epochs - 1 = 0 (got 2)"),
+    # With a feature only the product's own step has (tensor_parallel), Keras's arguments it does not take as Keras
+    # means them: each named, with what to use.
+    ({"batch_size": 33, "tensor_parallel": 2}, "batch_size 33 is the global batch and does not divide over 2 "
+                                               "replicas (2 Ray worker(s), one replica each): use 32 or 34"),
+    ({"x": [X, X], "tensor_parallel": 2}, "x is a list of 2, which Keras reads as several model inputs by position"),
+    ({"steps_per_epoch": 5, "tensor_parallel": 2}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
+    ({"validation_batch_size": 8, "tensor_parallel": 2}, "validation_batch_size: validation runs at the training batch"),
+    ({"validation_freq": 2, "tensor_parallel": 2}, "validation_freq=2: every epoch is validated here"),
     ({"max_queue_size": 8}, "unknown key 'max_queue_size'"),
 ])
 def test_fit_refuses_in_one_line_before_anything_starts(tmp_path, kwargs, message):

@@ -296,6 +296,72 @@ def test_the_compiled_loss_reads_the_labels_as_they_are(tmp_path, build, y):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def _uncompiled(units, activation=None):
+    def build():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation=activation)])
+
+    return build
+
+
+def _binary_accuracy(threshold):
+    return lambda: keras.metrics.BinaryAccuracy(name="accuracy", threshold=threshold)
+
+
+@pytest.mark.parametrize("build, y, loss, metric", [
+    (_uncompiled(3), (np.arange(60) % 3).astype("int64"), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+     lambda: "accuracy"),
+    (_uncompiled(1, "sigmoid"), Y, keras.losses.BinaryCrossentropy(), _binary_accuracy(0.5)),
+    (_uncompiled(1), Y.astype(bool), keras.losses.BinaryCrossentropy(from_logits=True), _binary_accuracy(0.0)),
+    (_uncompiled(2, "softmax"), np.eye(2, dtype="float32")[Y], keras.losses.CategoricalCrossentropy(),
+     lambda: "accuracy"),
+    (_uncompiled(1), X[:, 0] * 2.0, keras.losses.MeanSquaredError(), lambda: "mae"),
+], ids=["class ids, logits", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax", "float targets"])
+def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_trains_as_model_fit(
+        tmp_path, build, y, loss, metric):
+    """The product's compile() for a model that compiles nothing, per label kind (app.training.default_compile):
+    Keras's fit with that compile, weight for weight; optimizer and base_lr as asked, the rate as it is."""
+    history = app.fit(build, X, y, batch_size=16, epochs=2, shuffle=False, backend="local", optimizer="adam",
+                      base_lr=0.01, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
+                      output=str(tmp_path / "run"), verbose=0)
+    model = build()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[metric()])
+    keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+    for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_model_that_compiles_nothing_and_that_no_default_fits_is_one_line(tmp_path):
+    a = keras.Input((4,))
+
+    def two_outputs():
+        return keras.Model(a, {"p": keras.layers.Dense(2)(a), "q": keras.layers.Dense(1)(a)})
+
+    for build, y, message in [(_uncompiled(3), None, "the model compiles nothing and x has no labels (y)"),
+                              (two_outputs, {"p": Y, "q": X[:, 0]}, "the product's defaults are for one output; "
+                               "compile it in the model function")]:
+        with pytest.raises(UserError) as e:
+            app.fit(build, X, y, backend="local", output=str(tmp_path / "run"), verbose=0)
+        assert message in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "run").exists()
+
+
+def test_app_train_on_files_compiles_a_model_that_compiles_nothing_as_app_fit_does(tmp_path):
+    """The command line's route (app.train, as jobs/train.py --model own.py:build --dataset rows.parquet): the same
+    compile and Keras's fit; Keras's keys in the record."""
+    import pandas as pd
+
+    pd.DataFrame({**{f"f{i}": X[:, i] for i in range(4)}, "label": Y}).to_parquet(tmp_path / "rows.parquet")
+    result = app.train(model=_uncompiled(2), data=str(tmp_path / "rows.parquet"), backend="local", epochs=2,
+                       output=str(tmp_path / "run"))
+    assert set(result["final"]) - {"epoch", "seconds", "workers"} == {"accuracy", "loss"}
+    assert "compiled with the classification defaults: loss sparse_categorical_crossentropy (from logits)" in \
+        (tmp_path / "run" / "train.log").read_text()
+
+
 class OwnMetricsAndPredict(keras.Model):
     """keras.io's "customizing fit" shapes: compute_metrics adds a metric of its own, predict_step returns classes."""
 

@@ -7,8 +7,9 @@
 ``model_fn`` is the function that builds the model (each worker builds its own), a built-in name or a
 ``file.py:function``. Two ways to train, decided here once:
 
-- **The model's own step** (app.run.keras_step), for a model that brings one: compiled, or overriding
-  ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, with an ``x`` that Keras's fit reads
+- **Keras's fit** (app.run.keras_step), for a model that brings its step (compiled, or overriding
+  ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``) or compiles nothing (the product
+  compiles it with the task's defaults: app.training.default_compile), with an ``x`` that Keras's fit reads
   itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a
   path of files or a ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every
   argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
@@ -16,12 +17,13 @@
   app.training.keras_sync. ``grad_accum``, ``mixed_precision``, the learning-rate rule and an elastic range are
   Keras's own there (app.training.keras_features); keywords asking for the product's other features
   (``tensor_parallel``, ...) take the other way, and with a model that overrides its step they are refused in one line.
-- **The product's own step** (app.run.api, as app.train): an uncompiled model (the task's defaults, a path too),
-  an ``x`` that is a data function (as ``--dataset``), or the product's other features asked for. Here ``batch_size``
-  must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path with a path ``x``),
-  no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step reports validation numbers
-  every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``, ``validation_batch_size`` and
-  ``validation_freq`` are refused in one line that says what to use. ``callbacks`` run as app.train runs them.
+- **The product's own step** (app.run.api, as app.train): a built-in model, a model function that takes the
+  product's arguments, an ``x`` that is a data function (as ``--dataset``), or the product's other features asked
+  for. Here ``batch_size`` must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a
+  path with a path ``x``), no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step
+  reports validation numbers every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
+  ``validation_batch_size`` and ``validation_freq`` are refused in one line that says what to use. ``callbacks``
+  run as app.train runs them.
 
 ``verbose`` takes Keras's values: 0 prints nothing but warnings and errors (the epochs go to <output>/train.log),
 2 one line per epoch, 1 and "auto" the same and a progress bar inside long epochs at a terminal. Every other
@@ -46,7 +48,7 @@ from app.data import keras_stream
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
-from app.run.keras_step import KERAS_BATCH_SIZE, KERAS_STEP_FIELDS
+from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_BATCH_SIZE, KERAS_STEP_FIELDS
 from app.run.keras_step import given as _given
 
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
@@ -159,10 +161,13 @@ def fit(
     if keras_step_input(x) and not _is_keras_model(model_fn):
         from app.run import keras_step
 
-        built = keras_step.model_that_brings_its_step(model_fn)
-        # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given
+        built = keras_step.keras_model_of(model_fn)
+        # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given;
+        # the optimizer's fields: what the product compiles a model that compiles nothing with
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
-                                                                 else set()))
+                                                                 else set())
+                              - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
+                                 else set()))
         if built is not None and product_only and keras_step.overrides_step(built):
             raise UserError(f"{', '.join(product_only)}: the product's own training features, which its own step "
                             f"provides; this model trains by its own {', '.join(keras_step.overrides_step(built))}: "

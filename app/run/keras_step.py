@@ -1,7 +1,8 @@
 """app.fit for a model that brings its own step: checks fit()'s arguments as Keras does, reads the inputs, and
 trains with app.backends.keras_fit (each worker runs the model's own fit(); app.training.keras_sync makes them one
 exact run). A model brings its step when it is compiled (``model.compile(...)``: its optimizer, losses, metrics)
-or overrides ``train_step``; an uncompiled model with Keras's step takes the product's own (app.run.fit).
+or overrides ``train_step``; one that compiles nothing is compiled with the task's defaults
+(app.training.default_compile) and trains the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
 from app.run import fit_inputs
-from app.run.fit_inputs import STEPS, overrides_step
+from app.run.fit_inputs import overrides_step
+from app.training import default_compile
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,26 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay",
                      # the optimizer's state cut over the workers (app.training.zero)
                      "shard_optimizer"}
+# ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
+DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
     """The model ``model_fn`` builds, if it is compiled or overrides Keras's step; else None."""
+    model = keras_model_of(model_fn)
+    return model if model is not None and brings_its_step(model) else None
+
+
+def brings_its_step(model) -> bool:
+    """Compiled, or overriding a part of Keras's step: what Keras's fit trains as it is (else the product compiles
+    it: app.training.default_compile)."""
+    return bool(getattr(model, "compiled", False) or overrides_step(model))
+
+
+def keras_model_of(model_fn: Any) -> Optional[Any]:
+    """The Keras model ``model_fn`` builds when called with no arguments; None for a built-in name, a function that
+    takes the product's arguments (input_shape, num_classes, ...: its own step fills them) or one that returns no
+    Keras model."""
     from app import registry, tf_import
 
     if not callable(model_fn):
@@ -55,10 +73,7 @@ def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
     except Exception as e:  # the user's own code: one line naming it, the traceback chained
         name = getattr(model_fn, "__qualname__", type(model_fn).__name__)
         raise UserError(keras_inputs.raised(e, f"the model function {name}")) from e
-    if not isinstance(model, keras.Model):
-        return None
-    overrides = any(getattr(type(model), n) is not getattr(keras.Model, n) for n in STEPS)
-    return model if getattr(model, "compiled", False) or overrides else None
+    return model if isinstance(model, keras.Model) else None
 
 
 def _needs_arguments(fn: Any) -> bool:
@@ -84,6 +99,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app.ui import console
 
     _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x)
+    if (problem := registry.callbacks_problem(list(callbacks or []))) is not None:
+        raise UserError(problem)
     if isinstance(model_fn, str):
         model_fn = registry.resolve(model_fn, registry.MODELS)
     config = build_config(fields.pop("config", None), {
@@ -110,8 +127,11 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if arrays and validation_split and validation_data is None:
         from app import internals
 
-        (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
-                                                                                    validation_split)
+        try:
+            (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
+                                                                                        validation_split)
+        except ValueError as e:  # Keras's own words: too few rows for the split
+            raise UserError(f"validation_split={validation_split}: {e}") from None
     elif validation_split and validation_data is None:
         raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
                         "give validation_data instead")
@@ -121,8 +141,11 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
                                   batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
                                   class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
-    fit_inputs.check_labels(model, train)
     fit_inputs.check_inputs(model, train, f"x (columns {', '.join(columns)})" if columns else "x")
+    defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
+    if defaults is not None:
+        model_fn = default_compile.CompiledWithDefaults(model_fn, defaults)
+    fit_inputs.check_labels(model, train)
     val = None
     if "val" in datasets:
         val = validation_data
@@ -142,7 +165,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app.training.keras_features import KerasFeatures
 
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
-                                steps_per_epoch=train.steps, epochs=epochs)
+                                steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None)
     features.check()
     shard = zero.sharding(model, keras_sync.optimizers_of(model), config.shard_optimizer, world)
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
@@ -151,7 +174,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + features.lines() + shard.lines + elastic + [
+    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + ([defaults.line()] if defaults else []) \
+        + features.lines() + shard.lines + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()
@@ -168,8 +192,8 @@ _CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers"
 
 
 def from_config(config, dry: bool = False) -> Optional[Any]:
-    """``jobs/train.py`` / ``app.train`` with a model that brings its step (a ``file.py:function`` or a function of
-    no arguments that builds a compiled model, or one overriding ``train_step``) on a path of files: trained by
+    """``jobs/train.py`` / ``app.train`` with a model function of no arguments (a ``file.py:function`` or the function
+    itself: a compiled model, one overriding ``train_step``, or one that compiles nothing) on a path of files: trained by
     Keras's fit, as ``app.fit(model, path, validation_data=val_path)`` trains it; returns result.json's content.
     None: the run is the product's own step (a built-in model, the product's own features asked for, a data
     function, another backend). ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
@@ -180,15 +204,18 @@ def from_config(config, dry: bool = False) -> Optional[Any]:
     if not (isinstance(dataset, str) and registry.looks_like_path(dataset)):
         return None
     # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step.
-    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS or config.elastic:
+    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS \
+            or config.elastic:
         return None
-    model = model_that_brings_its_step(config.model)
+    model = keras_model_of(config.model)
     if model is None:
+        return None
+    taken = KERAS_STEP_FIELDS | {"val_fraction"} | (set() if brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
+    if set(config.model_fields_set) & (DEFAULT_COMPILE_FIELDS - taken):  # --optimizer with a compiled model's own
         return None
     from app.training import callbacks as product_callbacks
 
-    fields = {**{k: getattr(config, k) for k in config.model_fields_set & (KERAS_STEP_FIELDS | {"val_fraction"})},
-              "output": str(config.output_dir())}
+    fields = {**{k: getattr(config, k) for k in config.model_fields_set & taken}, "output": str(config.output_dir())}
     run, _ = fit(model, config.model, dataset, None, batch_size=config.per_replica_batch * config.num_workers
                  if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,
                  validation_data=config.val_dataset, validation_split=0.0,
@@ -197,6 +224,20 @@ def from_config(config, dry: bool = False) -> Optional[Any]:
                  shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
                  validation_batch_size=None, validation_freq=1, fields=fields, dry=dry)
     return run if dry else run.result
+
+
+def _compiled_with_defaults(model, train, config) -> "default_compile.Defaults":
+    """The driver's model compiled with the product's defaults, decided from every label it holds (a streamed input
+    or a pipeline that reads files: its first batch's)."""
+    import keras
+
+    labels = train.first_batch()
+    if getattr(train, "counted", True) and not getattr(train, "streamed", False):
+        labels = train.rows
+    defaults = default_compile.decide(model, train.first_batch(), keras.utils.unpack_x_y_sample_weight(labels)[1],
+                                      config)
+    defaults.compile(model)
+    return defaults
 
 
 def given(data: Any, name: str) -> Callable[[], Any]:

@@ -48,9 +48,14 @@ class KerasFeatures:
     epochs: int = 1
 
     @classmethod
-    def of(cls, config, batch_size: int, steps_per_epoch: Optional[int], epochs: int) -> "KerasFeatures":
-        """The features the run asks for: the learning-rate rule's parts only where given (fields the user set)."""
-        given = config.model_fields_set
+    def of(cls, config, batch_size: int, steps_per_epoch: Optional[int], epochs: int,
+           product_optimizer: bool = False) -> "KerasFeatures":
+        """The features the run asks for: the learning-rate rule's parts only where given (fields the user set), or,
+        for the optimizer the product compiled in (``product_optimizer``: app.training.default_compile), the whole
+        rule with the config's defaults (its warmup and decay only where an epoch's batches are known)."""
+        given = set(config.model_fields_set)
+        if product_optimizer:
+            given |= {"lr_scaling"} | ({"warmup_epochs", "lr_decay"} if steps_per_epoch else set())
         return cls(grad_accum=config.grad_accum, mixed_precision=config.mixed_precision,
                    lr_scaling=config.lr_scaling if "lr_scaling" in given else "none",
                    reference_batch=config.reference_batch,

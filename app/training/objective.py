@@ -32,12 +32,7 @@ from typing import Any, Optional
 from app import internals
 from app.backend import backend_of
 from app.errors import UserError
-
-DEFAULT_LOSS = {
-    "classification": "sparse_categorical_crossentropy",
-    "binary": "binary_crossentropy",
-    "regression": "mean_squared_error",
-}
+from app.training.default_compile import DEFAULT_LOSS
 
 # Which way a metric is better, read from its name (Keras's names, and most users'). The run's metric (the
 # first reported one whose way is known; else the loss) ranks epochs, kept checkpoints and Tune's trials.

@@ -1,0 +1,116 @@
+"""The product's ``compile()`` for a model that compiles nothing and brings no step of its own.
+
+Keras's fit refuses such a model; the product compiles it, decided once in the driver (``decide``) from the
+labels and the model's output, and applied by every worker to the model its own call of the model function
+returns (``CompiledWithDefaults``):
+
+| labels                                        | loss                              | metric   |
+|-----------------------------------------------|-----------------------------------|----------|
+| integer class ids, several outputs            | sparse categorical cross-entropy  | accuracy |
+| integers 0/1 (or booleans), one output        | binary cross-entropy              | accuracy |
+| one-hot rows as wide as the output            | categorical cross-entropy         | accuracy |
+| anything else (float targets)                 | mean squared error                | mae      |
+
+The loss takes logits unless the model's last layer applies softmax or sigmoid. The optimizer is the run's
+``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
+global batch, warmup, cosine decay) is app.training.keras_features's, with the config's defaults. Models with
+several outputs or labels in a structure are refused: a loss per output is the user's to choose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from app.errors import UserError
+
+DEFAULT_LOSS = {
+    "classification": "sparse_categorical_crossentropy",
+    "binary": "binary_crossentropy",
+    "regression": "mean_squared_error",
+}
+DEFAULT_METRIC = {"classification": "accuracy", "binary": "accuracy", "regression": "mae"}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    task: str  # classification / binary / regression
+    loss: str  # a Keras loss name
+    from_logits: bool
+    optimizer: str  # sgd / adam
+    learning_rate: float
+    momentum: float
+
+    def compile(self, model) -> Any:
+        import keras
+
+        losses = {"sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
+                  "categorical_crossentropy": keras.losses.CategoricalCrossentropy,
+                  "binary_crossentropy": keras.losses.BinaryCrossentropy}
+        loss = losses[self.loss](from_logits=self.from_logits) if self.loss in losses else keras.losses.get(self.loss)
+        if self.task == "binary":  # Keras's "accuracy" thresholds at 0.5, which a logit is not
+            metric = keras.metrics.BinaryAccuracy(name="accuracy", threshold=0.0 if self.from_logits else 0.5)
+        else:
+            metric = DEFAULT_METRIC[self.task]
+        optimizer = keras.optimizers.SGD(self.learning_rate, momentum=self.momentum) if self.optimizer == "sgd" \
+            else keras.optimizers.Adam(self.learning_rate)
+        model.compile(optimizer=optimizer, loss=loss, metrics=[metric])
+        return model
+
+    def line(self) -> str:
+        """The plan's line."""
+        optimizer = f"SGD (momentum {self.momentum:g})" if self.optimizer == "sgd" else "Adam"
+        return (f"compile: the model compiles nothing, so it is compiled with the {self.task} defaults: loss "
+                f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}, metric "
+                f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g} (compile() it "
+                "in the model function to choose them)")
+
+
+@dataclass(frozen=True)
+class CompiledWithDefaults:
+    """The user's model function, its model compiled with the run's defaults (picklable: Ray ships it)."""
+
+    model_fn: Callable[[], Any]
+    defaults: Defaults
+
+    def __call__(self):
+        return self.defaults.compile(self.model_fn())
+
+
+def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
+    """The defaults for ``model`` from its training input: ``first_batch`` (x, y, sample weights) gives the output's
+    width, ``labels`` every label the driver holds (or the first batch's)."""
+    import keras
+
+    from app.training.model import ends_in_probabilities
+
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(first_batch)
+    fix = ("compile it in the model function (model.compile(optimizer=..., loss=..., metrics=[...])) to choose its "
+           "loss")
+    if y is None:
+        raise UserError(f"the model compiles nothing and x has no labels (y), so no loss can be chosen for it: {fix}, "
+                        "or give labels")
+    output = model(x)
+    if not (hasattr(y, "shape") and hasattr(output, "shape")):
+        raise UserError(f"the model compiles nothing and its labels or outputs are a {type(y).__name__} / "
+                        f"{type(output).__name__}: the product's defaults are for one output; {fix}")
+    labels = np.asarray(labels)
+    width = int(output.shape[-1]) if len(output.shape) > 1 else 1
+    per_example = tuple(labels.shape[1:])
+    if labels.dtype.kind in "iub" and per_example in ((), (1,)):
+        binary = width == 1 and bool(np.isin(labels, (0, 1)).all())
+        task = "binary" if binary else "classification" if width > 1 else "regression"
+    elif labels.dtype.kind == "f" and per_example == (width,) and width > 1 and _one_hot(labels):
+        task = "classification"
+    else:
+        task = "regression"
+    loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
+        else DEFAULT_LOSS[task]
+    return Defaults(task=task, loss=loss, from_logits=task != "regression" and not ends_in_probabilities(model),
+                    optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum)
+
+
+def _one_hot(labels: np.ndarray) -> bool:
+    return bool(np.isin(labels, (0.0, 1.0)).all() and (labels.sum(axis=-1) == 1).all())
