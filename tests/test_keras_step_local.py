@@ -311,12 +311,14 @@ def _binary_accuracy(threshold):
 @pytest.mark.parametrize("build, y, loss, metric", [
     (_uncompiled(3), (np.arange(60) % 3).astype("int64"), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
      lambda: "accuracy"),
+    (_uncompiled(3, "softmax"), (np.arange(60) % 3).astype("float32"), keras.losses.SparseCategoricalCrossentropy(),
+     lambda: "accuracy"),
     (_uncompiled(1, "sigmoid"), Y, keras.losses.BinaryCrossentropy(), _binary_accuracy(0.5)),
     (_uncompiled(1), Y.astype(bool), keras.losses.BinaryCrossentropy(from_logits=True), _binary_accuracy(0.0)),
     (_uncompiled(2, "softmax"), np.eye(2, dtype="float32")[Y], keras.losses.CategoricalCrossentropy(),
      lambda: "accuracy"),
     (_uncompiled(1), X[:, 0] * 2.0, keras.losses.MeanSquaredError(), lambda: "mae"),
-], ids=["class ids, logits", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax", "float targets"])
+], ids=["class ids, logits", "float class ids, softmax", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax", "float targets"])
 def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_trains_as_model_fit(
         tmp_path, build, y, loss, metric):
     """The product's compile() for a model that compiles nothing, per label kind (app.training.default_compile):
@@ -342,7 +344,9 @@ def test_a_model_that_compiles_nothing_and_that_no_default_fits_is_one_line(tmp_
 
     for build, y, message in [(_uncompiled(3), None, "the model compiles nothing and x has no labels (y)"),
                               (two_outputs, {"p": Y, "q": X[:, 0]}, "the product's defaults are for one output; "
-                               "compile it in the model function")]:
+                               "compile it in the model function"),
+                              (_uncompiled(3), X[:, 0], "its labels are float32 of shape () per example and its "
+                               "output (3,): no default loss takes both")]:
         with pytest.raises(UserError) as e:
             app.fit(build, X, y, backend="local", output=str(tmp_path / "run"), verbose=0)
         assert message in str(e.value) and "\n" not in str(e.value)

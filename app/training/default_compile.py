@@ -9,7 +9,10 @@ returns (``CompiledWithDefaults``):
 | integer class ids, several outputs            | sparse categorical cross-entropy  | accuracy |
 | integers 0/1 (or booleans), one output        | binary cross-entropy              | accuracy |
 | one-hot rows as wide as the output            | categorical cross-entropy         | accuracy |
-| anything else (float targets)                 | mean squared error                | mae      |
+| targets shaped as the output (floats)         | mean squared error                | mae      |
+
+Whole, non-negative floats with several outputs are class ids too (labels read from a table often are floats);
+labels that fit none of these (a width other than the output's) are refused in one line.
 
 The loss takes logits unless the model's last layer applies softmax or sigmoid. The optimizer is the run's
 ``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
@@ -98,14 +101,20 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
                         f"{type(output).__name__}: the product's defaults are for one output; {fix}")
     labels = np.asarray(labels)
     width = int(output.shape[-1]) if len(output.shape) > 1 else 1
-    per_example = tuple(labels.shape[1:])
-    if labels.dtype.kind in "iub" and per_example in ((), (1,)):
+    outputs, per_example = tuple(output.shape[1:]), tuple(labels.shape[1:])
+    ids = per_example in ((), (1,)) and (labels.dtype.kind in "iub" or labels.dtype.kind == "f" and width > 1 and bool(
+        np.isfinite(labels).all() and (labels == np.round(labels)).all() and labels.min() >= 0))  # 0., 1., 2. too
+    if ids:
         binary = width == 1 and bool(np.isin(labels, (0, 1)).all())
         task = "binary" if binary else "classification" if width > 1 else "regression"
-    elif labels.dtype.kind == "f" and per_example == (width,) and width > 1 and _one_hot(labels):
+    elif labels.dtype.kind in "fiu" and per_example == (width,) and width > 1 and _one_hot(labels):
         task = "classification"
-    else:
+    elif per_example == outputs or {per_example, outputs} <= {(), (1,)}:  # a target per output: (n,) for (n, 1) too
         task = "regression"
+    else:
+        raise UserError(f"the model compiles nothing, its labels are {labels.dtype} of shape {per_example} per "
+                        f"example and its output {outputs}: no default loss takes both (class ids with an output "
+                        f"per class, one-hot rows as wide as the output, or one target per output); {fix}")
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     return Defaults(task=task, loss=loss, from_logits=task != "regression" and not ends_in_probabilities(model),
