@@ -204,7 +204,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
         # A run: the local Ray starts beside the checks (they import TensorFlow, build the model).
         cluster.start_local_early(config)
         if joining:  # a cluster that refuses us (its token) is said first, before the checks
-            cluster.connect(config)
+            cluster.connect(config, reads_for="the workers'" if streamed_files else None)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if streamed_files or (function and require_fit):
         cluster.connect_for_data(config, reads=bool(streamed_files))

@@ -58,7 +58,7 @@ def connect_for_data(config: TrainConfig, reads: bool) -> None:
     """``connect``, before the driver makes any Ray Dataset: Ray Data's progress bars off (datasets seal the
     current context when created; their bars are Ray's internals: read tasks, split coordinators), the console
     quiet again (importing Ray Data made its handler), and with ``reads`` (files to stream) room for read tasks."""
-    connect(config)
+    connect(config, reads_for="the workers'" if reads else None)
     from ray.data import DataContext
 
     from app.ui import console
@@ -69,12 +69,13 @@ def connect_for_data(config: TrainConfig, reads: bool) -> None:
         check_room_for_reads(config)
 
 
-def connect(config: TrainConfig) -> None:
+def connect(config: TrainConfig, reads_for: str | None = None) -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), or start a local one.
 
     On a real cluster, more workers than the CPUs free now is legitimate (the
     autoscaler adds nodes): we say that we are waiting, and the worker start
-    timeout bounds the wait.
+    timeout bounds the wait. ``reads_for``: streamed files, read by Ray Data's tasks beside those workers (or
+    actors): a cluster they would fill is refused first (``check_room_for_reads``), never waited for.
     """
     import ray
 
@@ -94,6 +95,8 @@ def connect(config: TrainConfig) -> None:
                 "set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
                 "~/.ray/auth_token, as on the head)"
             ) from None
+        if reads_for is not None:
+            check_room_for_reads(config, reads_for)
         free = ray.available_resources()
         need_cpus = cpus_needed(config)
         need_gpus = config.min_workers if config.use_gpu else 0
