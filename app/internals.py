@@ -362,3 +362,11 @@ def replace_epoch_logs(model: Any, reduce: Callable[[Any], Any]) -> None:
     """Make ``model``'s epoch and evaluation logs ``reduce(logs)``."""
     model._get_metrics_result_or_logs = reduce
 
+
+def flat_logs(logs: dict) -> dict:
+    """A step's logs as fit() hands them to callbacks and History: nested dicts flattened (their leaves' keys), in
+    key order, values as Python numbers (Keras's own ``pythonify_logs``, applied after the epoch's logs are made)."""
+    from keras.src.utils.python_utils import pythonify_logs
+
+    return pythonify_logs(logs)
+

@@ -318,7 +318,8 @@ def _binary_accuracy(threshold):
     (_uncompiled(2, "softmax"), np.eye(2, dtype="float32")[Y], keras.losses.CategoricalCrossentropy(),
      lambda: "accuracy"),
     (_uncompiled(1), X[:, 0] * 2.0, keras.losses.MeanSquaredError(), lambda: "mae"),
-], ids=["class ids, logits", "float class ids, softmax", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax", "float targets"])
+], ids=["class ids, logits", "float class ids, softmax", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax",
+        "float targets"])
 def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_trains_as_model_fit(
         tmp_path, build, y, loss, metric):
     """The product's compile() for a model that compiles nothing, per label kind (app.training.default_compile):

@@ -20,7 +20,8 @@ process over the global batch:
    counts, confusion buckets: any Keras metric whose state adds up) is summed
    over the workers first and the metric's own ``result()`` read from the
    total: the value one process reports for all the rows. A log value that is
-   no metric's result is averaged over the workers.
+   no metric's result is averaged over the workers. Nested dicts of logs are
+   flattened first, as fit() flattens them (their leaves, by key).
 3. **State that is not trained.** Batch-norm moving statistics (float
    non-trainable variables) are averaged over the workers at the same point,
    so every worker evaluates and saves the same model.
@@ -116,9 +117,12 @@ def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
     the others' logs of a step that returns its metrics' results)."""
     if not logs:
         logs = dict(model.get_metrics_result())
+    if isinstance(logs, dict) and any(isinstance(v, dict) for v in logs.values()):
+        logs = internals.flat_logs(logs)  # what fit() makes of them after this point: their leaves, by key
     if not isinstance(logs, dict) or any(isinstance(v, dict) or np.ndim(v) for v in logs.values()):
         raise TypeError(f"the model's train_step or test_step returned {_kind(logs)}: return a dict of scalars "
-                        "(the metrics' results, {m.name: m.result() for m in self.metrics}), as fit() logs them")
+                        "(the metrics' results, {m.name: m.result() for m in self.metrics}, nested dicts of them "
+                        "too), as fit() logs them")
     _average_state(model, collective)
     variables = _metric_variables(model)
     local = [np.asarray(v.numpy()) for v in variables]

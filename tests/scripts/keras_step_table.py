@@ -137,7 +137,8 @@ class GAN(keras.Model):
         self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
         self.d_loss_tracker.update_state(d_loss)
         self.g_loss_tracker.update_state(g_loss)
-        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+        # Nested, as a step may return them: fit() logs the leaves (d_loss, g_loss).
+        return {"losses": {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}}
 
 
 def gan():
