@@ -337,6 +337,29 @@ def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_t
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp_path):
+    """app.fit("mlp", x, y): the built-in sized by the arrays (x's shape, one output per class id), compiled with
+    the defaults, trained by Keras's fit as model.fit trains that model so compiled; its options as keywords."""
+    from app.models import build_mlp
+
+    y = (np.arange(60) % 3).astype("int64")
+    history = app.fit("mlp", X, y, hidden_units=[8], batch_size=16, epochs=2, shuffle=False, backend="local",
+                      optimizer="adam", base_lr=0.01, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
+                      output=str(tmp_path / "run"), verbose=0)
+    keras.utils.set_random_seed(0)  # the run's seed, set before each worker builds the model
+    model = build_mlp((4,), 3, hidden_units=[8])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+    for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    with pytest.raises(UserError, match="the built-in cnn does not take hidden_units"):
+        app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)
+
+
 def test_a_model_that_compiles_nothing_and_that_no_default_fits_is_one_line(tmp_path):
     a = keras.Input((4,))
 

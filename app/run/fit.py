@@ -9,7 +9,8 @@
 
 - **Keras's fit** (app.run.keras_step), for a model that brings its step (compiled, or overriding
   ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``) or compiles nothing (the product
-  compiles it with the task's defaults: app.training.default_compile), with an ``x`` that Keras's fit reads
+  compiles it with the task's defaults: app.training.default_compile; a built-in name with arrays ``x`` and ``y``
+  too, sized by them: app.run.keras_step.builtin_for_arrays), with an ``x`` that Keras's fit reads
   itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a
   path of files or a ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every
   argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
@@ -17,8 +18,8 @@
   app.training.keras_sync. ``grad_accum``, ``mixed_precision``, the learning-rate rule and an elastic range are
   Keras's own there (app.training.keras_features); keywords asking for the product's other features
   (``tensor_parallel``, ...) take the other way, and with a model that overrides its step they are refused in one line.
-- **The product's own step** (app.run.api, as app.train): a built-in model, a model function that takes the
-  product's arguments, an ``x`` that is a data function (as ``--dataset``), or the product's other features asked
+- **The product's own step** (app.run.api, as app.train): a built-in model on other inputs, a model function that
+  takes the product's arguments, an ``x`` that is a data function (as ``--dataset``), or the product's other features asked
   for. Here ``batch_size`` must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a
   path with a path ``x``), no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step
   reports validation numbers every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
@@ -159,8 +160,11 @@ def fit(
 
     check_class_weight(class_weight)
     if keras_step_input(x) and not _is_keras_model(model_fn):
+        from app import registry
         from app.run import keras_step
 
+        if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
+            model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
         built = keras_step.keras_model_of(model_fn)
         # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given;
         # the optimizer's fields: what the product compiles a model that compiles nothing with
