@@ -276,6 +276,15 @@ def _logits(loss, units, metric):
     return build
 
 
+def _as_model_fit(history, keras_history, model) -> None:
+    """app.fit's History and trained weights are model.fit's (``keras_history``, ``model``), within 1e-6."""
+    assert list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+    for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 @pytest.mark.parametrize("build, y", [
     (_logits(keras.losses.SparseCategoricalCrossentropy(from_logits=True), 10, "accuracy"),
      (X[:, 0] > 0).astype("float32") * 7),
@@ -289,11 +298,7 @@ def test_the_compiled_loss_reads_the_labels_as_they_are(tmp_path, build, y):
                       output=str(tmp_path / "run"), verbose=0)
     model = build()
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert list(history.history) == list(keras_history.history)
-    for key, values in keras_history.history.items():
-        assert history.history[key] == pytest.approx(values, abs=1e-6), key
-    for a, b in zip(history.model.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    _as_model_fit(history, keras_history, model)
 
 
 def _uncompiled(units, activation=None):
@@ -330,11 +335,7 @@ def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_t
     model = build()
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[metric()])
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert list(history.history) == list(keras_history.history)
-    for key, values in keras_history.history.items():
-        assert history.history[key] == pytest.approx(values, abs=1e-6), key
-    for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    _as_model_fit(history, keras_history, model)
 
 
 def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp_path):
@@ -351,11 +352,7 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert list(history.history) == list(keras_history.history)
-    for key, values in keras_history.history.items():
-        assert history.history[key] == pytest.approx(values, abs=1e-6), key
-    for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    _as_model_fit(history, keras_history, model)
     with pytest.raises(UserError, match="the built-in cnn does not take hidden_units"):
         app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)
 

@@ -65,8 +65,6 @@ def connect_for_data(config: TrainConfig, reads: bool) -> None:
 
     DataContext.get_current().enable_progress_bars = config.show_logs
     console.quiet_now()
-    if reads:  # before Ray Data reads a byte: its read tasks need CPUs of their own
-        check_room_for_reads(config)
 
 
 def connect(config: TrainConfig, reads_for: str | None = None) -> None:
@@ -75,13 +73,23 @@ def connect(config: TrainConfig, reads_for: str | None = None) -> None:
     On a real cluster, more workers than the CPUs free now is legitimate (the
     autoscaler adds nodes): we say that we are waiting, and the worker start
     timeout bounds the wait. ``reads_for``: streamed files, read by Ray Data's tasks beside those workers (or
-    actors): a cluster they would fill is refused first (``check_room_for_reads``), never waited for.
+    actors): a cluster they would fill is refused (``check_room_for_reads``) before Ray Data reads a byte and
+    before any waiting is said, whichever cluster it is.
     """
     import ray
 
     _wait_for_early_start()
-    if ray.is_initialized():  # the caller (a notebook, a test) already chose the cluster
-        return
+    joined = not ray.is_initialized() and _join_or_start()  # else the caller (a notebook, a test) chose the cluster
+    if reads_for is not None:
+        check_room_for_reads(config, reads_for)
+    if joined:
+        _say_if_waiting(config)
+
+
+def _join_or_start() -> bool:
+    """True: joined the cluster RAY_ADDRESS names; False: started a local one."""
+    import ray
+
     _quiet_token_notice()
     if os.environ.get("RAY_ADDRESS"):
         try:
@@ -95,19 +103,23 @@ def connect(config: TrainConfig, reads_for: str | None = None) -> None:
                 "set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
                 "~/.ray/auth_token, as on the head)"
             ) from None
-        if reads_for is not None:
-            check_room_for_reads(config, reads_for)
-        free = ray.available_resources()
-        need_cpus = cpus_needed(config)
-        need_gpus = config.min_workers if config.use_gpu else 0
-        if need_cpus > free.get("CPU", 0) or need_gpus > free.get("GPU", 0):
-            log.warning(
-                "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs / %d GPUs. "
-                "Waiting up to %.0f s for them (--worker-start-timeout-s).",
-                free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
-            )
-        return
+        return True
     _start_local()
+    return False
+
+
+def _say_if_waiting(config: TrainConfig) -> None:
+    import ray
+
+    free = ray.available_resources()
+    need_cpus = cpus_needed(config)
+    need_gpus = config.min_workers if config.use_gpu else 0
+    if need_cpus > free.get("CPU", 0) or need_gpus > free.get("GPU", 0):
+        log.warning(
+            "the cluster has %.1f CPUs / %.0f GPUs free now; this run needs %.1f CPUs / %d GPUs. "
+            "Waiting up to %.0f s for them (--worker-start-timeout-s).",
+            free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
+        )
 
 
 def _refused_authentication(error: BaseException | None) -> bool:

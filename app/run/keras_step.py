@@ -261,11 +261,9 @@ def _compiled_with_defaults(model, train, config) -> "default_compile.Defaults":
     or a pipeline that reads files: its first batch's)."""
     import keras
 
-    labels = train.first_batch()
-    if getattr(train, "counted", True) and not getattr(train, "streamed", False):
-        labels = train.rows
-    defaults = default_compile.decide(model, train.first_batch(), keras.utils.unpack_x_y_sample_weight(labels)[1],
-                                      config)
+    first = train.first_batch()
+    every = train.rows if getattr(train, "counted", True) and not getattr(train, "streamed", False) else first
+    defaults = default_compile.decide(model, first, keras.utils.unpack_x_y_sample_weight(every)[1], config)
     defaults.compile(model)
     return defaults
 

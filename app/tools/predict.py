@@ -89,10 +89,8 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
         from app.driver import cluster
 
         cluster.check_fits_locally(config)
-        reads_for = None if rows.in_memory else "the predicting actors'"
-        cluster.connect(config, reads_for=reads_for)
-        if reads_for is not None:  # files are read by Ray Data's tasks, beside the actors: a full cluster waits forever
-            cluster.check_room_for_reads(config, who=reads_for)
+        # Files are read by Ray Data's tasks, beside the actors: a full cluster would wait forever.
+        cluster.connect(config, reads_for=None if rows.in_memory else "the predicting actors'")
     first = inference.first_rows(rows, config, keep)
     spec = inference.spec_for(rows, config, first, keep, _input_shape(model))
     del model  # the predictors load their own
