@@ -261,7 +261,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     outputs.write_history(out / outputs.HISTORY_FILE, records)
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
               "history": records, "final": records[-1] if records else {},
-              "workers": world,
+              "workers": world, **summary(job, state, world, started),
               "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
               "dropped_rows_per_epoch": job.train.dropped_rows(world),
               "checkpoint": "checkpoint", **exported,
@@ -271,6 +271,29 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
               "seconds": round(time.time() - started, 2)}
     (out / outputs.RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
     return KerasRun(records, model, result)
+
+
+def summary(job: KerasJob, state: dict[str, Any], world: int, started: float) -> dict[str, Any]:
+    """The keys every run's result.json has, whichever way it trained (the command line, app.train, a sweep and
+    result_line read them): the last epoch's logs as ``metrics`` (``loss`` -> ``train_loss``, ``val_loss`` as it is),
+    the ``metric`` that ranks epochs and trials (app.training.objective), the replicas and the global batch."""
+    from app.training.keras_callbacks import RECORD_KEYS  # the driver holds Keras already: it built the model
+    from app.training.objective import metric_in
+
+    records = state["history"]
+    final = records[-1] if records else {}
+    logs = {k: v for k, v in final.items() if k not in RECORD_KEYS and k != "learning_rate"}
+    metrics = {k if k.startswith("val_") else f"train_{k}": v for k, v in logs.items()}
+    name = metric_in(logs)
+    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # this run's epochs (not a resumed run's first)
+    rows = (job.train.num_rows - job.train.dropped_rows(world)) if job.train.num_rows is not None else None
+    seconds = sum(r["seconds"] for r in trained)
+    return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
+            "num_replicas": world, "global_batch_size": job.features.batch_size,
+            "epochs_completed": final.get("epoch", job.initial_epoch),
+            "stopped_early": state.get("stopped_early"),  # a callback that stopped the run: after which epoch, why
+            "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
+            "wall_seconds": round(time.time() - started, 2)}
 
 
 def export(model, out: Path) -> dict[str, Any]:

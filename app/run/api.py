@@ -29,10 +29,10 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
         from app.driver import outputs
 
         outputs.check_output_dir(config)  # a path check: refused before the data, the model and Ray
-        from app.run import keras_step
+        from app.run import config_run
 
         try:
-            by_keras_fit = keras_step.from_config(config)  # a model that brings its step, on files
+            by_keras_fit = config_run.from_config(config)  # a model function of no arguments: Keras's fit
             return by_keras_fit if by_keras_fit is not None else driver(config).run(config, started_at)
         finally:
             outputs.release_output_dir(config)  # this process is done with it (a notebook goes on)
@@ -64,25 +64,21 @@ def _dry_run(config: TrainConfig) -> list[str]:
     from app.driver import outputs
 
     outputs.check_output_dir(config)  # refused as the run would refuse it
-    from app.run import keras_step
+    from app.run import config_run
 
-    plan = keras_step.from_config(config, dry=True)  # a model that brings its step, on files: Keras's fit's plan
+    plan = config_run.from_config(config, dry=True)  # a model function of no arguments: Keras's fit's plan
     return [*(plan if plan is not None else driver(config).dry_run_lines(config)),
             f"output: {config.output_dir()} (not created: --dry-run)"]
 
 
 def result_line(result: dict[str, Any]) -> str:
-    from app.training.objective import metric_in
-
-    if "metrics" not in result:  # a run by the model's own fit: its last epoch's logs, as Keras keys them
-        logs = {k: v for k, v in result["final"].items() if k not in ("epoch", "seconds", "workers")}
-        return "  ".join(f"{k} {v:.4f}" for k, v in logs.items()) + f"  {result['seconds']:.1f} s wall"
-    m = result["metrics"]
-    metric = metric_in(m)
-    return (
-        f"val_{metric} {m[f'val_{metric}']:.4f}  val_loss {m['val_loss']:.4f}  "
-        f"{result['samples_per_second']:,.0f} samples/s  {result['wall_seconds']:.1f} s wall"
-    )
+    """The run's last line: the metric that ranks it, the loss, the speed and the wall time (every run's result.json
+    has them, whichever way it trained)."""
+    m, metric = result["metrics"], result["metric"]
+    loss = metric.split("_", 1)[0] + "_loss"
+    speed = f"{result['samples_per_second']:,.0f} samples/s  " if result.get("samples_per_second") else ""
+    return "  ".join(f"{k} {m[k]:.4f}" for k in dict.fromkeys((metric, loss)) if k in m) \
+        + f"  {speed}{result['wall_seconds']:.1f} s wall"
 
 
 def _plugins(model: Any, data: Any) -> dict[str, Any]:

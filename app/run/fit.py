@@ -55,7 +55,6 @@ from app.run.keras_step import given as _given
 # Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
 # Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
 NOT_METRICS = ("samples", "seconds")
-RECORD_ONLY = ("epoch", "seconds", "workers")  # a Keras-step run's record beside Keras's own logs
 
 
 def keras_step_input(x: Any) -> bool:
@@ -92,10 +91,12 @@ class History:
         epochs that logged it: validation_freq), and ``model`` is the trained model itself."""
         self = cls.__new__(cls)
         self.result, self.records = run.result, run.records
+        from app.training.keras_callbacks import RECORD_KEYS
+
         self.history = {}
         for record in run.records:
             for k, v in record.items():
-                if k not in RECORD_ONLY:
+                if k not in RECORD_KEYS:
                     self.history.setdefault(k, []).append(v)
         self.epoch = [int(r["epoch"]) - 1 for r in run.records]
         self.params = {"epochs": epochs, "steps": run.result["steps_per_epoch"], "verbose": 0}

@@ -98,11 +98,16 @@ def keras_model_of(model_fn: Any) -> Optional[Any]:
     tf_import.install()
     import keras
 
+    from app import internals
+
+    restore_names = internals.keep_keras_names()  # the run's own build, in this process too, names as model.fit's
     try:
         model = model_fn()
     except Exception as e:  # the user's own code: one line naming it, the traceback chained
         name = getattr(model_fn, "__qualname__", type(model_fn).__name__)
         raise UserError(keras_inputs.raised(e, f"the model function {name}")) from e
+    finally:
+        restore_names()
     return model if isinstance(model, keras.Model) else None
 
 
@@ -213,47 +218,6 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     with quiet():
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets)
     return run, config.output_dir()
-
-
-# What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
-# every run, besides KERAS_STEP_FIELDS.
-_CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers", "per_replica_batch", "global_batch",
-                      "callbacks", "shuffle", "val_fraction"}
-
-
-def from_config(config, dry: bool = False) -> Optional[Any]:
-    """``jobs/train.py`` / ``app.train`` with a model function of no arguments (a ``file.py:function`` or the function
-    itself: a compiled model, one overriding ``train_step``, or one that compiles nothing) on a path of files: trained by
-    Keras's fit, as ``app.fit(model, path, validation_data=val_path)`` trains it; returns result.json's content.
-    None: the run is the product's own step (a built-in model, the product's own features asked for, a data
-    function, another backend). ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
-    from app import registry
-    from app.backend import backend_of
-
-    dataset = config.dataset
-    if not (isinstance(dataset, str) and registry.looks_like_path(dataset)):
-        return None
-    # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step.
-    if set(config.model_fields_set) - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS \
-            or config.elastic:
-        return None
-    model = keras_model_of(config.model)
-    if model is None:
-        return None
-    taken = KERAS_STEP_FIELDS | {"val_fraction"} | (set() if brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
-    if set(config.model_fields_set) & (DEFAULT_COMPILE_FIELDS - taken):  # --optimizer with a compiled model's own
-        return None
-    from app.training import callbacks as product_callbacks
-
-    fields = {**{k: getattr(config, k) for k in config.model_fields_set & taken}, "output": str(config.output_dir())}
-    run, _ = fit(model, config.model, dataset, None, batch_size=config.per_replica_batch * config.num_workers
-                 if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,
-                 validation_data=config.val_dataset, validation_split=0.0,
-                 callbacks=product_callbacks.load(config) if config.callbacks else None,
-                 num_workers=config.num_workers, sample_weight=None, class_weight=None, verbose="auto",
-                 shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-                 validation_batch_size=None, validation_freq=1, fields=fields, dry=dry)
-    return run if dry else run.result
 
 
 def _compiled_with_defaults(model, train, config) -> "default_compile.Defaults":

@@ -234,7 +234,9 @@ class Hooks:
                                                  f"{e} (the last checkpoint is kept)", e)
                     return
                 if getattr(self.model, "stop_training", False) and self.stop_reason is None:
-                    self.stop_reason = _why(c, hook)
+                    from app.training.keras_callbacks import why_stopped
+
+                    self.stop_reason = why_stopped(c, hook)
 
     @contextlib.contextmanager
     def _optimizer_view(self):
@@ -281,15 +283,3 @@ def _view_optimizer(optimizer):
         return type(inner).from_config(config)
     except Exception:  # an optimizer whose config does not round-trip: the LR and the step count are what matter
         return keras.optimizers.SGD(learning_rate=0.0)
-
-
-def _why(callback, hook: str) -> str:
-    """Why a callback stopped the run, in a line: EarlyStopping says what did not improve."""
-    import keras
-
-    name = type(callback).__name__
-    if isinstance(callback, keras.callbacks.EarlyStopping):
-        wait = callback.wait
-        return f"{name}: {callback.monitor} did not improve for {wait} epoch{'s' if wait != 1 else ''} " \
-               f"(patience {callback.patience})"
-    return f"{name} set model.stop_training in {hook}"

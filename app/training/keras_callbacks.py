@@ -90,11 +90,13 @@ class Checkpoints(keras.callbacks.Callback):
     """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
 
     def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
-                 gather: Optional[Callable[[], None]] = None):
-        """``state``: what ``write`` saves beside the weights: the epoch reached and the history, kept here;
-        ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put together)."""
+                 gather: Optional[Callable[[], None]] = None, own: Optional[list] = None):
+        """``state``: what ``write`` saves beside the weights: the epoch reached, the history and why the run stopped
+        early, kept here; ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put
+        together); ``own``: the user's callbacks this worker runs (which may stop the run)."""
         super().__init__()
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
+        self.own = own or []
         self.started = time.perf_counter()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -105,6 +107,10 @@ class Checkpoints(keras.callbacks.Callback):
                   "seconds": round(time.perf_counter() - self.started, 3), "workers": self.session.world}
         self.state["history"].append(record)
         self.state["epoch"] = epoch + 1
+        if self.model.stop_training and epoch + 1 < self.epochs:  # agreed by every worker (Decisions runs first)
+            self.state["stopped_early"] = {"epoch": epoch + 1, "reason": next(
+                (why_stopped(c, "on_epoch_end") for c in self.own if getattr(c, "stopped_epoch", 0)),
+                "a callback set model.stop_training")}
         if self.session.rank == 0:
             log.info(epoch_line(record, self.epochs))
         if self.gather is not None:
@@ -112,7 +118,21 @@ class Checkpoints(keras.callbacks.Callback):
         self.session.save_and_report(record, self.write)
 
 
+def why_stopped(callback, hook: str) -> str:
+    """Why a callback stopped the run, in a line: EarlyStopping says what did not improve."""
+    name = type(callback).__name__
+    if isinstance(callback, keras.callbacks.EarlyStopping):
+        wait = callback.wait
+        return f"{name}: {callback.monitor} did not improve for {wait} epoch{'s' if wait != 1 else ''} " \
+               f"(patience {callback.patience})"
+    return f"{name} set model.stop_training in {hook}"
+
+
+# What an epoch record holds besides Keras's epoch logs.
+RECORD_KEYS = ("epoch", "seconds", "workers")
+
+
 def epoch_line(record: dict[str, Any], epochs: int) -> str:
     """One console line per epoch: its logs as Keras names them."""
-    values = "  ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in ("epoch", "seconds", "workers"))
+    values = "  ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in RECORD_KEYS)
     return f"epoch {record['epoch']}/{epochs}  {values}  ({record['seconds']:.1f} s)"

@@ -199,7 +199,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None)), state,
-                                             job.epochs, gather=gather if sharded else None)]
+                                             job.epochs, gather=gather if sharded else None,
+                                             own=own if session.rank == 0 else [])]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).
     model.fit(train_ds, epochs=job.epochs, initial_epoch=first,

@@ -101,19 +101,7 @@ def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
     """
     import numpy as np
 
-    if facts.input_shapes is not None:
-        given, wanted = sorted(facts.input_shapes), sorted(getattr(t, "name", "") for t in (model.inputs or []))
-        if getattr(model, "inputs", None) and given != wanted:
-            raise UserError(f"the data's inputs are named {', '.join(given)}, but {name}'s inputs are "
-                            f"{', '.join(wanted)}: name the arrays (or, from file columns, --inputs NAME=COLUMN) as "
-                            "the model's keras.Input(name=...)")
-    elif len(getattr(model, "inputs", None) or []) > 1:
-        # Files (and arrays) give one features input: several named inputs come from a data function.
-        wanted = ", ".join(getattr(t, "name", "?") for t in model.inputs)
-        raise UserError(f"{name} takes {len(model.inputs)} inputs ({wanted}), but the data gives one features input "
-                        f"of shape {facts.example_shape}: name each input's file column with --inputs "
-                        f"{' '.join(getattr(t, 'name', '?') for t in model.inputs)} (or NAME=COLUMN), return a dict of "
-                        f"arrays keyed {wanted} from a data function, or give the model one input")
+    check_inputs(model, facts, name)
     try:
         out = model(facts.zeros(2), training=False)
     except Exception as e:
@@ -133,6 +121,35 @@ def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
                 "regression": f"{want} target(s)"}[facts.task]
         raise UserError(f"{name} outputs {got} value(s) per example (shape {shape}), but {what} needs {want}")
     return shape
+
+
+def check_inputs(model: "keras.Model", facts: DataFacts, name: str) -> None:
+    """The data's named inputs are the model's keras.Input names; one features input for a model of one input."""
+    if facts.input_shapes is not None:
+        given, wanted = sorted(facts.input_shapes), sorted(getattr(t, "name", "") for t in (model.inputs or []))
+        if getattr(model, "inputs", None) and given != wanted:
+            raise UserError(f"the data's inputs are named {', '.join(given)}, but {name}'s inputs are "
+                            f"{', '.join(wanted)}: name the arrays (or, from file columns, --inputs NAME=COLUMN) as "
+                            "the model's keras.Input(name=...)")
+    elif len(getattr(model, "inputs", None) or []) > 1:
+        # Files (and arrays) give one features input: several named inputs come from a data function.
+        wanted = ", ".join(getattr(t, "name", "?") for t in model.inputs)
+        raise UserError(f"{name} takes {len(model.inputs)} inputs ({wanted}), but the data gives one features input "
+                        f"of shape {facts.example_shape}: name each input's file column with --inputs "
+                        f"{' '.join(getattr(t, 'name', '?') for t in model.inputs)} (or NAME=COLUMN), return a dict of "
+                        f"arrays keyed {wanted} from a data function, or give the model one input")
+
+
+def check_output_names(model: "keras.Model", facts: DataFacts, name: str) -> None:
+    """A model built with several named outputs, and labels named by them (what Keras's fit would fail on in every
+    worker), without calling the model."""
+    if facts.outputs is None or len(getattr(model, "outputs", None) or []) < 2:
+        return
+    names = list(getattr(model, "output_names", None) or [])
+    if sorted(names) != sorted(facts.outputs):
+        raise UserError(f"the labels are named {', '.join(sorted(facts.outputs))}, but {name}'s outputs are "
+                        f"{', '.join(names)}: key y by the model's output names (keras.layers.Dense(..., name=...) "
+                        "on each output)")
 
 
 def _named_outputs(model, out, facts: DataFacts, name: str) -> dict[str, tuple[int, ...]]:

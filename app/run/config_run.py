@@ -1,0 +1,107 @@
+"""A run from the command line or ``app.train`` (one config) on Keras's fit: ``jobs/train.py --model file.py:build``
+with a model function of no arguments (a compiled model, one overriding ``train_step``, or one that compiles nothing)
+trains as ``app.fit(build, x, ...)`` trains it (app.run.keras_step), whatever the data:
+
+- a path of files (or a ray.data.Dataset a data function returns): streamed to the workers by Ray Data, as
+  ``app.fit(build, path, validation_data=val_path)``;
+- a built-in dataset or a data function's arrays (``(x, y)``, ``(x, y, sample_weight)``, ``{"train": ..., "val":
+  ...}``, a DataFrame): read here with the same checks as every in-memory source (app.data.memory), the seeded
+  ``val_fraction`` held out where the function gives no "val" part, then ``app.fit(build, x, y,
+  validation_data=(x_val, y_val), sample_weight=w)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from app.run import keras_step
+from app.run.fit_inputs import overrides_step
+from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_STEP_FIELDS
+
+# What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
+# every run, besides KERAS_STEP_FIELDS.
+_CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers", "per_replica_batch", "global_batch",
+                      "callbacks", "shuffle", "val_fraction", "class_weight"}
+
+
+def from_config(config, dry: bool = False) -> Optional[Any]:
+    """The run ``config`` asks for, trained by Keras's fit when its model is a function of no arguments returning a
+    Keras model; returns result.json's content. None: the run is the product's own step (a built-in model or a
+    function of the product's arguments, the product's own features asked for, another backend or strategy).
+    ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
+    from app.backend import backend_of
+
+    # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step.
+    chosen = set(config.model_fields_set) - ({"strategy"} if config.strategy == "one-device" else set())
+    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS or config.elastic:
+        return None
+    model = keras_step.keras_model_of(config.model)
+    if model is None:
+        return None
+    taken = KERAS_STEP_FIELDS | (set() if keras_step.brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
+    if chosen & (DEFAULT_COMPILE_FIELDS - taken):  # --optimizer with a compiled model's own
+        return None
+    from app.training import callbacks as product_callbacks
+
+    data = _data(config, model)
+    if data.streamed and config.class_weight is not None:  # the labels' classes are known only as the workers read them
+        return None
+    # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
+    fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
+              "output": str(config.output_dir())}
+    run, _ = keras_step.fit(
+        model, config.model, data.x, data.y, batch_size=config.per_replica_batch * config.num_workers
+        if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,
+        validation_data=data.validation, validation_split=0.0,
+        callbacks=product_callbacks.load(config) if config.callbacks else None,
+        num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
+        verbose="auto",
+        shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry)
+    return run if dry else run.result
+
+
+@dataclass
+class _Data:
+    """What keras_step.fit takes of the config's dataset."""
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    validation: Any = None
+    class_weight: Optional[dict[int, float]] = None
+    streamed: bool = False  # files or a ray.data.Dataset, read by the workers
+
+
+def _data(config, model) -> _Data:
+    """Files and Ray Datasets as they are (the workers stream them); arrays read and checked here (their named inputs
+    and outputs against the model's, where Keras's own step feeds them to it), --class-weight from their labels."""
+    from app import registry
+    from app.data import memory
+    from app.training.objective import class_weights
+
+    dataset = config.dataset
+    if isinstance(dataset, str) and registry.looks_like_path(dataset) and not _numpy_file(dataset):
+        return _Data(dataset, validation=config.val_dataset, streamed=True)
+    returned = None if isinstance(dataset, str) and registry.looks_like_path(dataset) \
+        else memory.call_data_function(config)
+    if memory.is_ray_dataset(returned):
+        return _Data(returned, validation=config.val_dataset, streamed=True)
+    source = memory.load_source(config, returned)
+    if not overrides_step(model):
+        from app.training.model import check_inputs, check_output_names, model_name
+
+        check_inputs(model, source.facts, model_name(config))
+        check_output_names(model, source.facts, model_name(config))
+    train, val = source.train, source.val
+    weights = class_weights(config, source.facts)
+    return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,
+                 dict(enumerate(weights)) if weights is not None else None)
+
+
+def _numpy_file(path: str) -> bool:
+    """.npz / .npy: arrays read whole into memory (app.data.numpy_files), not streamed."""
+    from app import registry
+
+    return registry.FILE_EXTENSIONS.get(path.rsplit(".", 1)[-1].lower()) == "numpy"
