@@ -32,8 +32,11 @@ def from_config(config, dry: bool = False) -> Optional[Any]:
     ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
     from app.backend import backend_of
 
-    # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step.
-    chosen = set(config.model_fields_set) - ({"strategy"} if config.strategy == "one-device" else set())
+    # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
+    # one asking for one local replica is what Keras's fit in this process is.
+    backend = backend_of(config)
+    one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
+    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
     if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS or config.elastic:
         return None
     model = keras_step.keras_model_of(config.model)
@@ -52,7 +55,7 @@ def from_config(config, dry: bool = False) -> Optional[Any]:
               "output": str(config.output_dir())}
     run, _ = keras_step.fit(
         model, config.model, data.x, data.y, batch_size=config.per_replica_batch * config.num_workers
-        if backend_of(config).on_ray else config.per_replica_batch, epochs=config.epochs,
+        if backend.on_ray else config.per_replica_batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,
         callbacks=product_callbacks.load(config) if config.callbacks else None,
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
