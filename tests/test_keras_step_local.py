@@ -387,6 +387,18 @@ def test_app_train_on_files_compiles_a_model_that_compiles_nothing_as_app_fit_do
         (tmp_path / "run" / "train.log").read_text()
 
 
+def test_app_fit_with_a_data_function_trains_by_kerass_fit_and_returns_kerass_history(tmp_path):
+    """A data function as x, a model function of no arguments: the run a config makes (app.run.config_run: the
+    seeded val_fraction held out of the function's arrays), returned as Keras's History."""
+    def rows():
+        return X, Y
+
+    history = app.fit(_uncompiled(2), rows, epochs=2, backend="local", output=str(tmp_path / "run"), verbose=0)
+    assert sorted(history.history) == ["accuracy", "loss", "val_accuracy", "val_loss"] and history.epoch == [0, 1]
+    assert history.result["metrics"]["val_accuracy"] == history.history["val_accuracy"][-1]
+    assert history.model.count_params() == _uncompiled(2)().count_params()
+
+
 class OwnMetricsAndPredict(keras.Model):
     """keras.io's "customizing fit" shapes: compute_metrics adds a metric of its own, predict_step returns classes."""
 

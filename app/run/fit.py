@@ -86,22 +86,21 @@ class History:
         self._model = None
 
     @classmethod
-    def of_keras_run(cls, run, out: Path, epochs: int) -> "History":
-        """A run by the model's own step: the History holds its epoch logs as Keras's does (a key's list has the
-        epochs that logged it: validation_freq), and ``model`` is the trained model itself."""
+    def of_keras_run(cls, result: dict[str, Any], out: Path, epochs: int, model: Any = None) -> "History":
+        """A run by Keras's fit (result.json's content): its epoch logs as Keras's History has them (a key's list has
+        the epochs that logged it: validation_freq); ``model`` the trained model (or its file, loaded on use)."""
         self = cls.__new__(cls)
-        self.result, self.records = run.result, run.records
         from app.training.keras_callbacks import RECORD_KEYS
 
-        self.history = {}
-        for record in run.records:
+        self.result, self.records, self.history = result, result["history"], {}
+        for record in self.records:
             for k, v in record.items():
                 if k not in RECORD_KEYS:
                     self.history.setdefault(k, []).append(v)
-        self.epoch = [int(r["epoch"]) - 1 for r in run.records]
-        self.params = {"epochs": epochs, "steps": run.result["steps_per_epoch"], "verbose": 0}
-        self.model_file = out / run.result.get("model_file", run.result["checkpoint"])
-        self._model = run.model
+        self.epoch = [int(r["epoch"]) - 1 for r in self.records]
+        self.params = {"epochs": epochs, "steps": result["steps_per_epoch"], "verbose": 0}
+        self.model_file = out / result.get("model_file", result["checkpoint"])
+        self._model = model
         return self
 
     @property
@@ -185,7 +184,7 @@ def fit(
                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                                   validation_steps=validation_steps, validation_batch_size=validation_batch_size,
                                   validation_freq=validation_freq, fields=fields)
-            return History.of_keras_run(run, out, epochs)
+            return History.of_keras_run(run.result, out, epochs, run.model)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle
 
@@ -206,6 +205,8 @@ def fit(
     with quiet():
         result = run_training(config)
     out = config.output_dir()
+    if "final" in result:  # trained by Keras's fit (app.run.config_run): its records are Keras's epoch logs
+        return History.of_keras_run(result, out, epochs)
     return History(result, read_records(out / result["history_file"]), out / result["model_file"])
 
 
