@@ -155,6 +155,18 @@ def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     assert not (tmp_path / "never").exists()
 
 
+def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_path, monkeypatch):
+    """On Ray with no cluster to join: the local Ray it would start cannot hold them, said at once (not after the
+    workers' start timeout), as the product's own step says it."""
+    import os
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    workers = (os.cpu_count() or 1) + 1
+    with pytest.raises(UserError, match=f"{workers} workers x 1 CPUs need {workers} CPUs, but this machine has"):
+        app.fit(compiled, X, Y, num_workers=workers, output=str(tmp_path / "never"), verbose=0)
+    assert not (tmp_path / "never").exists()
+
+
 def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
     with pytest.raises(UserError, match="tensor_parallel: the product's own training features"):
         app.fit(two_optimizers, X, epochs=1, tensor_parallel=2, output=str(tmp_path / "never"))

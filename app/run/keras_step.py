@@ -144,6 +144,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     # An elastic range (num_workers="1:4"): every size cuts each global batch over its workers, so the math does not
     # change with the size; the checks below take the largest.
     world = 1 if not _on_ray(config) else config.max_workers
+    if _on_ray(config):  # the local Ray this would start cannot hold the workers: said now, not after a wait
+        from app.driver import cluster
+
+        cluster.check_fits_locally(config)
     if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
         raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
                         "fixed number of workers; give num_workers a number")
