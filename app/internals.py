@@ -371,7 +371,6 @@ def flat_logs(logs: dict) -> dict:
     return pythonify_logs(logs)
 
 
-
 def keep_keras_names() -> Callable[[], None]:
     """Keras's name counters (``keras.backend.get_uid``: what makes a second AUC ``auc_1``) as they are now; call
     the returned function to put them back. A model the driver builds only to inspect it then leaves the names of

@@ -285,7 +285,7 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float) ->
     logs = {k: v for k, v in final.items() if k not in RECORD_KEYS and k != "learning_rate"}
     metrics = {k if k.startswith("val_") else f"train_{k}": v for k, v in logs.items()}
     name = metric_in(logs)
-    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # this run's epochs (not a resumed run's first)
+    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # from initial_epoch on (resumed: all recorded)
     rows = (job.train.num_rows - job.train.dropped_rows(world)) if job.train.num_rows is not None else None
     seconds = sum(r["seconds"] for r in trained)
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",

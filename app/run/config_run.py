@@ -80,31 +80,23 @@ class _Data:
 def _data(config, model) -> _Data:
     """Files and Ray Datasets as they are (the workers stream them); arrays read and checked here (their named inputs
     and outputs against the model's, where Keras's own step feeds them to it), --class-weight from their labels."""
-    from app import registry
-    from app.data import memory
+    from app.data import files, memory
     from app.training.objective import class_weights
 
-    dataset = config.dataset
-    if isinstance(dataset, str) and registry.looks_like_path(dataset) and not _numpy_file(dataset):
-        return _Data(dataset, validation=config.val_dataset, streamed=True)
-    returned = None if isinstance(dataset, str) and registry.looks_like_path(dataset) \
-        else memory.call_data_function(config)
+    loc = files.located(config)  # None: a built-in dataset or a data function
+    if loc is not None and loc.format != "numpy":  # numpy files load in memory (app.data.numpy_files)
+        return _Data(config.dataset, validation=config.val_dataset, streamed=True)
+    returned = memory.call_data_function(config) if loc is None else None
     if memory.is_ray_dataset(returned):
         return _Data(returned, validation=config.val_dataset, streamed=True)
     source = memory.load_source(config, returned)
     if not overrides_step(model):
         from app.training.model import check_inputs, check_output_names, model_name
 
-        check_inputs(model, source.facts, model_name(config))
-        check_output_names(model, source.facts, model_name(config))
+        name = model_name(config)
+        check_inputs(model, source.facts, name)
+        check_output_names(model, source.facts, name)
     train, val = source.train, source.val
     weights = class_weights(config, source.facts)
     return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,
                  dict(enumerate(weights)) if weights is not None else None)
-
-
-def _numpy_file(path: str) -> bool:
-    """.npz / .npy: arrays read whole into memory (app.data.numpy_files), not streamed."""
-    from app import registry
-
-    return registry.FILE_EXTENSIONS.get(path.rsplit(".", 1)[-1].lower()) == "numpy"

@@ -147,9 +147,13 @@ def check_output_names(model: "keras.Model", facts: DataFacts, name: str) -> Non
         return
     names = list(getattr(model, "output_names", None) or [])
     if sorted(names) != sorted(facts.outputs):
-        raise UserError(f"the labels are named {', '.join(sorted(facts.outputs))}, but {name}'s outputs are "
-                        f"{', '.join(names)}: key y by the model's output names (keras.layers.Dense(..., name=...) "
-                        "on each output)")
+        raise UserError(_output_names_problem(sorted(facts.outputs), names, name))
+
+
+def _output_names_problem(labels: list[str], outputs: list[str], name: str) -> str:
+    shown = ", ".join(outputs) or "one unnamed tensor"
+    return (f"the labels are named {', '.join(labels)}, but {name}'s outputs are {shown}: key y by the model's output "
+            "names (keras.layers.Dense(..., name=...) on each output)")
 
 
 def _named_outputs(model, out, facts: DataFacts, name: str) -> dict[str, tuple[int, ...]]:
@@ -161,9 +165,7 @@ def _named_outputs(model, out, facts: DataFacts, name: str) -> dict[str, tuple[i
         raise UserError(f"{name} has {len(values)} outputs ({', '.join(names)}), but the labels are one array: "
                         "give y as a dict of arrays by output name")
     if sorted(names) != labels or len(names) != len(values):
-        raise UserError(f"the labels are named {', '.join(labels)}, but {name}'s outputs are "
-                        f"{', '.join(names) or 'one unnamed tensor'}: key y by the model's output names "
-                        "(keras.layers.Dense(..., name=...) on each output)")
+        raise UserError(_output_names_problem(labels, names, name))
     return {n: tuple(v.shape[1:]) for n, v in zip(names, values)}
 
 
