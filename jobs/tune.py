@@ -29,8 +29,10 @@ def main() -> None:
             print("\n".join(tune.dry_run_lines(args.space, args.fixed, output, args.num_samples, args.scheduler,
                                                args.metric, args.max_concurrent)))
             return
+        from app.run.trial import run_trial
+
         tune.sweep(args.space, args.fixed, output, num_samples=args.num_samples, scheduler=args.scheduler,
-                   metric=args.metric, mode=args.mode, max_concurrent=args.max_concurrent)
+                   metric=args.metric, mode=args.mode, max_concurrent=args.max_concurrent, trial=run_trial)
 
     cli.main(body)
 

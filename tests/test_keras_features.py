@@ -42,7 +42,8 @@ def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as
     from app.training.keras_features import _rule
 
     rule = _rule()(0.05, 2.0, 8, 24, True)
-    kerass = keras.optimizers.schedules.CosineDecay(0.0, 24 - 8, warmup_target=0.1, warmup_steps=8)
+    # From the unscaled 0.05 up to 0.1 over the warmup (Goyal et al.), then a cosine to 0.
+    kerass = keras.optimizers.schedules.CosineDecay(0.05, 24 - 8, warmup_target=0.1, warmup_steps=8)
     np.testing.assert_allclose([float(rule(s)) for s in range(30)], [float(kerass(s)) for s in range(30)],
                                rtol=1e-6, atol=1e-9)
     rng = np.random.default_rng(0)

@@ -94,7 +94,7 @@ for name, (build, inputs, val_inputs, extra, workers) in CASES.items():
         found[name][n] = {"weights": [w.tolist() for w in run.model.get_weights()], "history": run.history,
                           "learning_rate": float(keras.ops.convert_to_numpy(run.model.optimizer.learning_rate)),
                           "keras_learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
-                          "steps": run.result["steps_per_epoch"], "dropped": run.result["dropped_rows_per_epoch"]}
+                          "steps": run.result["steps_per_epoch"], "dropped": run.result["dropped_samples_per_epoch"]}
 json.dump(found, open(out + "/parity.json", "w"))
 '''
 

@@ -35,7 +35,7 @@ def test_a_model_with_its_own_step_trains_from_files_every_row_of_an_uneven_spli
     # The rows its steps saw, summed over both workers: floor(301 / 2) on each, every epoch; validation: all 9.
     assert history["rows"] == [300.0] * 22
     assert history["val_rows"] == [9.0] * 22
-    assert run["result"] == {"steps_per_epoch": 19, "rows": 301, "dropped_rows_per_epoch": 1, "workers": 2}
+    assert run["result"] == {"steps_per_epoch": 19, "rows": 301, "dropped_samples_per_epoch": 1, "workers": 2}
     assert run["params"]["steps"] == 19
     assert history["reconstruction"][-1] < 0.5 * history["reconstruction"][0]
 
@@ -58,7 +58,7 @@ def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
     # A compiled model from a path with no validation argument: no val_*, every row of an epoch trained (one worker;
     # two leave out the row an uneven split cannot give both).
     assert list(one) == list(two) == ["accuracy", "loss"]
-    assert [runs[f"compiled_path_{n}"]["result"]["dropped_rows_per_epoch"] for n in (1, 2)] == [0, 1]
+    assert [runs[f"compiled_path_{n}"]["result"]["dropped_samples_per_epoch"] for n in (1, 2)] == [0, 1]
     np.testing.assert_allclose(one["loss"], keras_fit["loss"], rtol=1e-5)
     np.testing.assert_allclose(one["accuracy"], keras_fit["accuracy"], rtol=1e-5)
     assert abs(two["loss"][-1] - one["loss"][-1]) < 0.10 * one["loss"][-1]

@@ -11,6 +11,7 @@ and a SavedModel; where it cannot, one line says so and the run still returns it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -84,17 +85,25 @@ class RayKerasSession:
         import ray.train
         from ray.train import Checkpoint
 
+        from app.training.keras_callbacks import as_metrics
+
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
             if self.rank == 0:  # the workers hold the same weights after every step
                 write(tmp)
                 ckpt = Checkpoint.from_directory(tmp)
-            ray.train.report(record, checkpoint=ckpt)  # every worker reports: it is a barrier
+            # Every worker reports (it is a barrier); a sweep reads the logs under every run's names too.
+            ray.train.report({**record, **as_metrics(record), "epoch_seconds": record["seconds"]}, checkpoint=ckpt)
 
     def progress_bar(self, total: int, desc: str):
         from app.backends.ray_session import progress_bar
 
         return progress_bar(total, desc)
+
+    def worker_nodes(self, collective) -> list[str]:
+        import ray
+
+        return cluster.worker_nodes(collective, ray.get_runtime_context().get_node_id())
 
 
 def keras_loop_per_worker(payload: dict[str, Any]) -> None:
@@ -130,6 +139,9 @@ class LocalKerasSession:
 
         return tqdm_bar(total, desc)
 
+    def worker_nodes(self, collective) -> list[str]:
+        return []
+
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         partial = self.directory.with_name(self.directory.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
@@ -148,7 +160,18 @@ def _replace(final: Path, fresh: Path) -> None:
 WARNING = "warning: "  # a plan line that starts so is a warning
 
 
-def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[dict] = None) -> KerasRun:
+@dataclass(frozen=True)
+class RayRun:
+    """Where a Ray Train run keeps its checkpoints and who watches it: a sweep's trial (app.tools.tune) passes Tune's
+    report callback, its trial directory and the name its checkpoints go under."""
+
+    callbacks: tuple = ()
+    storage_path: Optional[str] = None  # default: --storage-path, else <output>/ray
+    name: Optional[str] = None  # default: <output's name>-<time>
+
+
+def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[dict] = None,
+        ray_run: RayRun = RayRun()) -> KerasRun:
     """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already).
     ``datasets``: the Ray Datasets of streamed inputs (app.data.keras_stream), by the name the workers ask for."""
     from app.backend import backend_of
@@ -161,10 +184,14 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
         cluster.connect(config)
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    name = ray_run.name or f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # Ray Train's run (storage), TensorBoard's
+    from app.training.tensorboard import logdir_for
+
+    job = dataclasses.replace(job, tensorboard_dir=logdir_for(config, name))
     try:
         with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
             if on_ray:
-                directory = _ray_fit(config, job, out, datasets or {})
+                directory = _ray_fit(config, job, out, datasets or {}, dataclasses.replace(ray_run, name=name))
             else:
                 keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
                 directory = str(out / "checkpoint")
@@ -173,7 +200,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
         outputs.release_output_dir(config)
 
 
-def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> str:
+def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_run: RayRun) -> str:
     import ray
     import ray.train
 
@@ -192,7 +219,6 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> s
                "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
                "cpus_per_worker": config.cpus_per_worker, "stall_timeout_s": job.stall_timeout_s,
                "start_from": _last_checkpoint(config, out)}
-    name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from app.data import keras_stream
 
     trainer = tf_config.trainer(
@@ -205,7 +231,8 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> s
                                                resources_per_worker={"CPU": config.cpus_per_worker},
                                                placement_strategy=config.placement_strategy),
         run_config=ray.train.RunConfig(
-            name=name, storage_path=config.storage_path or str(out / "ray"),
+            name=ray_run.name, storage_path=ray_run.storage_path or config.storage_path or str(out / "ray"),
+            callbacks=list(ray_run.callbacks) or None,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=config.restarts,
                                                    controller_failure_limit=config.restarts),
@@ -227,9 +254,27 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict) -> s
 
 
 def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
-    """--resume: the checkpoint the run left in its output directory, if any."""
-    last = out / "checkpoint"
-    return str(last) if config.resume and (last / keras_worker.STATE_FILE).is_file() else None
+    """--resume: the run's latest whole checkpoint, if any: the one it left in its output directory, or one of a
+    stopped Ray run's in its storage (every epoch's; the output directory's is written at the end)."""
+    if not config.resume:
+        return None
+    found = checkpoints(out, config.storage_path)
+    return str(max(found, key=lambda d: keras_worker.read_state(str(d))["epoch"])) if found else None
+
+
+def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
+    """The whole checkpoints of a run by Keras's fit in ``out`` (its final one, and those in its Ray storage)."""
+    import json
+
+    storage = Path(storage_path) if storage_path and "://" not in storage_path else out / "ray"
+    candidates = [out / "checkpoint", *storage.glob("**/checkpoint_*")]
+    found = []
+    for directory in candidates:
+        state = directory / keras_worker.STATE_FILE
+        # The product's own step writes state.json too, with its epoch plan: not this run's kind.
+        if state.is_file() and "plan" not in json.loads(state.read_text()):
+            found.append(directory)
+    return found
 
 
 def epochs_done(config: TrainConfig) -> int:
@@ -257,14 +302,17 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     records = state["history"]
     # The workers of the last epoch (an elastic run's size changes; the record says it).
     world = (records[-1]["workers"] if records else config.min_workers) if backend_of(config).on_ray else 1
-    exported = export(model, out)
+    exported = export(model, out, config.export)
     outputs.write_history(out / outputs.HISTORY_FILE, records)
+    from app.training.keras_callbacks import as_metrics
+
+    if records and all("loss" in r for r in records):  # a train_step that logs no loss (a GAN's d_loss) has no curve
+        outputs.plot_curves([{"epoch": r["epoch"], **as_metrics(r)} for r in records], out / outputs.CURVES_FILE,
+                            subtitle=f"{world} worker(s), global batch {job.features.batch_size}, by Keras's fit")
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
               "history": records, "final": records[-1] if records else {},
-              "workers": world, **summary(job, state, world, started),
-              "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
-              "dropped_rows_per_epoch": job.train.dropped_rows(world),
-              "checkpoint": "checkpoint", **exported,
+              "workers": world, **summary(job, state, world, started, model),
+              "checkpoint": "checkpoint", "history_file": outputs.HISTORY_FILE, **exported,
               # per worker (rank 0's): every optimizer's variables, and a sharded one's flat part of the weights
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),
               "optimizer_parts_bytes": state.get("optimizer_parts_bytes"),
@@ -273,31 +321,47 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     return KerasRun(records, model, result)
 
 
-def summary(job: KerasJob, state: dict[str, Any], world: int, started: float) -> dict[str, Any]:
+def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model) -> dict[str, Any]:
     """The keys every run's result.json has, whichever way it trained (the command line, app.train, a sweep and
     result_line read them): the last epoch's logs as ``metrics`` (``loss`` -> ``train_loss``, ``val_loss`` as it is),
-    the ``metric`` that ranks epochs and trials (app.training.objective), the replicas and the global batch."""
-    from app.training.keras_callbacks import RECORD_KEYS  # the driver holds Keras already: it built the model
+    the ``metric`` that ranks epochs and trials (app.training.objective), the replicas, the global batch and the
+    learning rate the rule gave (``model``: the trained model, its optimizer at the rate it was compiled with)."""
+    import numpy as np
+
+    from app.training.keras_callbacks import as_metrics  # the driver holds Keras already: it built the model
+    from app.training.keras_sync import optimizers_of
     from app.training.objective import metric_in
 
     records = state["history"]
     final = records[-1] if records else {}
-    logs = {k: v for k, v in final.items() if k not in RECORD_KEYS and k != "learning_rate"}
-    metrics = {k if k.startswith("val_") else f"train_{k}": v for k, v in logs.items()}
-    name = metric_in(logs)
-    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # from initial_epoch on (resumed: all recorded)
-    rows = (job.train.num_rows - job.train.dropped_rows(world)) if job.train.num_rows is not None else None
+    metrics = {k: v for k, v in as_metrics(final).items() if k != "learning_rate"}
+    name = metric_in(metrics)
+    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # this run's epochs (not a resumed run's first)
+    rows = keras_worker.trained_rows(job.train, world)
     seconds = sum(r["seconds"] for r in trained)
+    optimizers = optimizers_of(model)
+    first = getattr(optimizers[0], "inner_optimizer", optimizers[0]) if optimizers else None  # a loss scaler's own
+    # The rate it was compiled with (a float32 variable: 0.05 reads 0.0500000007), as it was written.
+    base = float(f"{float(np.asarray(first.learning_rate)):.7g}") if first is not None else None
+    features = job.features
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
-            "num_replicas": world, "global_batch_size": job.features.batch_size,
+            "num_replicas": world, "global_batch_size": features.batch_size,
+            "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
+            "strategy": "collective all-reduce (one replica per worker)" if world > 1 else "one replica",
+            "base_lr": base, "lr_scaling": features.lr_scaling,
+            "learning_rate": base * features.scale if base is not None else None,  # the peak, after any warmup
             "epochs_completed": final.get("epoch", job.initial_epoch),
             "stopped_early": state.get("stopped_early"),  # a callback that stopped the run: after which epoch, why
+            "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
+            "dropped_samples_per_epoch": job.train.dropped_rows(world),
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
+            "worker_nodes": state.get("worker_nodes", []),
             "wall_seconds": round(time.time() - started, 2)}
 
 
-def export(model, out: Path) -> dict[str, Any]:
-    """model.keras and a SavedModel where the model can be saved and loaded; else one line each, and on."""
+def export(model, out: Path, formats: tuple = ("keras", "savedmodel")) -> dict[str, Any]:
+    """The weights; model.keras and a SavedModel (``formats``: --export) where the model can be saved and loaded;
+    else one line each, and on."""
     import keras
 
     done: dict[str, Any] = {}
@@ -316,6 +380,8 @@ def export(model, out: Path) -> dict[str, Any]:
         path.unlink(missing_ok=True)
         log.warning("model.keras not written: Keras cannot save and load this model (%s); the trained weights are "
                     "in checkpoint/ and, where Keras could write them, %s", _short(e), WEIGHTS_FILE)
+    if "savedmodel" not in formats:
+        return done
     try:
         model.export(str(out / "saved_model"), verbose=False)
         done["saved_model"] = "saved_model"

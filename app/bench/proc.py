@@ -46,7 +46,7 @@ def epoch_timer(seconds: list[float]):
 
 def fit_seconds(history) -> tuple[int, list[float]]:
     """The rows an app.fit run trained each epoch and each epoch's seconds, from its History's records."""
-    return (history.result["rows"] - (history.result.get("dropped_rows_per_epoch") or 0),
+    return (history.result["rows"] - (history.result.get("dropped_samples_per_epoch") or 0),
             [r["seconds"] for r in history.records])
 
 

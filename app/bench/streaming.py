@@ -116,7 +116,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
         finally:
             ray.shutdown()
     rows = history.result.get("rows") or payload["rows"]
-    trained = rows - (history.result.get("dropped_rows_per_epoch") or 0)
+    trained = rows - (history.result.get("dropped_samples_per_epoch") or 0)
     per_epoch = [trained / r["seconds"] for r in history.records]
     train_worker = lambda name: name.startswith("ray::RayTrainWorker")  # noqa: E731
     return {

@@ -122,12 +122,16 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
     epochs = [h["epoch"] for h in history]
     metric = metric_in(history[-1])
     higher_is_better = metric_mode(metric) == "max"
-    best = (max if higher_is_better else min)(history, key=lambda h: h[f"val_{metric}"])
-    names = metric_names_in(history[-1])
+    # A run without validation ranks its epochs by the training numbers.
+    ranked = f"val_{metric}" if all(f"val_{metric}" in h for h in history) else f"train_{metric}"
+    best = (max if higher_is_better else min)(history, key=lambda h: h[ranked])
+    names = metric_names_in(history[-1]) if ranked.startswith("val_") else \
+        ["loss", *(k[6:] for k in history[-1] if k.startswith("train_") and k[6:] not in ("loss", "samples", "seconds"))]
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
     for ax, key in zip(axes[0], names):
         ax.plot(epochs, [h[f"train_{key}"] for h in history], marker="o", label=f"train {key} (mean over epoch)")
-        ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {key} (end of epoch)")
+        if all(f"val_{key}" in h for h in history):
+            ax.plot(epochs, [h[f"val_{key}"] for h in history], marker="s", label=f"val {key} (end of epoch)")
         ax.axvline(best["epoch"], color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("epoch")
         ax.set_ylabel(key)
@@ -137,10 +141,11 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
         ax.set_title(key)
     axes[0][0].set_yscale("log")
     axes[0][0].set_title("loss (log scale)")
-    axes[0][names.index(metric)].set_title(f"{metric}; best val {best[f'val_{metric}']:.4f} at epoch "
+    shown = ranked.replace("_", " ", 1)
+    axes[0][names.index(metric)].set_title(f"{metric}; best {shown.split()[0]} {best[ranked]:.4f} at epoch "
                                            f"{best['epoch']} (dotted)")
     last = history[-1]
-    title = f"val {metric} {last[f'val_{metric}']:.4f} after {last['epoch']} epochs"
+    title = f"{shown} {last[ranked]:.4f} after {last['epoch']} epochs"
     fig.suptitle(f"{title}\n{subtitle}" if subtitle else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

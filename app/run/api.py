@@ -117,7 +117,9 @@ def tune(space: str, model: Any = None, data: Any = None, output: Optional[str] 
     output = output or f"runs/tune-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     options = {k: fields.pop(k) for k in ("num_samples", "scheduler", "metric", "mode", "max_concurrent")
                if k in fields}
-    return tune_lib.sweep(space, {**fields, **_plugins(model, data)}, output, **options)
+    from app.run.trial import run_trial
+
+    return tune_lib.sweep(space, {**fields, **_plugins(model, data)}, output, **options, trial=run_trial)
 
 
 def evaluate(model_file: str, data: Any = None, **fields: Any) -> dict[str, Any]:

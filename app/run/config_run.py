@@ -18,23 +18,32 @@ from typing import Any, Optional
 from app.run import keras_step
 from app.run.fit_inputs import overrides_step
 from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_STEP_FIELDS
+from app.training import model as product_model
 
 # What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
 # every run, besides KERAS_STEP_FIELDS.
 _CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers", "per_replica_batch", "global_batch",
-                      "callbacks", "shuffle", "val_fraction", "class_weight"}
+                      "callbacks", "shuffle", "val_fraction", "class_weight", "export", "tensorboard",
+                      "tensorboard_dir",
+                      # what the built-in datasets take (app.data.builtin)
+                      "synthetic_rows", "synthetic_shape", "synthetic_classes", "synthetic_text_rows"}
+# What config.yaml records of a run from a config even at its default: what --resume and jobs/evaluate.py read back.
+_ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 
 
-def from_config(config, dry: bool = False) -> Optional[Any]:
+def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
     """The run ``config`` asks for, trained by Keras's fit when its model is a function of no arguments returning a
     Keras model; returns result.json's content. None: the run is the product's own step (a built-in model or a
     function of the product's arguments, the product's own features asked for, another backend or strategy).
-    ``dry``: the plan's lines instead, nothing trained (--dry-run)."""
+    ``dry``: the plan's lines instead, nothing trained (--dry-run); ``ray_run``: a sweep trial's
+    app.backends.keras_fit.RayRun."""
     from app.backend import backend_of
 
     # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
     # one asking for one local replica is what Keras's fit in this process is.
     backend = backend_of(config)
+    if config.resume and not _resumes_keras_run(config):  # a run of the product's own step goes on on it
+        return None
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
     if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS or config.elastic:
@@ -53,16 +62,27 @@ def from_config(config, dry: bool = False) -> Optional[Any]:
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}
+    batch = config.global_batch or config.per_replica_batch * (config.num_workers if backend.on_ray else 1)
     run, _ = keras_step.fit(
-        model, config.model, data.x, data.y, batch_size=config.per_replica_batch * config.num_workers
-        if backend.on_ray else config.per_replica_batch, epochs=config.epochs,
+        model, config.model, data.x, data.y, batch_size=batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,
         callbacks=product_callbacks.load(config) if config.callbacks else None,
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
-        verbose="auto",
-        shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry)
+        verbose="auto", shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run,
+        # config.yaml: the run's own fields (its global batch as the per-worker batch Keras's fit is given)
+        recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
+                  if k not in fields})
     return run if dry else run.result
+
+
+def _resumes_keras_run(config) -> bool:
+    """--resume of a run Keras's fit trained (or of none yet: the run starts as a new one would)."""
+    from app.backends import keras_fit
+    from app.config import CONFIG_FILE
+
+    out = config.output_dir()
+    return bool(keras_fit.checkpoints(out, config.storage_path)) or not (out / CONFIG_FILE).is_file()
 
 
 @dataclass
@@ -91,11 +111,9 @@ def _data(config, model) -> _Data:
         return _Data(returned, validation=config.val_dataset, streamed=True)
     source = memory.load_source(config, returned)
     if not overrides_step(model):
-        from app.training.model import check_inputs, check_output_names, model_name
-
-        name = model_name(config)
-        check_inputs(model, source.facts, name)
-        check_output_names(model, source.facts, name)
+        name = product_model.model_name(config)
+        product_model.check_inputs(model, source.facts, name)
+        product_model.check_output_names(model, source.facts, name)
     train, val = source.train, source.val
     weights = class_weights(config, source.facts)
     return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,

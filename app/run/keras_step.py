@@ -126,7 +126,11 @@ def _needs_arguments(fn: Any) -> bool:
 def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epochs: int, validation_data: Any,
         validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
         verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
-        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False):
+        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False,
+        recorded: Optional[dict[str, Any]] = None, ray_run: Any = None):
+    """``recorded``: config fields the run's config.yaml says instead (a run from a config: its own model, dataset
+    and callbacks, so that --resume and jobs/evaluate.py read them back); ``ray_run``: a sweep trial's
+    keras_fit.RayRun."""
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
@@ -140,7 +144,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         model_fn = registry.resolve(model_fn, registry.MODELS)
     config = build_config(fields.pop("config", None), {
         **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
-        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(num_workers)))})
+        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(num_workers))),
+        **(recorded or {})})
     # An elastic range (num_workers="1:4"): every size cuts each global batch over its workers, so the math does not
     # change with the size; the checks below take the largest.
     world = 1 if not _on_ray(config) else config.max_workers
@@ -209,7 +214,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     shard = zero.sharding(model, keras_sync.optimizers_of(model), config.shard_optimizer, world)
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
-                   stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage)
+                   stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
+                   task=defaults.task if defaults is not None else None)
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
@@ -220,7 +226,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         return plan, config.output_dir()
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
-        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets)
+        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
+                            ray_run or keras_fit.RayRun())
     return run, config.output_dir()
 
 

@@ -1,10 +1,10 @@
 """Ray Tune over Ray Train runs: sweep the hyperparameters that change with scale.
 
-Each trial is a Tune *function* trainable that builds and fits the run's Ray
-Train trainer (app.backends.ray_train: a DataParallelTrainer with the TF_CONFIG
-backend of app.backends.tf_config) for its sampled config and forwards every Train
-report to Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a Trainer
-to the Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
+Each trial is a Tune *function* trainable (the caller's: app.run.trial.run_trial) that
+makes the Ray Train run jobs/train.py would make of its sampled config (Keras's fit,
+app.backends.keras_fit, or the product's own step, app.backends.ray_train) and forwards
+every Train report to Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a
+Trainer to the Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
 field names, so the best trial's config feeds straight back into
 ``jobs/train.py --config``.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -37,28 +37,6 @@ TRIAL_MEMORY = 1024**3  # the trial process imports TensorFlow and runs the Trai
 # --------------------------------------------------------------------------- #
 # The trial                                                                   #
 # --------------------------------------------------------------------------- #
-
-
-def run_trial(params: dict[str, Any]) -> None:
-    """One Tune trial: a full Ray Train run (app.backends.ray_train) of the sampled config."""
-    from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from app.backends import ray_train
-
-    context = tune.get_context()
-    trial_dir = Path(context.get_trial_dir())
-    fields = {**params, "output": str(trial_dir / "run"), "overwrite": True}
-    storage = str(trial_dir)
-    if params.get("storage_path"):  # --storage-path: <storage-path>/<sweep>/<trial>/train, TensorBoard included
-        sweep = context.get_experiment_name()
-        storage = fields["storage_path"] = f"{params['storage_path'].rstrip('/')}/{sweep}/{trial_dir.name}"
-    config = build_config(None, fields)  # valid: the sweep checked every trial's config before the first
-    try:
-        checked = ray_train.check(config)
-        ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=storage, name="train")
-    finally:
-        output_guard.release(config.output_dir())  # a retried trial may run in this process again
 
 
 # --------------------------------------------------------------------------- #
@@ -142,7 +120,11 @@ def sweep(
     metric: str | None = None,
     mode: str | None = None,
     max_concurrent: int | None = None,
+    *,
+    trial: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
+    """``trial``: one trial's training, called with its sampled config's fields in the trial's own process
+    (app.run.trial.run_trial: the run jobs/train.py would make of it)."""
     from app.driver import cluster
     from app.ui import console
 
@@ -163,14 +145,15 @@ def sweep(
         at_once = concurrency(base, max_concurrent)
         output_guard.take(out, "tune")  # every check passed; a sweep resumed keeps what it has
         try:
-            return _swept(space_file, space, fixed, searched, base, out, restoring, scheduler, metric, mode,
+            return _swept(trial, space_file, space, fixed, searched, base, out, restoring, scheduler, metric, mode,
                           num_samples, at_once)
         finally:
             output_guard.release(out)
 
 
-def _swept(space_file, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], base: TrainConfig, out: Path,
-           restoring: bool, scheduler: str, metric: str, mode: str, num_samples: int, at_once: int) -> dict[str, Any]:
+def _swept(trial: Callable, space_file, space: dict[str, Any], fixed: dict[str, Any], searched: set[str],
+           base: TrainConfig, out: Path, restoring: bool, scheduler: str, metric: str, mode: str, num_samples: int,
+           at_once: int) -> dict[str, Any]:
     """The sweep itself, Ray joined and its directory taken: the plan, the trials, the outputs."""
     import ray
 
@@ -187,7 +170,7 @@ def _swept(space_file, space: dict[str, Any], fixed: dict[str, Any], searched: s
         saved = os.environ.get(internals.TUNE_NEW_OUTPUT_ENV_VAR)
         os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = "0"
         try:
-            results = _tuner(base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
+            results = _tuner(trial, base, space, fixed, searched, out, restoring, scheduler, metric, mode, num_samples,
                              at_once).fit()
         finally:
             if saved is None:
@@ -258,7 +241,7 @@ def dry_run_lines(space_file: str | Path, fixed: dict[str, Any], output: str | P
             f"output: {out} ({'resumed' if restoring else 'not created'}: --dry-run)"]
 
 
-def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], out: Path,
+def _tuner(trial: Callable, base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], searched: set[str], out: Path,
            restoring: bool, scheduler: str, metric: str, mode: str, num_samples: int, at_once: int):
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
@@ -271,7 +254,7 @@ def _tuner(base: TrainConfig, space: dict[str, Any], fixed: dict[str, Any], sear
     # (0.99 free CPU never fits a 1-CPU task: the run waits forever). Concurrency
     # is capped so the trials running at once can all place their workers: on
     # 2 CPUs, one trial at a time instead of a deadlock.
-    trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([{"CPU": 0, "memory": TRIAL_MEMORY}]))
+    trainable = tune.with_resources(trial, tune.PlacementGroupFactory([{"CPU": 0, "memory": TRIAL_MEMORY}]))
     if restoring:
         # The run config comes back with the sweep: Tune's reporter off, our trial lines on.
         return tune.Tuner.restore(str(out), trainable=trainable, resume_errored=True)

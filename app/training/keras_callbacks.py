@@ -132,6 +132,38 @@ def why_stopped(callback, hook: str) -> str:
 RECORD_KEYS = ("epoch", "seconds", "workers")
 
 
+def as_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """An epoch record's logs under the names every run's result.json and TensorBoard give them: ``loss`` ->
+    ``train_loss``, ``val_loss`` as it is (the learning rate a callback logged stays ``learning_rate``)."""
+    return {k if k.startswith("val_") or k == "learning_rate" else f"train_{k}": v for k, v in record.items()
+            if k not in RECORD_KEYS}
+
+
+class Board(keras.callbacks.Callback):
+    """Rank 0's TensorBoard scalars, once per epoch (app.training.tensorboard: ``epoch/<name>``, the numbers of
+    history.csv, exact over every worker), the learning rate and the speed with them. After Checkpoints, whose
+    record it writes."""
+
+    def __init__(self, logdir: str, state: dict[str, Any], rows: Optional[int]):
+        super().__init__()
+        from app.training.tensorboard import TensorBoard
+
+        self.board, self.state, self.rows = TensorBoard(logdir), state, rows
+
+    def on_epoch_end(self, epoch, logs=None):
+        record = self.state["history"][-1]
+        scalars = {**as_metrics(record), "workers": record["workers"]}
+        optimizer = getattr(self.model, "optimizer", None)
+        if "learning_rate" not in scalars and optimizer is not None:
+            scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
+        if self.rows and record["seconds"]:
+            scalars["samples_per_second"] = self.rows / record["seconds"]
+        self.board.epoch(record["epoch"], scalars)
+
+    def on_train_end(self, logs=None):
+        self.board.close()
+
+
 def epoch_line(record: dict[str, Any], epochs: int) -> str:
     """One console line per epoch: its logs as Keras names them."""
     values = "  ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in RECORD_KEYS)

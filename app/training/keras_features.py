@@ -120,7 +120,8 @@ class KerasFeatures:
         if self.schedules:
             parts = ([f"scaled {self.lr_scaling} by {self.batch_size * self.grad_accum} rows an update / "
                       f"reference_batch {self.reference_batch} = x{self.scale:.4g}"] if self.scale != 1.0 else []) + \
-                ([f"warmed up linearly over {self.warmup_epochs:g} epoch(s)"] if self.warmup_epochs > 0 else []) + \
+                ([f"warmed up linearly from the unscaled rate over {self.warmup_epochs:g} epoch(s)" if self.scale > 1
+                  else "no warmup (the rate is not scaled up)"] if self.warmup_epochs > 0 else []) + \
                 (["decayed to 0 by a cosine over the run"] if self.lr_decay == "cosine" else [])
             lines.append("learning rate: each optimizer's own rate, " + ", ".join(parts)
                          + " (a Keras LearningRateSchedule around it, counted in batches)")
@@ -148,8 +149,10 @@ def _rule():
 
         class Rule(keras.optimizers.schedules.LearningRateSchedule):
             """The user's rate (a number or their schedule) x scale, warmed up and decayed, at a batch ``step``: on a
-            number, what Keras's ``CosineDecay(0, total - warmup, warmup_target=rate, warmup_steps=warmup)`` gives
-            (tests/test_keras_features.py), also with the user's own schedule or without the decay."""
+            number, what Keras's ``CosineDecay(min(rate, peak), total - warmup, warmup_target=peak,
+            warmup_steps=warmup)`` gives (tests/test_keras_features.py), also with the user's own schedule or without
+            the decay. The warmup ramps from the unscaled rate up to the scaled one, as Goyal et al. do (never from
+            above it), as the product's own step does (app.training.optim.lr_schedule)."""
 
             def __init__(self, base, scale: float, warmup: int, total: int, cosine: bool):
                 self.base, self.scale, self.warmup, self.total, self.cosine = base, scale, warmup, total, cosine
@@ -160,7 +163,8 @@ def _rule():
                 step = ops.cast(step, "float32")
                 rate = (self.base(step) if callable(self.base) else self.base) * self.scale
                 if self.warmup:
-                    rate = rate * ops.minimum(1.0, step / self.warmup)
+                    start = min(1.0, 1.0 / self.scale)  # the unscaled rate, as a part of the scaled one
+                    rate = rate * (start + (1.0 - start) * ops.minimum(1.0, step / self.warmup))
                 if self.cosine:
                     done = ops.clip((step - self.warmup) / max(1, self.total - self.warmup), 0.0, 1.0)
                     rate = rate * 0.5 * (1.0 + ops.cos(math.pi * done))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -55,7 +55,14 @@ class KerasJob:
     progress_bars: bool = False  # verbose=1 at a terminal: rank 0 draws a bar inside long epochs
     features: KerasFeatures = KerasFeatures()  # the product's features asked for, as Keras provides them
     shard_optimizer: int = 0  # ZeRO's stage (app.training.zero); 0: every worker holds every optimizer's state
-    extra: dict = field(default_factory=dict)
+    tensorboard_dir: Optional[str] = None  # rank 0's epoch scalars (app.training.tensorboard); None: none
+    task: Optional[str] = None  # the task the product compiled the model for (app.training.default_compile), else None
+
+
+def trained_rows(data, world: int) -> Optional[int]:
+    """Rows an epoch trains on over ``world`` workers (None: counted only as the workers read them)."""
+    dropped = data.dropped_rows(world)
+    return data.num_rows - dropped if data.num_rows is not None and dropped is not None else None
 
 
 class KerasSession(Protocol):
@@ -73,6 +80,9 @@ class KerasSession(Protocol):
 
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         """Checkpoint the epoch (``write(directory)``, rank 0) and report its record."""
+
+    def worker_nodes(self, collective: Collective) -> list[str]:
+        """Each rank's node (Ray's node ids, in rank order; [] without Ray)."""
 
     def progress_bar(self, total: int, desc: str) -> Any:
         """A tqdm-like bar, drawn where the person watching the run sees it."""
@@ -177,6 +187,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         # Every worker starts from rank 0's weights (a model function need not be seeded).
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
+    state["worker_nodes"] = session.worker_nodes(collective)  # where each rank runs (result.json)
     # What this worker holds for its optimizers (result.json): their variables, and a sharded one's flat weights.
     state["optimizer_state_bytes"] = zero.state_bytes(keras_sync.optimizers_of(model))
     state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
@@ -192,6 +203,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         held["parts"] = zero_state.gather(sharded, session.rank)
 
     own = list(job.callbacks or [])
+    board = [keras_callbacks.Board(job.tensorboard_dir, state, trained_rows(train, session.world))] \
+        if job.tensorboard_dir and session.rank == 0 else []
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
     # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
@@ -200,7 +213,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None)), state,
                                              job.epochs, gather=gather if sharded else None,
-                                             own=own if session.rank == 0 else [])]
+                                             own=own if session.rank == 0 else []), *board]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).
     model.fit(train_ds, epochs=job.epochs, initial_epoch=first,

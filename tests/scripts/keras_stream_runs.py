@@ -90,7 +90,7 @@ def classifier():
 
 def record(history) -> dict:
     return {"history": history.history, "params": history.params,
-            "result": {k: history.result[k] for k in ("steps_per_epoch", "rows", "dropped_rows_per_epoch", "workers")}}
+            "result": {k: history.result[k] for k in ("steps_per_epoch", "rows", "dropped_samples_per_epoch", "workers")}}
 
 
 runs = {}
