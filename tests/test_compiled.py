@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import refusals_at_once, run_job, run_jobs_at_once, user_module
+from conftest import refusals_at_once, run_job, run_jobs_at_once, tensorboard_scalars, user_module
 
 USER_FILE = '''
 import keras
@@ -166,6 +166,17 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     history = (out / "history.csv").read_text().splitlines()[0].split(",")
     assert {"loss", "auc", "val_auc", "accuracy", "val_accuracy"} <= set(history)
     assert p.stdout.strip().splitlines()[-2].startswith("val_accuracy ")  # the run's last line: its metric first
+    # The outputs every run writes: each rank's node, the curves, rank 0's TensorBoard epoch scalars (the numbers
+    # of history.csv, under the names result.json gives them).
+    assert len(result["worker_nodes"]) == 2 and result["strategy"].startswith("collective all-reduce")
+    assert (out / "curves.png").stat().st_size > 10_000
+    scalars = tensorboard_scalars(out / "tensorboard")
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0 only
+    recorded = [float(line.split(",")[history.index("val_auc")])
+                for line in (out / "history.csv").read_text().splitlines()[1:]]
+    assert [step for step, _ in scalars["epoch/val_auc"]] == list(range(1, 9))
+    np.testing.assert_allclose([v for _, v in scalars["epoch/val_auc"]], recorded, rtol=1e-6)
+    assert {"epoch/train_loss", "epoch/learning_rate", "epoch/samples_per_second"} <= set(scalars)
     # The model function (pickled by value, it imports Keras) reached the workers without the Train controller
     # unpickling it: TensorFlow's start-up notice is the workers', never the controller's (docs/design.md).
     log = (out / "train.log").read_text().splitlines()

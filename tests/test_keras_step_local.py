@@ -517,3 +517,28 @@ def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_star
         with pytest.raises(UserError, match=re.escape(said)):
             app.fit(*args, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)
     assert not (tmp_path / "never").exists()
+
+
+def test_a_loss_that_goes_nan_or_below_zero_trains_on_as_model_fit_and_its_curves_still_draw(tmp_path):
+    """Keras's fit trains on through a NaN loss (its History holds the NaN) and takes a loss below zero (a cosine
+    similarity): the run does the same, and curves.png draws both, the loss on a linear scale."""
+    def diverging():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(1e20), loss="mse")
+        return model
+
+    def cosine():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.CosineSimilarity())
+        return model
+
+    losses = {}
+    for name, build, y in (("nan", diverging, X[:, 0]), ("cosine", cosine, np.eye(2, dtype="float32")[Y])):
+        expected = build().fit(X, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history["loss"]
+        losses[name] = app.fit(build, X, y, batch_size=20, epochs=2, shuffle=False, backend="local",
+                               output=str(tmp_path / name), verbose=0).history["loss"]
+        np.testing.assert_allclose(losses[name], expected, rtol=1e-5)  # NaN where Keras's is NaN
+        assert (tmp_path / name / "curves.png").stat().st_size > 10_000, name
+    assert np.isnan(losses["nan"][-1]) and max(losses["cosine"]) < 0

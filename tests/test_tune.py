@@ -1,4 +1,5 @@
-"""Ray Tune sweeps: every trial a real Ray Train run (app.backends.ray_train); bad spaces refused before any trial."""
+"""Ray Tune sweeps: every trial a real Ray Train run (the run jobs/train.py makes of its config: app.run.trial), a
+user's own compiled model trained by Keras's fit; bad spaces refused before any trial."""
 
 from __future__ import annotations
 
@@ -104,6 +105,46 @@ def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_fa
     # failed, with its traceback.
     log = (out / tune_console.LOG_FILE).read_text()
     assert "ERROR tune_controller.py" in p.stderr and "Trial task failed" in log
+
+
+USER_MODEL = """
+import keras
+
+
+def build():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+"""
+
+
+def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_cluster, tmp_path):
+    """A model function of no arguments (its own optimizer, loss and metric): each trial is the run jobs/train.py
+    makes of it, Keras's fit on the trial's workers, its every epoch reported to Tune (the trial lines, the table)."""
+    models = tmp_path / "my_model.py"
+    models.write_text(USER_MODEL)
+    space = tmp_path / "space.yaml"
+    space.write_text("per_replica_batch: {grid: [16, 64]}\n")
+    out = tmp_path / "sweep"
+    env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
+    p = run_job("jobs/tune.py", "--space", str(space), "--model", f"{models}:build", "--num-workers", "1",
+                "--epochs", "2", "--scheduler", "fifo", "--max-concurrent", "1", "--output", str(out),
+                timeout=400, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = pd.read_csv(out / tune.RESULTS_FILE)
+    assert list(table["config/per_replica_batch"]) == [16, 64] and (table["epochs_run"] == 2).all()
+    assert "trial 2  epoch 2/2  val_accuracy " in p.stdout
+    runs = sorted(out.glob("*/run/result.json"))
+    assert len(runs) == 2
+    for path in runs:
+        result = json.loads(path.read_text())
+        # Keras's fit's record: each epoch's logs under Keras's names, the run's own Adam at the rate it compiled
+        assert [sorted(r) for r in result["history"]] == [["accuracy", "epoch", "loss", "seconds", "val_accuracy",
+                                                            "val_loss", "workers"]] * 2
+        assert result["global_batch_size"] in (16, 64) and result["base_lr"] == pytest.approx(3e-3)
+        row = table[table["config/per_replica_batch"] == result["global_batch_size"]]
+        assert float(row["val_accuracy"].iloc[0]) == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
 
 
 @pytest.mark.parametrize(

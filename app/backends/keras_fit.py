@@ -307,8 +307,11 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     from app.training.keras_callbacks import as_metrics
 
     if records and all("loss" in r for r in records):  # a train_step that logs no loss (a GAN's d_loss) has no curve
-        outputs.plot_curves([{"epoch": r["epoch"], **as_metrics(r)} for r in records], out / outputs.CURVES_FILE,
-                            subtitle=f"{world} worker(s), global batch {job.features.batch_size}, by Keras's fit")
+        try:
+            outputs.plot_curves([{"epoch": r["epoch"], **as_metrics(r)} for r in records], out / outputs.CURVES_FILE,
+                                subtitle=f"{world} worker(s), global batch {job.features.batch_size}, by Keras's fit")
+        except (TypeError, ValueError) as e:  # logs no plot takes (a metric of one value per class): the run stands
+            log.warning("%s not drawn: %s", outputs.CURVES_FILE, e)
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
               "history": records, "final": records[-1] if records else {},
               "workers": world, **summary(job, state, world, started, model),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -139,8 +140,10 @@ def plot_curves(history: list[dict[str, Any]], path: Path, subtitle: str = "") -
         ax.grid(alpha=0.3)
         ax.legend()
         ax.set_title(key)
-    axes[0][0].set_yscale("log")
-    axes[0][0].set_title("loss (log scale)")
+    if all(0 < v < math.inf for h in history for v in (h["train_loss"], h.get("val_loss", 1.0))):
+        # A loss that went NaN, or one that can be 0 or negative (a GAN's, a cosine one), stays on a linear scale.
+        axes[0][0].set_yscale("log")
+        axes[0][0].set_title("loss (log scale)")
     shown = ranked.replace("_", " ", 1)
     axes[0][names.index(metric)].set_title(f"{metric}; best {shown.split()[0]} {best[ranked]:.4f} at epoch "
                                            f"{best['epoch']} (dotted)")
