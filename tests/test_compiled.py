@@ -169,6 +169,10 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     # The outputs every run writes: each rank's node, the curves, rank 0's TensorBoard epoch scalars (the numbers
     # of history.csv, under the names result.json gives them).
     assert len(result["worker_nodes"]) == 2 and result["strategy"].startswith("collective all-reduce")
+    assert "run: backend ray, collective all-reduce (one replica per worker), 2 worker(s), global batch 64 (= 32 per " \
+           "worker), 23 steps per epoch, 8 epochs" in console
+    assert (result["backend"], result["per_replica_batch"], result["grad_accum"], result["mixed_precision"]) == \
+        ("ray", 32, 1, "off")
     assert (out / "curves.png").stat().st_size > 10_000
     scalars = tensorboard_scalars(out / "tensorboard")
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0 only

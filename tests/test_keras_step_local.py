@@ -537,8 +537,11 @@ def test_a_loss_that_goes_nan_or_below_zero_trains_on_as_model_fit_and_its_curve
     losses = {}
     for name, build, y in (("nan", diverging, X[:, 0]), ("cosine", cosine, np.eye(2, dtype="float32")[Y])):
         expected = build().fit(X, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history["loss"]
-        losses[name] = app.fit(build, X, y, batch_size=20, epochs=2, shuffle=False, backend="local",
-                               output=str(tmp_path / name), verbose=0).history["loss"]
+        got = app.fit(build, X, y, batch_size=20, epochs=2, shuffle=False, backend="local",
+                      output=str(tmp_path / name), verbose=0)
+        losses[name] = got.history["loss"]
+        assert (got.result["backend"], got.result["strategy"], got.result["per_replica_batch"]) == \
+            ("local", "default strategy (one replica)", 20)
         np.testing.assert_allclose(losses[name], expected, rtol=1e-5)  # NaN where Keras's is NaN
         assert (tmp_path / name / "curves.png").stat().st_size > 10_000, name
     assert np.isnan(losses["nan"][-1]) and max(losses["cosine"]) < 0

@@ -314,7 +314,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
             log.warning("%s not drawn: %s", outputs.CURVES_FILE, e)
     result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
               "history": records, "final": records[-1] if records else {},
-              "workers": world, **summary(job, state, world, started, model),
+              "workers": world, **summary(job, state, world, started, model, config.backend),
               "checkpoint": "checkpoint", "history_file": outputs.HISTORY_FILE, **exported,
               # per worker (rank 0's): every optimizer's variables, and a sharded one's flat part of the weights
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),
@@ -324,7 +324,12 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     return KerasRun(records, model, result)
 
 
-def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model) -> dict[str, Any]:
+def strategy_of(world: int) -> str:
+    """How a run of ``world`` workers reduces its gradients, as result.json and the plan say it."""
+    return "collective all-reduce (one replica per worker)" if world > 1 else "default strategy (one replica)"
+
+
+def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str) -> dict[str, Any]:
     """The keys every run's result.json has, whichever way it trained (the command line, app.train, a sweep and
     result_line read them): the last epoch's logs as ``metrics`` (``loss`` -> ``train_loss``, ``val_loss`` as it is),
     the ``metric`` that ranks epochs and trials (app.training.objective), the replicas, the global batch and the
@@ -350,7 +355,10 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
             "num_replicas": world, "global_batch_size": features.batch_size,
             "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
-            "strategy": "collective all-reduce (one replica per worker)" if world > 1 else "one replica",
+            "strategy": strategy_of(world), "backend": backend,
+            # the worker's part of a global batch (a batch that does not divide: its largest part)
+            "per_replica_batch": -(-features.batch_size // world) if features.batch_size else None,
+            "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,
             "base_lr": base, "lr_scaling": features.lr_scaling,
             "learning_rate": base * features.scale if base is not None else None,  # the peak, after any warmup
             "epochs_completed": final.get("epoch", job.initial_epoch),

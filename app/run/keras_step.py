@@ -219,7 +219,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
-    plan = plan_lines(model, train, val, world, validation_freq, callbacks) + ([defaults.line()] if defaults else []) \
+    plan = [_run_line(config, world, features.batch_size, train.steps, epochs)] \
+        + plan_lines(model, train, val, world, validation_freq, callbacks) + ([defaults.line()] if defaults else []) \
         + features.lines() + shard.lines + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     if dry:  # --dry-run: the plan, nothing trained or written
@@ -286,6 +287,15 @@ def _fewest(num_workers: Any) -> int:
         return config_scale.sizes(config_scale.parse_workers(num_workers))[0]
     except (ValueError, TypeError, UserError):
         return 1
+
+
+def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int) -> str:
+    """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
+    from app.backends.keras_fit import strategy_of
+
+    part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
+    return (f"run: backend {config.backend}, {strategy_of(world)}, {world} worker(s), global batch {batch}{part}, "
+            + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
 
 
 def _global_batch(train, world: int, batch_size: Optional[int]) -> int:
