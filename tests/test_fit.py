@@ -45,9 +45,10 @@ p = split.model.predict(xv, verbose=0)
 given = app.fit(build_model, x[:300], y[:300], epochs=2, shuffle=False, validation_data=(x[300:401], y[300:401]),
                 num_workers=2, output=out + "/given", verbose=0)
 # One model.fit process, the model compiled as the plan says: SGD(0.05, momentum 0.9) at global batch 32 / reference
-# 32, warmed up over the first epoch's 10 batches and decayed by a cosine over the second's.
+# 32: nothing to warm up to (the warmup ramps from the unscaled rate to the scaled one, here the same), so 0.05 over
+# the first epoch's 10 batches, then a cosine over the second's.
 reference = build_model()
-rate = keras.optimizers.schedules.CosineDecay(0.0, 10, warmup_target=0.05, warmup_steps=10)
+rate = keras.optimizers.schedules.CosineDecay(0.05, 10, warmup_target=0.05, warmup_steps=10)
 reference.compile(optimizer=keras.optimizers.SGD(rate, momentum=0.9), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 keras_history = reference.fit(x[:300], y[:300], epochs=2, shuffle=False, validation_data=(x[300:401], y[300:401]),
@@ -96,7 +97,7 @@ def test_fit_from_a_fresh_script_compiles_a_model_that_compiles_nothing_and_trai
     plan = (tmp_path / "given" / "train.log").read_text()
     assert ("compile: the model compiles nothing, so it is compiled with the classification defaults: loss "
             "sparse_categorical_crossentropy, metric accuracy, optimizer SGD (momentum 0.9) at base_lr 0.05") in plan
-    assert "warmed up linearly over 1 epoch(s), decayed to 0 by a cosine over the run" in plan
+    assert "no warmup (the rate is not scaled up), decayed to 0 by a cosine over the run" in plan
     # verbose=2: a line per epoch; verbose=0: nothing on the console, its epochs in train.log.
     console = p.stdout + p.stderr
     assert "epoch 1/2" in console and "epoch 2/2" in console and console.count("epoch 1/2") == 1
