@@ -1,0 +1,99 @@
+"""What a run by Keras's fit records (app.backends.keras_fit writes it): result.json's keys every run has, and the
+trained model exported as far as Keras can save it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from app.driver import outputs
+from app.training import keras_worker
+from app.training.keras_worker import KerasJob
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "weights.weights.h5"
+
+
+def strategy_of(world: int) -> str:
+    """How a run of ``world`` workers reduces its gradients, as result.json and the plan say it."""
+    return "collective all-reduce (one replica per worker)" if world > 1 else "default strategy (one replica)"
+
+
+def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str) -> dict[str, Any]:
+    """The keys every run's result.json has, whichever way it trained (the command line, app.train, a sweep and
+    result_line read them): the last epoch's logs as ``metrics`` (``loss`` -> ``train_loss``, ``val_loss`` as it is),
+    the ``metric`` that ranks epochs and trials (app.training.objective), the replicas, the global batch and the
+    learning rate the rule gave (``model``: the trained model, its optimizer at the rate it was compiled with)."""
+    import numpy as np
+
+    from app.training.keras_callbacks import as_metrics  # the driver holds Keras already: it built the model
+    from app.training.keras_sync import optimizers_of
+    from app.training.objective import metric_in
+
+    records = state["history"]
+    final = records[-1] if records else {}
+    metrics = {k: v for k, v in as_metrics(final).items() if k != "learning_rate"}
+    name = metric_in(metrics)
+    trained = [r for r in records if r["epoch"] > job.initial_epoch]  # this run's epochs (not a resumed run's first)
+    rows = keras_worker.trained_rows(job.train, world)
+    seconds = sum(r["seconds"] for r in trained)
+    optimizers = optimizers_of(model)
+    first = getattr(optimizers[0], "inner_optimizer", optimizers[0]) if optimizers else None  # a loss scaler's own
+    # The rate it was compiled with (a float32 variable: 0.05 reads 0.0500000007), as it was written.
+    base = float(f"{float(np.asarray(first.learning_rate)):.7g}") if first is not None else None
+    features = job.features
+    return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
+            "num_replicas": world, "global_batch_size": features.batch_size,
+            "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
+            "strategy": strategy_of(world), "backend": backend,
+            # the worker's part of a global batch (a batch that does not divide: its largest part)
+            "per_replica_batch": -(-features.batch_size // world) if features.batch_size else None,
+            "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,
+            "base_lr": base, "lr_scaling": features.lr_scaling,
+            "learning_rate": base * features.scale if base is not None else None,  # the peak, after any warmup
+            "epochs_completed": final.get("epoch", job.initial_epoch),
+            "stopped_early": state.get("stopped_early"),  # a callback that stopped the run: after which epoch, why
+            "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
+            "dropped_samples_per_epoch": job.train.dropped_rows(world),
+            "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
+            "worker_nodes": state.get("worker_nodes", []),
+            "wall_seconds": round(time.time() - started, 2)}
+
+
+def export(model, out: Path, formats: tuple = ("keras", "savedmodel")) -> dict[str, Any]:
+    """The weights; model.keras and a SavedModel (``formats``: --export) where the model can be saved and loaded;
+    else one line each, and on."""
+    import keras
+
+    done: dict[str, Any] = {}
+    try:
+        model.save_weights(out / WEIGHTS_FILE)
+        done["weights_file"] = WEIGHTS_FILE
+    except Exception as e:
+        log.warning("%s not written (%s): the trained weights are in checkpoint/ (tf.train.Checkpoint)",
+                    WEIGHTS_FILE, _short(e))
+    path = out / outputs.MODEL_FILE
+    try:
+        model.save(path)
+        keras.models.load_model(path, compile=False)
+        done["model_file"] = outputs.MODEL_FILE
+    except Exception as e:
+        path.unlink(missing_ok=True)
+        log.warning("model.keras not written: Keras cannot save and load this model (%s); the trained weights are "
+                    "in checkpoint/ and, where Keras could write them, %s", _short(e), WEIGHTS_FILE)
+    if "savedmodel" not in formats:
+        return done
+    try:
+        model.export(str(out / "saved_model"), verbose=False)
+        done["saved_model"] = "saved_model"
+    except Exception as e:
+        log.warning("no SavedModel: Keras cannot export this model for serving (%s)", _short(e))
+    return done
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:160] or type(e).__name__
+
