@@ -120,17 +120,18 @@ def build():
 
 
 def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_cluster, tmp_path):
-    """A model function of no arguments (its own optimizer, loss and metric): each trial is the run jobs/train.py
-    makes of it, Keras's fit on the trial's workers, its every epoch reported to Tune (the trial lines, the table)."""
+    """A model function of no arguments (its own optimizer, loss and metric), named relative to the user's directory
+    (each trial runs in a directory of Tune's): each trial is the run jobs/train.py makes of it, Keras's fit on the
+    trial's workers, its every epoch reported to Tune (the trial lines, the table)."""
     models = tmp_path / "my_model.py"
     models.write_text(USER_MODEL)
     space = tmp_path / "space.yaml"
     space.write_text("per_replica_batch: {grid: [16, 64]}\n")
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
-    p = run_job("jobs/tune.py", "--space", str(space), "--model", f"{models}:build", "--num-workers", "1",
-                "--epochs", "2", "--scheduler", "fifo", "--max-concurrent", "1", "--output", str(out),
-                timeout=400, env=env)
+    p = run_job(str(REPO / "jobs" / "tune.py"), "--space", "space.yaml", "--model", "my_model.py:build",
+                "--num-workers", "1", "--epochs", "2", "--scheduler", "fifo", "--max-concurrent", "1", "--output",
+                "sweep", timeout=400, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     table = pd.read_csv(out / tune.RESULTS_FILE)
     assert list(table["config/per_replica_batch"]) == [16, 64] and (table["epochs_run"] == 2).all()

@@ -128,6 +128,7 @@ def sweep(
     from app.driver import cluster
     from app.ui import console
 
+    fixed = _anchored(fixed)
     space, searched, base, out, restoring = _checked(space_file, fixed, output, num_samples=num_samples,
                                                      max_concurrent=max_concurrent)
     cluster.check_fits_locally(base)
@@ -178,6 +179,24 @@ def _swept(trial: Callable, space_file, space: dict[str, Any], fixed: dict[str, 
             else:
                 os.environ[internals.TUNE_NEW_OUTPUT_ENV_VAR] = saved
         return write_outputs(results, out, base, metric, mode)
+
+
+def _anchored(fixed: dict[str, Any]) -> dict[str, Any]:
+    """The files every trial reads (--model, --dataset, --val-dataset, --callbacks), relative to this directory, made
+    absolute: each trial runs in a working directory of Tune's own."""
+    anchored = dict(fixed)
+    for key in ("model", "dataset", "val_dataset", "callbacks"):
+        value = fixed.get(key)
+        if not isinstance(value, str):
+            continue
+        plugin = registry.is_plugin(value)
+        where, _, name = value.rpartition(":") if plugin else (value, "", "")
+        if not (where.endswith(".py") if plugin else registry.looks_like_path(value)):
+            continue  # a built-in's name, or a package.module:function Python imports
+        if "://" in where or not Path(where).expanduser().exists():
+            continue  # remote storage, or a file _check_files refuses by name
+        anchored[key] = str(Path(where).expanduser().resolve()) + (f":{name}" if name else "")
+    return anchored
 
 
 def _checked(space_file: str | Path, fixed: dict[str, Any], output: str | Path, **counts: int | None):
