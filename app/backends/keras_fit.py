@@ -33,6 +33,7 @@ from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class KerasRun:
     """What the driver hands back: the epoch records, the trained model, result.json's content."""
@@ -160,7 +161,7 @@ WARNING = "warning: "  # a plan line that starts so is a warning
 
 @dataclass(frozen=True)
 class RayRun:
-    """Where a Ray Train run keeps its checkpoints and who watches it: a sweep's trial (app.tools.tune) passes Tune's
+    """Where a Ray Train run keeps its checkpoints and who watches it: a sweep's trial (app.run.trial) passes Tune's
     report callback, its trial directory and the name its checkpoints go under."""
 
     callbacks: tuple = ()
@@ -262,8 +263,6 @@ def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
 
 def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
     """The whole checkpoints of a run by Keras's fit in ``out`` (its final one, and those in its Ray storage)."""
-    import json
-
     storage = Path(storage_path) if storage_path and "://" not in storage_path else out / "ray"
     candidates = [out / "checkpoint", *storage.glob("**/checkpoint_*")]
     found = []
