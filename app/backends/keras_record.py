@@ -11,15 +11,11 @@ from typing import Any
 from app.driver import outputs
 from app.training import keras_worker
 from app.training.keras_worker import KerasJob
+from app.training.strategy import ray_strategy_name
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.weights.h5"
-
-
-def strategy_of(world: int) -> str:
-    """How a run of ``world`` workers reduces its gradients, as result.json and the plan say it."""
-    return "collective all-reduce (one replica per worker)" if world > 1 else "default strategy (one replica)"
 
 
 def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str) -> dict[str, Any]:
@@ -48,7 +44,7 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
             "num_replicas": world, "global_batch_size": features.batch_size,
             "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
-            "strategy": strategy_of(world), "backend": backend,
+            "strategy": ray_strategy_name(world), "backend": backend,
             # the worker's part of a global batch (a batch that does not divide: its largest part)
             "per_replica_batch": -(-features.batch_size // world) if features.batch_size else None,
             "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,

@@ -291,10 +291,10 @@ def _fewest(num_workers: Any) -> int:
 
 def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int) -> str:
     """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
-    from app.backends.keras_record import strategy_of
+    from app.training.strategy import ray_strategy_name
 
     part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
-    return (f"run: backend {config.backend}, {strategy_of(world)}, {world} worker(s), global batch {batch}{part}, "
+    return (f"run: backend {config.backend}, {ray_strategy_name(world)}, {world} worker(s), global batch {batch}{part}, "
             + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
 
 

@@ -184,18 +184,12 @@ def _swept(trial: Callable, space_file, space: dict[str, Any], fixed: dict[str, 
 def _anchored(fixed: dict[str, Any]) -> dict[str, Any]:
     """The files every trial reads (--model, --dataset, --val-dataset, --callbacks), relative to this directory, made
     absolute: each trial runs in a working directory of Tune's own."""
+    # A file.py:function, or a dataset's path (a built-in's name stays a name, whatever this directory holds).
+    named = {k: v for k, v in fixed.items() if k in ("model", "dataset", "val_dataset", "callbacks")
+             and isinstance(v, str) and (registry.is_plugin(v) or (k.endswith("dataset") and registry.looks_like_path(v)))}
     anchored = dict(fixed)
-    for key in ("model", "dataset", "val_dataset", "callbacks"):
-        value = fixed.get(key)
-        if not isinstance(value, str):
-            continue
-        plugin = registry.is_plugin(value)
-        where, _, name = value.rpartition(":") if plugin else (value, "", "")
-        if not (where.endswith(".py") if plugin else registry.looks_like_path(value)):
-            continue  # a built-in's name, or a package.module:function Python imports
-        if "://" in where or not Path(where).expanduser().exists():
-            continue  # remote storage, or a file _check_files refuses by name
-        anchored[key] = str(Path(where).expanduser().resolve()) + (f":{name}" if name else "")
+    for key, path in output_guard.reads_of(named).items():  # the local files among them, resolved
+        anchored[key] = f"{path}:{named[key].rpartition(':')[2]}" if registry.is_plugin(named[key]) else str(path)
     return anchored
 
 
