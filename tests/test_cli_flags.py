@@ -277,7 +277,7 @@ def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
 def test_subprocess_config_file_below_flags(dry_runs):
     out, p = dry_runs["flag over file"]
     assert p.returncode == 0, p.stderr  # the flag replaced the file's invalid value
-    assert ", 2 epochs" in p.stdout and "(sqrt rule:" in p.stdout, p.stdout  # the flag's epochs, the file's rule
+    assert ", 2 epochs" in p.stdout and "scaled sqrt by" in p.stdout, p.stdout  # the flag's epochs, the file's rule
     assert not out.exists()
     out, p = dry_runs["file alone"]
     assert_one_line_error(p, "epochs must be > 0")  # the file's value where no flag was typed

@@ -115,6 +115,8 @@ def build():
 def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(joined, tmp_path_factory):
     """jobs/train.py --model own.py:build --dataset rows.parquet: Keras's fit on 2 workers, a seeded holdout, and
     the optimizer's state sharded over the workers (--shard-optimizer 2)."""
+    from app.training.keras_callbacks import RECORD_KEYS  # an epoch record's keys besides Keras's logs
+
     module = user_module(tmp_path_factory, "own.py", OWN_MODEL)
     data = module.parent / "rows.parquet"
     x = np.random.default_rng(0).normal(size=(200, 6)).astype("float32")
@@ -127,7 +129,7 @@ def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(j
     assert "the model's own train_step, test_step" in said and "no 'label' column: the rows are x alone" in said
     assert "seeded 0.25 validation split (val_fraction: this data set has no validation part)" in said
     result = json.loads((out / "result.json").read_text())
-    assert [set(r) - {"epoch", "seconds", "workers"} for r in result["history"]] == \
+    assert [set(r) - set(RECORD_KEYS) for r in result["history"]] == \
         [{"reconstruction", "val_reconstruction"}] * 2
     # The seeded split by row content: about a quarter held out, every row on one side.
     assert 120 < result["rows"] < 180 and result["workers"] == 2

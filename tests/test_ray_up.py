@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -220,7 +221,7 @@ def test_ray_up_then_a_spread_job_on_two_nodes_then_ray_down(no_shared_ray):
         assert "Job 'digits-spread' succeeded" in status.stdout, status.stdout + status.stderr
         logs = subprocess.run([ray_cli(), "job", "logs", "--address", address, "--follow", "digits-spread"],
                               env=job_env, capture_output=True, text=True, timeout=120)
-        assert logs.returncode == 0 and "epoch   1/1" in logs.stdout, logs.stdout[-3000:] + logs.stderr[-3000:]
+        assert logs.returncode == 0 and re.search(r"^epoch +1/1 ", logs.stdout, re.M), logs.stdout[-3000:] + logs.stderr[-3000:]
         copied = root / "copied"
         down_copy = subprocess.run([ray_cli(), "rsync-down", str(config_path), f"{out}/", str(copied)],
                                    env=local_env, capture_output=True, text=True, timeout=120)

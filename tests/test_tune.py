@@ -75,8 +75,10 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     # process of its own: independent of each other, so side by side (their start-ups overlap).
     best_file = out / tune.BEST_CONFIG_FILE
     best = yaml.safe_load(best_file.read_text())
+    # (A trial trained by Keras's fit: its run's output holds its model; its checkpoints, the weights --resume reads.)
+    trial_run = next(out.glob("run_trial_*/run/model.keras"), None) or next(storage.glob("sweep/run_trial_*/run/model.keras"))
     p, e = run_jobs_at_once(["jobs/train.py", "--config", str(best_file), "--output", str(tmp_path / "again")],
-                            ["jobs/evaluate.py", "--checkpoint", str(states[0].parent)], timeout=600, env=env)
+                            ["jobs/evaluate.py", "--run", str(trial_run.parent)], timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
     assert again["config"]["per_replica_batch"] == best["per_replica_batch"] == best_row["config/per_replica_batch"]
@@ -85,9 +87,11 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     assert again["metrics"]["val_accuracy"] == pytest.approx(best_row["val_accuracy"], abs=0.03)
 
     assert e.returncode == 0, e.stderr[-3000:]
-    evaluated = json.loads((states[0].parent / "eval.json").read_text())
-    trained = json.loads(states[0].read_text())["history"][-1]
+    evaluated = json.loads((trial_run.parent / "eval.json").read_text())
+    trained = json.loads((trial_run.parent / "result.json").read_text())["metrics"]
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
+    refused = run_job("jobs/evaluate.py", "--checkpoint", str(states[0].parent), timeout=300, env=env)
+    assert refused.returncode != 0 and "a checkpoint of a run trained by Keras's fit" in refused.stderr, refused.stderr
 
 
 def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so(ray_cluster, tmp_path):
@@ -123,6 +127,8 @@ def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_c
     """A model function of no arguments (its own optimizer, loss and metric), named relative to the user's directory
     (each trial runs in a directory of Tune's): each trial is the run jobs/train.py makes of it, Keras's fit on the
     trial's workers, its every epoch reported to Tune (the trial lines, the table)."""
+    from app.training.keras_callbacks import RECORD_KEYS  # an epoch record's keys besides Keras's logs
+
     models = tmp_path / "my_model.py"
     models.write_text(USER_MODEL)
     space = tmp_path / "space.yaml"
@@ -141,8 +147,10 @@ def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_c
     for path in runs:
         result = json.loads(path.read_text())
         # Keras's fit's record: each epoch's logs under Keras's names, the run's own Adam at the rate it compiled
-        assert [sorted(r) for r in result["history"]] == [["accuracy", "epoch", "loss", "seconds", "val_accuracy",
-                                                            "val_loss", "workers"]] * 2
+        assert [sorted(set(r) - set(RECORD_KEYS)) for r in result["history"]] == \
+            [["accuracy", "loss", "val_accuracy", "val_loss"]] * 2
+        assert all(r["samples_per_second"] > 0 and r["workers"] == 1 for r in result["history"])
+        assert result["time_to_first_step_seconds"] > 0
         assert result["global_batch_size"] in (16, 64) and result["base_lr"] == pytest.approx(3e-3)
         row = table[table["config/per_replica_batch"] == result["global_batch_size"]]
         assert float(row["val_accuracy"].iloc[0]) == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)

@@ -309,7 +309,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
                                 subtitle=f"{world} worker(s), global batch {job.features.batch_size}, by Keras's fit")
         except (TypeError, ValueError) as e:  # logs no plot takes (a metric of one value per class): the run stands
             log.warning("%s not drawn: %s", outputs.CURVES_FILE, e)
-    result = {"config": config.model_dump(mode="json", exclude={"dataset", "model", "callbacks"}),
+    result = {"config": config.model_dump(mode="json"),
               "history": records, "final": records[-1] if records else {},
               "workers": world, **summary(job, state, world, started, model, config.backend),
               "checkpoint": "checkpoint", "history_file": outputs.HISTORY_FILE, **exported,

@@ -42,7 +42,9 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
     base = float(f"{float(np.asarray(first.learning_rate)):.7g}") if first is not None else None
     features = job.features
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
-            "num_replicas": world, "global_batch_size": features.batch_size,
+            # the rows of an optimizer update (grad_accum steps' batches), as the own step counts them
+            "num_replicas": world, "global_batch_size": features.batch_size * features.grad_accum
+            if features.batch_size else None,
             "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
             "strategy": ray_strategy_name(world), "backend": backend,
             # the worker's part of a global batch (a batch that does not divide: its largest part)
@@ -56,6 +58,9 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "dropped_samples_per_epoch": job.train.dropped_rows(world),
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
             "worker_nodes": state.get("worker_nodes", []),
+            # The first step this driver saw (a resumed run's history starts earlier).
+            "time_to_first_step_seconds": next((r["first_step_time"] - started for r in records
+                                                if (r.get("first_step_time") or 0) >= started), None),
             "wall_seconds": round(time.time() - started, 2)}
 
 

@@ -96,8 +96,10 @@ def read_run(out: Path) -> dict[str, Any]:
     return {
         "samples_per_second": steady(per_epoch),
         "whole_run_samples_per_second": result["samples_per_second"],
-        "train_samples": sum(int(row["train_samples"]) for row in history),
-        "train_seconds": sum(float(row["train_seconds"]) for row in history),
+        # (the own step's counts; a run by Keras's fit times whole epochs, validation included)
+        "train_samples": sum(int(row.get("train_samples") or 0) or float(row["samples_per_second"]) * float(row["seconds"])
+                             for row in history),
+        "train_seconds": sum(float(row.get("train_seconds") or row["seconds"]) for row in history),
         "per_epoch": per_epoch,
         "time_to_first_step_seconds": result["time_to_first_step_seconds"],
         "wall_seconds": result["wall_seconds"],

@@ -43,11 +43,11 @@ def driver(config: TrainConfig):
     its ``dry_run_lines(config)`` is the plan. Imported here, not with this module: the Python API stays light."""
     from app.backends import local, ps, ray_train
 
-    if config.shard_optimizer:  # the product's own step (a built-in model, a data function) does not shard
+    if config.shard_optimizer:  # the product's own step does not shard
         raise UserError("shard_optimizer runs inside Keras's fit: give a model that brings its step (a function of "
                         "no arguments returning a compiled model, or one with its own train_step) and data that "
-                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model or a data "
-                        "function trains on the product's own step, which does not shard")
+                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model on files or on "
+                        "the local backend trains on the product's own step, which does not shard")
 
     return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
 

@@ -12,6 +12,7 @@ trains as ``app.fit(build, x, ...)`` trains it (app.run.keras_step), whatever th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,15 +28,18 @@ _CONFIG_RUN_FIELDS = {"model", "dataset", "val_dataset", "epochs", "num_workers"
                       "tensorboard_dir",
                       # what the built-in datasets take (app.data.builtin)
                       "synthetic_rows", "synthetic_shape", "synthetic_classes", "synthetic_text_rows"}
+# ... and what the product's model functions take (a built-in's options, --model-args), with such a model.
+_BUILT_FIELDS = {*product_model.BUILTIN_OPTIONS, "model_args"}
 # What config.yaml records of a run from a config even at its default: what --resume and jobs/evaluate.py read back.
 _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 
 
 def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
-    """The run ``config`` asks for, trained by Keras's fit when its model is a function of no arguments returning a
-    Keras model; returns result.json's content. None: the run is the product's own step (a built-in model or a
-    function of the product's arguments, the product's own features asked for, another backend or strategy).
-    ``dry``: the plan's lines instead, nothing trained (--dry-run); ``ray_run``: a sweep trial's
+    """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
+    on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
+    for the data's facts, app.training.model) on data held in memory. Returns result.json's content. None: the run
+    is the product's own step (the product's own features asked for, another backend or strategy, files for a
+    built-in model). ``dry``: the plan's lines instead, nothing trained (--dry-run); ``ray_run``: a sweep trial's
     app.backends.keras_fit.RayRun."""
     from app.backend import backend_of
 
@@ -46,25 +50,41 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         return None
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
-    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS or config.elastic:
+    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS or config.elastic:
         return None
-    model = keras_step.keras_model_of(config.model)
+    model, model_fn, data = keras_step.keras_model_of(config.model), config.model, None
     if model is None:
+        # Locally a built-in trains on the product's step (the tensor-parallel and strategy comparisons there are
+        # built on its batches); files for it too (it reads their schema), below.
+        if not keras_step.built_by_product(config.model) or not backend.on_ray:
+            return None
+        data = _data(config, None)
+        if data.streamed:  # files for a built-in model: the product's own step, which reads their schema
+            return None
+        model_fn = functools.partial(product_model.build_model, config, data.facts)
+        model = model_fn()
+        name = product_model.model_name(config)
+        product_model.check_output(model, product_model.task_with_model(data.facts, model), name)
+    elif chosen & _BUILT_FIELDS:  # a function of no arguments takes none of them
         return None
     taken = KERAS_STEP_FIELDS | (set() if keras_step.brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
     if chosen & (DEFAULT_COMPILE_FIELDS - taken):  # --optimizer with a compiled model's own
         return None
     from app.training import callbacks as product_callbacks
 
-    data = _data(config, model)
+    data = data or _data(config, model)
     if data.streamed and config.class_weight is not None:  # the labels' classes are known only as the workers read them
         return None
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}
     batch = config.global_batch or config.per_replica_batch * (config.num_workers if backend.on_ray else 1)
+    if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
+        from app.driver.preflight import checked_plan
+
+        checked_plan(config, _rows(data), config.num_workers if backend.on_ray else 1)
     run, _ = keras_step.fit(
-        model, config.model, data.x, data.y, batch_size=batch, epochs=config.epochs,
+        model, model_fn, data.x, data.y, batch_size=batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,
         callbacks=product_callbacks.load(config) if config.callbacks else None,
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
@@ -74,6 +94,14 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
+
+
+def _rows(data: "_Data") -> int:
+    """The training rows of arrays read here (x or y may be a dict or a list of arrays: named inputs, outputs)."""
+    leaf = data.y if data.y is not None else data.x
+    while isinstance(leaf, (dict, list, tuple)):
+        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
+    return len(leaf)
 
 
 def _resumes_keras_run(config) -> bool:
@@ -95,6 +123,7 @@ class _Data:
     validation: Any = None
     class_weight: Optional[dict[int, float]] = None
     streamed: bool = False  # files or a ray.data.Dataset, read by the workers
+    facts: Any = None  # arrays' DataFacts (app.data.arrays)
 
 
 def _data(config, model) -> _Data:
@@ -110,11 +139,11 @@ def _data(config, model) -> _Data:
     if memory.is_ray_dataset(returned):
         return _Data(returned, validation=config.val_dataset, streamed=True)
     source = memory.load_source(config, returned)
-    if not overrides_step(model):
+    if model is not None and not overrides_step(model):
         name = product_model.model_name(config)
         product_model.check_inputs(model, source.facts, name)
         product_model.check_output_names(model, source.facts, name)
     train, val = source.train, source.val
     weights = class_weights(config, source.facts)
     return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,
-                 dict(enumerate(weights)) if weights is not None else None)
+                 dict(enumerate(weights)) if weights is not None else None, facts=source.facts)

@@ -111,6 +111,16 @@ def keras_model_of(model_fn: Any) -> Optional[Any]:
     return model if isinstance(model, keras.Model) else None
 
 
+def built_by_product(model_fn: Any) -> bool:
+    """A built-in model's name, or a function that takes the product's arguments (input_shape, num_classes, ...):
+    the product builds it for the data (app.training.model.build_model)."""
+    from app import registry
+
+    if isinstance(model_fn, str):
+        return model_fn in registry.MODELS or _needs_arguments(registry.resolve(model_fn, registry.MODELS))
+    return callable(model_fn) and _needs_arguments(model_fn)
+
+
 def _needs_arguments(fn: Any) -> bool:
     """Whether ``fn`` has a parameter without a default (a call with none would raise)."""
     import inspect
@@ -219,8 +229,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
+    compiled = [defaults.line(built_by_product(config.model))] if defaults else []
     plan = [_run_line(config, world, features.batch_size, train.steps, epochs)] \
-        + plan_lines(model, train, val, world, validation_freq, callbacks) + ([defaults.line()] if defaults else []) \
+        + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
         + features.lines() + shard.lines + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     if dry:  # --dry-run: the plan, nothing trained or written
@@ -333,6 +344,7 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
     lines = [
         f"step: {step}, run by model.fit on each of {world} worker(s)"
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
+        *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
         (f"data: {train.num_rows} rows, {train.steps} steps per epoch" if train.num_rows is not None else
          "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
         + (f", each global batch split over {world} workers" if world > 1 else "")

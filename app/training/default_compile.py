@@ -62,13 +62,17 @@ class Defaults:
         model.compile(optimizer=optimizer, loss=loss, metrics=[metric])
         return model
 
-    def line(self) -> str:
-        """The plan's line."""
+    def line(self, built_by_product: bool = False) -> str:
+        """The plan's line; ``built_by_product``: a built-in model or a function of the product's arguments, whose
+        compile the flags choose."""
         optimizer = f"SGD (momentum {self.momentum:g})" if self.optimizer == "sgd" else "Adam"
-        return (f"compile: the model compiles nothing, so it is compiled with the {self.task} defaults: loss "
+        what = "the product builds the model, and compiles it" if built_by_product else \
+            "the model compiles nothing, so it is compiled"
+        choose = "--optimizer, --base-lr, --momentum choose them" if built_by_product else \
+            "compile() it in the model function to choose them"
+        return (f"compile: {what} with the {self.task} defaults: loss "
                 f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}, metric "
-                f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g} (compile() it "
-                "in the model function to choose them)")
+                f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g} ({choose})")
 
 
 @dataclass(frozen=True)

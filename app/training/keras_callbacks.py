@@ -30,6 +30,21 @@ def learning_rates(model) -> list:
     return [lr for o in optimizers_of(model) if hasattr(lr := getattr(o, "_learning_rate", None), "assign")]
 
 
+def raised_by_callback(error: BaseException, callbacks: list) -> Optional[Exception]:
+    """The one line for an error one of the user's ``callbacks`` raised (its class and the hook fit() called), or
+    None when none of them raised it: the outermost frame of a callback's own is the hook."""
+    import traceback
+
+    from app.errors import UserCodeError
+
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if any(owner is c for c in callbacks):
+            return UserCodeError(f"callback {type(owner).__name__} raised {type(error).__name__} in "
+                                 f"{frame.f_code.co_name}: {error}", error)
+    return None
+
+
 class Decisions(keras.callbacks.Callback):
     """The user's callbacks run on rank 0 only (only rank 0 writes files); what they decide, ``stop_training`` and
     the learning rates, every worker takes at the same point (epoch begin and end, and each batch's end when a
@@ -90,21 +105,32 @@ class Checkpoints(keras.callbacks.Callback):
     """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
 
     def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
-                 gather: Optional[Callable[[], None]] = None, own: Optional[list] = None):
+                 gather: Optional[Callable[[], None]] = None, own: Optional[list] = None, rows: Optional[int] = None):
         """``state``: what ``write`` saves beside the weights: the epoch reached, the history and why the run stopped
         early, kept here; ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put
-        together); ``own``: the user's callbacks this worker runs (which may stop the run)."""
+        together); ``own``: the user's callbacks this worker runs (which may stop the run); ``rows``: the rows an
+        epoch trains over every worker (its speed's numerator), None where the workers count them as they read."""
         super().__init__()
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
-        self.own = own or []
+        self.own, self.rows = own or [], rows
         self.started = time.perf_counter()
+        self.first_step_time: Optional[float] = None  # wall clock (the driver's start is one): this run's first step
+        self.told_first_step = False  # in this process's first epoch record (a restart's, a resumed run's too)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.started = time.perf_counter()
 
+    def on_train_batch_end(self, batch, logs=None):
+        if self.first_step_time is None and not self.told_first_step:
+            self.first_step_time = time.time()
+
     def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self.started
         record = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0},
-                  "seconds": round(time.perf_counter() - self.started, 3), "workers": self.session.world}
+                  "seconds": round(seconds, 3), "workers": self.session.world,
+                  **({"samples_per_second": round(self.rows / seconds, 1)} if self.rows and seconds else {})}
+        if not self.told_first_step:
+            record["first_step_time"], self.told_first_step = self.first_step_time, True
         self.state["history"].append(record)
         self.state["epoch"] = epoch + 1
         if self.model.stop_training and epoch + 1 < self.epochs:  # agreed by every worker (Decisions runs first)
@@ -129,7 +155,7 @@ def why_stopped(callback, hook: str) -> str:
 
 
 # What an epoch record holds besides Keras's epoch logs.
-RECORD_KEYS = ("epoch", "seconds", "workers")
+RECORD_KEYS = ("epoch", "seconds", "workers", "samples_per_second", "first_step_time")
 
 
 def as_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -144,11 +170,11 @@ class Board(keras.callbacks.Callback):
     history.csv, exact over every worker), the learning rate and the speed with them. After Checkpoints, whose
     record it writes."""
 
-    def __init__(self, logdir: str, state: dict[str, Any], rows: Optional[int]):
+    def __init__(self, logdir: str, state: dict[str, Any]):
         super().__init__()
         from app.training.tensorboard import TensorBoard
 
-        self.board, self.state, self.rows = TensorBoard(logdir), state, rows
+        self.board, self.state = TensorBoard(logdir), state
 
     def on_epoch_end(self, epoch, logs=None):
         record = self.state["history"][-1]
@@ -156,8 +182,8 @@ class Board(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         if "learning_rate" not in scalars and optimizer is not None:
             scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
-        if self.rows and record["seconds"]:
-            scalars["samples_per_second"] = self.rows / record["seconds"]
+        if "samples_per_second" in record:
+            scalars["samples_per_second"] = record["samples_per_second"]
         self.board.epoch(record["epoch"], scalars)
 
     def on_train_end(self, logs=None):

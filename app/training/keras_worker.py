@@ -203,8 +203,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         held["parts"] = zero_state.gather(sharded, session.rank)
 
     own = list(job.callbacks or [])
-    board = [keras_callbacks.Board(job.tensorboard_dir, state, trained_rows(train, session.world))] \
-        if job.tensorboard_dir and session.rank == 0 else []
+    board = [keras_callbacks.Board(job.tensorboard_dir, state)] if job.tensorboard_dir and session.rank == 0 else []
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
     # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
@@ -213,11 +212,17 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None)), state,
                                              job.epochs, gather=gather if sharded else None,
-                                             own=own if session.rank == 0 else []), *board]
+                                             own=own if session.rank == 0 else [],
+                                             rows=trained_rows(train, session.world)), *board]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).
-    model.fit(train_ds, epochs=job.epochs, initial_epoch=first,
-              validation_data=val_ds,
-              validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
+    try:
+        model.fit(train_ds, epochs=job.epochs, initial_epoch=first, validation_data=val_ds,
+                  validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
+    except Exception as e:
+        named = keras_callbacks.raised_by_callback(e, own)
+        if named is None:
+            raise
+        raise named from None
 
 
