@@ -46,6 +46,15 @@ def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as
     kerass = keras.optimizers.schedules.CosineDecay(0.05, 24 - 8, warmup_target=0.1, warmup_steps=8)
     np.testing.assert_allclose([float(rule(s)) for s in range(30)], [float(kerass(s)) for s in range(30)],
                                rtol=1e-6, atol=1e-9)
+    # An optimizer with the rule copies whole (ZeRO's template is a deepcopy, which Keras makes by saving it), on a
+    # number and on the user's own schedule.
+    import copy
+
+    for base in (0.05, keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.5)):
+        copied = copy.deepcopy(keras.optimizers.SGD(_rule()(base, 2.0, 8, 24, True)))._learning_rate
+        original = _rule()(base, 2.0, 8, 24, True)
+        np.testing.assert_allclose([float(copied(s)) for s in range(30)], [float(original(s)) for s in range(30)],
+                                   rtol=1e-6)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")

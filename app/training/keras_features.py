@@ -147,6 +147,9 @@ def _rule():
     if _Rule is None:
         import keras
 
+        # Registered, and its base (de)serialized: a copy of the optimizer (ZeRO's unsharded template is a deepcopy,
+        # which Keras makes by saving and loading) rebuilds it.
+        @keras.saving.register_keras_serializable(package="app")
         class Rule(keras.optimizers.schedules.LearningRateSchedule):
             """The user's rate (a number or their schedule) x scale, warmed up and decayed, at a batch ``step``: on a
             number, what Keras's ``CosineDecay(min(rate, peak), total - warmup, warmup_target=peak,
@@ -171,8 +174,15 @@ def _rule():
                 return rate
 
             def get_config(self):
-                return {"base": self.base, "scale": self.scale, "warmup": self.warmup, "total": self.total,
+                base = keras.saving.serialize_keras_object(self.base) if callable(self.base) else self.base
+                return {"base": base, "scale": self.scale, "warmup": self.warmup, "total": self.total,
                         "cosine": self.cosine}
+
+            @classmethod
+            def from_config(cls, config):
+                base = config["base"]
+                return cls(**{**config, "base": keras.saving.deserialize_keras_object(base)
+                              if isinstance(base, dict) else base})
 
         _Rule = Rule
     return _Rule
