@@ -546,3 +546,21 @@ def test_a_loss_that_goes_nan_or_below_zero_trains_on_as_model_fit_and_its_curve
         np.testing.assert_allclose(losses[name], expected, rtol=1e-5)  # NaN where Keras's is NaN
         assert (tmp_path / name / "curves.png").stat().st_size > 10_000, name
     assert np.isnan(losses["nan"][-1]) and max(losses["cosine"]) < 0
+
+
+def test_a_built_in_model_plans_kerass_fit_on_ray_compiled_with_the_defaults_and_its_class_weights(tmp_path):
+    """`jobs/train.py --class-weight balanced --dry-run` in this process (a dry run starts no Ray): the built-in model,
+    built for the data, trains by Keras's fit on Ray, compiled with the task's defaults, its class weights said."""
+    from app.config import build_config
+    from app.run.api import dry_run
+
+    plan = dry_run(build_config(None, {"class_weight": "balanced", "epochs": 1, "output": str(tmp_path / "out")}))
+    assert plan[0].startswith("run: backend ray, collective all-reduce") and plan[1].startswith(
+        "step: Keras's train_step and test_step for the compiled loss and metrics, run by model.fit on each of 2")
+    assert "model: mlp, 17,226 parameters" in plan  # 64x128+128 + 128x64+64 + 64x10+10
+    assert any(line.startswith("compile: the product builds the model, and compiles it with the classification "
+                               "defaults") and line.endswith("(--optimizer, --base-lr, --momentum choose them)")
+               for line in plan), plan
+    weights = next(line for line in plan if line.startswith("class_weight: "))
+    assert weights.count(": ") == 11 and "9: 0.978" in weights, weights  # balanced: rows / (classes x class's rows)
+    assert not (tmp_path / "out").exists()

@@ -230,6 +230,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
     compiled = [defaults.line(built_by_product(config.model))] if defaults else []
+    if isinstance(class_weight, dict):  # as Keras's fit takes it: each row's loss weighed by its class's
+        compiled.append("class_weight: " + ", ".join(f"{c}: {w:.3g}" for c, w in sorted(class_weight.items()))
+                        + " (each row's loss weighed by its class's, as in Keras's fit)")
     plan = [_run_line(config, world, features.batch_size, train.steps, epochs)] \
         + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
         + features.lines() + shard.lines + elastic + [
