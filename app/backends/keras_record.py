@@ -58,9 +58,7 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "dropped_samples_per_epoch": job.train.dropped_rows(world),
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
             "worker_nodes": state.get("worker_nodes", []),
-            # The first step this driver saw (a resumed run's history starts earlier).
-            "time_to_first_step_seconds": next((r["first_step_time"] - started for r in records
-                                                if (r.get("first_step_time") or 0) >= started), None),
+            "time_to_first_step_seconds": outputs.first_step_seconds(records, started),
             "wall_seconds": round(time.time() - started, 2)}
 
 

@@ -100,6 +100,13 @@ def recorded_config(config: TrainConfig, out: Path) -> str:
     return "\n".join(lines) + "\n" + yaml.safe_dump(chosen, sort_keys=False) + "\n".join(commented) + "\n"
 
 
+def first_step_seconds(history: list[dict[str, Any]], started_at: float) -> float | None:
+    """From the driver's start to the first step it saw (an epoch record's ``first_step_time``, wall clock; a resumed
+    run's history starts earlier), on either engine; None: no step yet."""
+    return next((h["first_step_time"] - started_at for h in history
+                 if (h.get("first_step_time") or 0) >= started_at), None)
+
+
 def write_history(path: Path, history: list[dict[str, Any]]) -> None:
     keys = list(dict.fromkeys(k for row in history for k in row))
     with path.open("w", newline="") as f:
@@ -220,10 +227,7 @@ def write_outputs(
         **({"objective": state["objective"]} if "objective" in state else {}),
         "samples_per_second": train_samples / train_seconds,
         "wall_seconds": time.time() - started_at,
-        # The first step this driver saw (a resumed run's history starts earlier).
-        "time_to_first_step_seconds": next(
-            (h["first_step_time"] - started_at for h in history if h.get("first_step_time", 0) >= started_at), None
-        ),
+        "time_to_first_step_seconds": first_step_seconds(history, started_at),
         **({"worker_nodes": state["worker_nodes"]} if "worker_nodes" in state else {}),
         # Each size the run had and since when (an elastic run's resizes: --num-workers MIN:MAX).
         "workers_over_time": state.get("workers_over_time", []),

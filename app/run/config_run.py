@@ -82,7 +82,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
         from app.driver.preflight import checked_plan
 
-        checked_plan(config, _rows(data), config.num_workers if backend.on_ray else 1)
+        checked_plan(config, data.rows, config.num_workers if backend.on_ray else 1)
     run, _ = keras_step.fit(
         model, model_fn, data.x, data.y, batch_size=batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,
@@ -94,14 +94,6 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
-
-
-def _rows(data: "_Data") -> int:
-    """The training rows of arrays read here (x or y may be a dict or a list of arrays: named inputs, outputs)."""
-    leaf = data.y if data.y is not None else data.x
-    while isinstance(leaf, (dict, list, tuple)):
-        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
-    return len(leaf)
 
 
 def _resumes_keras_run(config) -> bool:
@@ -124,6 +116,7 @@ class _Data:
     class_weight: Optional[dict[int, float]] = None
     streamed: bool = False  # files or a ray.data.Dataset, read by the workers
     facts: Any = None  # arrays' DataFacts (app.data.arrays)
+    rows: Optional[int] = None  # the training rows of arrays read here
 
 
 def _data(config, model) -> _Data:
@@ -146,4 +139,4 @@ def _data(config, model) -> _Data:
     train, val = source.train, source.val
     weights = class_weights(config, source.facts)
     return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,
-                 dict(enumerate(weights)) if weights is not None else None, facts=source.facts)
+                 dict(enumerate(weights)) if weights is not None else None, facts=source.facts, rows=len(train))

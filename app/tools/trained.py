@@ -72,7 +72,7 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
                         "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
                         "output directory")
     state_file, model_file = found
-    if not model_file.exists() and list(state_file.parent.glob("train_state.*")):
+    if not model_file.exists() and list(state_file.parent.glob(f"{checkpoint.TRAIN_STATE}.*")):
         # A checkpoint of a run by Keras's fit (app.training.keras_worker): the weights and every optimizer's state,
         # which only that run's model function and data rebuild.
         raise UserError(f"{str(ckpt)!r} is a checkpoint of a run trained by Keras's fit: it holds the weights and the "

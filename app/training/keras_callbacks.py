@@ -121,7 +121,7 @@ class Checkpoints(keras.callbacks.Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.first_step_time is None and not self.told_first_step:
+        if self.first_step_time is None:
             self.first_step_time = time.time()
 
     def on_epoch_end(self, epoch, logs=None):

@@ -29,14 +29,15 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.training import zero_state
+from app.training.checkpoint import STATE_FILE, TRAIN_STATE
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
-TRAIN_STATE = "train_state"  # tf.train.Checkpoint prefix inside a checkpoint directory
-STATE_FILE = "state.json"  # the epoch and the history so far; written last, it marks a complete checkpoint
+# The product's checkpoint layout, one for both engines (jobs/evaluate.py tells them apart by the model file):
+# TRAIN_STATE the tf.train.Checkpoint prefix, STATE_FILE the epoch and the history so far, written last.
 
 
 @dataclass(frozen=True)
