@@ -33,9 +33,13 @@ def checkpointed_epoch(storage: Path, inside: bool = False) -> int:
     """The highest epoch among the complete checkpoints Ray Train has written under ``storage`` (``inside``: only
     those taken inside the epoch after it, --checkpoint-every-steps)."""
     epochs = [0]
-    for state in storage.glob("**/checkpoint_*/state.json"):
-        with contextlib.suppress(OSError, ValueError):  # being written
-            found = json.loads(state.read_text())
+    # os.walk, not a glob: Ray Train deletes the checkpoints past its keep count while this looks, and a glob
+    # raises on a directory that goes away under it (os.walk skips it).
+    for root, _, files in os.walk(storage):
+        if not (Path(root).name.startswith("checkpoint_") and "state.json" in files):
+            continue
+        with contextlib.suppress(OSError, ValueError):  # being written, or deleted since
+            found = json.loads((Path(root) / "state.json").read_text())
             if found.get("step") or not inside:
                 epochs.append(found["epoch"])
     return max(epochs)
