@@ -1,15 +1,11 @@
 """Every use of a library's private API in app/, behind one door.
 
-Pinned in pyproject.toml: ray 2.60.0, keras 3.15.1, tyro 1.0.17. Each function
-below is the only place app/ touches a name the library does not publish, and
-says why no public API does the job. tests/test_internals.py checks each one
-against the installed version (the names exist, and they still mean what the
-callers rely on), so an upgrade that moves them fails there, loudly, instead of
-in a run. tests/test_architecture.py refuses a private import anywhere else in app/.
-
-A leaf: nothing from app/, and every library is imported inside the function
-that needs it (importing this module costs nothing; the local backend never
-imports Ray).
+Pinned in pyproject.toml: ray 2.60.0, keras 3.15.1, tyro 1.0.17. Each function below is the only place app/
+touches a name the library does not publish, and says why no public API does the job. tests/test_internals.py
+checks each one against the installed version (the names exist, and still mean what the callers rely on), so an
+upgrade that moves them fails there, loudly, instead of in a run. tests/test_architecture.py refuses a private
+import anywhere else in app/. A leaf: nothing from app/, and every library is imported inside the function that
+needs it (importing this module costs nothing; the local backend never imports Ray).
 """
 
 from __future__ import annotations
@@ -68,11 +64,9 @@ def swap_ray_message_printer(replace: Callable[[Callable[..., None]], Callable[.
 
 # --- Ray Tune: its console reporter (app.tools.tune) ----------------------------------------------------------
 #
-# Tune's reporter of Ray 2.60 (ray/tune/experimental/output.py, TuneTerminalReporter) prints the
-# experiment's box and a paragraph per errored trial even at RunConfig(verbose=0), and Tune adds it
-# whatever callbacks are given (ray/tune/utils/callback.py, _create_default_callbacks). Its older
-# engine, chosen by this environment variable (read by get_air_verbosity in the driver), prints
-# nothing at verbose=0: a sweep's console is then its own (app.ui.tune_console).
+# Tune's reporter of Ray 2.60 (ray/tune/experimental/output.py) prints its box and a paragraph per errored trial
+# even at RunConfig(verbose=0), whatever callbacks are given (ray/tune/utils/callback.py). Its older engine, chosen
+# by this variable (get_air_verbosity, in the driver), prints nothing at verbose=0 (app.ui.tune_console speaks).
 
 TUNE_NEW_OUTPUT_ENV_VAR = "RAY_AIR_NEW_OUTPUT"  # "0": Tune's older output engine
 
@@ -118,14 +112,10 @@ def train_callback_bases() -> tuple[type, type]:
 def retry_worker_deaths_in_the_controller() -> None:
     """Have this process's Ray Train failure policy retry a control step that fails on a dead worker.
 
-    Ray 2.60 retries a ``ControllerError`` only when its cause is a start failure
-    (``RETRYABLE_CONTROLLER_ERRORS`` in failure_handling/default.py). A worker that dies
-    after its group's state is built and before the train function runs (the launch's
-    ``ray.get`` in ``WorkerGroup._start_impl`` is outside the block that turns a
-    ``RayActorError`` into a start failure) ends the run at once, whatever
-    ``max_failures`` says. A dead worker is the failure ``max_failures`` budgets for:
-    with ``RayActorError`` retryable it is counted against ``controller_failure_limit``,
-    which the product sets to the same budget. Called in the controller's process.
+    Ray 2.60 retries a ``ControllerError`` only when its cause is a start failure (``RETRYABLE_CONTROLLER_ERRORS``
+    in failure_handling/default.py): a worker that dies between its group's start and the train function (the
+    launch's ``ray.get`` in ``WorkerGroup._start_impl``) ends the run whatever ``max_failures`` says. Retryable, it
+    counts against ``controller_failure_limit``, which the product sets to the same budget. Called in the controller.
     """
     from ray.exceptions import RayActorError
     from ray.train.v2._internal.execution.failure_handling import default
@@ -202,10 +192,8 @@ def compile_arguments(model: Any) -> Optional[dict[str, Any]]:
 
 
 def learning_rate_schedule(optimizer: Any) -> Any:
-    """The optimizer's learning rate as it was given: its schedule object, or its variable for a constant rate.
-    ``optimizer.learning_rate`` is the rate at the current step (a tensor), and ``get_config()`` a serialised schedule
-    that only a registered class can be rebuilt from; an optimizer of the same class and schedule (the unsplit one
-    that a --tensor-parallel checkpoint holds) needs the object."""
+    """The optimizer's learning rate as it was given: its schedule object, or its variable for a constant rate
+    (``learning_rate`` is the rate at the current step; an unsplit twin of a split run's optimizer needs the object)."""
     return optimizer._learning_rate
 
 
@@ -242,12 +230,10 @@ def auto_name_of(obj: Any) -> str:
 
 # --- Keras: which entries of a training checkpoint are the model's trainable weights (app.training.checkpoint) ---
 #
-# ``tf.train.Checkpoint(model=..., optimizer=...)`` stores each variable once, under its shortest path in the
-# object graph. A built Keras 3 optimizer tracks the weights it trains as the list ``_trainable_variables``
-# (keras/src/optimizers/base_optimizer.py; a LossScaleOptimizer's own list too), two edges from the root, so
-# the model's trainable weights are stored as ``optimizer/_trainable_variables/<i>``, in the order of
-# ``model.trainable_variables``. Keras publishes no map from checkpoint keys to weights; the model's own
-# paths are deeper and private (``model/_functional/_operations/1/_kernel``).
+# ``tf.train.Checkpoint(model=..., optimizer=...)`` stores each variable once, under its shortest path: a built
+# Keras 3 optimizer's list ``_trainable_variables`` (base_optimizer.py; a LossScaleOptimizer's too), so the model's
+# trainable weights are ``optimizer/_trainable_variables/<i>``, in ``model.trainable_variables``' order. Keras
+# publishes no map from checkpoint keys to weights (the model's own paths are deeper and private).
 
 TRAINABLE_KEY = r"^optimizer/_trainable_variables/(\d+)/\.ATTRIBUTES/VARIABLE_VALUE$"
 
@@ -273,6 +259,33 @@ def tyro_error_events() -> Optional[Any]:
     except ImportError:
         return None
     return _errors
+
+
+# --- Keras: a layer computing through another; an optimizer's step counter (app.training.tensor_parallel) --------
+#
+# Keras has no public way to add a sublayer to a built layer (its tracker locks after build) nor to swap a
+# layer's computation (``__call__`` calls ``self.call``); ``iterations`` is a divided tensor, not the variable,
+# when the optimizer accumulates gradients.
+
+
+def sublayers(model: Any) -> list[Any]:
+    """Every layer inside ``model``, nested ones too (``model.layers``: a subclassed model's top level only)."""
+    return model._flatten_layers(include_self=False)
+
+
+def compute_through(layer: Any, other: Any) -> None:
+    """Built ``layer`` calls ``other.call`` (with the arguments it takes) and holds ``other``'s variables."""
+    import inspect
+
+    layer._layers.append(other)
+    takes = inspect.signature(other.call).parameters
+    object.__setattr__(layer, "call", lambda *args, **kwargs: other.call(
+        *args, **{k: v for k, v in kwargs.items() if k in takes}))
+
+
+def step_counter(optimizer: Any) -> Any:
+    """The variable that counts an optimizer's ``apply`` calls."""
+    return optimizer._iterations
 
 
 # --- TensorFlow: an all-reduce across workers outside a tf.distribute scope (app.training.collective) -------------

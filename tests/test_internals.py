@@ -407,3 +407,37 @@ def test_the_keras_step_internals_read_inputs_and_reduce_logs_as_fit_does():
     assert model.history.history == {"replaced": [True]}
 
     assert internals.collective_sum(tf.constant([1.0, 2.0]), 1, 7, 1, 0).numpy().tolist() == [1.0, 2.0]
+
+
+def test_a_split_layer_computes_inside_the_users_model_and_the_step_counter_is_assignable():
+    """sublayers finds a subclassed model's nested layers; compute_through makes a built layer call another and
+    list its variables (so the model's trainable variables are the other's once the layer's own are marked not
+    trainable); step_counter is the variable iterations reads, also when it is divided for gradient accumulation."""
+    import keras
+    import numpy as np
+
+    from app import internals
+
+    class Outer(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.block = keras.Sequential([keras.layers.Dense(3, name="inner")])
+
+        def call(self, x):
+            return self.block(x)
+
+    model = Outer()
+    model(np.ones((1, 2), "float32"))
+    inner = next(layer for layer in internals.sublayers(model) if layer.name == "inner")
+    other = keras.layers.Dense(3, kernel_initializer="ones", bias_initializer="zeros")
+    other.build((None, 2))
+    for v in inner.weights:
+        v.trainable = False
+    internals.compute_through(inner, other)
+    assert model(np.ones((1, 2), "float32")).numpy().tolist() == [[2.0, 2.0, 2.0]]  # training= is Keras's to pass
+    assert [id(v) for v in model.trainable_variables] == [id(v) for v in other.weights]
+
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    optimizer.build(model.trainable_variables)
+    internals.step_counter(optimizer).assign(4)
+    assert int(optimizer.iterations) == 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import REPO, script_record
+from conftest import REPO, clean_env, script_record
 
 SCRIPT = REPO / "tests" / "scripts" / "keras_features_runs.py"
 
@@ -18,19 +18,41 @@ def runs(joined, tmp_path_factory):
     return script_record(SCRIPT, tmp_path_factory, "features.json", joined)
 
 
-def test_grad_accum_bf16_and_an_elastic_range_on_two_workers_train_as_model_fit_with_kerass_own_settings(runs):
-    """grad_accum=2, mixed_precision="bf16" and num_workers="1:2" at once, a model with its own train_step: the
-    History of model.fit with gradient_accumulation_steps=2 under the mixed_bfloat16 policy in one process (each
-    step's gradients averaged over both workers' rows, then accumulated as Keras accumulates them; bf16 rounding
-    in the sums: 1e-2). The resize itself under a real two-node cluster: tests/test_elastic.py."""
+def test_grad_accum_bf16_an_elastic_range_and_tensor_parallel_on_two_workers_train_as_model_fit(runs):
+    """grad_accum=2, mixed_precision="bf16", num_workers="1:2" and tensor_parallel=2 at once, a model with its own
+    train_step: the History of model.fit with gradient_accumulation_steps=2 under the mixed_bfloat16 policy in one
+    process, unsplit (each step's gradients averaged over both workers' rows, then accumulated as Keras accumulates
+    them; bf16 rounding in the sums: 1e-2). The split exact in float32: the test below; the resize itself under a
+    real two-node cluster: tests/test_elastic.py."""
     run, keras_fit = runs["features"], runs["keras_fit"]["history"]
     assert list(run["history"]) == ["reconstruction"]
     np.testing.assert_allclose(run["history"]["reconstruction"], keras_fit["reconstruction"], rtol=1e-2)
     # Keras counts optimizer steps, one per two batches: 8 batches of 32 an epoch, 3 epochs.
     assert run["iterations"] == 8 * 3 // 2
     assert run["policy"] == "mixed_bfloat16" and run["workers"] in (1, 2)  # the size Ray Train found room for
-    for said in ("workers: elastic, 1 to 2", "gradient_accumulation_steps=2", "mixed_bfloat16 dtype policy"):
+    for said in ("workers: elastic, 1 to 2", "gradient_accumulation_steps=2", "mixed_bfloat16 dtype policy",
+                 "tensor parallel: 2 devices in each worker; encoder by columns, decoder by rows"):
         assert said in run["plan"]
+    # Each worker split its own CPU: half of the split layers' bytes on each device (the decoder's bias is whole).
+    tp = run["tensor_parallel"]
+    assert tp["splits"] == {"encoder": "column", "decoder": "row"} and list(tp["device_bytes"]) == ["CPU:0", "CPU:1"]
+    assert sum(tp["device_bytes"].values()) == tp["unsplit_bytes"]
+
+
+def test_tensor_parallel_on_kerass_fit_is_model_fit_weight_for_weight_and_its_checkpoint_resumes_unsplit(
+        tmp_path_factory):
+    """A user's script splits its CPU into 2 devices and trains its own-train_step model with tensor_parallel=2 (no
+    Ray): the same History as model.fit (float32: the shards' sums in another order); the checkpoint holds the
+    model and Adam's moments unsplit, so the run resumed without the split ends on model.fit's weights (1e-6)."""
+    record = script_record(REPO / "tests" / "scripts" / "keras_tensor_local.py", tmp_path_factory, "tensor.json",
+                           clean_env())
+    np.testing.assert_allclose(record["split"]["reconstruction"], record["keras_fit"]["reconstruction"][:2],
+                               rtol=1e-6)
+    np.testing.assert_allclose(record["resumed"]["reconstruction"], record["keras_fit"]["reconstruction"], rtol=1e-6)
+    for ours, kerass in zip(record["weights"], record["keras_weights"], strict=True):
+        np.testing.assert_allclose(ours, kerass, atol=1e-6)
+    assert "tensor parallel: 2 devices; encoder by columns, decoder by rows" in record["plan"]
+    assert record["result"]["device_bytes"] == {"CPU:0": 236, "CPU:1": 204}  # 4 B x (8x3+3 + 3x8+8), (8x3+3 + 3x8)
 
 
 def test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it(tmp_path):

@@ -169,8 +169,16 @@ def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_
 
 
 def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
-    with pytest.raises(UserError, match="tensor_parallel: the product's own training features"):
+    with pytest.raises(UserError, match="checkpoint_every_steps: the product's own training features"):
+        app.fit(two_optimizers, X, epochs=1, checkpoint_every_steps=2, output=str(tmp_path / "never"))
+    # Tensor parallel on Keras's fit cuts the state of one optimizer (this one holds its compile()'s default and its
+    # own two); with ZeRO, the state would be cut twice.
+    with pytest.raises(UserError, match="tensor_parallel=2 splits the state of the model's one optimizer, and "
+                                        "two_optimizers holds 3: compile it with one optimizer"):
         app.fit(two_optimizers, X, epochs=1, tensor_parallel=2, output=str(tmp_path / "never"))
+    with pytest.raises(UserError, match="tensor_parallel=2 with shard_optimizer: each splits the optimizer's state"):
+        app.fit(compiled, X, Y, tensor_parallel=2, shard_optimizer=1, output=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
 
 
 def _pipeline(seed=None):

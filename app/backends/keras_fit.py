@@ -60,7 +60,8 @@ class RayKerasSession:
             return
         self._started = True
         # MWMS only configures the collectives from TF_CONFIG (app.training.collective); nothing runs in its scope.
-        ray_worker_strategy(self.payload["cpus_per_worker"], self.payload["stall_timeout_s"], self.world)
+        ray_worker_strategy(self.payload["cpus_per_worker"], self.payload["stall_timeout_s"], self.world,
+                            self.payload["tensor_degree"])
 
     def inputs(self) -> tuple[KerasData, Optional[KerasData]]:
         import ray
@@ -217,7 +218,9 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
     payload = {"job": cloudpickle.dumps(KerasJob(**{**job.__dict__, "train": None, "val": None})),
                "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
                "cpus_per_worker": config.cpus_per_worker, "stall_timeout_s": job.stall_timeout_s,
-               "start_from": _last_checkpoint(config, out)}
+               "start_from": _last_checkpoint(config, out),
+               # --tensor-parallel: the worker splits its CPU into that many devices before its TensorFlow starts
+               "tensor_degree": len(job.tensor.devices) if job.tensor is not None else None}
     from app.data import keras_stream
 
     trainer = tf_config.trainer(

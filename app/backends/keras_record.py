@@ -59,6 +59,9 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
             "worker_nodes": state.get("worker_nodes", []),
             "time_to_first_step_seconds": outputs.first_step_seconds(records, started),
+            # --tensor-parallel: the split and what each of a worker's devices held of it (rank 0's count)
+            **({"tensor_parallel": {**job.tensor.as_dict(), "device_bytes": state.get("tensor_device_bytes") or {}}}
+               if job.tensor is not None else {}),
             "wall_seconds": round(time.time() - started, 2)}
 
 

@@ -56,7 +56,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     if model is None:
         # Locally a built-in trains on the product's step (the tensor-parallel and strategy comparisons there are
         # built on its batches); files for it too (it reads their schema), below.
-        if not keras_step.built_by_product(config.model) or not backend.on_ray:
+        # With --tensor-parallel too: a model the product builds splits on its step, where the split and the one
+        # device it must equal are both trained (tests/test_tensor_parallel*.py).
+        if not keras_step.built_by_product(config.model) or not backend.on_ray or config.tensor_degree:
             return None
         data = _data(config, None)
         if data.streamed:  # files for a built-in model: the product's own step, which reads their schema

@@ -35,8 +35,9 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "stream_buffer_mib", "data_cache",
                      # the product's features that Keras provides itself (app.training.keras_features)
                      "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay",
-                     # the optimizer's state cut over the workers (app.training.zero)
-                     "shard_optimizer"}
+                     # the optimizer's state cut over the workers (app.training.zero); layers split over each
+                     # worker's devices (app.training.tensor_parallel)
+                     "shard_optimizer", "tensor_parallel", "tensor_layout"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
 DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum"}
 
@@ -215,17 +216,20 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
-    from app.training import keras_sync, zero
+    from app.training import keras_sync, tensor_parallel, zero
     from app.training.keras_features import KerasFeatures
 
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
                                 steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None)
     features.check()
     shard = zero.sharding(model, keras_sync.optimizers_of(model), config.shard_optimizer, world)
+    tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config,
+                                           len(keras_sync.optimizers_of(model)), _on_ray(config), train.first_batch()
+                                           ) if config.tensor_degree else None
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
-                   task=defaults.task if defaults is not None else None)
+                   task=defaults.task if defaults is not None else None, tensor=tensor)
     elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
                "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
         if config.elastic and _on_ray(config) else []
@@ -235,7 +239,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                         + " (each row's loss weighed by its class's, as in Keras's fit)")
     plan = [_run_line(config, world, features.batch_size, train.steps, epochs)] \
         + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
-        + features.lines() + shard.lines + elastic + [
+        + features.lines() + shard.lines + (tensor.lines(per_worker=_on_ray(config)) if tensor else []) + elastic + [
         line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()

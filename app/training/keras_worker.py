@@ -58,6 +58,7 @@ class KerasJob:
     shard_optimizer: int = 0  # ZeRO's stage (app.training.zero); 0: every worker holds every optimizer's state
     tensorboard_dir: Optional[str] = None  # rank 0's epoch scalars (app.training.tensorboard); None: none
     task: Optional[str] = None  # the task the product compiled the model for (app.training.default_compile), else None
+    tensor: Any = None  # --tensor-parallel: the driver's TensorPlan (the layers split, over how many devices); None
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -130,12 +131,44 @@ def read_state(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / STATE_FILE).read_text())
 
 
-def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Path] = None) -> None:
+class Split:
+    """--tensor-parallel on Keras's fit: the model's split layers in place (app.training.tensor_parallel), and its
+    optimizer's state as the unsplit model's optimizer holds it (app.training.tensor_optimizer). Checkpoints hold
+    the unsplit model and optimizer, as an unsplit run writes them: the driver's model reads them, and a run
+    resumes at any degree, or none."""
+
+    def __init__(self, model, plan, data: KerasData) -> None:
+        from app.training import tensor_optimizer, tensor_parallel
+        from app.training.keras_sync import optimizers_of
+        from app.training.strategy import tensor_devices
+
+        tensor_parallel.built_on(model, data.first_batch())
+        self.shards = tensor_parallel.SplitInPlace.place(model, plan.on(tensor_devices(len(plan.devices))))
+        (optimizer,) = optimizers_of(model)  # one: the driver refuses more (app.run.keras_step)
+        slots = tensor_optimizer.place_optimizer_slots(optimizer)
+        self.optimizer = tensor_optimizer.UnsplitOptimizer(self.shards, optimizer, slots)
+
+    def checkpoint(self, gather: bool) -> Any:
+        """The unsplit model and optimizer as one ``tf.train.Checkpoint`` (``gather``: the shards written into
+        them first, before a save)."""
+        import tensorflow as tf
+
+        if gather:
+            self.shards.unsplit_weights()
+        return tf.train.Checkpoint(variables=self.shards.unsplit_variables,
+                                   optimizers=[self.optimizer.gather() if gather else self.optimizer.unsplit])
+
+
+def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Path] = None,
+         split: Optional[Split] = None) -> None:
     """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history). ``parts``: the
-    sharded optimizers' state as app.training.zero_state wrote it, which the checkpoint takes instead."""
+    sharded optimizers' state as app.training.zero_state wrote it, which the checkpoint takes instead; ``split``:
+    a tensor-parallel model's, unsplit."""
     import tensorflow as tf
 
-    if parts is None:
+    if split is not None:
+        split.checkpoint(gather=True).write(str(Path(directory) / TRAIN_STATE))
+    elif parts is None:
         checkpoint_of(model).write(str(Path(directory) / TRAIN_STATE))
     else:
         shutil.move(str(parts), str(Path(directory) / zero_state.DIRECTORY))
@@ -143,14 +176,19 @@ def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Pa
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
-def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = ()) -> dict[str, Any]:
+def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = (),
+            split: Optional[Split] = None) -> dict[str, Any]:
     """Weights and every optimizer's state from a checkpoint directory, sharded or not whichever wrote it (a sharded
-    optimizer keeps its part); its state.json."""
+    optimizer keeps its part; a split model cuts them into its shards); its state.json."""
     import tensorflow as tf
 
     from app.training.keras_sync import optimizers_of
 
     path = str(Path(directory) / TRAIN_STATE)
+    if split is not None:
+        split.checkpoint(gather=False).read(path).assert_existing_objects_matched()
+        split.optimizer.scatter()
+        return read_state(directory)
     if zero_state.written(directory):
         tf.train.Checkpoint(variables=list(model.variables)).read(path).assert_existing_objects_matched()
         zero_state.read(directory, optimizers_of(model), sharded)
@@ -175,13 +213,16 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
     model = keras_features.build(job.model_fn, job.features)
+    split = Split(model, job.tensor, train) if job.tensor is not None else None
+    if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
+        collective.device = split.shards.plan.devices[0]
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
     build(model, train, val, sharded)
 
     state = {"epoch": job.initial_epoch, "history": []}
     resumed = session.last_checkpoint()
     if resumed is not None:
-        state = restore(model, resumed, sharded)
+        state = restore(model, resumed, sharded, split)
         if session.rank == 0:
             log.info("resumed at epoch %d step 0 from its checkpoint", state["epoch"] + 1)
     else:
@@ -192,6 +233,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     # What this worker holds for its optimizers (result.json): their variables, and a sharded one's flat weights.
     state["optimizer_state_bytes"] = zero.state_bytes(keras_sync.optimizers_of(model))
     state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
+    if split is not None:  # what each of this worker's devices holds of the split layers (result.json)
+        state["tensor_device_bytes"] = split.shards.variable_bytes()
     first = state["epoch"]
     steps = train.steps_on(session.world, first, job.seed)
     epochs = range(first, job.epochs)
@@ -211,7 +254,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
     callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
                  keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
-                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None)), state,
+                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None), split), state,
                                              job.epochs, gather=gather if sharded else None,
                                              own=own if session.rank == 0 else [],
                                              rows=trained_rows(train, session.world)), *board]

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from app import internals
 from app.errors import UserError
-from app.training.tensor_parallel import TensorParallel, cut, device_of, join
+from app.training.tensor_parallel import Shards, cut, device_of, join
 
 
 def place_optimizer_slots(optimizer, device: Optional[str] = None) -> dict[int, list]:
@@ -35,7 +35,7 @@ class UnsplitOptimizer:
     (``gather``, before a save) or the source of them (``scatter``, after a restore). A checkpoint is then the one an
     unsplit run writes, and a run resumes at any degree, or none."""
 
-    def __init__(self, split: TensorParallel, optimizer, slots: dict[int, list]):
+    def __init__(self, split: Shards, optimizer, slots: dict[int, list]):
         import keras
 
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -47,13 +47,13 @@ class UnsplitOptimizer:
         self.unsplit = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": rate})
         # In host memory, where a checkpoint reads and writes them: no device holds the unsplit layers' slots.
         self.unsplit_slots = place_optimizer_slots(self.unsplit, device="/CPU:0")
-        self.unsplit.build(split.original.trainable_variables)
+        self.unsplit.build(split.unsplit_trainable)
         if not optimizer.built:
-            optimizer.build(split.model.trainable_variables)
+            optimizer.build(split.split_trainable)
 
     def gather(self):
         """The unsplit optimizer, holding the split one's state (call before each checkpoint)."""
-        self.unsplit.iterations.assign(self.optimizer.iterations)
+        internals.step_counter(self.unsplit).assign(internals.step_counter(self.optimizer))
         for variable, pieces, axis in self._pieces():
             for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
                 slot.assign(join([self.slots[id(p)][k].numpy() for p in pieces], axis))
@@ -62,7 +62,7 @@ class UnsplitOptimizer:
     def scatter(self) -> None:
         """The restored unsplit state into the split model and optimizer (after a checkpoint was read)."""
         self.split.resplit()
-        self.optimizer.iterations.assign(self.unsplit.iterations)
+        internals.step_counter(self.optimizer).assign(internals.step_counter(self.unsplit))
         for variable, pieces, axis in self._pieces():
             for k, slot in enumerate(self.unsplit_slots.get(id(variable), [])):
                 for piece, part in zip(pieces, cut(slot.numpy(), len(pieces), axis)):
@@ -72,4 +72,4 @@ class UnsplitOptimizer:
         """The split layers' pieces, and every other trainable variable as its own one piece (shared by both models)."""
         split = self.split.pieces()
         ids = {id(variable) for variable, _, _ in split}
-        return split + [(v, [v], None) for v in self.split.original.trainable_variables if id(v) not in ids]
+        return split + [(v, [v], None) for v in self.split.unsplit_trainable if id(v) not in ids]

@@ -70,7 +70,7 @@ class TensorPlan:
 
     def lines(self, per_worker: bool = False) -> list[str]:
         per = ", ".join(f"{d} {b / 2**10:.1f} KiB" for d, b in self.device_bytes.items()) \
-            or "counted in each worker"
+            or ("counted in each worker" if per_worker else "counted where the run places them (result.json)")
         return [f"tensor parallel: {len(self.devices)} devices{' in each worker' if per_worker else ''}; "
                 + ", ".join(f"{name} by {BY[how]}" for name, how in self.splits.items()),
                 f"tensor parallel: split layers' variables per device: {per} (unsplit {self.unsplit_bytes / 2**10:.1f} KiB)"]
@@ -80,14 +80,55 @@ def checked_plan(model: "keras.Model", config, devices: Sequence[str], name: str
     """The driver's check of --tensor-parallel: the layout (--tensor-layout, else the built-in model's) planned on
     the model, then the model split once here, so that the bytes per device are read from where its variables
     are."""
-    layout = dict(item.split("=", 1) for item in config.tensor_layout) if config.tensor_layout \
-        else dict(BUILTIN_LAYOUTS.get(config.model, {}) if isinstance(config.model, str) else {})
-    plan = plan_split(model, layout, devices, name)
+    plan = plan_split(model, layout_of(config), devices, name)
     if set(plan.devices) <= _own_devices():
         plan.device_bytes = TensorParallel.place(model, plan, name).variable_bytes()
     # Else a Ray driver whose TensorFlow started before the run (one CPU device): its workers split their own
     # devices; what each holds is read there (the worker's state: ``tensor_device_bytes``).
     return plan
+
+
+def plan_in_place(model: "keras.Model", name: str, config, optimizers: int, on_ray: bool,
+                  first_batch: Any) -> TensorPlan:
+    """The driver's check of tensor_parallel on Keras's fit (``SplitInPlace``): the layout planned on the model
+    (built on ``first_batch`` if it is not yet; ``name``: the model as the user knows it). On Ray each worker
+    splits its own devices (counted there); this process must hold them already."""
+    n = config.tensor_degree
+    if config.shard_optimizer:
+        raise UserError(f"tensor_parallel={n} with shard_optimizer: each splits the optimizer's state its own way; "
+                        "use one of them")
+    if optimizers != 1:
+        raise UserError(f"tensor_parallel={n} splits the state of the model's one optimizer, and {name} holds "
+                        f"{optimizers}: compile it with one optimizer, or leave tensor_parallel out")
+    if on_ray:
+        devices = [f"{'GPU' if config.use_gpu else 'CPU'}:{i}" for i in range(n)]
+    else:
+        from app.training.strategy import StrategyUnavailable, tensor_devices
+
+        try:
+            devices = tensor_devices(n)
+        except StrategyUnavailable as e:
+            raise UserError(f"{e}: this process's TensorFlow started with them already; run on Ray (each worker "
+                            f"splits its own CPU), or split the CPU before any TensorFlow op: tf.config."
+                            f"set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {n})"
+                            ) from None
+    built_on(model, first_batch)
+    return plan_split(model, layout_of(config), devices, name, in_place=True)
+
+
+def built_on(model: "keras.Model", batch: Any) -> None:
+    """A model not built yet (a subclassed one before its first call) built by a call on ``batch``'s inputs, as
+    its first step would: its layers' variables are what the split cuts."""
+    import keras
+
+    if not model.built:
+        model(keras.utils.unpack_x_y_sample_weight(batch)[0])
+
+
+def layout_of(config) -> dict[str, str]:
+    """--tensor-layout's LAYER=how, else the built-in model's layout (none for a user's model)."""
+    return dict(item.split("=", 1) for item in config.tensor_layout) if config.tensor_layout \
+        else dict(BUILTIN_LAYOUTS.get(config.model, {}) if isinstance(config.model, str) else {})
 
 
 def _own_devices() -> set[str]:
@@ -96,13 +137,17 @@ def _own_devices() -> set[str]:
     return {short_name(d.name) for d in tf.config.list_logical_devices()}
 
 
-def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str) -> TensorPlan:
+def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str,
+               in_place: bool = False) -> TensorPlan:
     """Each layer the layout names, checked: a Dense whose split size divides by the devices, a MultiHeadAttention
-    whose heads do; one line otherwise."""
+    whose heads do; one line otherwise. ``in_place`` (``SplitInPlace``): any model's layers, nested ones too, each
+    column layer's output gathered (the model's own code passes it on)."""
 
     from app.training.pipeline import functional
 
-    model = functional(model, name)
+    if not in_place:
+        model = functional(model, name)
+    layers = internals.sublayers(model) if in_place else model.layers
     n = len(devices)
     if not layout:
         raise UserError(f"--tensor-parallel {n}: give --tensor-layout LAYER=column|row|heads ... for {name} (which "
@@ -110,20 +155,20 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
                         "by heads)")
     splits: dict[str, str] = {}
     for pattern, how in layout.items():
-        matched = [layer for layer in model.layers if fnmatch.fnmatchcase(layer.name, pattern)]
+        matched = [layer for layer in layers if fnmatch.fnmatchcase(layer.name, pattern)]
         if not matched:
             raise UserError(f"--tensor-layout {pattern}: no layer of {name} is named so (its layers: "
-                            f"{', '.join(layer.name for layer in model.layers)})")
+                            f"{', '.join(layer.name for layer in layers)})")
         for layer in matched:
             if how == "replicated":
                 splits.pop(layer.name, None)
                 continue
             _check_splits(layer, how, n)
             splits[layer.name] = how
-    by_name = {layer.name: layer for layer in model.layers}
+    by_name = {layer.name: layer for layer in layers}
     gathered = {}
     for layer_name, how in splits.items():
-        if how == "column":
+        if how == "column" and not in_place:
             consumers = [op for op in internals.consumers(by_name[layer_name]) if op in model.layers]
             gathered[layer_name] = not (len(consumers) == 1 and splits.get(consumers[0].name) == "row")
     unsplit = sum(int(v.numpy().nbytes) for layer_name in splits for v in by_name[layer_name].weights)
@@ -153,8 +198,60 @@ def _check_splits(layer, how: str, n: int) -> None:
                         f"{n} equal shards: use a --tensor-parallel that divides {size}")
 
 
-class TensorParallel:
-    """The user's model (``original``) and its split clone (``model``), which trains."""
+def _split_layer(layer, how: str, plan: TensorPlan, name: str, gather: bool = True):
+    """The split layer that computes what ``layer`` (a Dense or a MultiHeadAttention the plan names) computes."""
+    if how == "heads":
+        dims = (*(int(d.kernel.shape[0]) for d in (layer.query_dense, layer.key_dense, layer.value_dense)),
+                int(layer.output_dense.kernel.shape[-1]))
+        return tensor_layers.split_attention_class()(layer.num_heads, layer.key_dim, layer.value_dim, dims,
+                                                     plan.devices, use_bias=layer.use_bias, name=name,
+                                                     dtype=layer.dtype_policy)
+    return tensor_layers.split_dense_class()(layer.units, int(layer.kernel.shape[0]), plan.devices, how,
+                                             activation=layer.activation, use_bias=layer.use_bias, gather=gather,
+                                             name=name, dtype=layer.dtype_policy)
+
+
+class Shards:
+    """The map between the unsplit layers' variables and their shards (``pieces``), both ways."""
+
+    plan: TensorPlan
+
+    def pieces(self) -> list[tuple[Any, list, Any]]:
+        """Every split layer's (unsplit variable, its pieces, the axis they join on or None)."""
+        raise NotImplementedError
+
+    @property
+    def unsplit_trainable(self) -> list:
+        """The trainable variables of the model unsplit, in its order (what an unsplit run's optimizer holds)."""
+        raise NotImplementedError
+
+    @property
+    def split_trainable(self) -> list:
+        """The trainable variables the split model trains: the shards in place of the split layers' variables."""
+        raise NotImplementedError
+
+    def unsplit_weights(self) -> None:
+        """The shards written back into the unsplit layers' variables (what checkpoints and exports save)."""
+        for variable, pieces, axis in self.pieces():
+            variable.assign(join([p.numpy() for p in pieces], axis))
+
+    def resplit(self) -> None:
+        """The unsplit layers' weights (a restored checkpoint) into their shards."""
+        for variable, pieces, axis in self.pieces():
+            for piece, part in zip(pieces, cut(variable.numpy(), len(pieces), axis)):
+                piece.assign(part)
+
+    def variable_bytes(self) -> dict[str, int]:
+        """The shards' variable bytes on each device, read from where the variables are."""
+        out = {d: 0 for d in self.plan.devices}
+        for _, pieces, _ in self.pieces():
+            for v in pieces:
+                out[device_of(v)] = out.get(device_of(v), 0) + int(v.numpy().nbytes)
+        return out
+
+
+class TensorParallel(Shards):
+    """The user's model (``original``) and its split clone (``model``), which trains (the product's own step)."""
 
     def __init__(self, original: "keras.Model", model: "keras.Model", plan: TensorPlan):
         self.original, self.model, self.plan = original, model, plan
@@ -168,7 +265,6 @@ class TensorParallel:
         from app.training.pipeline import Graph, functional
 
         graph = functional(original, name)
-        split_dense, split_attention = tensor_layers.split_dense_class(), tensor_layers.split_attention_class()
         inputs = [keras.Input(shape=t.shape[1:], dtype=t.dtype, name=internals.keras_history(t).operation.name)
                   for t in graph.inputs]
         tensors = {id(a): b for a, b in zip(graph.inputs, inputs)}
@@ -176,16 +272,8 @@ class TensorParallel:
         for node in Graph.of(graph).nodes:
             op = node.operation
             how = plan.splits.get(op.name)
-            if how == "heads" and op.name not in split:
-                dims = (*(int(d.kernel.shape[0]) for d in (op.query_dense, op.key_dense, op.value_dense)),
-                        int(op.output_dense.kernel.shape[-1]))
-                split[op.name] = split_attention(op.num_heads, op.key_dim, op.value_dim, dims, plan.devices,
-                                                 use_bias=op.use_bias, name=op.name, dtype=op.dtype_policy)
-            elif how is not None and op.name not in split:
-                split[op.name] = split_dense(op.units, int(op.kernel.shape[0]), plan.devices, how,
-                                             activation=op.activation, use_bias=op.use_bias,
-                                             gather=plan.gathered.get(op.name, True), name=op.name,
-                                             dtype=op.dtype_policy)
+            if how is not None and op.name not in split:
+                split[op.name] = _split_layer(op, how, plan, op.name, gather=plan.gathered.get(op.name, True))
             args, kwargs = internals.node_call_arguments(node, tensors)
             out = (split[op.name] if how is not None else op)(*args, **kwargs)
             if how == "column" and not plan.gathered.get(op.name, True):
@@ -199,32 +287,64 @@ class TensorParallel:
         return placed
 
     def pieces(self) -> list[tuple[Any, list, Any]]:
-        """Every split layer's (unsplit variable, its pieces, the axis they join on or None): the one map between
-        the original model's variables and the shards, for the weights and the optimizer's state."""
         return [piece for layer in self.model.layers if layer.name in self.plan.splits
                 for piece in layer.pieces(self.original.get_layer(layer.name))]
 
+    @property
+    def unsplit_trainable(self) -> list:
+        return self.original.trainable_variables
+
+    @property
+    def split_trainable(self) -> list:
+        return self.model.trainable_variables
+
     def unsplit(self) -> "keras.Model":
-        """The original model, holding the trained weights (what checkpoints and exports save): the split layers'
-        shards written back (the other layers are the original's own)."""
-        for variable, pieces, axis in self.pieces():
-            variable.assign(join([p.numpy() for p in pieces], axis))
+        """The original model, holding the trained weights (the other layers are the original's own)."""
+        self.unsplit_weights()
         return self.original
 
-    def resplit(self) -> None:
-        """The original model's weights (a restored checkpoint) into the split layers' shards."""
-        for variable, pieces, axis in self.pieces():
-            for piece, part in zip(pieces, cut(variable.numpy(), len(pieces), axis)):
-                piece.assign(part)
 
-    def variable_bytes(self) -> dict[str, int]:
-        """The split layers' variable bytes on each device, read from where the variables are."""
-        out = {d: 0 for d in self.plan.devices}
-        for layer in self.model.layers:
-            if layer.name in self.plan.splits:
-                for v in layer.weights:
-                    out[device_of(v)] = out.get(device_of(v), 0) + int(v.numpy().nbytes)
-        return out
+class SplitInPlace(Shards):
+    """Tensor parallel inside the model Keras's fit runs: the model keeps its own layers (a model's own
+    ``train_step`` calls them as it always does), and each layer the plan names computes through its split layer,
+    whose shards' variables live on their devices and train in place of the layer's own. Those stay in the model,
+    untrained, as the unsplit copy (``unsplit_weights``) that checkpoints and the driver's model read. Any model
+    whose split layers are a Dense or a MultiHeadAttention called as such: functional, Sequential or subclassed."""
+
+    def __init__(self, model: "keras.Model", plan: TensorPlan, layers: dict[str, Any], splits: dict[str, Any],
+                 unsplit_trainable: list, unsplit_variables: list):
+        self.model, self.plan, self.layers, self.splits = model, plan, layers, splits
+        self._unsplit_trainable, self.unsplit_variables = unsplit_trainable, unsplit_variables
+
+    @classmethod
+    def place(cls, model: "keras.Model", plan: TensorPlan) -> "SplitInPlace":
+        found = {layer.name: layer for layer in internals.sublayers(model)}
+        trainable, variables = list(model.trainable_variables), list(model.variables)
+        layers, splits = {}, {}
+        for name, how in plan.splits.items():
+            layer = layers[name] = found[name]
+            split = splits[name] = _split_layer(layer, how, plan, f"{name}_split")
+            if how == "heads":
+                split.build()
+            else:
+                split.build((None, int(layer.kernel.shape[0])))
+            for variable, _, _ in split.pieces(layer):
+                variable.trainable = False  # the shards train instead
+            internals.compute_through(layer, split)
+        placed = cls(model, plan, layers, splits, trainable, variables)
+        placed.resplit()
+        return placed
+
+    def pieces(self) -> list[tuple[Any, list, Any]]:
+        return [piece for name, split in self.splits.items() for piece in split.pieces(self.layers[name])]
+
+    @property
+    def unsplit_trainable(self) -> list:
+        return self._unsplit_trainable
+
+    @property
+    def split_trainable(self) -> list:
+        return self.model.trainable_variables
 
 
 def join(parts: list, axis: Any):

@@ -1,5 +1,6 @@
 """A user's script: a model with its own train_step trained by app.fit on 2 Ray workers with the product's features
-that Keras provides itself (app.training.keras_features), and by Keras's own model.fit with the same settings.
+(those Keras provides itself, app.training.keras_features, and its Dense layers split over each worker's devices,
+app.training.tensor_parallel), and by Keras's own model.fit with the same settings.
 
     python keras_features_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
 
@@ -25,7 +26,7 @@ class Autoencoder(keras.Model):
 
     def __init__(self):
         super().__init__()
-        self.encoder, self.decoder = keras.layers.Dense(4), keras.layers.Dense(8)
+        self.encoder, self.decoder = keras.layers.Dense(4, name="encoder"), keras.layers.Dense(8, name="decoder")
         self.loss_tracker = keras.metrics.Mean(name="reconstruction")
 
     def call(self, inputs):
@@ -53,10 +54,14 @@ def build(accumulate=None):
 
 runs = {}
 # One run with every feature at once, on an elastic range (the session's Ray has room for 2): Keras's gradient
-# accumulation under its mixed_bfloat16 policy; the reference is model.fit with the same two settings in one process.
+# accumulation under its mixed_bfloat16 policy, the two Dense layers split over 2 devices of each worker (Megatron's
+# pair: the encoder by columns, the decoder by rows); the reference is model.fit with the same two Keras settings in
+# one process, unsplit.
 history = app.fit(build, x, batch_size=32, epochs=3, shuffle=False, num_workers="1:2", grad_accum=2,
-                  mixed_precision="bf16", output=str(out / "features"), verbose=0)
+                  mixed_precision="bf16", tensor_parallel=2, tensor_layout=["encoder=column", "decoder=row"],
+                  output=str(out / "features"), verbose=0)
 runs["features"] = {"history": history.history, "workers": history.result["workers"],
+                    "tensor_parallel": history.result["tensor_parallel"],
                     "iterations": int(history.model.optimizer.iterations.numpy()),
                     "policy": history.model.encoder.dtype_policy.name,
                     "plan": (out / "features" / "train.log").read_text()}
