@@ -229,7 +229,7 @@ class ModelSection(_Section):
         description="Whether the model outputs logits. Default: decided from the model's last activation "
         "(softmax or sigmoid -> probabilities).",
     )
-    hidden_units: PositiveInts = Field(default_factory=lambda: [128, 64], description="mlp: hidden layer widths.")
+    hidden_units: PositiveInts = Field(default_factory=lambda: [256, 128], description="mlp: hidden layer widths.")
     conv_filters: PositiveInts = Field(
         default_factory=lambda: [32, 64, 128],
         description="cnn: filters of each conv stage (two 3x3 conv + batch norm each; pooling between stages).",
@@ -253,7 +253,7 @@ class ModelSection(_Section):
 class OptimSection(_Section):
     """How it is trained."""
 
-    epochs: PositiveInt = Field(15, description="Training epochs.")
+    epochs: PositiveInt = Field(20, description="Training epochs.")
     per_replica_batch: int = Field(
         32, gt=0, description="Batch size on each replica; global batch = this x replicas."
     )

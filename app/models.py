@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import keras
 
 
-def build_mlp(input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequence[int] = (128, 64)) -> "keras.Model":
+def build_mlp(input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequence[int] = (256, 128)) -> "keras.Model":
     import keras
 
     inputs = keras.Input(shape=input_shape, name="x")

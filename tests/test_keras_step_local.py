@@ -565,7 +565,7 @@ def test_a_built_in_model_plans_kerass_fit_on_ray_compiled_with_the_defaults_and
     plan = dry_run(build_config(None, {"class_weight": "balanced", "epochs": 1, "output": str(tmp_path / "out")}))
     assert plan[0].startswith("run: backend ray, collective all-reduce") and plan[1].startswith(
         "step: Keras's train_step and test_step for the compiled loss and metrics, run by model.fit on each of 2")
-    assert "model: mlp, 17,226 parameters" in plan  # 64x128+128 + 128x64+64 + 64x10+10
+    assert "model: mlp, 50,826 parameters" in plan  # 64x256+256 + 256x128+128 + 128x10+10
     assert any(line.startswith("compile: the product builds the model, and compiles it with the classification "
                                "defaults") and line.endswith("(--optimizer, --base-lr, --momentum choose them)")
                for line in plan), plan

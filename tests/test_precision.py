@@ -36,7 +36,7 @@ def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(tmp_path):
 def test_the_lr_rule_scales_with_the_accumulated_global_batch(tmp_path):
     result = local_run(tmp_path / "lr", "--strategy", "one-device", "--epochs", "1", "--grad-accum", "4")
     assert result["global_batch_size"] == 128  # 32 per replica x 1 replica x 4 micro-batches
-    assert result["learning_rate"] == pytest.approx(0.05 * 128 / 32)  # linear rule, reference batch 32
+    assert result["learning_rate"] == pytest.approx(0.1 * 128 / 32)  # the mlp's 0.1, linear rule, reference batch 32
 
 
 @pytest.mark.parametrize("precision, policy", [("fp16", "mixed_float16"), ("bf16", "mixed_bfloat16")])

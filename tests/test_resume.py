@@ -34,8 +34,8 @@ def test_a_two_worker_run_goes_on_on_one_worker_then_locally(two_worker_run, tmp
     result = ray_train.run(build_config(None, {"output": str(out), "resume": True, "num_workers": 1, "epochs": 7}))
     plan = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume:")]
     assert len(plan) == 1 and "the finished run w2 (6 epochs) goes on to 7 epochs" in plan[0], plan
-    assert "it ran on 2 workers (global batch 64, lr 0.1," in plan[0], plan
-    assert "now 1 worker (global batch 32, lr 0.05," in plan[0], plan
+    assert "it ran on 2 workers (global batch 64, lr 0.2," in plan[0], plan
+    assert "now 1 worker (global batch 32, lr 0.1," in plan[0], plan
 
     rows = history(out)
     assert [int(r["epoch"]) for r in rows] == list(range(1, 8))
