@@ -52,7 +52,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
     if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS or config.elastic:
         return None
-    model, model_fn, data = keras_step.keras_model_of(config.model), config.model, None
+    model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     if model is None:
         # Locally a built-in trains on the product's step (the tensor-parallel and strategy comparisons there are
         # built on its batches); files for it too (it reads their schema), below.

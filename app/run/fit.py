@@ -165,7 +165,7 @@ def fit(
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
             model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
-        built = keras_step.keras_model_of(model_fn)
+        built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))
         # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given;
         # the optimizer's fields: what the product compiles a model that compiles nothing with
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)

@@ -84,10 +84,11 @@ def brings_its_step(model) -> bool:
     return bool(getattr(model, "compiled", False) or overrides_step(model))
 
 
-def keras_model_of(model_fn: Any) -> Optional[Any]:
+def keras_model_of(model_fn: Any, tensor_parallel: Optional[int] = None) -> Optional[Any]:
     """The Keras model ``model_fn`` builds when called with no arguments; None for a built-in name, a function that
     takes the product's arguments (input_shape, num_classes, ...: its own step fills them) or one that returns no
-    Keras model."""
+    Keras model. ``tensor_parallel`` N: this process's CPU split into N devices first, if its TensorFlow has not
+    started yet (the build starts it), for a run in this process to split the model over."""
     from app import registry, tf_import
 
     if not callable(model_fn):
@@ -97,6 +98,10 @@ def keras_model_of(model_fn: Any) -> Optional[Any]:
     if _needs_arguments(model_fn):  # the product's convention (input_shape, num_classes, ...): its step fills them
         return None
     tf_import.install()
+    if isinstance(tensor_parallel, int) and tensor_parallel > 1:
+        from app.training.strategy import split_for_tensor_parallel
+
+        split_for_tensor_parallel(tensor_parallel)
     import keras
 
     from app import internals

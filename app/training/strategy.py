@@ -83,7 +83,7 @@ def ray_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None,
     (--tensor-parallel N) the worker's devices for the shards come first (``tensor_devices``): the CPU is split
     before MWMS starts this process's TensorFlow. Call it before any other TensorFlow op."""
     if tensor_degree:
-        _split_for_tensor_parallel(tensor_degree)  # the devices are listed later: listing starts TensorFlow
+        split_for_tensor_parallel(tensor_degree)  # the devices are listed later: listing starts TensorFlow
     if num_workers > 1:
         _COLLECTIVES.append(multi_worker_strategy(cpus_per_worker, stall_timeout_s))
     else:
@@ -259,14 +259,14 @@ def tensor_parallel_strategy(n: int, cpus: float | None = None) -> tuple["tf.dis
 def tensor_devices(n: int) -> list[str]:
     """The N devices of this process that --tensor-parallel N's shards live on: the first N GPUs, else the CPU split
     into N logical devices (before TensorFlow initialises its devices)."""
-    _split_for_tensor_parallel(n)
+    split_for_tensor_parallel(n)
     found = _Devices.found()
     if len(found.compute) < n:
         raise StrategyUnavailable(f"--tensor-parallel {n} needs {n} devices, found {found}")
     return list(found.compute[:n])
 
 
-def _split_for_tensor_parallel(n: int) -> None:
+def split_for_tensor_parallel(n: int) -> None:
     """No GPU: the CPU split into N logical devices, unless this process's TensorFlow has started already (an
     earlier run in it: ``tensor_devices`` counts what it has)."""
     import contextlib
