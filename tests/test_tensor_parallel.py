@@ -1,7 +1,7 @@
 """--tensor-parallel N: one layer's weights split over N devices (Megatron's column/row layout), as a user runs it
-on a laptop CPU split into logical devices: the built-in MLP on 2 devices, and a user's functional model with two
-MLP blocks (Adam: its slots follow the shards) on 4 devices with --tensor-layout, each against the same run on one
-device, weight for weight; runs resumed at another degree (or none) against the same; the built-in transformer on
+on a laptop CPU split into logical devices: the built-in MLP on 2 devices (the product's own step), and a user's
+functional model with two MLP blocks (Adam: its slots follow the shards) on 4 devices with --tensor-layout (Keras's
+fit, the layers split inside the model it runs), each against the same run on one device, weight for weight; runs resumed at another degree (or none) against the same; the built-in transformer on
 1, 2 and 4 devices (the tensor-parallel benchmark's runs); the bytes each device holds of the split layers, read
 from the variables' devices; the exported model is an ordinary Keras model; bad layouts are one line before
 training."""
@@ -31,6 +31,12 @@ def two_blocks(input_shape, num_classes):
     return model
 
 
+def two_blocks_digits():
+    """The same model for the embedded digits, from a function of no arguments: trained by Keras's fit, split
+    inside the model fit runs (the built-in MLP above splits on the product's own step)."""
+    return two_blocks((64,), 10)
+
+
 def with_conv(input_shape, num_classes):
     x = keras.Input(input_shape)
     h = keras.layers.Reshape((8, 8, 1))(x)
@@ -48,7 +54,7 @@ COMMON = [*BASE, "--epochs", "2"]
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor-parallel")
     models = user_module(tmp_path_factory, "tp_models.py", MODEL)
-    user = ["--model", f"{models}:two_blocks"]
+    user = ["--model", f"{models}:two_blocks_digits"]
     commands = {
         "mlp one device": ["--model", "mlp", "--strategy", "one-device"],
         "mlp x2": ["--model", "mlp", "--tensor-parallel", "2"],
@@ -72,8 +78,8 @@ def resumed(runs, tmp_path_factory):
     models = user_module(tmp_path_factory, "tp_resumed.py", MODEL)
     layout = ["--tensor-layout", "up_*=column", "down_*=row"]
     chains = {
-        "user x4 then x2": ([f"--model={models}:two_blocks", "--tensor-parallel", "4", *layout],
-                            [f"--model={models}:two_blocks", "--tensor-parallel", "2", *layout]),
+        "user x4 then x2": ([f"--model={models}:two_blocks_digits", "--tensor-parallel", "4", *layout],
+                            [f"--model={models}:two_blocks_digits", "--tensor-parallel", "2", *layout]),
         "mlp x2 then one device": (["--model", "mlp", "--tensor-parallel", "2"],
                                    ["--model", "mlp", "--tensor-parallel", "1", "--strategy", "one-device"]),
     }
