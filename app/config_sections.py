@@ -253,7 +253,7 @@ class ModelSection(_Section):
 class OptimSection(_Section):
     """How it is trained."""
 
-    epochs: PositiveInt = Field(20, description="Training epochs.")
+    epochs: PositiveInt = Field(15, description="Training epochs.")
     per_replica_batch: int = Field(
         32, gt=0, description="Batch size on each replica; global batch = this x replicas."
     )

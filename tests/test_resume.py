@@ -79,7 +79,7 @@ def test_a_finished_local_run_trains_further_and_a_changed_model_is_refused(tmp_
     # A model that is not the checkpoint's: which weights differ, names and shapes, before any training.
     p = changed
     assert p.returncode == 2 and len(errors(p)) == 1, p.stderr[-2000:]
-    assert "does not fit the model: dense_0/kernel is (64, 128) in the checkpoint, (64, 32) in the model" \
+    assert "does not fit the model: dense_0/kernel is (64, 256) in the checkpoint, (64, 32) in the model" \
         in errors(p)[0], errors(p)
     assert "Traceback" not in p.stderr
     assert {name: (out / name).read_bytes() for name in kept} == kept  # earlier results untouched

@@ -32,8 +32,8 @@ def two_blocks(input_shape, num_classes):
 
 
 def two_blocks_digits():
-    """The same model for the embedded digits, from a function of no arguments: trained by Keras's fit, split
-    inside the model fit runs (the built-in MLP above splits on the product's own step)."""
+    # The same model for the embedded digits, from a function of no arguments: trained by Keras's fit, split
+    # inside the model fit runs (the built-in MLP splits on the product's own step).
     return two_blocks((64,), 10)
 
 

@@ -33,8 +33,8 @@ def check_learned(out, result, workers):
     assert result["metrics"]["val_accuracy"] >= 0.95, result["metrics"]
     assert result["num_replicas"] == workers
     assert result["global_batch_size"] == 32 * workers
-    assert result["learning_rate"] == pytest.approx(0.05 * workers)  # linear rule, reference batch 32
-    assert result["lr_scaling"] == "linear" and result["base_lr"] == 0.05
+    assert result["learning_rate"] == pytest.approx(0.1 * workers)  # the mlp's 0.1, linear rule, reference batch 32
+    assert result["lr_scaling"] == "linear" and result["base_lr"] == 0.1
     assert result["epochs_completed"] == 6
     # Every worker trains under TensorFlow's default strategy, one replica; a group sums its gradients with the
     # collective all-reduce (app.training.strategy, app.training.collective).
