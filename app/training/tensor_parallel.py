@@ -18,9 +18,12 @@ the placer. The step is the usual one
 (app.training.step: one traced step, one tape): the gradients are those of the unsplit layer, summed in
 another order (1e-6 apart in float32).
 
-The split model is a clone of the user's model in which the layers the layout names are replaced; every other
-layer is an ordinary copy. ``TensorParallel.unsplit`` writes the shards back into the original model, which is
-what checkpoints, model.keras and the SavedModel hold: evaluate, predict and serving see an ordinary model.
+On the product's own step the split model is a clone of the user's model in which the layers the layout names are
+replaced; every other layer is an ordinary copy (``TensorParallel``). On Keras's fit the model is the user's own,
+split in place (``SplitInPlace``): each named layer computes through its split layer, so a model's own
+``train_step`` and any model class (subclassed too) run it unchanged. Either way the shards are written back into
+the unsplit layers before a save, which is what checkpoints, model.keras and the SavedModel hold: evaluate,
+predict and serving see an ordinary model.
 """
 
 from __future__ import annotations
