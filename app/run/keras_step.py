@@ -227,10 +227,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
                                 steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None)
     features.check()
-    shard = zero.sharding(model, keras_sync.optimizers_of(model), config.shard_optimizer, world)
-    tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config,
-                                           len(keras_sync.optimizers_of(model)), _on_ray(config), train.first_batch()
-                                           ) if config.tensor_degree else None
+    optimizers = keras_sync.optimizers_of(model)
+    shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
+    tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
+                                           _on_ray(config), train.first_batch()) if config.tensor_degree else None
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,

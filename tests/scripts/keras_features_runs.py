@@ -13,36 +13,12 @@ from pathlib import Path
 
 import keras
 import numpy as np
-import tensorflow as tf
+from autoencoder import Autoencoder
 
 import app
 
 out = Path(sys.argv[1])
 x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
-
-
-class Autoencoder(keras.Model):
-    """Its own train_step, written for mixed precision as Keras's guide writes it (the output cast to float32)."""
-
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.decoder = keras.layers.Dense(4, name="encoder"), keras.layers.Dense(8, name="decoder")
-        self.loss_tracker = keras.metrics.Mean(name="reconstruction")
-
-    def call(self, inputs):
-        return self.decoder(self.encoder(inputs))
-
-    def train_step(self, data):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.cast(self(data), tf.float32) - data))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        self.loss_tracker.update_state(loss)
-        return {"reconstruction": self.loss_tracker.result()}
-
-    @property
-    def metrics(self):
-        return [self.loss_tracker]
 
 
 def build(accumulate=None):

@@ -19,6 +19,7 @@ tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from autoencoder import Autoencoder  # noqa: E402
 
 import app  # noqa: E402
 
@@ -26,34 +27,9 @@ out = Path(sys.argv[1])
 x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
 
 
-class Autoencoder(keras.Model):
-    """Its own train_step; a hidden layer of 6 between two Dense layers the layout splits."""
-
-    def __init__(self):
-        super().__init__()
-        self.encoder = keras.layers.Dense(6, activation="relu", name="encoder")
-        self.decoder = keras.layers.Dense(8, name="decoder")
-        self.loss_tracker = keras.metrics.Mean(name="reconstruction")
-
-    def call(self, inputs):
-        return self.decoder(self.encoder(inputs))
-
-    def train_step(self, data):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(data) - data))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        self.loss_tracker.update_state(loss)
-        return {"reconstruction": self.loss_tracker.result()}
-
-    @property
-    def metrics(self):
-        return [self.loss_tracker]
-
-
 def build():
     keras.utils.set_random_seed(3)
-    model = Autoencoder()
+    model = Autoencoder(hidden=6, activation="relu")  # a hidden layer of 6 between the two split layers
     model.compile(optimizer=keras.optimizers.Adam(0.01))
     return model
 
