@@ -16,6 +16,10 @@ class RunFailed(Exception):
     """
 
 
+class NonFiniteLoss(Exception):
+    """The training loss became NaN or infinite (a worker's; the driver tells it as a RunFailed line)."""
+
+
 class UserCodeError(UserError):
     """The user's own code (a model or data function, their file's import) raised.
 

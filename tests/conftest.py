@@ -55,7 +55,7 @@ LOCAL_LANE_TESTS = {
     "test_zero::test_what_cannot_be_sharded_is_one_line_before_anything_trains",
     "test_zero::test_one_worker_has_nothing_to_shard_and_trains_as_model_fit",
     "test_recovery::test_local_crash_and_resume_gives_the_uninterrupted_weights",
-    "test_recovery::test_local_non_finite_loss_names_epoch_and_step",
+    "test_recovery::test_local_non_finite_loss_names_its_epoch",
     "test_recovery::test_a_crash_while_saving_leaves_the_previous_checkpoint",
     "test_resume::test_a_finished_local_run_trains_further_and_a_changed_model_is_refused",
     "test_run_files::test_a_local_runs_checkpoints_evaluate_and_its_config_runs_again",

@@ -55,10 +55,10 @@ CASES = [
                      "not know"),
     ("tf.data batched differently", "parts_batched_differently's tf.data.Dataset failed when read: Input element "
                                     "must have the same batch size in each component"),
-    ("resume, truncated index", "epoch-1' cannot be read (not an sstable"),
-    ("resume, truncated weights", "epoch-1' cannot be read (Read less bytes than requested)"),
-    ("resume, truncated state", "epoch-1.state.json' cannot be read (JSONDecodeError"),
-    ("evaluate, truncated state", "epoch-1.state.json' cannot be read (JSONDecodeError"),
+    ("resume, truncated index", "train_state' cannot be read (not an sstable"),
+    ("resume, truncated weights", "train_state' cannot be read (Read less bytes than requested)"),
+    ("resume, truncated state", "state.json' cannot be read (JSONDecodeError"),
+    ("evaluate, truncated state", "state.json' cannot be read (JSONDecodeError"),
 ]
 
 
@@ -66,9 +66,10 @@ CASES = [
 def runs(tmp_path_factory, local_digits_run):
     user = user_module(tmp_path_factory, "bad_inputs.py", USER)
     root = tmp_path_factory.mktemp("damaged")
-    index = damaged(local_digits_run, root / "index", "epoch-1.index")
-    weights = damaged(local_digits_run, root / "weights", "epoch-1.data-00000-of-00001")
-    state = damaged(local_digits_run, root / "state", "epoch-1.state.json")
+    # The checkpoint Keras's fit left in the run's output (app.training.keras_worker's layout).
+    index = damaged(local_digits_run, root / "index", "train_state.index")
+    weights = damaged(local_digits_run, root / "weights", "train_state.data-00000-of-00001")
+    state = damaged(local_digits_run, root / "state", "state.json")
     local = ["jobs/train.py", "--backend", "local", "--epochs", "2"]
     commands = [
         [*local, "--model", f"{user}:misspelt_metric"],

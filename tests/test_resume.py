@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -87,12 +88,11 @@ def test_a_finished_local_run_trains_further_and_a_changed_model_is_refused(tmp_
     # More epochs: it goes on from epoch 3, as Keras's initial_epoch would.
     p = run_job("jobs/train.py", "--output", str(out), "--resume", "--epochs", "5")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "resume: the finished run run (3 epochs) goes on to 5 epochs on the same 1 local replica" in p.stderr
+    assert "resumed at epoch 4 step 0 from its checkpoint" in p.stdout + p.stderr
     rows = history(out)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[:3] == first and {r["attempt"] for r in rows[3:]} == {"1"}
-    steps = int(first[0]["optimizer_steps"])
-    assert [int(r["optimizer_steps"]) for r in rows] == [steps * e for e in range(1, 6)]
+    assert rows[:3] == first  # the first run's epochs, as it recorded them
+    assert len(re.findall(r"^epoch \d+/5", p.stdout + p.stderr, re.M)) == 2  # only epochs 4 and 5 trained
     assert json.loads((out / "result.json").read_text())["epochs_completed"] == 5
 
 

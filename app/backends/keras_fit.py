@@ -26,8 +26,8 @@ from app.backends.keras_record import export, summary
 from app.config import TrainConfig
 from app.data.keras_inputs import KerasData
 from app.driver import cluster, outputs
-from app.errors import RunFailed
-from app.training import keras_worker
+from app.errors import NonFiniteLoss, RunFailed, UserError
+from app.training import checkpoint, keras_worker
 from app.training.keras_worker import KerasJob
 from app.ui import console, failures
 
@@ -132,7 +132,8 @@ class LocalKerasSession:
         return self.train, self.val
 
     def last_checkpoint(self) -> Optional[str]:
-        return str(self.directory) if (self.directory / keras_worker.STATE_FILE).is_file() else None
+        found = _whole(self.directory)
+        return str(found) if found else None
 
     def progress_bar(self, total: int, desc: str):
         from app.backends.local import tqdm_bar
@@ -151,10 +152,25 @@ class LocalKerasSession:
 
 def _replace(final: Path, fresh: Path) -> None:
     """This run's checkpoint directory ``final`` (only this product writes there) replaced by the complete ``fresh``
-    one."""
+    one. The previous one is moved aside first and removed last: a process killed at any point leaves one whole
+    checkpoint, ``final`` or ``previous(final)`` (``_whole`` finds it)."""
+    old = previous(final)
+    if old.exists():
+        shutil.rmtree(old)
     if final.exists():
-        shutil.rmtree(final)
+        os.replace(final, old)
     os.replace(fresh, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def previous(final: Path) -> Path:
+    return final.with_name(final.name + ".previous")
+
+
+def _whole(final: Path) -> Optional[Path]:
+    """The whole checkpoint ``_replace`` left: ``final``, or the previous one where a kill came between the moves."""
+    return next((d for d in (final, previous(final)) if (d / keras_worker.STATE_FILE).is_file()), None)
 
 
 WARNING = "warning: "  # a plan line that starts so is a warning
@@ -183,17 +199,21 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
     if on_ray:
         cluster.connect(config)
     out = outputs.prepare_output_dir(config)
-    log.info("output: %s (Ray's and TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
+    log.info("output: %s (%s own lines: %s)", out, "Ray's and TensorFlow's" if on_ray else "TensorFlow's",
+             out / console.LOG_FILE)
     name = ray_run.name or f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # Ray Train's run (storage), TensorBoard's
     from app.training.tensorboard import logdir_for
 
-    job = dataclasses.replace(job, tensorboard_dir=logdir_for(config, name))
+    job = dataclasses.replace(job, tensorboard_dir=logdir_for(config, name), recorded=outputs.recorded_fields(config))
     try:
         with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
             if on_ray:
                 directory = _ray_fit(config, job, out, datasets or {}, dataclasses.replace(ray_run, name=name))
             else:
-                keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
+                try:
+                    keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
+                except NonFiniteLoss as e:
+                    raise RunFailed(str(e)) from None
                 directory = str(out / "checkpoint")
         return _outputs(config, job, out, directory, started)
     finally:
@@ -261,26 +281,52 @@ def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
     if not config.resume:
         return None
     found = checkpoints(out, config.storage_path)
-    return str(max(found, key=lambda d: keras_worker.read_state(str(d))["epoch"])) if found else None
+    return str(max(found, key=lambda d: checkpoint.read_state(d / keras_worker.STATE_FILE)["epoch"])) if found else None
 
 
 def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
     """The whole checkpoints of a run by Keras's fit in ``out`` (its final one, and those in its Ray storage)."""
     storage = Path(storage_path) if storage_path and "://" not in storage_path else out / "ray"
-    candidates = [out / "checkpoint", *storage.glob("**/checkpoint_*")]
+    candidates = [d for d in [_whole(out / "checkpoint")] if d] + list(storage.glob("**/checkpoint_*"))
     found = []
     for directory in candidates:
         state = directory / keras_worker.STATE_FILE
         # The product's own step writes state.json too, with its epoch plan: not this run's kind.
-        if state.is_file() and "plan" not in json.loads(state.read_text()):
+        if state.is_file() and "plan" not in checkpoint.read_state(state):
             found.append(directory)
     return found
+
+
+def check_fits(model, config: TrainConfig) -> None:
+    """The resumed checkpoint reads whole (every tensor: a truncated or damaged file is one line naming it) and
+    holds this model's variables, shape for shape (their order is the model's: the same function builds them in the
+    same order; a model not built yet is checked by the workers' restore), else one line naming the first that
+    differ. Before any worker starts, and before the run rewrites anything."""
+    import tensorflow as tf
+
+    from app.driver.resume import shape_text
+
+    prefix = str(Path(_last_checkpoint(config, config.output_dir())) / keras_worker.TRAIN_STATE)
+    checkpoint.verify(prefix)
+    if not model.built:
+        return
+    saved = {name: shape for name, shape in tf.train.list_variables(prefix)}
+    held = [saved.get(f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(len(model.variables))]
+    differ = [f"{v.path} is {shape_text(s)} in the checkpoint, {shape_text(v.shape)} in the model"
+              for v, s in zip(model.variables, held) if s is not None and tuple(s) != tuple(v.shape)]
+    differ += [f"{v.path} {shape_text(v.shape)} is not in the checkpoint" for v, s in zip(model.variables, held)
+               if s is None]
+    if differ:
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise UserError(f"the checkpoint in {config.output_dir()} does not fit the model: {'; '.join(differ[:3])}{more}: "
+                        "resume with the run's own model settings (its config.yaml), or train the new model with a new "
+                        "--output")
 
 
 def epochs_done(config: TrainConfig) -> int:
     """Epochs a resumed run has already trained (0 for a new run)."""
     last = _last_checkpoint(config, config.output_dir())
-    return keras_worker.read_state(last)["epoch"] if last else 0
+    return checkpoint.read_state(Path(last) / keras_worker.STATE_FILE)["epoch"] if last else 0
 
 
 def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:

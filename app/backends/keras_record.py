@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.backend import runs_on_ray
 from app.driver import outputs
 from app.training import keras_worker
+from app.training.export import SAVED_MODEL_DIR, describe
 from app.training.keras_worker import KerasJob
-from app.training.strategy import ray_strategy_name
+from app.training.strategy import one_replica_reason, ray_strategy_name, ray_strategy_reason
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             if features.batch_size else None,
             "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
             "strategy": ray_strategy_name(world), "backend": backend,
+            "strategy_reason": ray_strategy_reason(world) if runs_on_ray(backend) else one_replica_reason(),
             # the worker's part of a global batch (a batch that does not divide: its largest part)
             "per_replica_batch": -(-features.batch_size // world) if features.batch_size else None,
             "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,
@@ -70,7 +73,7 @@ def export(model, out: Path, formats: tuple = ("keras", "savedmodel")) -> dict[s
     else one line each, and on."""
     import keras
 
-    done: dict[str, Any] = {}
+    done: dict[str, Any] = {"saved_model": None}  # None: not asked for (--export keras) or not exportable
     try:
         model.save_weights(out / WEIGHTS_FILE)
         done["weights_file"] = WEIGHTS_FILE
@@ -89,8 +92,8 @@ def export(model, out: Path, formats: tuple = ("keras", "savedmodel")) -> dict[s
     if "savedmodel" not in formats:
         return done
     try:
-        model.export(str(out / "saved_model"), verbose=False)
-        done["saved_model"] = "saved_model"
+        model.export(str(out / SAVED_MODEL_DIR), verbose=False)
+        done["saved_model"] = describe(out / SAVED_MODEL_DIR)  # its serving signature, as every run's result.json
     except Exception as e:
         log.warning("no SavedModel: Keras cannot export this model for serving (%s)", _short(e))
     return done

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from app.backend import backend_of
 from app.config import TrainConfig
 from app.driver import outputs
-from app.errors import RunFailed, UserError
+from app.errors import NonFiniteLoss, RunFailed, UserError
 from app.training import checkpoint
 from app.training import strategy as strategy_lib
 from app.training.collective import ALONE
@@ -92,7 +92,6 @@ def tqdm_bar(total: int, desc: str):
 
 def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     """Train with a local strategy and write the same outputs as the Ray path."""
-    from app.training.loop import NonFiniteLoss
     from app.training.tensorboard import logdir_for
 
     started_at = started_at or time.time()

@@ -19,7 +19,7 @@ from app.config import TrainConfig
 from app.driver import cluster, outputs, resume
 from app.errors import RunFailed, UserError
 from app.training import checkpoint
-from app.training.strategy import ray_strategy_name
+from app.training.strategy import ray_strategy_name, ray_strategy_reason
 from app.training.worker import WorkerJob
 from app.ui import console, failures
 
@@ -259,8 +259,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
         summary = outputs.write_outputs(
             config, state, Path(ckpt_dir) / checkpoint.MODEL_FILE, strategy=ray_strategy_name(workers),
             started_at=started_at,
-            extra={"strategy_reason": "Ray Train workers: one replica each, gradients all-reduced across workers"
-                   if workers > 1 else "one Ray Train worker: one replica, nothing to all-reduce",
+            extra={"strategy_reason": ray_strategy_reason(workers),
                    **({"tensor_parallel": {**tensor.as_dict(), **_worker_bytes(state)}}
                       if (tensor := checked.model.get("tensor")) else {})},
         )

@@ -76,6 +76,12 @@ def release_output_dir(config: TrainConfig) -> None:
 _NOT_RECORDED = ("output", "overwrite", "resume")
 
 
+def recorded_fields(config: TrainConfig) -> dict[str, Any]:
+    """The fields the run set, as config.yaml records them (a checkpoint's state records them too)."""
+    values = config.model_dump(mode="json")
+    return {k: v for k, v in values.items() if k not in _NOT_RECORDED and k in config.model_fields_set}
+
+
 def recorded_config(config: TrainConfig, out: Path) -> str:
     """config.yaml: the resolved config, reusable with --config, and comments saying how to use it."""
     import yaml
@@ -93,7 +99,7 @@ def recorded_config(config: TrainConfig, out: Path) -> str:
     # Only what the run set: a default left to the product stays a default when the file is read back (--config,
     # --resume), where the product decides from the model (a compiled optimizer's own LR, a built-in model's
     # optimizer); the defaults in force follow, commented out.
-    chosen = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k in config.model_fields_set}
+    chosen = recorded_fields(config)
     defaults = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k not in chosen}
     commented = ["# Defaults in force (not set for this run):",
                  *(f"# {line}" for line in yaml.safe_dump(defaults, sort_keys=False).splitlines())] if defaults else []

@@ -160,10 +160,10 @@ def _check_weights(start: Start, weights: Sequence[tuple[str, tuple[int, ...]]],
     saved = _trainable_shapes(start)
     if not saved:  # not a checkpoint of a built optimizer: the workers' restore says what is wrong
         return
-    differ = [f"{name} is {_shape(saved[i])} in the checkpoint, {_shape(shape)} in the model"
+    differ = [f"{name} is {shape_text(saved[i])} in the checkpoint, {shape_text(shape)} in the model"
               for i, (name, shape) in enumerate(weights[: len(saved)]) if tuple(saved[i]) != tuple(shape)]
-    differ += [f"{name} {_shape(shape)} is not in the checkpoint" for name, shape in weights[len(saved):]]
-    differ += [f"the checkpoint's weight #{i + 1} {_shape(saved[i])} is not in the model"
+    differ += [f"{name} {shape_text(shape)} is not in the checkpoint" for name, shape in weights[len(saved):]]
+    differ += [f"the checkpoint's weight #{i + 1} {shape_text(saved[i])} is not in the model"
                for i in range(len(weights), len(saved))]
     if differ:
         more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
@@ -174,7 +174,7 @@ def _check_weights(start: Start, weights: Sequence[tuple[str, tuple[int, ...]]],
         )
 
 
-def _shape(shape: Sequence[int]) -> str:
+def shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 

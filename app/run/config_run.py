@@ -58,7 +58,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         # built on its batches); files for it too (it reads their schema), below.
         # With --tensor-parallel too: a model the product builds splits on its step, where the split and the one
         # device it must equal are both trained (tests/test_tensor_parallel*.py).
-        if not keras_step.built_by_product(config.model) or not backend.on_ray or config.tensor_degree:
+        if not keras_step.built_by_product(config.model) or config.tensor_degree \
+                or not (backend.on_ray or _one_local_replica(config, backend)):
             return None
         data = _data(config, None)
         if data.streamed:  # files for a built-in model: the product's own step, which reads their schema
@@ -96,6 +97,24 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
+
+
+def _one_local_replica(config, backend) -> bool:
+    """Whether this local run trains one replica (the default strategy, as a plain Keras script does): asked for
+    (--strategy one-device), or what --strategy auto finds here (no TPU, at most one GPU, no --devices split)."""
+    if backend.on_ray or backend.pipeline or (backend.replicas or 1) > 1:
+        return False
+    if backend.replicas == 1:
+        return True
+    if config.strategy != "auto":
+        return False
+    from app.training import strategy as strategy_lib
+
+    try:
+        chosen, _ = strategy_lib.local_strategy("auto", None, config.cpus_per_worker)
+    except strategy_lib.StrategyUnavailable:
+        return False
+    return strategy_lib.name_of(chosen) == strategy_lib.ONE_REPLICA
 
 
 def _resumes_keras_run(config) -> bool:

@@ -205,6 +205,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
     if defaults is not None:
         model_fn = default_compile.CompiledWithDefaults(model_fn, defaults)
+    default_compile.check_names(model)
     fit_inputs.check_labels(model, train)
     val = None
     if "val" in datasets:
@@ -216,8 +217,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     outputs.check_output_dir(config)
     done = keras_fit.epochs_done(config)
     if done >= epochs:
-        raise UserError(f"the run in {config.output_dir()} has trained {done} epochs already: give epochs= more than "
-                        f"{done} to train it further with resume=True")
+        raise UserError(f"the run in {config.output_dir()} already finished its {done} epochs: give --epochs (epochs=) "
+                        f"more than {done} to train it further with --resume (resume=True)")
+    if done:  # a damaged checkpoint, or a model that is not the checkpoint's: said before any worker starts
+        keras_fit.check_fits(model, config)
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
@@ -348,6 +351,17 @@ def _files(names: tuple[str, ...]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _examples(data) -> str:
+    """The shape of one example of x (each input's, for several), as the plan's data line says it."""
+    import keras
+    import numpy as np
+
+    x = keras.utils.unpack_x_y_sample_weight(data.rows)[0]  # the element as Keras's fit unpacks it
+    shapes = [tuple(np.shape(a)[1:]) for a in keras.tree.flatten(x)]
+    return f", examples of shape {shapes[0]}" if len(shapes) == 1 else \
+        f", examples of shapes {', '.join(map(str, shapes))}" if shapes else ""
+
+
 def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
     own = overrides_step(model)
     step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
@@ -357,7 +371,7 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
         f"step: {step}, run by model.fit on each of {world} worker(s)"
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
         *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
-        (f"data: {train.num_rows} rows, {train.steps} steps per epoch" if train.num_rows is not None else
+        (f"data: {train.num_rows} rows{_examples(train)}, {train.steps} steps per epoch" if train.num_rows is not None else
          "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
         + (f", each global batch split over {world} workers" if world > 1 else "")
         + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped

@@ -72,14 +72,15 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
                         "directory (its latest checkpoint) or one of its checkpoints (.../epoch-N), or the run's "
                         "output directory")
     state_file, model_file = found
-    if not model_file.exists() and list(state_file.parent.glob(f"{checkpoint.TRAIN_STATE}.*")):
-        # A checkpoint of a run by Keras's fit (app.training.keras_worker): the weights and every optimizer's state,
+    by_keras_fit = list(state_file.parent.glob(f"{checkpoint.TRAIN_STATE}.*"))  # app.training.keras_worker's layout
+    if not model_file.exists() and by_keras_fit:
+        # The weights and every optimizer's state of a model Keras could not save (or a sharded or split one's),
         # which only that run's model function and data rebuild.
         raise UserError(f"{str(ckpt)!r} is a checkpoint of a run trained by Keras's fit: it holds the weights and the "
                         f"optimizers' state, not a {model_file.name}: evaluate the run's output (--run <its --output>), "
                         "or train on from it with --resume")
     keras_file.check(model_file)
     state = checkpoint.read_state(state_file)
-    saved = {k: v for k, v in state["config"].items() if k != "model"}  # the model comes from the file
+    saved = {k: v for k, v in state.get("config", {}).items() if k != "model"}  # the model comes from the file
     config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
     return Trained(model_file, config, state.get("task"), state_file)

@@ -261,14 +261,16 @@ LOCAL_DIR = "checkpoint"  # <output>/checkpoint: the local and parameter-server 
 def located(path: str | Path) -> tuple[Path, Path] | None:
     """(state.json, model file) of the checkpoint ``path`` names, or None when it names none.
 
-    ``path`` is a Ray Train checkpoint directory (state.json and model.keras in it), a
+    ``path`` is a Ray Train checkpoint directory (state.json and model.keras in it; a run by Keras's fit leaves
+    one in its output directory's checkpoint/), a
     ``LocalCheckpoints`` directory (its latest checkpoint, by the manager's pointer file),
     one of its checkpoints (``.../checkpoint/epoch-3``), or a local or parameter-server
     run's output directory (its latest checkpoint).
     """
     path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path / STATE_FILE, path / MODEL_FILE
+    for directory in (path, path / LOCAL_DIR):  # a checkpoint directory, or the one a Keras-fit run left in its output
+        if (directory / STATE_FILE).is_file():
+            return directory / STATE_FILE, directory / MODEL_FILE
     if Path(str(path) + STATE_SUFFIX).is_file():
         return Path(str(path) + STATE_SUFFIX), Path(str(path) + MODEL_SUFFIX)
     for root in (path, path / LOCAL_DIR):

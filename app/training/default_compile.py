@@ -18,6 +18,9 @@ The loss takes logits unless the model's last layer applies softmax or sigmoid. 
 ``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
 global batch, warmup, cosine decay) is app.training.keras_features's, with the config's defaults. Models with
 several outputs or labels in a structure are refused: a loss per output is the user's to choose.
+
+A model the user compiled is checked here too (``check_names``): a loss or metric named by a string Keras does not
+know is one line in the driver, not an error traced by every worker at its first step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,33 @@ DEFAULT_LOSS = {
     "regression": "mean_squared_error",
 }
 DEFAULT_METRIC = {"classification": "accuracy", "binary": "accuracy", "regression": "mae"}
+# Names Keras's compile resolves from the labels' and outputs' shapes (keras/src/trainers/compile_utils.py), not
+# by keras.losses.get / keras.metrics.get.
+_SHAPED = {"loss": ("crossentropy", "ce"), "metric": ("accuracy", "acc", "crossentropy", "ce")}
+
+
+def unknown_name(kind: str, identifier: Any, error: Exception) -> UserError:
+    """The one line for a compile() ``kind`` ("loss" or "metric") that Keras does not know."""
+    return UserError(f"the model's compile() names {kind} {identifier!r}, which Keras does not know "
+                     f"({' '.join(str(error).split())[:200]}): give a name keras.{kind}{'es' if kind == 'loss' else 's'}"
+                     f".get() takes or a keras.{'losses.Loss' if kind == 'loss' else 'metrics.Metric'}")
+
+
+def check_names(model) -> None:
+    """Every loss and metric compile() was given by name is one Keras knows (else ``unknown_name``)."""
+    import keras
+
+    from app import internals
+
+    args = internals.compile_arguments(model) or {}
+    for kind, key in (("loss", "loss"), ("metric", "metrics"), ("metric", "weighted_metrics")):
+        for identifier in keras.tree.flatten(args.get(key)):
+            if not isinstance(identifier, str) or identifier.lower() in _SHAPED[kind]:
+                continue
+            try:
+                (internals.resolve_loss if kind == "loss" else internals.resolve_metric)(identifier, None, None)
+            except ValueError as e:
+                raise unknown_name(kind, identifier, e) from None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import keras
 import numpy as np
 
+from app.errors import NonFiniteLoss
 from app.training.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -105,14 +106,17 @@ class Checkpoints(keras.callbacks.Callback):
     """Every epoch: its record (Keras's epoch logs, exact over every worker), a checkpoint and a report."""
 
     def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
-                 gather: Optional[Callable[[], None]] = None, own: Optional[list] = None, rows: Optional[int] = None):
+                 gather: Optional[Callable[[], None]] = None, own: Optional[list] = None, rows: Optional[int] = None,
+                 finite: bool = False):
         """``state``: what ``write`` saves beside the weights: the epoch reached, the history and why the run stopped
         early, kept here; ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put
         together); ``own``: the user's callbacks this worker runs (which may stop the run); ``rows``: the rows an
-        epoch trains over every worker (its speed's numerator), None where the workers count them as they read."""
+        epoch trains over every worker (its speed's numerator), None where the workers count them as they read;
+        ``finite``: a non-finite epoch loss ends the run before its checkpoint (a model the product compiled: one
+        the user compiled trains on, as Keras's fit does)."""
         super().__init__()
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
-        self.own, self.rows = own or [], rows
+        self.own, self.rows, self.finite = own or [], rows, finite
         self.started = time.perf_counter()
         self.first_step_time: Optional[float] = None  # wall clock (the driver's start is one): this run's first step
         self.told_first_step = False  # in this process's first epoch record (a restart's, a resumed run's too)
@@ -125,6 +129,10 @@ class Checkpoints(keras.callbacks.Callback):
             self.first_step_time = time.time()
 
     def on_epoch_end(self, epoch, logs=None):
+        loss = (logs or {}).get("loss")
+        if self.finite and loss is not None and not np.isfinite(float(loss)):  # the same logs on every worker
+            raise NonFiniteLoss(f"non-finite training loss in epoch {epoch + 1}: check the data for NaN/inf or lower "
+                                "--base-lr; the last good checkpoint is the one from the epoch before")
         seconds = time.perf_counter() - self.started
         record = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0},
                   "seconds": round(seconds, 3), "workers": self.session.world,

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.training import zero_state
-from app.training.checkpoint import STATE_FILE, TRAIN_STATE
+from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
@@ -59,6 +59,7 @@ class KerasJob:
     tensorboard_dir: Optional[str] = None  # rank 0's epoch scalars (app.training.tensorboard); None: none
     task: Optional[str] = None  # the task the product compiled the model for (app.training.default_compile), else None
     tensor: Any = None  # --tensor-parallel: the driver's TensorPlan (the layers split, over how many devices); None
+    recorded: Optional[dict] = None  # the run's config as config.yaml records it (each checkpoint's state holds it)
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -173,7 +174,21 @@ def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Pa
     else:
         shutil.move(str(parts), str(Path(directory) / zero_state.DIRECTORY))
         tf.train.Checkpoint(variables=list(model.variables)).write(str(Path(directory) / TRAIN_STATE))
+    if split is None and parts is None:
+        _save_model(model, Path(directory) / MODEL_FILE)
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def _save_model(model, path: Path) -> None:
+    """The model as a .keras file beside its checkpoint, for jobs/evaluate.py and jobs/predict.py --checkpoint (a
+    stopped run has no model.keras of its own yet). A model Keras cannot save (a class it cannot rebuild) is left
+    out: its checkpoint still resumes, and evaluate names what to do instead. A sharded or split model's optimizer
+    state is not Keras's layout: none is written for them."""
+    try:
+        model.save(path)
+    except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save
+        path.unlink(missing_ok=True)
+        log.debug("no %s in the checkpoint: %s", path.name, e)
 
 
 def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = (),
@@ -230,6 +245,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
 
     state["worker_nodes"] = session.worker_nodes(collective)  # where each rank runs (result.json)
+    # What jobs/evaluate.py --checkpoint reads back: the run's config (its data) and the task it scores.
+    state["config"], state["task"] = job.recorded or {}, job.task
     # What this worker holds for its optimizers (result.json): their variables, and a sharded one's flat weights.
     state["optimizer_state_bytes"] = zero.state_bytes(keras_sync.optimizers_of(model))
     state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
@@ -257,7 +274,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                  keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None), split), state,
                                              job.epochs, gather=gather if sharded else None,
                                              own=own if session.rank == 0 else [],
-                                             rows=trained_rows(train, session.world)), *board]
+                                             rows=trained_rows(train, session.world), finite=job.task is not None),
+                 *board]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again).
     try:

@@ -21,16 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from app.errors import NonFiniteLoss
 from app.training.collective import ALONE, Collective
 from app.training.metrics import EpochStats, epoch_metrics, largest_peak_rss, local_sum
 from app.training.step import TrainSteps
 
 if TYPE_CHECKING:
     from app.training.measures import Measures
-
-
-class NonFiniteLoss(Exception):
-    """The training loss became NaN or infinite."""
 
 
 class StepRunner(Protocol):

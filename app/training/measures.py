@@ -24,6 +24,7 @@ import numpy as np
 from app import internals
 from app.data.arrays import first
 from app.errors import UserError
+from app.training import default_compile
 from app.training.objective import Objective
 
 if TYPE_CHECKING:
@@ -103,9 +104,7 @@ def _resolved(kind: str, identifier: Any, y_example: np.ndarray, out_example: np
     try:
         return resolve(identifier, y_example, out_example)
     except ValueError as e:
-        raise UserError(f"the model's compile() names {kind} {identifier!r}, which Keras does not know "
-                        f"({' '.join(str(e).split())[:200]}): give a name keras.{kind}{'es' if kind == 'loss' else 's'}"
-                        f".get() takes or a keras.{'losses.Loss' if kind == 'loss' else 'metrics.Metric'}") from None
+        raise default_compile.unknown_name(kind, identifier, e) from None
 
 
 class Measures:

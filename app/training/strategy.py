@@ -72,6 +72,22 @@ def ray_strategy_name(num_workers: int) -> str:
     return RAY_WORKERS if num_workers > 1 else ONE_REPLICA
 
 
+def ray_strategy_reason(num_workers: int) -> str:
+    """Why a Ray run of ``num_workers`` trains so (result.json's strategy_reason)."""
+    return "Ray Train workers: one replica each, gradients all-reduced across workers" if num_workers > 1 \
+        else "one Ray Train worker: one replica, nothing to all-reduce"
+
+
+def one_replica_reason() -> str:
+    """Why a run in this process without Ray trains one replica (result.json's strategy_reason): where TensorFlow's
+    default strategy places it."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    return f"Keras's fit in this process: one replica on {gpus[0].name}" if gpus else \
+        "no TPU, no GPU -> one replica on the CPU"
+
+
 _COLLECTIVES: list = []  # the MWMS that configured this process's collectives, kept for the process's life
 
 
