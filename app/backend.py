@@ -65,3 +65,20 @@ def backend_of(config: "TrainConfig") -> Backend:
     return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
                    counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline")
+
+
+def one_local_replica(config: "TrainConfig") -> bool:
+    """Whether a run without Ray trains one replica, as a plain Keras script does (TensorFlow's default strategy):
+    asked for (--strategy one-device), or what --strategy auto finds (no TPU, at most one GPU, no --devices split).
+    Read from the physical devices: TensorFlow is not started, so a run that needs another strategy can still set
+    its devices and threads."""
+    backend = backend_of(config)
+    if backend.on_ray or backend.pipeline or (backend.replicas or 1) > 1:
+        return False
+    if backend.replicas == 1:
+        return True
+    if config.strategy != "auto":
+        return False
+    import tensorflow as tf
+
+    return not tf.config.list_physical_devices("TPU") and len(tf.config.list_physical_devices("GPU")) <= 1

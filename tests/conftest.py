@@ -446,3 +446,18 @@ def run_here(script: str, argv: list[str], cwd: Path) -> tuple[int, str]:
         if not rules["active"]:
             console._WorkerLines.uninstall()
     return code, out.getvalue()
+
+
+# Each lane's test time (setup, call and teardown of its tests), summed in the controller: the longer lane is the
+# run's wall time, and what to make cheaper when the run nears its budget (README, "what CI runs").
+_LANE_SECONDS = {"ray": 0.0, "local": 0.0}
+
+
+def pytest_runtest_logreport(report):
+    _LANE_SECONDS[lane(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if any(_LANE_SECONDS.values()):
+        terminalreporter.write_line("lanes: " + ", ".join(f"{name} {seconds:,.0f} s"
+                                                          for name, seconds in _LANE_SECONDS.items()))

@@ -266,8 +266,6 @@ BAD_COMPILE = [
      "labels are one-hot (10 columns): compile with loss='categorical_crossentropy'"),
     ("categorical_loss_model", "digits_ids", (), "loss categorical_crossentropy takes one-hot labels, but the labels "
      "are class ids: compile with loss='sparse_categorical_crossentropy'"),
-    ("non_additive_metric_model", "digits_ids", (), "metric largest_output (LargestOutput) keeps a state that does "
-     "not add up over batches"),
     ("two_input_model", "renamed_inputs", (), "the data's inputs are named left, right, but "),
     ("two_input_model", "digits_ids", (), "takes 2 inputs (a, b), but the data gives one features input of shape "
      "(64,): name each input's file column with --inputs a b (or NAME=COLUMN), return a dict of arrays keyed a, b "

@@ -1,9 +1,9 @@
 """The tensor-parallel suite: the built-in transformer with its feed-forward pairs split over N devices of one
 process (``jobs/train.py --backend local --tensor-parallel N``), against the same run on one device.
 
-For each N in ``degrees`` (1: ``--strategy one-device``, no split), one whole run on the same data, model, seed
-and threads; from its result.json and history.csv: steady samples/s (the epochs after the first), the whole run's,
-and the bytes each device holds of the split layers' variables (result.json's ``tensor_parallel``, read from the
+For each N in ``degrees`` (1: ``--tensor-parallel 1 --strategy one-device``, no split), one whole run on the same
+data, model, seed and threads; from its result.json and history.csv: steady samples/s (the epochs after the first),
+the whole run's, and the bytes each device holds of the split layers' variables (result.json's ``tensor_parallel``, read from the
 variables' devices; N = 1: the unsplit layers' bytes, all on one device). -> tensor-parallel.json
 
 On a CPU the N logical devices share the same cores: the split shows the placement and the memory per device, not
@@ -29,7 +29,8 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     flags = workload_flags(preset.workload)
     rows: dict[int, dict[str, Any]] = {}
     for n in degrees:
-        split = ["--tensor-parallel", str(n)] if n > 1 else ["--strategy", "one-device"]
+        # N = 1 as --tensor-parallel 1: the built-in's one device on the step its splits run on (app.run.config_run)
+        split = ["--tensor-parallel", str(n)] + ([] if n > 1 else ["--strategy", "one-device"])
         output = out / f"tp-{n}"
         run_script([sys.executable, "jobs/train.py", "--backend", "local", *flags, *split, "--output", str(output),
                     "--no-tensorboard"], timeout=1800)

@@ -41,7 +41,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     is the product's own step (the product's own features asked for, another backend or strategy, files for a
     built-in model). ``dry``: the plan's lines instead, nothing trained (--dry-run); ``ray_run``: a sweep trial's
     app.backends.keras_fit.RayRun."""
-    from app.backend import backend_of
+    from app.backend import backend_of, one_local_replica
 
     # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
     # one asking for one local replica is what Keras's fit in this process is.
@@ -54,12 +54,13 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         return None
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     if model is None:
-        # Locally a built-in trains on the product's step (the tensor-parallel and strategy comparisons there are
-        # built on its batches); files for it too (it reads their schema), below.
-        # With --tensor-parallel too: a model the product builds splits on its step, where the split and the one
-        # device it must equal are both trained (tests/test_tensor_parallel*.py).
-        if not keras_step.built_by_product(config.model) or config.tensor_degree \
-                or not (backend.on_ray or _one_local_replica(config, backend)):
+        # A built-in on one local replica trains by Keras's fit, as on Ray; on several local replicas (Mirrored,
+        # central storage, TPU) on the product's step, and on files too (it reads their schema), below.
+        # With --tensor-parallel (any degree, 1 included: its one-device reference) a model the product builds
+        # splits on its step, where the split and the one device it must equal are both trained
+        # (tests/test_tensor_parallel*.py).
+        if not keras_step.built_by_product(config.model) or "tensor_parallel" in config.model_fields_set \
+                or not (backend.on_ray or one_local_replica(config)):
             return None
         data = _data(config, None)
         if data.streamed:  # files for a built-in model: the product's own step, which reads their schema
@@ -97,24 +98,6 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
-
-
-def _one_local_replica(config, backend) -> bool:
-    """Whether this local run trains one replica (the default strategy, as a plain Keras script does): asked for
-    (--strategy one-device), or what --strategy auto finds here (no TPU, at most one GPU, no --devices split)."""
-    if backend.on_ray or backend.pipeline or (backend.replicas or 1) > 1:
-        return False
-    if backend.replicas == 1:
-        return True
-    if config.strategy != "auto":
-        return False
-    from app.training import strategy as strategy_lib
-
-    try:
-        chosen, _ = strategy_lib.local_strategy("auto", None, config.cpus_per_worker)
-    except strategy_lib.StrategyUnavailable:
-        return False
-    return strategy_lib.name_of(chosen) == strategy_lib.ONE_REPLICA
 
 
 def _resumes_keras_run(config) -> bool:

@@ -51,6 +51,8 @@ def check_labels(model, train) -> None:
             rows = np.flatnonzero(np.isnan(labels.reshape(len(labels), -1)).any(axis=1))
             raise UserError(f"labels are NaN in {len(rows)} row(s) (row {', '.join(map(str, rows[:5]))}"
                             f"{', ...' if len(rows) > 5 else ''}): Keras's fit would train on them; drop or fill them")
+    if len(tf.nest.flatten(y)) == 1:
+        _check_loss_kind(model, np.asarray(tf.nest.flatten(y)[0]))
     classes = _sparse_classes(model)
     if classes and len(tf.nest.flatten(y)) == 1:
         labels = np.asarray(tf.nest.flatten(y)[0]).reshape(-1)
@@ -59,6 +61,21 @@ def check_labels(model, train) -> None:
             raise UserError(f"class ids must be 0..{classes - 1} for the model's {classes} outputs; row(s) "
                             f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''} hold "
                             f"{', '.join(str(labels[i]) for i in bad[:5])}")
+
+
+def _check_loss_kind(model, labels: np.ndarray) -> None:
+    """A categorical cross-entropy given the other form of labels (Keras's fit fails at its first step, on every
+    worker): one line with the fix."""
+    loss = getattr(model, "loss", None)
+    name = str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", ""))
+    kind = name.lower().replace("categoricalcrossentropy", "categorical_crossentropy")
+    one_hot = labels.ndim >= 2 and labels.shape[-1] > 1
+    if "sparse_categorical" in kind and one_hot:
+        raise UserError(f"loss {name} takes class ids, but the labels are one-hot ({labels.shape[-1]} columns): "
+                        "compile with loss='categorical_crossentropy', or give the labels as class ids")
+    if "categorical" in kind and "sparse" not in kind and not one_hot:
+        raise UserError(f"loss {name} takes one-hot labels, but the labels are class ids: compile with "
+                        "loss='sparse_categorical_crossentropy', or one-hot the labels")
 
 
 def _sparse_classes(model) -> int:
@@ -207,3 +224,20 @@ def structure(rows: Any) -> str:
     if isinstance(rows, dict):
         return "{" + ", ".join(f"{k!r}: {structure(v)}" for k, v in rows.items()) + "}"
     return "array" if not tf.nest.is_nested(rows) else type(rows).__name__
+
+
+def example_shapes(data) -> str:
+    """The shape of one example of x (each input's, for several), as the plan's data line says it."""
+    import keras
+    import numpy as np
+
+    x = keras.utils.unpack_x_y_sample_weight(data.rows)[0]  # the element as Keras's fit unpacks it
+    shapes = [tuple(np.shape(a)[1:]) for a in keras.tree.flatten(x)]
+    return f", examples of shape {shapes[0]}" if len(shapes) == 1 else \
+        f", examples of shapes {', '.join(map(str, shapes))}" if shapes else ""
+
+
+def file_names(names: tuple[str, ...]) -> str:
+    """The first few files a pipeline reads, for the plan."""
+    shown = ", ".join(n for n in names[:3] if n != "?") or "named in the graph"
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -346,22 +346,6 @@ def _py_dataset_line(data: Any, name: str) -> str:
             "read here)")
 
 
-def _files(names: tuple[str, ...]) -> str:
-    shown = ", ".join(n for n in names[:3] if n != "?") or "named in the graph"
-    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _examples(data) -> str:
-    """The shape of one example of x (each input's, for several), as the plan's data line says it."""
-    import keras
-    import numpy as np
-
-    x = keras.utils.unpack_x_y_sample_weight(data.rows)[0]  # the element as Keras's fit unpacks it
-    shapes = [tuple(np.shape(a)[1:]) for a in keras.tree.flatten(x)]
-    return f", examples of shape {shapes[0]}" if len(shapes) == 1 else \
-        f", examples of shapes {', '.join(map(str, shapes))}" if shapes else ""
-
-
 def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
     own = overrides_step(model)
     step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
@@ -371,12 +355,13 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
         f"step: {step}, run by model.fit on each of {world} worker(s)"
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
         *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
-        (f"data: {train.num_rows} rows{_examples(train)}, {train.steps} steps per epoch" if train.num_rows is not None else
+        (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"
+         if train.num_rows is not None else
          "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
         + (f", each global batch split over {world} workers" if world > 1 else "")
         + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
            else ", every row once per epoch"),
-        *[f"{what}: a tf.data pipeline that reads files ({_files(data.pipeline.files)}): every worker reads them "
+        *[f"{what}: a tf.data pipeline that reads files ({fit_inputs.file_names(data.pipeline.files)}): every worker reads them "
           "itself every epoch, so they must be where every worker sees them (shared storage, gs:// or s3://); each "
           "worker parses every record and trains on its part of every batch" for data, what in
           ((train, "x"), (val, "validation_data")) if getattr(data, "pipeline", None) and data.pipeline.files],

@@ -94,8 +94,8 @@ def record(history) -> dict:
 
 
 runs = {}
-# 22 epochs: Ray Data's iter_tf_batches deadlocks after ~9 (ray-project/ray#62352); the product's reader must not.
-runs["own_step_path"] = record(app.fit(autoencoder, str(unlabelled), batch_size=16, epochs=22,
+# 14 epochs: Ray Data's iter_tf_batches deadlocks after ~9 (ray-project/ray#62352); the product's reader must not.
+runs["own_step_path"] = record(app.fit(autoencoder, str(unlabelled), batch_size=16, epochs=14,
                                        validation_data=str(val_rows), num_workers=2, output=str(out / "r1"), verbose=0))
 import ray.data  # noqa: E402  (the Ray the script joined: app.fit connected it)
 
