@@ -17,7 +17,7 @@ def test_the_transformer_and_the_cnn_learn_with_their_defaults(tmp_path):
     text, cnn = run_jobs_at_once(
         ["jobs/train.py", "--model", "transformer", "--dataset", "synthetic-text", "--backend", "local", "--epochs",
          "3", "--output", str(tmp_path / "text")],
-        ["jobs/train.py", "--model", "cnn", "--backend", "local", "--epochs", "3", "--export", "keras",
+        ["jobs/train.py", "--model", "cnn", "--backend", "local", "--epochs", "5", "--export", "keras",
          "--output", str(tmp_path / "cnn")],
         envs=[clean_env(), clean_env()], timeout=600)
     assert text.returncode == 0, text.stderr[-3000:]

@@ -96,7 +96,9 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
     # its pauses and resizes: the same weights at the end.
     fixed = tmp_path / "fixed"
     fixed_run = concurrent.futures.ThreadPoolExecutor(1).submit(
-        run_job, "jobs/train.py", "--backend", "local", "--strategy", "one-device", "--dataset", f"{user}:rows",
+        # --tensor-parallel 1: the built-in's one device on the product's step, which an elastic built-in runs on
+        run_job, "jobs/train.py", "--backend", "local", "--strategy", "one-device", "--tensor-parallel", "1",
+        "--dataset", f"{user}:rows",
         "--callbacks", f"{user}:fast", "--output", str(fixed), *COMMON, timeout=600)
     env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     nodes = TwoNodes(env, REPO, Path(tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")))

@@ -36,7 +36,9 @@ def test_two_ray_workers_each_split_over_two_devices_train_as_one_device(joined,
     on_ray, one_device = run_jobs_at_once(
         [str(script), f"{models}:two_blocks", str(split)],
         ["jobs/train.py", "--model", f"{models}:two_blocks", "--epochs", "2", "--global-batch", "64",
-         "--no-tensorboard", "--backend", "local", "--strategy", "one-device", "--output", str(alone)],
+         # --tensor-parallel 1: a function of the product's arguments on one device, on the step its splits run on
+         "--no-tensorboard", "--backend", "local", "--strategy", "one-device", "--tensor-parallel", "1",
+         "--output", str(alone)],
         envs=[joined, clean_env()], timeout=600)
     for p in (on_ray, one_device):
         assert p.returncode == 0, p.stderr[-3000:]

@@ -184,9 +184,12 @@ def _save_model(model, path: Path) -> None:
     stopped run has no model.keras of its own yet). A model Keras cannot save (a class it cannot rebuild) is left
     out: its checkpoint still resumes, and evaluate names what to do instead. A sharded or split model's optimizer
     state is not Keras's layout: none is written for them."""
+    import keras
+
     try:
         model.save(path)
-    except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save
+        keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
+    except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save or load back
         path.unlink(missing_ok=True)
         log.debug("no %s in the checkpoint: %s", path.name, e)
 
