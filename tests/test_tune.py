@@ -90,8 +90,10 @@ def test_smoke_sweep_from_the_command_line_then_its_best_config_trains_and_a_tri
     evaluated = json.loads((trial_run.parent / "eval.json").read_text())
     trained = json.loads((trial_run.parent / "result.json").read_text())["metrics"]
     assert evaluated["val_accuracy"] == pytest.approx(trained["val_accuracy"], abs=1e-6)
-    refused = run_job("jobs/evaluate.py", "--checkpoint", str(states[0].parent), timeout=300, env=env)
-    assert refused.returncode != 0 and "a checkpoint of a run trained by Keras's fit" in refused.stderr, refused.stderr
+    # A trial's checkpoint (Keras's fit's, with its model.keras) is scored in a plain process too.
+    scored = run_job("jobs/evaluate.py", "--checkpoint", str(states[0].parent), timeout=300, env=env)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert 0 <= json.loads((states[0].parent / "eval.json").read_text())["val_accuracy"] <= 1
 
 
 def test_a_sweep_with_show_logs_shows_rays_lines_too_and_one_whose_trials_all_failed_says_so(ray_cluster, tmp_path):
