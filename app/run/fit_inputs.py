@@ -66,8 +66,7 @@ def check_labels(model, train) -> None:
 def _check_loss_kind(model, labels: np.ndarray) -> None:
     """A categorical cross-entropy given the other form of labels (Keras's fit fails at its first step, on every
     worker): one line with the fix."""
-    loss = getattr(model, "loss", None)
-    name = str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", ""))
+    name = _loss_name(model)
     kind = name.lower().replace("categoricalcrossentropy", "categorical_crossentropy")
     one_hot = labels.ndim >= 2 and labels.shape[-1] > 1
     if "sparse_categorical" in kind and one_hot:
@@ -78,11 +77,15 @@ def _check_loss_kind(model, labels: np.ndarray) -> None:
                         "loss='sparse_categorical_crossentropy', or one-hot the labels")
 
 
+def _loss_name(model) -> str:
+    """The compiled loss's name (a string, a Loss's name or a function's), "" for none."""
+    loss = getattr(model, "loss", None)
+    return str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", ""))
+
+
 def _sparse_classes(model) -> int:
     """The outputs of a one-output model compiled with a sparse categorical cross-entropy (0: another loss)."""
-    loss = getattr(model, "loss", None)
-    name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
-    if "sparse_categorical" not in str(name):
+    if "sparse_categorical" not in _loss_name(model):
         return 0
     try:
         outputs = model.outputs
