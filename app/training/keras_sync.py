@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from app import internals
+from app.errors import UserError
 from app.training import zero
 from app.training.collective import Collective, Site
 
@@ -153,3 +154,42 @@ def _kind(logs: Any) -> str:
 
 def _average_state(model, collective: Collective) -> None:
     collective.average_variables([v for v in model.non_trainable_variables if "float" in str(v.dtype)])
+
+
+def check_additive(model, batch: Any) -> None:
+    """Refuse, in one line, a metric whose state does not add up over batches (a running maximum): ``epoch_logs``
+    sums every metric's state over the workers, which gives one process's value only for states of sums and
+    counts. Checked in the driver on the two halves of one batch through the model's own ``test_step`` (its
+    compiled metrics and any it tracks itself), before any worker starts. A ``test_step`` that cannot run here (a
+    model whose evaluation needs what only its workers set up) is not checked: its workers say why it fails."""
+    import tensorflow as tf
+
+    n = len(np.asarray(tf.nest.flatten(batch)[0]))
+    if n < 2:
+        return
+    halves = [tf.nest.map_structure(lambda a, s=s: a[s], batch) for s in (slice(0, n // 2), slice(n // 2, n))]
+
+    def state(parts: list) -> list[list[np.ndarray]]:
+        model.reset_metrics()
+        for part in parts:
+            model.test_step(part)
+        return [[np.asarray(v.numpy(), np.float64) for v in m.variables] for m in _leaf_metrics(model.metrics)]
+
+    try:
+        a, b, both = state(halves[:1]), state(halves[1:]), state(halves)
+    except Exception:
+        return
+    finally:
+        model.reset_metrics()
+    for metric, sa, sb, s in zip(_leaf_metrics(model.metrics), a, b, both):
+        if not all(np.allclose(x, y + z, rtol=1e-5, atol=1e-6) for x, y, z in zip(s, sa, sb)):
+            raise UserError(
+                f"metric {metric.name} ({type(metric).__name__}) keeps a state that does not add up over batches, "
+                "so it cannot be combined exactly over workers: drop it from compile(metrics=...) (or from the model), "
+                "use a metric whose state is sums or counts (keras.metrics.Mean, AUC, Precision, ...), or train on "
+                "one worker (num_workers=1), where it is model.fit's own")
+
+
+def _leaf_metrics(metrics: list) -> list:
+    """The metrics themselves, inside the containers that hold them (compile()'s ``CompileMetrics``)."""
+    return [leaf for m in metrics for leaf in (_leaf_metrics(m.metrics) if getattr(m, "metrics", None) else [m])]
