@@ -63,12 +63,13 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
                 or not (backend.on_ray or one_local_replica(config)):
             return None
         data = _data(config, None)
-        if data.streamed:  # files for a built-in model: the product's own step, which reads their schema
-            return None
-        model_fn = functools.partial(product_model.build_model, config, data.facts)
+        if data.streamed and not (backend.on_ray and config.class_weight is None):
+            return None  # files read into memory by the local backend, or classes weighed: the product's own step
+        facts = _streamed_facts(config, data) if data.streamed else data.facts
+        model_fn = functools.partial(product_model.build_model, config, facts)
         model = model_fn()
         name = product_model.model_name(config)
-        product_model.check_output(model, product_model.task_with_model(data.facts, model), name)
+        product_model.check_output(model, product_model.task_with_model(facts, model), name)
     elif chosen & _BUILT_FIELDS:  # a function of no arguments takes none of them
         return None
     taken = KERAS_STEP_FIELDS | (set() if keras_step.brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
@@ -82,6 +83,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}
+    if data.streamed and data.facts is not None and config.val_dataset is None:
+        fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
     batch = config.global_batch or config.per_replica_batch * (config.num_workers if backend.on_ray else 1)
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
         from app.driver.preflight import checked_plan
@@ -98,6 +101,19 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
+
+
+def _streamed_facts(config, data: "_Data"):
+    """A built-in model's data facts of streamed files (or a data function's Ray Dataset), read by Ray Data's tasks
+    (app.data.streamed.built_in_facts); kept on ``data``, which marks the run a built-in's."""
+    from app.data import memory, streamed
+    from app.data.files import given_dataset
+    from app.driver import cluster
+
+    cluster.connect_for_data(config, reads=True)
+    given = given_dataset("the data function's ray.data.Dataset", data.x) if memory.is_ray_dataset(data.x) else None
+    data.facts = streamed.built_in_facts(config, given)
+    return data.facts
 
 
 def _resumes_keras_run(config) -> bool:

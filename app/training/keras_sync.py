@@ -19,7 +19,9 @@ process over the global batch:
    epoch's (app.internals.replace_epoch_logs), every metric's state (sums,
    counts, confusion buckets: any Keras metric whose state adds up) is summed
    over the workers first and the metric's own ``result()`` read from the
-   total: the value one process reports for all the rows. A log value that is
+   total: the value one process reports for all the rows (a metric whose state
+   does not add up, a running maximum, is refused in the driver before any
+   worker starts: ``check_additive``). A log value that is
    no metric's result is averaged over the workers. Nested dicts of logs are
    flattened first, as fit() flattens them (their leaves, by key).
 3. **State that is not trained.** Batch-norm moving statistics (float
