@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,17 +41,12 @@ CHECKPOINT_DIR = checkpoint.LOCAL_DIR
 MAX_SHIPPED_MIB = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _address() -> str:
-    """This node's address and a port free now, for a TensorFlow server this process will start."""
-    import ray
+    """This node's address and a port free now, for a TensorFlow server this process will start (chosen as the
+    workers' MWMS ports are: app.backends.tf_config)."""
+    from app.backends.tf_config import worker_address
 
-    return f"{ray.util.get_node_ip_address()}:{_free_port()}"
+    return worker_address()
 
 
 class _ClusterTask:

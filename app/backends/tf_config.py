@@ -63,10 +63,36 @@ def worker_address() -> str:
     """
     host = ray.util.get_node_ip_address()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with contextlib.closing(socket.socket(family, socket.SOCK_STREAM)) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = _unclaimed_port(family)
     return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
+# MWMS's gRPC server binds its port seconds after it is chosen (the worker imports TensorFlow in between). A port the
+# kernel hands out (bind to 0, as Ray's own backend does) is one it also hands to any process's next outgoing
+# connection in that time, and a busy node makes many (Ray's own RPCs): "Could not start gRPC server" (seen in a
+# full run of the test suite). Ports below the kernel's ephemeral range, and above Ray's worker ports (10002-19999
+# by default), are only ever taken by a process that asks for that very port.
+_OWN_PORTS_FROM = 20000
+
+
+def _unclaimed_port(family: int) -> int:
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_from = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 32768  # Linux's default
+    ports = list(range(_OWN_PORTS_FROM, ephemeral_from))
+    random.SystemRandom().shuffle(ports)
+    for port in [*ports[:64], 0]:  # 0: the kernel's choice, where none below its range is free
+        with contextlib.closing(socket.socket(family, socket.SOCK_STREAM)) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port to listen on")
 
 
 class _TFConfigBackend(Backend):

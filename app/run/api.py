@@ -46,9 +46,9 @@ def driver(config: TrainConfig):
     if config.shard_optimizer:  # the product's own step does not shard
         raise UserError("shard_optimizer runs inside Keras's fit: give a model that brings its step (a function of "
                         "no arguments returning a compiled model, or one with its own train_step) and data that "
-                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model on files, on "
-                        "several local replicas or with --tensor-parallel trains on the product's own step, which "
-                        "does not shard")
+                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model on several local "
+                        "replicas, on files the local backend reads, or with --tensor-parallel trains on the "
+                        "product's own step, which does not shard")
 
     return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
 
