@@ -41,6 +41,9 @@ def test_every_example_runs_and_trains(joined, tmp_path):
     run = tmp_path / "runs" / "example-parquet"
     result = json.loads((run / "run" / "result.json").read_text())
     assert result["metrics"]["val_accuracy"] >= 0.9 and result["num_replicas"] == 2, result["metrics"]
+    # The built-in mlp on streamed files trains by Keras's fit, its validation the seeded 0.2 of the rows.
+    plan = (run / "run" / "train.log").read_text()
+    assert "step: Keras's train_step and test_step" in plan and "the seeded 0.2 validation split" in plan, plan[:3000]
     predicted = pd.read_parquet(run / "predictions")
     assert len(predicted) == 1200 and "1200 rows predicted" in parquet.stdout
 

@@ -3,7 +3,8 @@ with a model function of no arguments (a compiled model, one overriding ``train_
 trains as ``app.fit(build, x, ...)`` trains it (app.run.keras_step), whatever the data:
 
 - a path of files (or a ray.data.Dataset a data function returns): streamed to the workers by Ray Data, as
-  ``app.fit(build, path, validation_data=val_path)``;
+  ``app.fit(build, path, validation_data=val_path)`` (a built-in model on Ray too, built for the facts of one
+  statistics pass, its validation the seeded ``val_fraction`` where no --val-dataset is given);
 - a built-in dataset or a data function's arrays (``(x, y)``, ``(x, y, sample_weight)``, ``{"train": ..., "val":
   ...}``, a DataFrame): read here with the same checks as every in-memory source (app.data.memory), the seeded
   ``val_fraction`` held out where the function gives no "val" part, then ``app.fit(build, x, y,
