@@ -166,18 +166,18 @@ def check_additive(model, batch: Any) -> None:
     model whose evaluation needs what only its workers set up) is not checked: its workers say why it fails."""
     import tensorflow as tf
 
-    n = len(np.asarray(tf.nest.flatten(batch)[0]))
-    if n < 2:
-        return
-    halves = [tf.nest.map_structure(lambda a, s=s: a[s], batch) for s in (slice(0, n // 2), slice(n // 2, n))]
-
     def state(parts: list) -> list[list[np.ndarray]]:
         model.reset_metrics()
         for part in parts:
             model.test_step(part)
         return [[np.asarray(v.numpy(), np.float64) for v in m.variables] for m in _leaf_metrics(model.metrics)]
 
-    try:
+    try:  # a batch that does not halve (a ragged or a scalar element) is not checked either
+        leaves = tf.nest.flatten(batch)
+        n = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
+        if n < 2:
+            return
+        halves = [tf.nest.map_structure(lambda a, s=s: a[s], batch) for s in (slice(0, n // 2), slice(n // 2, n))]
         a, b, both = state(halves[:1]), state(halves[1:]), state(halves)
     except Exception:
         return
@@ -194,4 +194,5 @@ def check_additive(model, batch: Any) -> None:
 
 def _leaf_metrics(metrics: list) -> list:
     """The metrics themselves, inside the containers that hold them (compile()'s ``CompileMetrics``)."""
-    return [leaf for m in metrics for leaf in (_leaf_metrics(m.metrics) if getattr(m, "metrics", None) else [m])]
+    return [leaf for m in metrics
+            for leaf in (_leaf_metrics(m.metrics) if isinstance(getattr(m, "metrics", None), list) and m.metrics else [m])]
