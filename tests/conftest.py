@@ -21,12 +21,13 @@ from app.bench.node import assert_process_group_gone, free_port, ray_cli, start_
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Ray Data 2.60 lists parquet files with a pool of 32 FooterReader actors per read (each pass of a
-# streamed dataset is one), made for object stores over big clusters. On this 2-core machine, with
-# the workers holding their CPUs, they start one after another: ~60 s for 4 local files. One actor
-# reads the same footers (the same files, rows and seeded file shuffle): what a test checks does not
-# change. Ray reads it where the dataset is created (read_parquet, in the driver), so it is set for
-# this process and for every job a test starts (clean_env keeps it).
+# Ray Data 2.60's default parquet reader lists the files with a pool of 32 FooterReader actors per read (each
+# pass of a streamed dataset is one), made for object stores over big clusters. The product's own reads use Ray
+# Data's first reader, which lists them once (app.data.streamed._listed_once); a Dataset a test's user script makes
+# itself (ray.data.read_parquet) takes the default, and on this 2-core machine, with the workers holding their CPUs,
+# its actors start one after another: ~60 s for 4 local files. One actor reads the same footers (the same files,
+# rows and seeded file shuffle): what a test checks does not change. Ray reads it where the dataset is created
+# (read_parquet, in the driver), so it is set for this process and for every job a test starts (clean_env keeps it).
 # Ray starts its worker processes at nice 15 (its `worker_niceness`, read by the raylet from the environment it
 # starts in): the tests' Rays start theirs at the tests' own priority, above the local lane's (LOCAL_LANE_NICE).
 # Every raylet logs "is over 95% full" every 10 s once its disk is (`local_fs_capacity_threshold`), and Ray sends
