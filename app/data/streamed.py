@@ -101,9 +101,8 @@ def read(loc: Located, config: "TrainConfig", spec: Optional[Spec] = None, shuff
 def _listed_once():
     """Parquet read by Ray Data's first datasource, which reads the files' footers once, where the dataset is made.
     Its default in ray 2.60 (DataSourceV2) lists them again on every execution, i.e. every epoch of a streamed
-    input, on a pool of new FooterReader actors (32 by default, each a process): measured here, 5-8 s an epoch on 2
-    workers where the arrays' epoch took 1 s, against 1.3-2.5 s with this one (the same rows, columns and seeded
-    file order)."""
+    input, on a pool of new FooterReader actors (32 by default, each a process started for the listing): seconds
+    of every epoch on a small cluster (BENCHMARKS.md, streaming). The same rows, columns and seeded file order."""
     from ray.data import DataContext
 
     context = DataContext.get_current()
