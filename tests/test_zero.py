@@ -56,12 +56,12 @@ def test_sharded_and_unsharded_workers_hold_the_same_weights_and_half_the_state(
     assert counters == 12 and adam["unsharded_result"]["optimizer_parts_bytes"] == 0
     part = -(-(weights + 1) // 2)  # 48
     assert adam["result"] == {"optimizer_state_bytes": counters + 2 * part * 4, "optimizer_parts_bytes": part * 4}
-    # The plan gives the very bytes result.json does, before any worker starts, for a model the driver can build
-    # (SGD with momentum: one slot); a subclassed model is built on the workers only, and the plan gives no sizes.
+    # The plan gives the very bytes result.json does, before any worker starts (SGD with momentum: one slot; the
+    # subclassed model with Adam, built by the driver's check of its metrics on a batch: two).
     sgd = runs["sgd_momentum_clipnorm"]
     assert sgd["result"]["optimizer_state_bytes"] == counters + part * 4
     assert f"({counters + part * 4} B of {counters + weights * 4} B a worker)" in sgd["plan"]
-    assert "a worker)" not in adam["plan"]
+    assert f"({counters + 2 * part * 4} B of {counters + 2 * weights * 4} B a worker)" in adam["plan"]
 
 
 def test_a_sharded_run_resumes_unsharded_on_one_worker_and_an_unsharded_one_sharded_as_if_never_stopped(runs):

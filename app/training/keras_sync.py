@@ -162,7 +162,8 @@ def check_additive(model, batch: Any) -> None:
     """Refuse, in one line, a metric whose state does not add up over batches (a running maximum): ``epoch_logs``
     sums every metric's state over the workers, which gives one process's value only for states of sums and
     counts. Checked in the driver on the two halves of one batch through the model's own ``test_step`` (its
-    compiled metrics and any it tracks itself), before any worker starts. A ``test_step`` that cannot run here (a
+    compiled metrics and any it tracks itself), before any worker starts; a subclassed model is built by it here, as
+    its first call builds it (so the plan can size its optimizer's state). A ``test_step`` that cannot run here (a
     model whose evaluation needs what only its workers set up) is not checked: its workers say why it fails."""
     import tensorflow as tf
 
