@@ -63,7 +63,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         if not keras_step.built_by_product(config.model) or "tensor_parallel" in config.model_fields_set \
                 or not (backend.on_ray or one_local_replica(config)):
             return None
-        data = _data(config, None)
+        data = _data(config, None, dry)
         if data.streamed and not (backend.on_ray and config.class_weight is None):
             return None  # files read into memory by the local backend, or classes weighed: the product's own step
         facts = _streamed_facts(config, data) if data.streamed else data.facts
@@ -78,7 +78,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         return None
     from app.training import callbacks as product_callbacks
 
-    data = data or _data(config, model)
+    data = data or _data(config, model, dry)
     if data.streamed and config.class_weight is not None:  # the labels' classes are known only as the workers read them
         return None
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
@@ -140,15 +140,24 @@ class _Data:
     rows: Optional[int] = None  # the training rows of arrays read here
 
 
-def _data(config, model) -> _Data:
+def _data(config, model, dry: bool = False) -> _Data:
     """Files and Ray Datasets as they are (the workers stream them); arrays read and checked here (their named inputs
     and outputs against the model's, where Keras's own step feeds them to it), --class-weight from their labels."""
+    from app import registry
+    from app.backend import backend_of
     from app.data import files, memory
     from app.training.objective import class_weights
 
     loc = files.located(config)  # None: a built-in dataset or a data function
     if loc is not None and loc.format != "numpy":  # numpy files load in memory (app.data.numpy_files)
         return _Data(config.dataset, validation=config.val_dataset, streamed=True)
+    if loc is None and not dry and backend_of(config).on_ray and (
+            not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)):
+        from app.driver import cluster
+
+        # Before a data function runs: a ray.data.Dataset it builds is of this Ray and seals Ray Data's context as
+        # made here (its progress bars off), as the product's own step connects first too.
+        cluster.connect_for_data(config, reads=False)
     returned = memory.call_data_function(config) if loc is None else None
     if memory.is_ray_dataset(returned):
         return _Data(returned, validation=config.val_dataset, streamed=True)
