@@ -54,6 +54,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS or config.elastic:
         return None
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
+    built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
     if model is None:
         # A built-in on one local replica trains by Keras's fit, as on Ray; on several local replicas (Mirrored,
         # central storage, TPU) on the product's step, and on files too (it reads their schema), below.
@@ -66,6 +67,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         data = _data(config, None, dry)
         if data.streamed and not (backend.on_ray and config.class_weight is None):
             return None  # files read into memory by the local backend, or classes weighed: the product's own step
+        built_on_files = data.streamed
         facts = _streamed_facts(config, data) if data.streamed else data.facts
         model_fn = functools.partial(product_model.build_model, config, facts)
         model = model_fn()
@@ -84,7 +86,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}
-    if data.streamed and data.facts is not None and config.val_dataset is None:
+    if built_on_files and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
     batch = config.global_batch or config.per_replica_batch * (config.num_workers if backend.on_ray else 1)
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
@@ -106,15 +108,14 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
 
 def _streamed_facts(config, data: "_Data"):
     """A built-in model's data facts of streamed files (or a data function's Ray Dataset), read by Ray Data's tasks
-    (app.data.streamed.built_in_facts); kept on ``data``, which marks the run a built-in's."""
+    (app.data.streamed.built_in_facts)."""
     from app.data import memory, streamed
     from app.data.files import given_dataset
     from app.driver import cluster
 
     cluster.connect_for_data(config, reads=True)
     given = given_dataset("the data function's ray.data.Dataset", data.x) if memory.is_ray_dataset(data.x) else None
-    data.facts = streamed.built_in_facts(config, given)
-    return data.facts
+    return streamed.built_in_facts(config, given)
 
 
 def _resumes_keras_run(config) -> bool:
