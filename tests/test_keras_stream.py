@@ -52,8 +52,9 @@ def test_a_model_with_its_own_step_trains_from_a_ray_dataset_with_no_validation_
 
 def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
     """One worker reads the files' rows in their order (shuffle=False) as model.fit reads the arrays: the same
-    batches, the same History. Two workers cut their batches from their own halves: the same rows an epoch but
-    other batches, so close, not equal (the docs state the tolerance: 10 % of the loss after 4 epochs here, 5 % seen)."""
+    batches, the same History, each row's loss weighed by its class as Keras's class_weight weighs it. Two workers
+    cut their batches from their own halves: the same rows an epoch but other batches, so close, not equal (the
+    docs state the tolerance: 10 % of the loss after 4 epochs here, 5 % seen)."""
     keras_fit, one, two = (runs[k]["history"] for k in ("keras_fit", "compiled_path_1", "compiled_path_2"))
     # A compiled model from a path with no validation argument: no val_*, every row of an epoch trained (one worker;
     # two leave out the row an uneven split cannot give both).
@@ -138,6 +139,31 @@ def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(j
     assert result["optimizer_parts_bytes"] == 23 * 4 and result["optimizer_state_bytes"] == 2 * 23 * 4 + 12
 
 
+def test_a_built_in_model_on_files_plans_kerass_fit_with_the_class_weights_given(joined, tmp_path):
+    """jobs/train.py --dataset <parquet> --class-weight JSON with a built-in model (--dry-run: Ray Data's statistics
+    pass sizes the model, nothing trains): Keras's fit on the workers, each row's loss weighed by its class (the
+    workers' weighing: test_streamed_workers_train_as_keras_fit_on_the_same_rows); "balanced", which needs the
+    classes' counts before training, is one line."""
+    from conftest import run_jobs_at_once
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4)).astype("float32")
+    pd.DataFrame({**{f"f{i}": x[:, i] for i in range(4)}, "label": (x[:, 0] > 0).astype("int64")}).to_parquet(
+        tmp_path / "rows.parquet")
+    common = ["jobs/train.py", "--dataset", str(tmp_path / "rows.parquet"), "--feature-columns", "f0", "f1", "f2",
+              "f3", "--dry-run"]
+    weighed, balanced = run_jobs_at_once([*common, "--class-weight", '{"1": 2.5}', "--output", str(tmp_path / "a")],
+                                         [*common, "--class-weight", "balanced", "--output", str(tmp_path / "b")],
+                                         env=joined, timeout=300)
+    assert weighed.returncode == 0, weighed.stderr[-3000:]
+    said = weighed.stdout + weighed.stderr
+    assert "step: Keras's train_step and test_step" in said and "class_weight: 0: 1, 1: 2.5" in said, said[-3000:]
+    assert "each row's loss weighed by its class (class_weight)" in said
+    assert balanced.returncode != 0 and "--class-weight balanced needs the labels' counts" in balanced.stderr, \
+        balanced.stderr[-3000:]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a dry run writes nothing
+
+
 LOCAL_SCRIPT = """
 import json, sys
 import keras, numpy as np, pandas as pd
@@ -158,9 +184,10 @@ def build():
     return m
 
 
-h = app.fit(build, out, batch_size=16, epochs=3, shuffle=False, backend="local", output=out + "/run", verbose=0)
+h = app.fit(build, out, batch_size=16, epochs=3, shuffle=False, backend="local", class_weight={0: 0.5, 1: 1.5},
+            output=out + "/run", verbose=0)
 k = build()
-kh = k.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+kh = k.fit(x, y, batch_size=16, epochs=3, shuffle=False, class_weight={0: 0.5, 1: 1.5}, verbose=0)
 json.dump({"app": h.history, "keras": kh.history,
            "weights": float(max(np.abs(a - b).max() for a, b in zip(h.model.get_weights(), k.get_weights())))},
           open(out + "/local.json", "w"))
@@ -203,6 +230,7 @@ cases = {
     "split": dict(x=out + "/d.parquet", validation_split=0.2, backend="local"),
     "column": dict(x=out + "/d.parquet", feature_columns=["f0", "nope"], backend="local"),
     "shape": dict(x=out + "/d.parquet", backend="local"),
+    "unlabelled weighed": dict(x=out + "/d.parquet", label_column="target", class_weight={0: 2.0}, backend="local"),
 }
 for name, kwargs in cases.items():
     try:
@@ -227,6 +255,7 @@ def test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts(t
     assert "give validation_data" in lines["split"]
     assert "'nope'" in lines["column"]
     assert "x (columns f0, f1): its examples have shape (2,), but the model's input takes (3,)" in lines["shape"]
+    assert lines["unlabelled weighed"].startswith("class_weight weighs the rows by their label, but x has no 'target'")
     assert not os.path.exists(tmp_path / "never")  # nothing written
     assert "Started a local Ray" not in p.stderr  # refused before Ray
 

@@ -88,6 +88,9 @@ class StreamedKerasData:
     cached: bool = False  # read once into Ray's object store (small data): each epoch a pass over its blocks
     holdout: Optional[tuple[str, float]] = None  # one side of a seeded validation split ("train"/"val", fraction)
     shared: str = ""  # why the files must be where every node sees them ("": one node, or a URI)
+    # Keras's {class id: weight} (training only): each row's loss weighed by its label's class, by Keras's own
+    # adapter of a tf.data input (validation stays unweighted, as in fit())
+    class_weight: Optional[dict] = None
     shard: Any = field(default=None, repr=False)  # the worker's ray.data.DataIterator, bound on the worker
 
     streamed = True
@@ -135,6 +138,8 @@ class StreamedKerasData:
             if self.shuffle_buffer:
                 how += (f"; shuffled every epoch: {'the files in a new seeded order, ' if self.files_reshuffled else ''}"
                         f"rows mixed in a seeded buffer of {self.shuffle_buffer} on each worker")
+            if self.class_weight:
+                how += "; each row's loss weighed by its class (class_weight)"
         else:
             how += "every row scored once, each worker scoring its part"
         if self.holdout is not None:
@@ -166,6 +171,10 @@ class StreamedKerasData:
         ds = tf.data.Dataset.from_generator(one_pass, output_signature=signature)
         if self.training:  # fit() knows an epoch's steps; a shard that gives other than planned raises, not hangs
             ds = ds.apply(tf.data.experimental.assert_cardinality(self.steps))
+        if self.training and self.class_weight:
+            from app import internals
+
+            ds = internals.keras_data_adapter(ds, None, None, None, None, self.class_weight).get_tf_dataset()
         return ds.prefetch(2), lambda epoch: chosen.update(epoch=epoch)
 
 

@@ -65,10 +65,14 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
                 or not (backend.on_ray or one_local_replica(config)):
             return None
         data = _data(config, None, dry)
-        if data.streamed and not (backend.on_ray and config.class_weight is None):
-            return None  # files read into memory by the local backend, or classes weighed: the product's own step
+        if data.streamed and not backend.on_ray:
+            return None  # files read into memory by the local backend: the product's own step
         built_on_files = data.streamed
         facts = _streamed_facts(config, data) if data.streamed else data.facts
+        if data.streamed and config.class_weight is not None:  # weighed on the workers by the classes' facts
+            from app.training.objective import class_weights
+
+            data.class_weight = dict(enumerate(class_weights(config, facts)))
         model_fn = functools.partial(product_model.build_model, config, facts)
         model = model_fn()
         name = product_model.model_name(config)
@@ -81,8 +85,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     from app.training import callbacks as product_callbacks
 
     data = data or _data(config, model, dry)
-    if data.streamed and config.class_weight is not None:  # the labels' classes are known only as the workers read them
-        return None
+    if data.streamed and config.class_weight is not None and data.class_weight is None:
+        return None  # a model of the user's own on files: the labels' classes are known only as the workers read them
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}

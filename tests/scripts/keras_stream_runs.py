@@ -101,11 +101,13 @@ import ray.data  # noqa: E402  (the Ray the script joined: app.fit connected it)
 
 runs["own_step_ray_dataset"] = record(app.fit(autoencoder, ray.data.read_parquet(str(unlabelled)), batch_size=32,
                                               epochs=3, num_workers=2, output=str(out / "r2"), verbose=0))
+# Class 1 weighs twice class 0, as Keras's class_weight weighs each row's loss (the workers weigh their rows).
+CLASS_WEIGHT = {0: 1.0, 1: 2.0}
 for workers in (1, 2):
     runs[f"compiled_path_{workers}"] = record(app.fit(classifier, str(labelled), batch_size=30, epochs=4,
-                                                      shuffle=False, num_workers=workers,
+                                                      shuffle=False, num_workers=workers, class_weight=CLASS_WEIGHT,
                                                       output=str(out / f"r3_{workers}"), verbose=0))
-keras_fit = classifier().fit(X, labels, batch_size=30, epochs=4, shuffle=False, verbose=0)
+keras_fit = classifier().fit(X, labels, batch_size=30, epochs=4, shuffle=False, class_weight=CLASS_WEIGHT, verbose=0)
 runs["keras_fit"] = {"history": keras_fit.history}
 
 # A tf.data pipeline that reads TFRecord files (3 files, 301 rows): every worker reads them, every epoch.
