@@ -238,17 +238,27 @@ def check_batch(batch_size: int, world: int, what: str) -> None:
                         f"batches: it must divide over the {world} workers (use {below or above} or {above})")
 
 
+def check_weighed(class_weight: Any, labelled: bool, config: "TrainConfig") -> None:
+    """class_weight weighs rows by their label: a streamed input without its label column has none to weigh."""
+    if class_weight is not None and not labelled:
+        raise UserError(f"class_weight weighs the rows by their label, but x has no {config.label_column!r} column: "
+                        "give label_column the column that holds the class ids, or leave class_weight out")
+
+
 def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int, world: int, shuffle: bool,
-            training: bool, holdout: Optional[tuple[str, float]] = None) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
+            training: bool, holdout: Optional[tuple[str, float]] = None,
+            class_weight: Optional[dict] = None) -> tuple[StreamedKerasData, "ray.data.Dataset"]:
     """A located streamed input (``locate_input``), checked and described (``inspect``), and its Ray Dataset of
     x / y columns (Ray must be connected: the checks read the schema and the count through Ray Data).
     ``holdout`` ("train" or "val", fraction): one side of the seeded split of a data set with no validation part
-    (the command line's ``--val-fraction``), its rows counted by one more pass of Ray Data's tasks."""
+    (the command line's ``--val-fraction``), its rows counted by one more pass of Ray Data's tasks.
+    ``class_weight``: Keras's {class id: weight} for training rows (checked against the schema before any pass)."""
     from app.data import streamed
     from app.data.blocks import batch_rows, keras_block, keras_rows
 
     check_batch(batch_size, world, what)
     spec, labelled, rows, first = inspect(loc, config, what)
+    check_weighed(class_weight, labelled, config)
     if training and rows < world:
         raise UserError(f"{what} has {rows} rows, fewer than the {world} workers: use fewer workers")
     x_first, y_first = keras_rows(first, spec, labelled)
@@ -272,7 +282,7 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
     data = StreamedKerasData(name, loc.uri, spec, labelled, rows, world, batch_size // world, example,
                              training=training, shuffle_buffer=config.shuffle_buffer if training and shuffle else 0,
                              files_reshuffled=reshuffled, cached=cached, holdout=holdout,
-                             shared=_shared(loc))
+                             shared=_shared(loc), class_weight=dict(class_weight) if class_weight else None)
     return data, ds
 
 

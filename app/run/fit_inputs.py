@@ -179,7 +179,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
             raise UserError("val_fraction with backend='local': the path is read into memory here; give "
                             "validation_split (its last rows) or validation_data")
         x, y, spec = keras_stream.read_local(x, config, "x")
-        _check_weighed(class_weight, y is not None, config)
+        keras_stream.check_weighed(class_weight, y is not None, config)
         val = None if validation_data is None else keras_stream.read_local(validation_data, config,
                                                                             "validation_data")[:2]
         return x, y, val, {}, spec.features
@@ -195,10 +195,8 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
     cluster.connect_for_data(config, reads=True)
     split = (lambda side: (side, config.val_fraction)) if holdout else (lambda side: None)
     train, train_ds = keras_stream.prepare(train_loc, config, name="train", what="x", batch_size=train_batch,
-                                           world=world, shuffle=bool(shuffle), training=True, holdout=split("train"))
-    _check_weighed(class_weight, train.labelled, config)
-    if class_weight is not None:  # weighed on the workers, as Keras's fit weighs a tf.data input's rows
-        train.class_weight = dict(class_weight)
+                                           world=world, shuffle=bool(shuffle), training=True, holdout=split("train"),
+                                           class_weight=class_weight)  # weighed on the workers, as fit() weighs tf.data
     datasets = {"train": train_ds}
     val = None
     if val_loc is not None or holdout:
@@ -206,13 +204,6 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
                                                     batch_size=val_batch, world=world, shuffle=False, training=False,
                                                     holdout=split("val"))
     return train, None, val, datasets, train.spec.features
-
-
-def _check_weighed(class_weight: Any, labelled: bool, config) -> None:
-    """class_weight weighs rows by their label: a streamed input without its label column has none to weigh."""
-    if class_weight is not None and not labelled:
-        raise UserError(f"class_weight weighs the rows by their label, but x has no {config.label_column!r} column: "
-                        "give label_column the column that holds the class ids, or leave class_weight out")
 
 
 def same_structure(train, val) -> None:
