@@ -190,9 +190,6 @@ def _scale_problems(config: TrainConfig) -> list[str]:
         if config.backend != "ray" or config.strategy == "parameter-server":
             found.append("--checkpoint-every-steps checkpoints Ray Train's synchronous workers inside an epoch: use "
                          "it with --backend ray and the default strategy (other runs checkpoint every epoch)")
-        elif config.elastic and config.global_batch is None:
-            found.append(f"--checkpoint-every-steps with --num-workers {low}:{high} needs --global-batch: a checkpoint "
-                         "inside an epoch is a step of one global batch, which otherwise changes with the size")
         elif config.checkpoint_every_steps % config.steps_per_execution:
             found.append(f"--checkpoint-every-steps {config.checkpoint_every_steps} must be a multiple of "
                          f"--steps-per-execution {config.steps_per_execution} (steps run in groups of that many)")

@@ -30,13 +30,27 @@ def test_grad_accum_bf16_an_elastic_range_and_tensor_parallel_on_two_workers_tra
     # Keras counts optimizer steps, one per two batches: 8 batches of 32 an epoch, 3 epochs.
     assert run["iterations"] == 8 * 3 // 2
     assert run["policy"] == "mixed_bfloat16" and run["workers"] in (1, 2)  # the size Ray Train found room for
-    for said in ("workers: elastic, 1 to 2", "gradient_accumulation_steps=2", "mixed_bfloat16 dtype policy",
+    for said in ("elastic: 1 to 2 workers", "gradient_accumulation_steps=2", "mixed_bfloat16 dtype policy",
                  "tensor parallel: 2 devices in each worker; encoder by columns, decoder by rows"):
         assert said in run["plan"]
     # Each worker split its own CPU: half of the split layers' bytes on each device (the decoder's bias is whole).
     tp = run["tensor_parallel"]
     assert tp["splits"] == {"encoder": "column", "decoder": "row"} and list(tp["device_bytes"]) == ["CPU:0", "CPU:1"]
     assert sum(tp["device_bytes"].values()) == tp["unsplit_bytes"]
+
+
+def test_a_worker_killed_inside_an_epoch_goes_on_from_its_step_checkpoint_as_model_fit(runs):
+    """checkpoint_every_steps=3 on 2 workers, a model with its own train_step and Adam; rank 0 killed after the 5th
+    step of epoch 2: Ray Train restarts the group from the checkpoint at step 3 (the weights, Adam's moments and
+    step count, the epoch's metric so far), the epoch's other 5 steps run, then epoch 3: the History and the
+    weights of model.fit in one process, which never stopped."""
+    run, keras_fit = runs["steps"], runs["steps_keras_fit"]
+    assert "resumed at epoch 2 step 3 from its checkpoint" in run["log"], run["log"][-3000:]
+    np.testing.assert_allclose(run["history"]["reconstruction"], keras_fit["history"]["reconstruction"], rtol=1e-5)
+    for ours, kerass in zip(run["weights"], keras_fit["weights"], strict=True):
+        np.testing.assert_allclose(ours, kerass, atol=1e-5)
+    assert [(s["workers"], s["epoch"], s["step"]) for s in run["workers_over_time"]] == [(2, 1, 0)]
+    assert "checkpoints: every epoch, and every 3 steps inside one" in run["log"]
 
 
 def test_tensor_parallel_on_kerass_fit_is_model_fit_weight_for_weight_and_its_checkpoint_resumes_unsplit(

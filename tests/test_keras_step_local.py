@@ -256,13 +256,13 @@ def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tm
     # A pipeline that reads files runs on every worker, which reads them itself; the plan names them.
     reads, why = tf_pipeline.serialise(tf.data.TFRecordDataset(records).batch(2))
     assert why == "" and reads.files == (records,)
-    from app.run import keras_step
+    from app.run import keras_plan
 
     data = __import__("app.data.keras_inputs", fromlist=["read"]).read(
         tf.data.Dataset.from_generator(lambda: ((X[i:i + 8], Y[i:i + 8]) for i in range(0, 60, 8)),
                                        output_signature=(tf.TensorSpec((None, 4)), tf.TensorSpec((None,), tf.int64))),
         batch_size=None, rerun=True)
-    plan = "\n".join(keras_step.plan_lines(compiled(), data, None, 1, 1, None))
+    plan = "\n".join(keras_plan.plan_lines(compiled(), data, None, 1, 1, None))
     assert "read once here, as its first pass: it calls Python" in plan
 
 

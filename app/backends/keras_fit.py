@@ -92,8 +92,10 @@ class RayKerasSession:
             if self.rank == 0:  # the workers hold the same weights after every step
                 write(tmp)
                 ckpt = Checkpoint.from_directory(tmp)
-            # Every worker reports (it is a barrier); a sweep reads the logs under every run's names too.
-            ray.train.report({**record, **as_metrics(record), "epoch_seconds": record["seconds"]}, checkpoint=ckpt)
+            # Every worker reports (it is a barrier); a sweep reads the logs under every run's names too. A
+            # checkpoint inside an epoch (--checkpoint-every-steps) reports where it is, and no epoch's logs.
+            ray.train.report(record if "step" in record else
+                             {**record, **as_metrics(record), "epoch_seconds": record["seconds"]}, checkpoint=ckpt)
 
     def progress_bar(self, total: int, desc: str):
         from app.backends.ray_session import progress_bar
@@ -265,6 +267,8 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
         raise RunFailed(failures.one_line(e, config)) from None
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train's SIGINT handler aborts the controller and exits
+        raise RunFailed(failures.interrupted(out)) from None
     if result.error is not None:
         raise RunFailed(failures.one_line(result.error, config))
     if result.checkpoint is None:
@@ -281,7 +285,13 @@ def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
     if not config.resume:
         return None
     found = checkpoints(out, config.storage_path)
-    return str(max(found, key=lambda d: checkpoint.read_state(d / keras_worker.STATE_FILE)["epoch"])) if found else None
+    return str(max(found, key=_position)) if found else None
+
+
+def _position(directory: Path) -> tuple[int, int]:
+    """Where a checkpoint is: epochs done, and steps done in the next (--checkpoint-every-steps)."""
+    state = checkpoint.read_state(directory / keras_worker.STATE_FILE)
+    return state["epoch"], state.get("step", 0)
 
 
 def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:

@@ -61,6 +61,8 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "dropped_samples_per_epoch": job.train.dropped_rows(world),
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
             "worker_nodes": state.get("worker_nodes", []),
+            # the run's size since each (re)start that changed it: {time, workers, epoch, step[, joined, lost]}
+            "workers_over_time": state.get("workers_over_time", []),
             "time_to_first_step_seconds": outputs.first_step_seconds(records, started),
             # --tensor-parallel: the split and what each of a worker's devices held of it (rank 0's count)
             **({"tensor_parallel": {**job.tensor.as_dict(), "device_bytes": state.get("tensor_device_bytes") or {}}}

@@ -25,13 +25,6 @@ from app.ui import console, failures
 
 log = logging.getLogger(__name__)
 
-# Resuming at an exact step needs every epoch's order of rows known to every worker, whatever their number.
-STEP_EXACT = ("--num-workers MIN:MAX and --checkpoint-every-steps go on from an exact step of a seeded global order of "
-              "rows, which in-memory data has (built-in datasets, .npz/.npy files, data functions returning arrays); "
-              "{what} streams through Ray Data, split per worker: give a fixed --num-workers and no "
-              "--checkpoint-every-steps, or load it as arrays")
-
-
 def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_path: str | None = None,
         name: str | None = None, start_from: str | None = None) -> Any:
     """Run Ray Train with the TF_CONFIG backend (app.backends.tf_config) and return Ray's Result (raises RunFailed).
@@ -84,11 +77,7 @@ def fit(config: TrainConfig, checked, callbacks: list | None = None, storage_pat
     except ray.train.TrainingFailedError as e:  # fit() raises when the failure budget is spent
         raise RunFailed(failures.one_line(e, config)) from None
     except (KeyboardInterrupt, SystemExit):
-        # Ray Train's SIGINT handler aborts the controller and exits; say how to continue.
-        raise RunFailed(
-            f"interrupted: the run was stopped after its last checkpoint; continue it with "
-            f"python jobs/train.py --output {out} --resume"
-        ) from None
+        raise RunFailed(failures.interrupted(out)) from None
     if result.error is not None:
         raise RunFailed(failures.one_line(result.error, config))
     if result.checkpoint is None:
@@ -197,7 +186,11 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
     step_exact = config.elastic or config.checkpoint_every_steps
     if streamed_files and step_exact:
-        raise UserError(STEP_EXACT.format(what=f"--dataset {config.dataset}"))
+        raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
+    if config.elastic and config.checkpoint_every_steps and config.global_batch is None:
+        # This step's global batch follows the size (Keras's fit keeps the one it is given at every size)
+        raise UserError(f"--checkpoint-every-steps with --num-workers {config.num_workers} needs --global-batch: a "
+                        "checkpoint inside an epoch is a step of one global batch, which otherwise changes with the size")
 
     if require_fit:
         cluster.check_fits_locally(config)
@@ -210,7 +203,7 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
         cluster.connect_for_data(config, reads=bool(streamed_files))
     checked = preflight.check(config, config.max_workers, loc=loc, tensor_devices=_tensor_devices(config))
     if checked.source.streamed and step_exact:
-        raise UserError(STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))
+        raise UserError(files.STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
     # (cluster.connect); a cluster may not.
     if checked.source.streamed and not streamed_files and (require_fit or joining):

@@ -86,6 +86,13 @@ def located(config: "TrainConfig") -> Optional[Located]:
     return locate(dataset, config.data_format)
 
 
+# Resuming at an exact step needs every epoch's order of rows known to every worker, whatever their number.
+STEP_EXACT = ("--num-workers MIN:MAX and --checkpoint-every-steps go on from an exact step of a seeded global order of "
+              "rows, which in-memory data has (built-in datasets, .npz/.npy files, data functions returning arrays); "
+              "{what} streams through Ray Data, split per worker: give a fixed --num-workers and no "
+              "--checkpoint-every-steps, or load it as arrays")
+
+
 def streams(loc: Optional[Located], on_ray: bool) -> bool:
     """On the Ray backend, parquet, CSV, TFRecord and image folders (and a function's Ray Dataset) go through Ray Data;
     the local backend reads them in its own process (app.data.local_files); numpy files load in memory."""

@@ -116,7 +116,7 @@ class KerasData:
         """Whether a global batch of the first epoch does not divide over ``world`` workers."""
         return world > 1 and (not self.counted or any(len(b) % world for b in self.epoch(0, 0)))
 
-    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
+    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool, skip: int = 0):
         """This worker's batches of one epoch of ``epochs`` as a ``tf.data.Dataset`` that fit() iterates once per
         epoch, and ``choose(epoch)``, which says which epoch its next pass is (call it when the epoch begins: a
         callback's ``on_epoch_begin``, ahead of the epoch's iterator). Returns (dataset, choose).
@@ -124,7 +124,8 @@ class KerasData:
         One pass per epoch, as fit() reads the user's arrays: a model compiled with ``steps_per_execution`` runs
         its last execution of an epoch short, where one dataset of every epoch read with ``steps_per_epoch`` would
         run it into the next epoch's batches. ``training``: batches that cannot give every worker a row are left
-        out, so every worker has the same steps."""
+        out, so every worker has the same steps. ``skip``: the first epoch's batches already trained (a run that goes
+        on from a checkpoint inside that epoch, app.training.keras_worker) are left out of it."""
         import tensorflow as tf
 
         if self.pipeline is not None:
@@ -132,6 +133,7 @@ class KerasData:
         parts, counts = [], []
         for e in epochs:
             kept = [batch for batch in self.epoch(e, seed) if len(batch) >= world or not training and len(batch) > rank]
+            kept = kept[skip:] if e == epochs.start else kept
             parts += [batch[rank * len(batch) // world:(rank + 1) * len(batch) // world] for batch in kept]
             counts.append(len(kept))
         index = np.concatenate(parts) if parts else np.zeros((0,), np.int64)

@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from app.errors import UserError
 from app.run import keras_step
 from app.run.fit_inputs import overrides_step
 from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_STEP_FIELDS
@@ -49,9 +50,14 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # a run of the product's own step goes on on it
         return None
+    if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
+        from app.data import files
+
+        if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
+            raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
-    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS or config.elastic:
+    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
         return None
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
@@ -92,11 +98,13 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
               "output": str(config.output_dir())}
     if built_on_files and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
-    batch = config.global_batch or config.per_replica_batch * (config.num_workers if backend.on_ray else 1)
+    # Keras's fit is given the global batch, which stays at every size of an elastic range (its per-replica batch is
+    # the fewest workers' part)
+    batch = config.global_batch or config.per_replica_batch * (config.min_workers if backend.on_ray else 1)
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
         from app.driver.preflight import checked_plan
 
-        checked_plan(config, data.rows, config.num_workers if backend.on_ray else 1)
+        checked_plan(config, data.rows, config.min_workers if backend.on_ray else 1)
     run, _ = keras_step.fit(
         model, model_fn, data.x, data.y, batch_size=batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
-from app.run import fit_inputs
+from app.run import fit_inputs, keras_plan
 from app.run.fit_inputs import overrides_step
 from app.training import default_compile
 
@@ -37,7 +37,9 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "grad_accum", "mixed_precision", "lr_scaling", "reference_batch", "warmup_epochs", "lr_decay",
                      # the optimizer's state cut over the workers (app.training.zero); layers split over each
                      # worker's devices (app.training.tensor_parallel)
-                     "shard_optimizer", "tensor_parallel", "tensor_layout"}
+                     "shard_optimizer", "tensor_parallel", "tensor_layout",
+                     # step checkpoints and elastic resizes (app.training.keras_worker)
+                     "checkpoint_every_steps", "resize_check_s"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
 DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum"}
 
@@ -172,6 +174,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
         raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
                         "fixed number of workers; give num_workers a number")
+    if config.checkpoint_every_steps and keras_stream.is_streamed(x):
+        raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a path or a ray.data.Dataset streams "
+                        "each epoch anew, so a run cannot go on from a step inside one; leave it out (every epoch is "
+                        "checkpointed), or give the rows in memory")
     datasets: dict[str, Any] = {}
     columns: tuple[str, ...] = ()  # a path's or a Dataset's columns that are x (the refusals name them)
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
@@ -236,21 +242,18 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
+    if config.checkpoint_every_steps and (train.pipeline is not None or not train.counted):
+        raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
+                        f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
+                        "it out (every epoch is checkpointed)")
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
-                   task=defaults.task if defaults is not None else None, tensor=tensor)
-    elastic = [f"workers: elastic, {config.min_workers} to {config.max_workers} (Ray Train restarts the group from "
-               "the last epoch's checkpoint at each new size; every size cuts each global batch over its workers)"] \
-        if config.elastic and _on_ray(config) else []
-    compiled = [defaults.line(built_by_product(config.model))] if defaults else []
-    if isinstance(class_weight, dict):  # as Keras's fit takes it: each row's loss weighed by its class's
-        compiled.append("class_weight: " + ", ".join(f"{c}: {w:.3g}" for c, w in sorted(class_weight.items()))
-                        + " (each row's loss weighed by its class's, as in Keras's fit)")
-    plan = [_run_line(config, world, features.batch_size, train.steps, epochs)] \
-        + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
-        + features.lines() + shard.lines + (tensor.lines(per_worker=_on_ray(config)) if tensor else []) + elastic + [
-        line for data, name in ((x, "x"), (validation_data, "validation_data")) if (line := _py_dataset_line(data, name))]
+                   task=defaults.task if defaults is not None else None, tensor=tensor,
+                   checkpoint_every_steps=config.checkpoint_every_steps)
+    plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
+                            defaults.line(built_by_product(config.model)) if defaults else None, class_weight,
+                            validation_freq, callbacks, x, validation_data, epochs)
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
@@ -317,15 +320,6 @@ def _fewest(num_workers: Any) -> int:
         return 1
 
 
-def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int) -> str:
-    """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
-    from app.training.strategy import ray_strategy_name
-
-    part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
-    return (f"run: backend {config.backend}, {ray_strategy_name(world)}, {world} worker(s), global batch {batch}{part}, "
-            + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
-
-
 def _global_batch(train, world: int, batch_size: Optional[int]) -> int:
     """Rows of one step over every worker: a streamed input's worker batch x workers; arrays' batch_size; a
     dataset's own batches (their first one's rows)."""
@@ -334,66 +328,3 @@ def _global_batch(train, world: int, batch_size: Optional[int]) -> int:
     if train.batch_size is not None:
         return train.batch_size
     return int(train.bounds[1] - train.bounds[0]) if len(train.bounds) > 1 else (batch_size or KERAS_BATCH_SIZE)
-
-
-def _py_dataset_line(data: Any, name: str) -> str:
-    """What the plan says of a PyDataset's own parallel reading, which the product does not use."""
-    if not keras_inputs.is_py_dataset(data):
-        return ""
-    workers, processes = getattr(data, "workers", 1), getattr(data, "use_multiprocessing", False)
-    if workers <= 1 and not processes:
-        return ""
-    return (f"{name}: a PyDataset, read once here in the calling process, one batch after another: its workers="
-            f"{workers}, use_multiprocessing={processes} are not used (each worker trains on its part of the rows "
-            "read here)")
-
-
-def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
-    own = overrides_step(model)
-    step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
-            "loss and metrics")
-    dropped = train.dropped_rows(world)
-    lines = [
-        f"step: {step}, run by model.fit on each of {world} worker(s)"
-        + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
-        *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
-        (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"
-         if train.num_rows is not None else
-         "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
-        + (f", each global batch split over {world} workers" if world > 1 else "")
-        + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
-           else ", every row once per epoch"),
-        *[f"{what}: a tf.data pipeline that reads files ({fit_inputs.file_names(data.pipeline.files)}): every worker reads them "
-          "itself every epoch, so they must be where every worker sees them (shared storage, gs:// or s3://); each "
-          "worker parses every record and trains on its part of every batch" for data, what in
-          ((train, "x"), (val, "validation_data")) if getattr(data, "pipeline", None) and data.pipeline.files],
-        *(["x: a tf.data pipeline, run anew every epoch by every worker (each trains on its part of every batch): "
-            "its shuffle reshuffles and its random maps draw again, as in Keras's fit"] if train.pipeline else
-          [f"x: a tf.data pipeline read once here, as its first pass: {train.read_once}; its shuffle and random maps "
-           "are not drawn again each epoch"] if train.read_once else []),
-        *[data.describe(what) for data, what in ((train, "x"), (val, "validation_data"))
-          if getattr(data, "streamed", False)],
-        (f"validation: {val.num_rows if val.num_rows is not None else 'every'} rows"
-         + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
-         if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
-         "epochs are ranked by the training loss"),
-    ]
-    if train.uneven_batches(world):
-        lines.append(f"a global batch that does not divide over the {world} workers is cut into parts one row apart: "
-                     "the gradients and Keras's loss are exact; a Mean tracker fed one value per batch (a train_step's "
-                     "own, Keras's per-output losses) averages the parts' means (exact when every batch divides)")
-    if callbacks:
-        lines.append(f"callbacks: {', '.join(type(c).__name__ for c in callbacks)} on rank 0; their stop and "
-                     "learning-rate decisions taken by every worker")
-    executions = int(getattr(model, "steps_per_execution", 1) or 1)
-    if train.steps_per_epoch and train.steps_per_epoch % executions:
-        # Keras's fit reads such an input through one iterator and runs whole executions: it would go on into the
-        # next epoch's batches. Each epoch here is the steps_per_epoch batches it names.
-        whole = -(-train.steps_per_epoch // executions) * executions
-        lines.append(f"warning: steps_per_epoch {train.steps_per_epoch} is not a multiple of the model's "
-                     f"steps_per_execution {executions}: Keras's fit would run {whole} steps an epoch (whole "
-                     f"executions), this run runs {train.steps_per_epoch}; give steps_per_epoch={whole} for the two to "
-                     "agree")
-    return lines
-
-

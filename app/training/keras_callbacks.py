@@ -135,12 +135,14 @@ class Checkpoints(keras.callbacks.Callback):
                                 "--base-lr; the last good checkpoint is the one from the epoch before")
         seconds = time.perf_counter() - self.started
         record = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0},
-                  "seconds": round(seconds, 3), "workers": self.session.world,
+                  "seconds": round(seconds, 3), "workers": self.session.world, "attempt": self.state.get("attempt", 0),
                   **({"samples_per_second": round(self.rows / seconds, 1)} if self.rows and seconds else {})}
         if not self.told_first_step:
             record["first_step_time"], self.told_first_step = self.first_step_time, True
         self.state["history"].append(record)
         self.state["epoch"] = epoch + 1
+        for key in StepCheckpoints.STATE_KEYS:  # the epoch is whole: no step inside it to go on from
+            self.state.pop(key, None)
         if self.model.stop_training and epoch + 1 < self.epochs:  # agreed by every worker (Decisions runs first)
             self.state["stopped_early"] = {"epoch": epoch + 1, "reason": next(
                 (why_stopped(c, "on_epoch_end") for c in self.own if getattr(c, "stopped_epoch", 0)),
@@ -150,6 +152,38 @@ class Checkpoints(keras.callbacks.Callback):
         if self.gather is not None:
             self.gather()
         self.session.save_and_report(record, self.write)
+
+
+class StepCheckpoints(keras.callbacks.Callback):
+    """--checkpoint-every-steps: a checkpoint every N steps inside an epoch (its end has Checkpoints' own), so that
+    a restart or a resize re-does at most N steps. It holds where the epoch is (``step``: the steps done in it) and
+    the epoch's metric states so far summed over the workers (app.training.keras_sync.step_state), from which a run
+    that goes on there ends the epoch with the logs of an unbroken one. Before Checkpoints, after Decisions."""
+
+    STATE_KEYS = ("step", "metric_states")
+
+    def __init__(self, every: int, steps: Callable[[int], int], save: Callable[[], None], state: dict[str, Any],
+                 collective: Collective, skip: int = 0):
+        """``steps(epoch)``: the epoch's steps on this worker count; ``save()``: checkpoint and report ``state``
+        (every worker: a report is a barrier); ``skip``: the steps of the first epoch done before this fit."""
+        super().__init__()
+        self.every, self.steps, self.save, self.state, self.collective = every, steps, save, state, collective
+        self.skip, self.epoch = skip, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        from app.training.keras_sync import step_state
+
+        done = self.skip + batch + 1  # ``batch``: the last step an execution ran (steps_per_execution runs several)
+        before = self.state.get("step", self.skip)
+        if done // self.every > before // self.every and done < self.steps(self.epoch):
+            self.state["step"], self.state["metric_states"] = done, step_state(self.model, self.collective)
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.skip = 0
 
 
 def why_stopped(callback, hook: str) -> str:
@@ -163,7 +197,7 @@ def why_stopped(callback, hook: str) -> str:
 
 
 # What an epoch record holds besides Keras's epoch logs.
-RECORD_KEYS = ("epoch", "seconds", "workers", "samples_per_second", "first_step_time")
+RECORD_KEYS = ("epoch", "seconds", "workers", "attempt", "samples_per_second", "first_step_time")
 
 
 def as_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -194,7 +228,8 @@ class Board(keras.callbacks.Callback):
             scalars["samples_per_second"] = record["samples_per_second"]
         self.board.epoch(record["epoch"], scalars)
 
-    def on_train_end(self, logs=None):
+    def close(self) -> None:
+        """After the run's fits (a run that goes on inside an epoch fits that epoch's rest first)."""
         self.board.close()
 
 

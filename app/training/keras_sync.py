@@ -147,6 +147,31 @@ def epoch_logs(model, logs: Any, collective: Collective) -> dict[str, Any]:
     return {k: results.get(k, averaged[k]) for k in logs}
 
 
+def step_state(model, collective: Collective) -> list[list]:
+    """At a checkpoint inside an epoch: the batch-norm statistics averaged over the workers (their updates are
+    linear in them, so the epoch's end is unchanged; every worker then saves rank 0's), and each metric variable
+    summed over the workers, as lists (state.json holds them)."""
+    _average_state(model, collective)
+    variables = _metric_variables(model)
+    local = [np.asarray(v.numpy()) for v in variables]
+    if not local:
+        return []
+    total = collective.host(np.concatenate([a.ravel().astype(np.float64) for a in local]))
+    out, at = [], 0
+    for a in local:
+        out.append(total[at:at + a.size].reshape(a.shape).tolist())
+        at += a.size
+    return out
+
+
+def restore_step_state(model, states: list, rank: int) -> None:
+    """The metric states a checkpoint inside an epoch holds (``step_state``'s sums): on rank 0, zero on the others,
+    so that the sum over the workers at the epoch's end counts every step once."""
+    for v, saved in zip(_metric_variables(model), states):
+        value = np.asarray(saved, dtype=np.float64) if rank == 0 else np.zeros(np.shape(saved))
+        v.assign(value.astype(v.dtype))
+
+
 def _kind(logs: Any) -> str:
     if not isinstance(logs, dict):
         return f"a {type(logs).__name__}"

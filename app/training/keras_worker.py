@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.training import zero_state
-from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE
+from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE, Progress
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
@@ -60,6 +60,7 @@ class KerasJob:
     task: Optional[str] = None  # the task the product compiled the model for (app.training.default_compile), else None
     tensor: Any = None  # --tensor-parallel: the driver's TensorPlan (the layers split, over how many devices); None
     recorded: Optional[dict] = None  # the run's config as config.yaml records it (each checkpoint's state holds it)
+    checkpoint_every_steps: Optional[int] = None  # also a checkpoint every N steps inside an epoch (arrays only)
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -237,17 +238,22 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
     build(model, train, val, sharded)
 
-    state = {"epoch": job.initial_epoch, "history": []}
+    state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
+    nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
     resumed = session.last_checkpoint()
     if resumed is not None:
         state = restore(model, resumed, sharded, split)
-        if session.rank == 0:
-            log.info("resumed at epoch %d step 0 from its checkpoint", state["epoch"] + 1)
+        state["attempt"] = state.get("attempt", 0) + 1
     else:
         # Every worker starts from rank 0's weights (a model function need not be seeded).
         collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
+    progress = Progress(epoch=state["epoch"], step=state.get("step", 0), worker_nodes=nodes,
+                        workers_over_time=state.get("workers_over_time", []))
+    resized = progress.sized(session.world, state.get("worker_nodes"))  # the run's size since each (re)start
+    state["workers_over_time"], state["worker_nodes"] = progress.workers_over_time, nodes
+    if resumed is not None and session.rank == 0:  # one line: the resize (if any) and where training goes on
+        log.info("%sresumed at %s from its checkpoint", f"{resized}; " if resized else "", progress.position())
 
-    state["worker_nodes"] = session.worker_nodes(collective)  # where each rank runs (result.json)
     # What jobs/evaluate.py --checkpoint reads back: the run's config (its data) and the task it scores.
     state["config"], state["task"] = job.recorded or {}, job.task
     # What this worker holds for its optimizers (result.json): their variables, and a sharded one's flat weights.
@@ -255,39 +261,63 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
     if split is not None:  # what each of this worker's devices holds of the split layers (result.json)
         state["tensor_device_bytes"] = split.shards.variable_bytes()
-    first = state["epoch"]
+    first, skip = state["epoch"], state.get("step", 0)
     steps = train.steps_on(session.world, first, job.seed)
-    epochs = range(first, job.epochs)
-    train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world, training=True)
-    val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
-                                                         training=False)[0]
     held: dict[str, Any] = {}
 
     def gather() -> None:  # every worker, before rank 0 writes the checkpoint
         held["parts"] = zero_state.gather(sharded, session.rank)
 
+    def write(directory: str) -> None:
+        save(model, directory, state, held.pop("parts", None), split)
+
+    def save_step() -> None:
+        if sharded:
+            gather()
+        session.save_and_report({"epoch": state["epoch"], "step": state["step"], "workers": session.world}, write)
+
     own = list(job.callbacks or [])
-    board = [keras_callbacks.Board(job.tensorboard_dir, state)] if job.tensorboard_dir and session.rank == 0 else []
+    board = keras_callbacks.Board(job.tensorboard_dir, state) if job.tensorboard_dir and session.rank == 0 else None
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
-    # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
-    epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
-    callbacks = [epoch_input, *(own if session.rank == 0 else []), *bar,
-                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
-                 keras_callbacks.Checkpoints(session, lambda d: save(model, d, state, held.pop("parts", None), split), state,
-                                             job.epochs, gather=gather if sharded else None,
-                                             own=own if session.rank == 0 else [],
-                                             rows=trained_rows(train, session.world), finite=job.task is not None),
-                 *board]
+
+    def callbacks(epochs: range, choose_epoch: Callable[[int], Any], skip: int) -> list:
+        # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
+        epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
+        goes_on = [keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: keras_sync.restore_step_state(
+            model, state.get("metric_states", []), session.rank))] if skip else []
+        stepped = [keras_callbacks.StepCheckpoints(
+            job.checkpoint_every_steps, lambda epoch: train.steps_on(session.world, epoch, job.seed), save_step,
+            state, collective, skip)] if job.checkpoint_every_steps else []
+        return [epoch_input, *goes_on, *(own if session.rank == 0 else []), *bar,
+                keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
+                *stepped,
+                keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
+                                            own=own if session.rank == 0 else [],
+                                            rows=trained_rows(train, session.world), finite=job.task is not None),
+                *([board] if board is not None else [])]
+
+    val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
+                                                         training=False)[0]
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
-    # pipeline every worker runs again).
+    # pipeline every worker runs again). A run that goes on inside an epoch fits that epoch's steps left first, on
+    # their own (fit() counts an epoch's steps from the first one it iterates, and holds every epoch to it).
+    parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     try:
-        model.fit(train_ds, epochs=job.epochs, initial_epoch=first, validation_data=val_ds,
-                  validation_freq=job.validation_freq, callbacks=callbacks, verbose=0, shuffle=False)
+        for epochs in parts:
+            if not epochs or model.stop_training and epochs.start > first:
+                continue
+            train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world,
+                                                          training=True, skip=skip if epochs.start == first else 0)
+            model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
+                      validation_freq=job.validation_freq,
+                      callbacks=callbacks(epochs, choose_epoch, skip if epochs.start == first else 0), verbose=0,
+                      shuffle=False)
     except Exception as e:
         named = keras_callbacks.raised_by_callback(e, own)
         if named is None:
             raise
         raise named from None
-
-
+    finally:
+        if board is not None:
+            board.close()

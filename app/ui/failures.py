@@ -8,6 +8,13 @@ from app.config import TrainConfig
 from app.ui import console
 
 
+def interrupted(out) -> str:
+    """The one line for a Ray run stopped by Ctrl-C (Ray Train's SIGINT handler aborts its controller and exits):
+    how to continue it, from either surface."""
+    return (f"interrupted: the run was stopped after its last checkpoint; continue it with python jobs/train.py "
+            f"--output {out} --resume (app.fit(..., output={str(out)!r}, resume=True))")
+
+
 def one_line(error: BaseException, config: TrainConfig) -> str:
     """The line for a ray.train.TrainingFailedError, with where the full traceback went."""
     # A ControllerError's own message is a header ("Training failed due to controller error:"): tell its cause.

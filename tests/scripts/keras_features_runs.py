@@ -4,11 +4,13 @@ app.training.tensor_parallel), and by Keras's own model.fit with the same settin
 
     python keras_features_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
 
-Writes OUT/features.json: each run's History. tests/test_keras_features.py reads it.
+Writes OUT/features.json: each run's History (and final weights). tests/test_keras_features.py reads it.
 """
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -41,6 +43,37 @@ runs["features"] = {"history": history.history, "workers": history.result["worke
                     "iterations": int(history.model.optimizer.iterations.numpy()),
                     "policy": history.model.encoder.dtype_policy.name,
                     "plan": (out / "features" / "train.log").read_text()}
+
+
+class CrashOnce(keras.callbacks.Callback):
+    """Kills its worker once, after the 5th step of the second epoch (a user's callback runs on rank 0), when Ray
+    Train has had time to register the checkpoint taken at step 3."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.marker, self.epoch = marker, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 4 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(4)
+            os._exit(1)
+
+
+# A checkpoint every 3 steps on 2 workers, a worker killed inside an epoch: the run goes on from the step, its
+# optimizer's state and the epoch's metric so far, and ends as model.fit in one process.
+history = app.fit(build, x, batch_size=32, epochs=3, shuffle=False, num_workers=2, checkpoint_every_steps=3,
+                  max_failures=1, callbacks=[CrashOnce(str(out / "crashed"))], output=str(out / "steps"), verbose=0)
+runs["steps"] = {"history": history.history, "weights": [w.tolist() for w in history.model.get_weights()],
+                 "workers_over_time": history.result["workers_over_time"],
+                 "log": (out / "steps" / "train.log").read_text()}
+reference = build()
+runs["steps_keras_fit"] = {"history": reference.fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0).history,
+                           "weights": [w.tolist() for w in reference.get_weights()]}
+
 keras.config.set_dtype_policy("mixed_bfloat16")
 reference = build(2).fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0)
 runs["keras_fit"] = {"history": reference.history}

@@ -1,0 +1,115 @@
+"""The plan of a run by Keras's fit (app.run.keras_step): what the run will do, a line per decision, said before
+any worker starts (and all a --dry-run does)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from app.data import keras_inputs
+from app.run import fit_inputs
+from app.run.fit_inputs import overrides_step
+
+
+def lines(config, model, train, val, world: int, features, shard, tensor, compiled_line: Optional[str],
+          class_weight: Any, validation_freq: Any, callbacks: Optional[list], x: Any, validation_data: Any,
+          epochs: int) -> list[str]:
+    """Every line of the plan, in order (``compiled_line``: what the product compiled a model with, if it did)."""
+    from app.backend import backend_of
+
+    on_ray = backend_of(config).on_ray
+    compiled = [compiled_line] if compiled_line else []
+    if isinstance(class_weight, dict):  # as Keras's fit takes it: each row's loss weighed by its class's
+        compiled.append("class_weight: " + ", ".join(f"{c}: {w:.3g}" for c, w in sorted(class_weight.items()))
+                        + " (each row's loss weighed by its class's, as in Keras's fit)")
+    resizes = [_elastic_line(config, train, features.batch_size)] if config.elastic and on_ray else []
+    if config.checkpoint_every_steps:
+        resizes.append(f"checkpoints: every epoch, and every {config.checkpoint_every_steps} steps inside one (a "
+                       "restart or a resize goes on from that step: its weights, optimizers, data position and the "
+                       "epoch's metrics so far)")
+    return [_run_line(config, world, features.batch_size, train.steps, epochs)] \
+        + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
+        + features.lines() + shard.lines + (tensor.lines(per_worker=on_ray) if tensor else []) + resizes + [
+            line for data, name in ((x, "x"), (validation_data, "validation_data"))
+            if (line := _py_dataset_line(data, name))]
+
+
+def _elastic_line(config, train, batch: Optional[int]) -> str:
+    """The plan's line for an elastic range: how a resize goes on, and each size's part of the global batch."""
+    every = f"every {config.checkpoint_every_steps} steps" if config.checkpoint_every_steps else "every epoch"
+    sizes = range(config.min_workers, config.max_workers + 1)
+    at = "; ".join(f"{n}: {-(-batch // n) if batch else 'its part of each batch'} per replica, global "
+                   f"{batch or 'as given'}, {train.steps_on(n, 0, config.seed)} steps" for n in sizes)
+    return (f"elastic: {config.min_workers} to {config.max_workers} workers, resized by Ray Train (a restart from the "
+            f"latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s; a lost node spends "
+            f"restarts, {config.restarts} in all: --max-failures); the global batch {batch or '(as x gives it)'} "
+            f"stays at every size, cut over its workers, so the math does not change; at {at}")
+
+
+def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int) -> str:
+    """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
+    from app.training.strategy import ray_strategy_name
+
+    part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
+    return (f"run: backend {config.backend}, {ray_strategy_name(world)}, {world} worker(s), global batch {batch}{part}, "
+            + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
+
+
+def _py_dataset_line(data: Any, name: str) -> str:
+    """What the plan says of a PyDataset's own parallel reading, which the product does not use."""
+    if not keras_inputs.is_py_dataset(data):
+        return ""
+    workers, processes = getattr(data, "workers", 1), getattr(data, "use_multiprocessing", False)
+    if workers <= 1 and not processes:
+        return ""
+    return (f"{name}: a PyDataset, read once here in the calling process, one batch after another: its workers="
+            f"{workers}, use_multiprocessing={processes} are not used (each worker trains on its part of the rows "
+            "read here)")
+
+
+def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
+    own = overrides_step(model)
+    step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
+            "loss and metrics")
+    dropped = train.dropped_rows(world)
+    lines = [
+        f"step: {step}, run by model.fit on each of {world} worker(s)"
+        + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
+        *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
+        (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"
+         if train.num_rows is not None else
+         "data: rows and steps counted as the workers read the files (the driver read the first batch only)")
+        + (f", each global batch split over {world} workers" if world > 1 else "")
+        + (f"; {dropped} rows per epoch are in batches smaller than the workers and are not trained on" if dropped
+           else ", every row once per epoch"),
+        *[f"{what}: a tf.data pipeline that reads files ({fit_inputs.file_names(data.pipeline.files)}): every worker reads them "
+          "itself every epoch, so they must be where every worker sees them (shared storage, gs:// or s3://); each "
+          "worker parses every record and trains on its part of every batch" for data, what in
+          ((train, "x"), (val, "validation_data")) if getattr(data, "pipeline", None) and data.pipeline.files],
+        *(["x: a tf.data pipeline, run anew every epoch by every worker (each trains on its part of every batch): "
+            "its shuffle reshuffles and its random maps draw again, as in Keras's fit"] if train.pipeline else
+          [f"x: a tf.data pipeline read once here, as its first pass: {train.read_once}; its shuffle and random maps "
+           "are not drawn again each epoch"] if train.read_once else []),
+        *[data.describe(what) for data, what in ((train, "x"), (val, "validation_data"))
+          if getattr(data, "streamed", False)],
+        (f"validation: {val.num_rows if val.num_rows is not None else 'every'} rows"
+         + (f", every {validation_freq} epochs" if validation_freq != 1 else "")
+         if val is not None else "validation: none (no validation_data or validation_split): every row trains; "
+         "epochs are ranked by the training loss"),
+    ]
+    if train.uneven_batches(world):
+        lines.append(f"a global batch that does not divide over the {world} workers is cut into parts one row apart: "
+                     "the gradients and Keras's loss are exact; a Mean tracker fed one value per batch (a train_step's "
+                     "own, Keras's per-output losses) averages the parts' means (exact when every batch divides)")
+    if callbacks:
+        lines.append(f"callbacks: {', '.join(type(c).__name__ for c in callbacks)} on rank 0; their stop and "
+                     "learning-rate decisions taken by every worker")
+    executions = int(getattr(model, "steps_per_execution", 1) or 1)
+    if train.steps_per_epoch and train.steps_per_epoch % executions:
+        # Keras's fit reads such an input through one iterator and runs whole executions: it would go on into the
+        # next epoch's batches. Each epoch here is the steps_per_epoch batches it names.
+        whole = -(-train.steps_per_epoch // executions) * executions
+        lines.append(f"warning: steps_per_epoch {train.steps_per_epoch} is not a multiple of the model's "
+                     f"steps_per_execution {executions}: Keras's fit would run {whole} steps an epoch (whole "
+                     f"executions), this run runs {train.steps_per_epoch}; give steps_per_epoch={whole} for the two to "
+                     "agree")
+    return lines
