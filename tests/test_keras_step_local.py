@@ -567,7 +567,8 @@ def test_a_built_in_model_plans_kerass_fit_on_ray_compiled_with_the_defaults_and
         "step: Keras's train_step and test_step for the compiled loss and metrics, run by model.fit on each of 2")
     assert "model: mlp, 50,826 parameters" in plan  # 64x256+256 + 256x128+128 + 128x10+10
     assert any(line.startswith("compile: the product builds the model, and compiles it with the classification "
-                               "defaults") and line.endswith("(--optimizer, --base-lr, --momentum choose them)")
+                               "defaults") and line.endswith("(--optimizer, --base-lr, --momentum, --task, --loss, "
+                                                             "--from-logits choose them)")
                for line in plan), plan
     weights = next(line for line in plan if line.startswith("class_weight: "))
     assert weights.count(": ") == 11 and "9: 0.978" in weights, weights  # balanced: rows / (classes x class's rows)

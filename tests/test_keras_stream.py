@@ -142,7 +142,8 @@ def test_the_command_line_trains_a_model_with_its_own_step_from_a_parquet_file(j
 def test_a_built_in_model_on_files_plans_kerass_fit_with_the_class_weights_given(joined, tmp_path):
     """jobs/train.py --dataset <parquet> --class-weight JSON with a built-in model (--dry-run: Ray Data's statistics
     pass sizes the model, nothing trains): Keras's fit on the workers, each row's loss weighed by its class (the
-    workers' weighing: test_streamed_workers_train_as_keras_fit_on_the_same_rows); "balanced", which needs the
+    workers' weighing: test_streamed_workers_train_as_keras_fit_on_the_same_rows), and so with a compiled model
+    function of the user's (the weights as given, as app.fit takes class_weight); "balanced", which needs the
     classes' counts before training, is one line."""
     from conftest import run_jobs_at_once
 
@@ -152,16 +153,24 @@ def test_a_built_in_model_on_files_plans_kerass_fit_with_the_class_weights_given
         tmp_path / "rows.parquet")
     common = ["jobs/train.py", "--dataset", str(tmp_path / "rows.parquet"), "--feature-columns", "f0", "f1", "f2",
               "f3", "--dry-run"]
-    weighed, balanced = run_jobs_at_once([*common, "--class-weight", '{"1": 2.5}', "--output", str(tmp_path / "a")],
-                                         [*common, "--class-weight", "balanced", "--output", str(tmp_path / "b")],
-                                         env=joined, timeout=300)
+    (tmp_path / "own.py").write_text(
+        "import keras\n\n\ndef build():\n    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+        "    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n    return model\n")
+    weighed, balanced, own = run_jobs_at_once(
+        [*common, "--class-weight", '{"1": 2.5}', "--output", str(tmp_path / "a")],
+        [*common, "--class-weight", "balanced", "--output", str(tmp_path / "b")],
+        [*common, "--class-weight", '{"1": 2.5}', "--model", f"{tmp_path / 'own.py'}:build", "--output",
+         str(tmp_path / "c")], env=joined, timeout=300)
     assert weighed.returncode == 0, weighed.stderr[-3000:]
     said = weighed.stdout + weighed.stderr
     assert "step: Keras's train_step and test_step" in said and "class_weight: 0: 1, 1: 2.5" in said, said[-3000:]
     assert "each row's loss weighed by its class (class_weight)" in said
     assert balanced.returncode != 0 and "--class-weight balanced needs the labels' counts" in balanced.stderr, \
         balanced.stderr[-3000:]
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a dry run writes nothing
+    assert own.returncode == 0, own.stderr[-3000:]
+    said = own.stdout + own.stderr
+    assert "step: Keras's train_step and test_step" in said and "class_weight: 1: 2.5 (" in said, said[-3000:]
+    assert not any((tmp_path / d).exists() for d in "abc")  # a dry run writes nothing
 
 
 LOCAL_SCRIPT = """

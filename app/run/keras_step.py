@@ -41,7 +41,7 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      # step checkpoints and elastic resizes (app.training.keras_worker)
                      "checkpoint_every_steps", "resize_check_s"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
-DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum"}
+DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:

@@ -98,7 +98,7 @@ class Defaults:
         optimizer = f"SGD (momentum {self.momentum:g})" if self.optimizer == "sgd" else "Adam"
         what = "the product builds the model, and compiles it" if built_by_product else \
             "the model compiles nothing, so it is compiled"
-        choose = "--optimizer, --base-lr, --momentum choose them" if built_by_product else \
+        choose = "--optimizer, --base-lr, --momentum, --task, --loss, --from-logits choose them" if built_by_product else \
             "compile() it in the model function to choose them"
         return (f"compile: {what} with the {self.task} defaults: loss "
                 f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}, metric "
@@ -149,10 +149,33 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
         raise UserError(f"the model compiles nothing, its labels are {labels.dtype} of shape {per_example} per "
                         f"example and its output {outputs}: no default loss takes both (class ids with an output "
                         f"per class, one-hot rows as wide as the output, or one target per output); {fix}")
+    requested = getattr(config, "task", "auto")
+    if requested != "auto" and requested != task:
+        task = _as_requested(requested, task, labels, ids, width, per_example, outputs)
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
-    return Defaults(task=task, loss=loss, from_logits=task != "regression" and not ends_in_probabilities(model),
+    from_logits = task != "regression" and not ends_in_probabilities(model)
+    return Defaults(task=task, loss=getattr(config, "loss", None) or loss,
+                    from_logits=from_logits if getattr(config, "from_logits", None) is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum)
+
+
+def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,
+                  outputs: tuple) -> str:
+    """--task (``task=``) where the labels and the output allow it, else one line naming what they are."""
+    if requested == "regression" and labels.dtype.kind in "fiub" and (
+            per_example == outputs or {per_example, outputs} <= {(), (1,)}):
+        return requested
+    if requested == "binary" and ids and width == 1 and bool(np.isin(labels, (0, 1)).all()):
+        return requested
+    if requested == "classification" and ids and width > 1:
+        return requested
+    need = {"regression": "one numeric target per output",
+            "binary": "labels 0 and 1 and one output (a sigmoid or a logit)",
+            "classification": "integer class ids and an output per class"}[requested]
+    raise UserError(f"--task {requested} needs {need}; the labels are {labels.dtype} of shape {per_example} per "
+                    f"example and the model's output {outputs}, which is a {found} task: leave --task out (auto), or "
+                    "give a model and labels of that task")
 
 
 def _one_hot(labels: np.ndarray) -> bool:

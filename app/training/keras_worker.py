@@ -185,11 +185,15 @@ def _save_model(model, path: Path) -> None:
     stopped run has no model.keras of its own yet). A model Keras cannot save (a class it cannot rebuild) is left
     out: its checkpoint still resumes, and evaluate names what to do instead. A sharded or split model's optimizer
     state is not Keras's layout: none is written for them."""
+    import warnings
+
     import keras
 
     try:
         model.save(path)
-        keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
+        with warnings.catch_warnings():  # Keras's note that an unbuilt optimizer skips the saved one's variables
+            warnings.simplefilter("ignore", UserWarning)
+            keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
     except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save or load back
         path.unlink(missing_ok=True)
         log.debug("no %s in the checkpoint: %s", path.name, e)
@@ -307,8 +311,10 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         for epochs in parts:
             if not epochs or model.stop_training and epochs.start > first:
                 continue
+            # (a streamed input's worker_dataset takes no skip: the driver refuses step checkpoints for it)
+            left_out = {"skip": skip} if skip and epochs.start == first else {}
             train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world,
-                                                          training=True, skip=skip if epochs.start == first else 0)
+                                                          training=True, **left_out)
             model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
                       validation_freq=job.validation_freq,
                       callbacks=callbacks(epochs, choose_epoch, skip if epochs.start == first else 0), verbose=0,
