@@ -270,7 +270,7 @@ def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
     out, p = dry_runs["several values"]
     assert p.returncode == 0, p.stderr
     assert "model: mlp, 290 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 3x16+16 + 16x8+8 + 8x10+10
-    assert "global batch 16 (= 16 per replica)" in p.stdout  # --backend local on a CPU: one replica
+    assert "1 worker(s), global batch 16," in p.stdout  # --backend local on a CPU: one replica
     assert not out.exists()
 
 

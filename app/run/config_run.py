@@ -8,7 +8,9 @@ trains as ``app.fit(build, x, ...)`` trains it (app.run.keras_step), whatever th
 - a built-in dataset or a data function's arrays (``(x, y)``, ``(x, y, sample_weight)``, ``{"train": ..., "val":
   ...}``, a DataFrame): read here with the same checks as every in-memory source (app.data.memory), the seeded
   ``val_fraction`` held out where the function gives no "val" part, then ``app.fit(build, x, y,
-  validation_data=(x_val, y_val), sample_weight=w)``.
+  validation_data=(x_val, y_val), sample_weight=w)``;
+- a built-in model's files on the local backend: read here into arrays (app.data.local_files), the seeded
+  ``val_fraction`` held out as a Ray run holds it out.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
-    for the data's facts, app.training.model) on data held in memory. Returns result.json's content. None: the run
-    is the product's own step (the product's own features asked for, another backend or strategy, files for a
-    built-in model). ``dry``: the plan's lines instead, nothing trained (--dry-run); ``ray_run``: a sweep trial's
-    app.backends.keras_fit.RayRun."""
+    for the data's facts, app.training.model) on any data, on Ray or one local replica. Returns result.json's
+    content. None: the run is the product's own step (the product's own features asked for, another strategy, a
+    built-in split by --tensor-parallel). ``dry``: the plan's lines instead, nothing trained (--dry-run);
+    ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica
 
     # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
@@ -62,8 +64,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
     if model is None:
-        # A built-in on one local replica trains by Keras's fit, as on Ray; on several local replicas (Mirrored,
-        # central storage, TPU) on the product's step, and on files too (it reads their schema), below.
+        # A built-in on one local replica trains by Keras's fit, as on Ray (files read here into arrays); on several
+        # local replicas (Mirrored, central storage, TPU) on the product's step.
         # With --tensor-parallel (any degree, 1 included: its one-device reference) a model the product builds
         # splits on its step, where the split and the one device it must equal are both trained
         # (tests/test_tensor_parallel*.py).
@@ -71,8 +73,6 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
                 or not (backend.on_ray or one_local_replica(config)):
             return None
         data = _data(config, None, dry)
-        if data.streamed and not backend.on_ray:
-            return None  # files read into memory by the local backend: the product's own step
         built_on_files = data.streamed
         facts = _streamed_facts(config, data) if data.streamed else data.facts
         if data.streamed and config.class_weight is not None:  # weighed on the workers by the classes' facts
@@ -179,7 +179,9 @@ def _data(config, model, dry: bool = False) -> _Data:
     from app.training.objective import class_weights
 
     loc = files.located(config)  # None: a built-in dataset or a data function
-    if loc is not None and loc.format != "numpy":  # numpy files load in memory (app.data.numpy_files)
+    if loc is not None and loc.format != "numpy" and (model is not None or backend_of(config).on_ray):
+        # numpy files load in memory (app.data.numpy_files); the others stream on Ray, and a model function's are
+        # read by app.fit's own reader on the local backend
         return _Data(config.dataset, validation=config.val_dataset, streamed=True)
     if loc is None and not dry and backend_of(config).on_ray and (
             not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)):
@@ -191,7 +193,12 @@ def _data(config, model, dry: bool = False) -> _Data:
     returned = memory.call_data_function(config) if loc is None else None
     if memory.is_ray_dataset(returned):
         return _Data(returned, validation=config.val_dataset, streamed=True)
-    source = memory.load_source(config, returned)
+    if loc is not None and loc.format != "numpy":  # a built-in's files on the local backend: read here, the seeded
+        from app.data import local_files  # val_fraction held out as a Ray run holds it out
+
+        source = local_files.load(config, loc)
+    else:
+        source = memory.load_source(config, returned)
     if model is not None and not overrides_step(model):
         name = product_model.model_name(config)
         product_model.check_inputs(model, source.facts, name)
