@@ -109,11 +109,11 @@ def history(out, column):
         return [float(row[column]) for row in csv.DictReader(f)]
 
 
-def every_row_once(out, result, rows):
+def every_row_once(result, rows):
     """Each row validated, trained on or dropped, once (parquet and CSV split rows by a hash of their content)."""
-    val = history(out, "val_samples")[-1]
-    trained = history(out, "train_samples")[-1]  # whole batches and, in memory, the short last one
-    assert val + trained + result["dropped_samples_per_epoch"] == rows
+    val = result["val_rows"]
+    # One replica trains every training row, the short last batch too: none dropped.
+    assert val + result["rows"] == rows and result["dropped_samples_per_epoch"] == 0
     # --val-fraction 0.2, in expectation: within 4 standard deviations of the binomial (120 images, split by a
     # hash of their path, which holds the test's temporary directory: 12 of 120 is seen once in a few hundred runs)
     sd = (rows * 0.2 * 0.8) ** 0.5
@@ -124,14 +124,14 @@ def every_row_once(out, result, rows):
 def test_parquet_and_csv_train_locally_without_ray(runs, name):
     out, result = runs[name]
     assert result["backend"] == "local" and result["task"] == "classification"
-    every_row_once(out, result, ROWS)
+    every_row_once(result, ROWS)
     assert result["metrics"]["val_accuracy"] > 0.8  # chance: 1/3
 
 
 def test_image_folder_trains_locally_without_ray(runs):
     out, result = runs["images"]
     assert result["task"] == "classification" and result["config"]["image_size"] == [8, 8]
-    every_row_once(out, result, 120)
+    every_row_once(result, 120)
     assert result["metrics"]["val_accuracy"] > 0.8
 
 
@@ -146,7 +146,7 @@ def test_evaluate_of_a_local_parquet_run_needs_no_ray(runs):
     finished(without_ray("jobs/evaluate.py", "--run", str(out)))
     scored = json.loads((out / "eval.json").read_text())
     assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
-    assert scored["val_samples"] == history(out, "val_samples")[-1]
+    assert scored["val_samples"] == result["val_rows"]
 
 
 def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):

@@ -58,6 +58,8 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "epochs_completed": final.get("epoch", job.initial_epoch),
             "stopped_early": state.get("stopped_early"),  # a callback that stopped the run: after which epoch, why
             "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
+            # the validation rows (0: none; None: counted only as the workers read them)
+            "val_rows": (job.val.num_rows if job.val is not None else 0),
             "dropped_samples_per_epoch": job.train.dropped_rows(world),
             "samples_per_second": rows * len(trained) / seconds if rows is not None and seconds else None,
             "worker_nodes": state.get("worker_nodes", []),
