@@ -142,7 +142,8 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     """The script's model (Adam 1e-3, categorical cross-entropy on one-hot labels, accuracy + AUC) from the
     command line on 2 Ray workers, trained by Keras's fit: it learns, its History keys are Keras's, its Adam keeps
     the rate it was compiled with, and the AUC the workers summed equals keras.metrics.AUC over the exported
-    model's predictions in this one process."""
+    model's predictions in this one process. Its TensorBoard step scalars every 23 steps (--log-every-steps: an
+    epoch's last step) are the epoch's logs summed over both workers, as its epoch scalars are."""
     import keras
 
     from app.config import build_config
@@ -150,7 +151,8 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
 
     out = tmp_path / "run"
     p = run_job("jobs/train.py", "--model", f"{user_file}:build_model", "--dataset", f"{user_file}:digits_one_hot",
-                "--num-workers", "2", "--epochs", "8", "--output", str(out), timeout=400, env=joined)
+                "--num-workers", "2", "--epochs", "8", "--log-every-steps", "23", "--output", str(out), timeout=400,
+                env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     console = p.stdout + p.stderr
     assert "step: Keras's train_step and test_step for the compiled loss and metrics, run by model.fit on each of 2 " \
@@ -181,6 +183,11 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     assert [step for step, _ in scalars["epoch/val_auc"]] == list(range(1, 9))
     np.testing.assert_allclose([v for _, v in scalars["epoch/val_auc"]], recorded, rtol=1e-6)
     assert {"epoch/train_loss", "epoch/learning_rate", "epoch/samples_per_second"} <= set(scalars)
+    for name in ("train_loss", "train_auc"):
+        assert [step for step, _ in scalars[f"step/{name}"]] == [23 * e for e in range(1, 9)], name
+        np.testing.assert_allclose([v for _, v in scalars[f"step/{name}"]], [v for _, v in scalars[f"epoch/{name}"]],
+                                   rtol=1e-5)
+    assert "step/learning_rate" in scalars
     # The model function (pickled by value, it imports Keras) reached the workers without the Train controller
     # unpickling it: TensorFlow's start-up notice is the workers', never the controller's (docs/design.md).
     log = (out / "train.log").read_text().splitlines()

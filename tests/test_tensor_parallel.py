@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     models = user_module(tmp_path_factory, "tp_models.py", MODEL)
     user = ["--model", f"{models}:two_blocks_digits"]
     commands = {
-        # --tensor-parallel 1: the built-in's one-device run on the step its split runs on (app.run.config_run)
+        # --tensor-parallel 1: the built-in's one-device run, unsplit (both on Keras's fit: app.run.config_run)
         "mlp one device": ["--model", "mlp", "--tensor-parallel", "1", "--strategy", "one-device"],
         "mlp x2": ["--model", "mlp", "--tensor-parallel", "2"],
         "user one device": [*user, "--strategy", "one-device"],

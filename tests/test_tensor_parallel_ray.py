@@ -36,7 +36,7 @@ def test_two_ray_workers_each_split_over_two_devices_train_as_one_device(joined,
     on_ray, one_device = run_jobs_at_once(
         [str(script), f"{models}:two_blocks", str(split)],
         ["jobs/train.py", "--model", f"{models}:two_blocks", "--epochs", "2", "--global-batch", "64",
-         # --tensor-parallel 1: a function of the product's arguments on one device, on the step its splits run on
+         # --tensor-parallel 1: a function of the product's arguments on one device, unsplit
          "--no-tensorboard", "--backend", "local", "--strategy", "one-device", "--tensor-parallel", "1",
          "--output", str(alone)],
         envs=[joined, clean_env()], timeout=600)
@@ -46,7 +46,7 @@ def test_two_ray_workers_each_split_over_two_devices_train_as_one_device(joined,
     assert "tensor parallel: 2 devices in each worker; up_1 by columns, up_2 by columns, down_1 by rows, down_2 by " \
            "rows" in console, console[-3000:]
     assert "split layers' variables per device: counted in each worker" in console, console[-3000:]
-    assert "2 worker(s) x 1 replica(s), global batch 64" in console
+    assert "2 worker(s), global batch 64 (= 32 per worker)" in console
 
     # Adam's slots follow the shards on each worker; the all-reduce sums each shard's gradient across the workers.
     for a, b in zip(_weights(split), _weights(alone)):

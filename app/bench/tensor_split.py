@@ -29,7 +29,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     flags = workload_flags(preset.workload)
     rows: dict[int, dict[str, Any]] = {}
     for n in degrees:
-        # N = 1 as --tensor-parallel 1: the built-in's one device on the step its splits run on (app.run.config_run)
+        # N = 1 as --tensor-parallel 1: the built-in's one device, unsplit (app.run.config_run)
         split = ["--tensor-parallel", str(n)] + ([] if n > 1 else ["--strategy", "one-device"])
         output = out / f"tp-{n}"
         run_script([sys.executable, "jobs/train.py", "--backend", "local", *flags, *split, "--output", str(output),

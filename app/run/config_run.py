@@ -65,13 +65,15 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
     if model is None:
         # A built-in on one local replica trains by Keras's fit, as on Ray (files read here into arrays); on several
-        # local replicas (Mirrored, central storage, TPU) on the product's step.
-        # With --tensor-parallel (any degree, 1 included: its one-device reference) a model the product builds
-        # splits on its step, where the split and the one device it must equal are both trained
-        # (tests/test_tensor_parallel*.py).
-        if not keras_step.built_by_product(config.model) or "tensor_parallel" in config.model_fields_set \
-                or not (backend.on_ray or one_local_replica(config)):
+        # local replicas (Mirrored, central storage, TPU) on the product's step. --tensor-parallel N splits its
+        # layers inside the model Keras's fit runs (app.training.tensor_parallel.SplitInPlace), by the built-in's
+        # own layout unless --tensor-layout names one.
+        if not keras_step.built_by_product(config.model) or not (backend.on_ray or one_local_replica(config)):
             return None
+        if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
+            from app.training.strategy import tensor_devices
+
+            tensor_devices(config.tensor_degree)
         data = _data(config, None, dry)
         built_on_files = data.streamed
         facts = _streamed_facts(config, data) if data.streamed else data.facts
@@ -100,6 +102,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
               "output": str(config.output_dir())}
     if built_on_files and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
+    if config.tensor_degree and not config.tensor_layout and isinstance(config.model, str):
+        from app.training.tensor_parallel import BUILTIN_LAYOUTS  # a built-in's own layout, named
+
+        if config.model in BUILTIN_LAYOUTS:
+            fields["tensor_layout"] = [f"{k}={v}" for k, v in BUILTIN_LAYOUTS[config.model].items()]
     # Keras's fit is given the global batch, which stays at every size of an elastic range (its per-replica batch is
     # the fewest workers' part)
     batch = config.global_batch or config.per_replica_batch * (config.min_workers if backend.on_ray else 1)

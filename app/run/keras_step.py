@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's steps)
 
 
-# The config fields a run by the model's own step takes (where and how it runs); every other field is one of the
-# product's own training features that only its own step provides (tensor parallel, elastic ranges, ...).
+# The config fields a run by the model's own step takes (where and how it runs, and the product's features it
+# carries); every other field is one that only the product's own step provides (--audit-sample-ids, a strategy).
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
@@ -39,9 +39,11 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      # worker's devices (app.training.tensor_parallel)
                      "shard_optimizer", "tensor_parallel", "tensor_layout",
                      # step checkpoints and elastic resizes (app.training.keras_worker)
-                     "checkpoint_every_steps", "resize_check_s"}
+                     "checkpoint_every_steps", "resize_check_s",
+                     # TensorBoard's step scalars (app.training.keras_callbacks.StepScalars)
+                     "log_every_steps"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
-DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits"}
+DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"}
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:

@@ -75,6 +75,7 @@ class Defaults:
     optimizer: str  # sgd / adam
     learning_rate: float
     momentum: float
+    steps_per_execution: int = 1  # train steps per call of Keras's train function (--steps-per-execution)
 
     def compile(self, model) -> Any:
         import keras
@@ -89,7 +90,7 @@ class Defaults:
             metric = DEFAULT_METRIC[self.task]
         optimizer = keras.optimizers.SGD(self.learning_rate, momentum=self.momentum) if self.optimizer == "sgd" \
             else keras.optimizers.Adam(self.learning_rate)
-        model.compile(optimizer=optimizer, loss=loss, metrics=[metric])
+        model.compile(optimizer=optimizer, loss=loss, metrics=[metric], steps_per_execution=self.steps_per_execution)
         return model
 
     def line(self, built_by_product: bool = False) -> str:
@@ -102,7 +103,9 @@ class Defaults:
             "compile() it in the model function to choose them"
         return (f"compile: {what} with the {self.task} defaults: loss "
                 f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}, metric "
-                f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g} ({choose})")
+                f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g}"
+                + (f", {self.steps_per_execution} steps per execution" if self.steps_per_execution > 1 else "")
+                + f" ({choose})")
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     from_logits = task != "regression" and not ends_in_probabilities(model)
     return Defaults(task=task, loss=getattr(config, "loss", None) or loss,
                     from_logits=from_logits if getattr(config, "from_logits", None) is None else config.from_logits,
-                    optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum)
+                    optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,
+                    steps_per_execution=getattr(config, "steps_per_execution", 1))
 
 
 def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,

@@ -186,6 +186,41 @@ class StepCheckpoints(keras.callbacks.Callback):
         self.skip = 0
 
 
+class StepScalars(keras.callbacks.Callback):
+    """TensorBoard's ``step/<name>`` every N steps (--log-every-steps): the epoch's loss and metrics so far, summed
+    over every worker (app.training.keras_sync.epoch_logs: one small all-reduce a point, which every worker joins at
+    the same step), and the learning rate; rank 0 writes them (``board``, None on the others). The step counts
+    batches on from the first optimizer's step count when the fit starts (a resumed run's included)."""
+
+    def __init__(self, every: int, collective: Collective, board: Optional["Board"]):
+        super().__init__()
+        self.every, self.collective, self.board = every, collective, board
+        self.start = self.done = 0
+
+    def on_train_begin(self, logs=None):
+        from app.training.keras_sync import optimizers_of
+
+        optimizers = optimizers_of(self.model)
+        self.done = int(optimizers[0].iterations.numpy()) if optimizers else self.done
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = self.done
+
+    def on_train_batch_end(self, batch, logs=None):
+        from app.training.keras_sync import epoch_logs
+
+        before, self.done = self.done, self.start + batch + 1  # ``batch``: an execution's last step
+        if self.done // self.every == before // self.every:
+            return
+        summed = epoch_logs(self.model, dict(logs or {}), self.collective)
+        scalars = as_metrics({k: float(v) for k, v in summed.items() if np.ndim(v) == 0})
+        if self.board is not None:
+            optimizer = getattr(self.model, "optimizer", None)
+            if "learning_rate" not in scalars and optimizer is not None:
+                scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
+            self.board.board.step(self.done, scalars)
+
+
 def why_stopped(callback, hook: str) -> str:
     """Why a callback stopped the run, in a line: EarlyStopping says what did not improve."""
     name = type(callback).__name__

@@ -61,6 +61,7 @@ class KerasJob:
     tensor: Any = None  # --tensor-parallel: the driver's TensorPlan (the layers split, over how many devices); None
     recorded: Optional[dict] = None  # the run's config as config.yaml records it (each checkpoint's state holds it)
     checkpoint_every_steps: Optional[int] = None  # also a checkpoint every N steps inside an epoch (arrays only)
+    log_every_steps: int = 0  # TensorBoard's step scalars every N steps (with tensorboard_dir); 0: per epoch only
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -299,7 +300,11 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
                                             own=own if session.rank == 0 else [],
                                             rows=trained_rows(train, session.world), finite=job.task is not None),
-                *([board] if board is not None else [])]
+                *([board] if board is not None else []), *step_scalars]
+
+    # Every worker takes part in each point's sums; rank 0 writes them.
+    step_scalars = [keras_callbacks.StepScalars(job.log_every_steps, collective, board)] \
+        if job.log_every_steps and job.tensorboard_dir else []
 
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
                                                          training=False)[0]

@@ -43,8 +43,14 @@ class UnsplitOptimizer:
                             "use --mixed-precision bf16 or off")
         self.split, self.optimizer, self.slots = split, optimizer, slots
         rate = internals.learning_rate_schedule(optimizer)  # the same structure as an unsplit run's optimizer
-        rate = rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(rate.numpy())
-        self.unsplit = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": rate})
+        scheduled = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+        # A rate variable beside a schedule (the product's rule wrapped around a number: its variable stays in the
+        # optimizer's list) is in the twin too, or a checkpoint's variables would not line up with the model's
+        with_variable = scheduled and any(v.name == "learning_rate" for v in optimizer.variables)
+        self.unsplit = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": 0.0 if with_variable
+                                                    else rate if scheduled else float(rate.numpy())})
+        if with_variable:
+            internals.wrap_learning_rate(self.unsplit, lambda _: rate)
         # In host memory, where a checkpoint reads and writes them: no device holds the unsplit layers' slots.
         self.unsplit_slots = place_optimizer_slots(self.unsplit, device="/CPU:0")
         self.unsplit.build(split.unsplit_trainable)

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 # transformer block's attention by heads.
 BUILTIN_LAYOUTS = {
     "mlp": {"dense_0": "column", "dense_1": "row"},
-    "transformer": {"attention_*": "heads", "ff_in_*": "column", "ff_out_*": "row"},
+    # attention_<block> (not the EinsumDense "attention_output" inside each, which Keras's fit's split walks into)
+    "transformer": {"attention_[0-9]*": "heads", "ff_in_*": "column", "ff_out_*": "row"},
 }
 BY = {"column": "columns", "row": "rows", "heads": "heads"}
 
