@@ -12,10 +12,15 @@ The product adds, as Keras callbacks on every worker:
   worker at the same point, or the workers' steps would part;
 - ``Checkpoints``: every epoch, the model and every optimizer it holds
   (``tf.train.Checkpoint``: no model config needed, any model Keras can train)
-  and the epoch's record, written by rank 0 and reported by every worker.
+  and the epoch's record, written by rank 0 and reported by every worker;
+- ``StepCheckpoints`` (checkpoint_every_steps): one every N steps inside an
+  epoch too, with the epoch's metric states so far summed over the workers;
+- ``StepScalars`` (TensorBoard, log_every_steps): the epoch's logs so far.
 
 A restarted or resumed worker restores the last checkpoint and goes on from
-its epoch, as ``initial_epoch`` would.
+its epoch, as ``initial_epoch`` would; from a checkpoint inside an epoch, it
+fits that epoch's steps left (its metric states restored), then the epochs
+after it.
 """
 
 from __future__ import annotations
@@ -285,8 +290,12 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     board = keras_callbacks.Board(job.tensorboard_dir, state) if job.tensorboard_dir and session.rank == 0 else None
     bar = [keras_callbacks.Bar(session.progress_bar, steps, job.epochs)] if job.progress_bars and session.rank == 0 \
         else []
+    # Every worker takes part in each point's sums; rank 0 writes them.
+    step_scalars = [keras_callbacks.StepScalars(job.log_every_steps, collective, board)] \
+        if job.log_every_steps and job.tensorboard_dir else []
 
-    def callbacks(epochs: range, choose_epoch: Callable[[int], Any], skip: int) -> list:
+    def callbacks(choose_epoch: Callable[[int], Any], skip: int) -> list:
+        """A fit's callbacks (``skip``: the first epoch's steps done before it, from a checkpoint inside it)."""
         # Points the input at the epoch that begins: fit() makes the epoch's iterator after every on_epoch_begin.
         epoch_input = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: choose_epoch(epoch))
         goes_on = [keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: keras_sync.restore_step_state(
@@ -301,10 +310,6 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                                             own=own if session.rank == 0 else [],
                                             rows=trained_rows(train, session.world), finite=job.task is not None),
                 *([board] if board is not None else []), *step_scalars]
-
-    # Every worker takes part in each point's sums; rank 0 writes them.
-    step_scalars = [keras_callbacks.StepScalars(job.log_every_steps, collective, board)] \
-        if job.log_every_steps and job.tensorboard_dir else []
 
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
                                                          training=False)[0]
@@ -322,7 +327,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                                                           training=True, **left_out)
             model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
                       validation_freq=job.validation_freq,
-                      callbacks=callbacks(epochs, choose_epoch, skip if epochs.start == first else 0), verbose=0,
+                      callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0,
                       shuffle=False)
     except Exception as e:
         named = keras_callbacks.raised_by_callback(e, own)
