@@ -202,8 +202,10 @@ def _data(config, model, dry: bool = False) -> _Data:
         return _Data(returned, validation=config.val_dataset, streamed=True)
     if loc is not None and loc.format != "numpy":  # a built-in's files on the local backend: read here, the seeded
         from app.data import local_files  # val_fraction held out as a Ray run holds it out
+        from app.driver import named_inputs
 
-        source = local_files.load(config, loc)
+        # (a function of the product's arguments whose keras.Input names are columns: each reads its own)
+        source = local_files.load(named_inputs.by_name(config, loc), loc)
     else:
         source = memory.load_source(config, returned)
     if model is not None and not overrides_step(model):
