@@ -168,17 +168,17 @@ class StepCheckpoints(keras.callbacks.Callback):
         (every worker: a report is a barrier); ``skip``: the steps of the first epoch done before this fit."""
         super().__init__()
         self.every, self.steps, self.save, self.state, self.collective = every, steps, save, state, collective
-        self.skip, self.epoch = skip, 0
+        self.skip, self.epoch_steps = skip, 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
+        self.epoch_steps = self.steps(epoch)  # once an epoch: it cuts the epoch's seeded order of every row
 
     def on_train_batch_end(self, batch, logs=None):
         from app.training.keras_sync import step_state
 
         done = self.skip + batch + 1  # ``batch``: the last step an execution ran (steps_per_execution runs several)
         before = self.state.get("step", self.skip)
-        if done // self.every > before // self.every and done < self.steps(self.epoch):
+        if done // self.every > before // self.every and done < self.epoch_steps:
             self.state["step"], self.state["metric_states"] = done, step_state(self.model, self.collective)
             self.save()
 
