@@ -96,7 +96,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     if data.streamed and config.class_weight is not None and data.class_weight is None:
         # A model of the user's own on files: the weights as given, as app.fit(path, class_weight={...}) takes them
         # (the labels' classes are known only as the workers read them)
-        data.class_weight = _given_class_weight(config.class_weight)
+        from app.training.objective import given_class_weights
+
+        data.class_weight = given_class_weights(config.class_weight)
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               "output": str(config.output_dir())}
@@ -137,21 +139,6 @@ def _streamed_facts(config, data: "_Data"):
     cluster.connect_for_data(config, reads=True)
     given = given_dataset("the data function's ray.data.Dataset", data.x) if memory.is_ray_dataset(data.x) else None
     return streamed.built_in_facts(config, given)
-
-
-def _given_class_weight(spec: str) -> dict[int, float]:
-    """--class-weight's JSON object as Keras's fit takes class_weight; "balanced" in one line (no counts yet)."""
-    import json
-
-    fix = "give the weights as JSON, e.g. '{\"0\": 1.0, \"1\": 5.0}'"
-    if spec == "balanced":
-        raise UserError(f"--class-weight balanced needs the labels' counts, which streamed files do not give before "
-                        f"training: {fix}")
-    try:
-        return {int(k): float(w) for k, w in json.loads(spec).items()}
-    except (ValueError, TypeError, AttributeError):
-        raise UserError(f"--class-weight {spec!r}: give 'balanced' or a JSON object of class ids to weights; "
-                        f"{fix}") from None
 
 
 def _resumes_keras_run(config) -> bool:

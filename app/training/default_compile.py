@@ -152,16 +152,15 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
         raise UserError(f"the model compiles nothing, its labels are {labels.dtype} of shape {per_example} per "
                         f"example and its output {outputs}: no default loss takes both (class ids with an output "
                         f"per class, one-hot rows as wide as the output, or one target per output); {fix}")
-    requested = getattr(config, "task", "auto")
-    if requested != "auto" and requested != task:
-        task = _as_requested(requested, task, labels, ids, width, per_example, outputs)
+    if config.task != "auto" and config.task != task:
+        task = _as_requested(config.task, task, labels, ids, width, per_example, outputs)
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     from_logits = task != "regression" and not ends_in_probabilities(model)
-    return Defaults(task=task, loss=getattr(config, "loss", None) or loss,
-                    from_logits=from_logits if getattr(config, "from_logits", None) is None else config.from_logits,
+    return Defaults(task=task, loss=config.loss or loss,
+                    from_logits=from_logits if config.from_logits is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,
-                    steps_per_execution=getattr(config, "steps_per_execution", 1))
+                    steps_per_execution=config.steps_per_execution)
 
 
 def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,

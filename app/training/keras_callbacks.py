@@ -215,10 +215,7 @@ class StepScalars(keras.callbacks.Callback):
         summed = epoch_logs(self.model, dict(logs or {}), self.collective)
         scalars = as_metrics({k: float(v) for k, v in summed.items() if np.ndim(v) == 0})
         if self.board is not None:
-            optimizer = getattr(self.model, "optimizer", None)
-            if "learning_rate" not in scalars and optimizer is not None:
-                scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
-            self.board.board.step(self.done, scalars)
+            self.board.board.step(self.done, with_learning_rate(self.model, scalars))
 
 
 def why_stopped(callback, hook: str) -> str:
@@ -255,10 +252,7 @@ class Board(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         record = self.state["history"][-1]
-        scalars = {**as_metrics(record), "workers": record["workers"]}
-        optimizer = getattr(self.model, "optimizer", None)
-        if "learning_rate" not in scalars and optimizer is not None:
-            scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
+        scalars = with_learning_rate(self.model, {**as_metrics(record), "workers": record["workers"]})
         if "samples_per_second" in record:
             scalars["samples_per_second"] = record["samples_per_second"]
         self.board.epoch(record["epoch"], scalars)
@@ -266,6 +260,14 @@ class Board(keras.callbacks.Callback):
     def close(self) -> None:
         """After the run's fits (a run that goes on inside an epoch fits that epoch's rest first)."""
         self.board.close()
+
+
+def with_learning_rate(model, scalars: dict[str, float]) -> dict[str, float]:
+    """``scalars`` with the model's optimizer's rate at this step, unless a callback logged one."""
+    optimizer = getattr(model, "optimizer", None)
+    if "learning_rate" not in scalars and optimizer is not None:
+        scalars["learning_rate"] = float(np.asarray(optimizer.learning_rate))
+    return scalars
 
 
 def epoch_line(record: dict[str, Any], epochs: int) -> str:

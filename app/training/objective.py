@@ -216,8 +216,6 @@ def _compiled_lr(config, model, as_compiled: bool, sources: list) -> tuple[str, 
 
 def class_weights(config, facts) -> Optional[tuple[float, ...]]:
     """--class-weight: "balanced" (n / (classes x count), as scikit-learn's) or a JSON object {class: weight}."""
-    import json
-
     spec = config.class_weight
     if spec is None:
         return None
@@ -227,19 +225,31 @@ def class_weights(config, facts) -> Optional[tuple[float, ...]]:
         raise UserError("--class-weight weighs the classes of one label, but the model has several outputs: "
                         "give sample weights from the data function, (x, y, sample_weight), instead")
     k = facts.num_classes
-    if spec == "balanced":
+    if spec == "balanced" and facts.class_counts is not None:
         counts = facts.class_counts
-        if counts is None:
-            raise UserError("--class-weight balanced needs the labels' counts, which streamed data does not give "
-                            "before training: give the weights as JSON, e.g. '{\"0\": 1.0, \"1\": 5.0}'")
         total = sum(counts)
         return tuple(total / (k * c) if c else 0.0 for c in counts)
-    try:
-        given = json.loads(spec)
-        weights = [1.0] * k
-        for key, w in given.items():
-            weights[int(key)] = float(w)
-    except (ValueError, TypeError, AttributeError, IndexError):
-        raise UserError(f"--class-weight {spec!r}: give 'balanced' or a JSON object of class ids 0..{k - 1} to "
-                        "weights, e.g. '{\"0\": 1.0, \"1\": 5.0}'") from None
+    weights = [1.0] * k
+    for key, w in given_class_weights(spec, k).items():
+        weights[key] = w
     return tuple(weights)
+
+
+def given_class_weights(spec: str, k: Optional[int] = None) -> dict[int, float]:
+    """--class-weight's JSON object as Keras's class_weight {class id: weight} (ids that index ``k`` classes, where
+    they are known); "balanced" here is one line: its counts are not known (streamed data, before training)."""
+    import json
+
+    example = "e.g. '{\"0\": 1.0, \"1\": 5.0}'"
+    if spec == "balanced":
+        raise UserError(f"--class-weight balanced needs the labels' counts, which streamed data does not give before "
+                        f"training: give the weights as JSON, {example}")
+    try:
+        given = {int(key): float(w) for key, w in json.loads(spec).items()}
+        if k is not None and any(not -k <= key < k for key in given):  # as a list of k weights indexes them
+            raise IndexError
+    except (ValueError, TypeError, AttributeError, IndexError):
+        ids = f"class ids 0..{k - 1}" if k is not None else "class ids"
+        raise UserError(f"--class-weight {spec!r}: give 'balanced' or a JSON object of {ids} to weights, "
+                        f"{example}") from None
+    return given
