@@ -50,6 +50,17 @@ def unknown_name(kind: str, identifier: Any, error: Exception) -> UserError:
                      f".get() takes or a keras.{'losses.Loss' if kind == 'loss' else 'metrics.Metric'}")
 
 
+def check_loss_name(loss: str) -> None:
+    """A loss named by --loss (or a task's default) is one Keras knows, else one line naming it."""
+    import keras
+
+    try:
+        keras.losses.get(loss)
+    except (ValueError, TypeError):
+        raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as "
+                        f"{', '.join(DEFAULT_LOSS.values())}, huber or mean_absolute_error") from None
+
+
 def check_names(model) -> None:
     """Every loss and metric compile() was given by name is one Keras knows (else ``unknown_name``)."""
     import keras
@@ -157,6 +168,8 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     from_logits = task != "regression" and not ends_in_probabilities(model)
+    if config.loss:
+        check_loss_name(config.loss)
     return Defaults(task=task, loss=config.loss or loss,
                     from_logits=from_logits if config.from_logits is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from app import internals
 from app.backend import backend_of
 from app.errors import UserError
-from app.training.default_compile import DEFAULT_LOSS
+from app.training.default_compile import DEFAULT_LOSS, check_loss_name
 
 # Which way a metric is better, read from its name (Keras's names, and most users'). The run's metric (the
 # first reported one whose way is known; else the loss) ranks epochs, kept checkpoints and Tune's trials.
@@ -172,18 +172,12 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
 
 def _loss(config, facts, args: dict, compiled_loss: bool, sources: list) -> str:
     """The loss's name: compile()'s (each output's), --loss, or the task's default (checked against Keras)."""
-    import keras
-
     if compiled_loss:
         sources.append(("loss", "compile()"))
         return describe_each(args["loss"])
     one_hot = facts.task == "classification" and bool(facts.label_shape)
     loss = config.loss or ("categorical_crossentropy" if one_hot else DEFAULT_LOSS[facts.task])
-    try:
-        keras.losses.get(loss)
-    except (ValueError, TypeError):
-        raise UserError(f"unknown loss {loss!r}: give a Keras loss name such as "
-                        f"{', '.join(DEFAULT_LOSS.values())}, huber or mean_absolute_error") from None
+    check_loss_name(loss)
     sources.append(("loss", "--loss" if config.loss else f"the {facts.task} default"))
     return loss
 

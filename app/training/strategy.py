@@ -31,9 +31,14 @@ def set_thread_counts(cpus: float) -> int:
     import tensorflow as tf
 
     threads = max(1, math.ceil(cpus))
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    # Two inter-op threads: one can wait on a collective while another computes.
-    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        # Two inter-op threads: one can wait on a collective while another computes.
+        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    except RuntimeError as e:
+        # This process's TensorFlow started already (the driver built the user's model to see which step it
+        # brings, then found the run is the product's): its thread pools stay as they are, which only costs speed.
+        log.debug("thread counts left as TensorFlow set them: %s", e)
     return threads
 
 
