@@ -245,6 +245,9 @@ def dry_runs(tmp_path_factory, joined):
                              **{f"f{i}": rng.normal(size=200) for i in range(3)}, "label": np.arange(200) % 10}),
                    root / "rows.parquet")
     files = ["--dataset", str(root / "rows.parquet"), "--backend", "local"]
+    (root / "compiled.py").write_text(
+        "import keras\n\n\ndef build():\n    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])\n"
+        "    model.compile('sgd', keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n    return model\n")
     runs = {
         "one value": [*files, "--feature-columns", "features", "--synthetic-shape", "8", "8", "3", "--image-size", "32", "32",
                       "--no-shuffle", "--no-use-gpu", "--model-args", json.dumps({"hidden_units": [8]})],
@@ -252,6 +255,9 @@ def dry_runs(tmp_path_factory, joined):
                            "--overwrite", "--per-replica-batch", "16"],
         "flag over file": ["--config", str(root / "my.yaml"), "--epochs", "2"],
         "file alone": ["--config", str(root / "my.yaml")],
+        # A compiled model of the user's with --optimizer: the product's step, after the driver built the model
+        "optimizer over compile": [*files, "--feature-columns", "features", "--model", f"{root / 'compiled.py'}:build",
+                                   "--optimizer", "adam"],
     }
     commands = [["jobs/train.py", *flags, "--output", str(root / name), "--dry-run"] for name, flags in runs.items()]
     done = run_jobs_at_once(*commands, timeout=300, env=joined, at_once=2)
@@ -271,6 +277,13 @@ def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
     assert p.returncode == 0, p.stderr
     assert "model: mlp, 290 parameters" in p.stdout, p.stdout  # --hidden-units 16 8: 3x16+16 + 16x8+8 + 8x10+10
     assert "1 worker(s), global batch 16," in p.stdout  # --backend local on a CPU: one replica
+    assert not out.exists()
+
+
+def test_subprocess_dry_run_optimizer_over_a_compiled_models_own_locally(dry_runs):
+    out, p = dry_runs["optimizer over compile"]
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "optimizer adam (--optimizer)" in p.stdout, p.stdout
     assert not out.exists()
 
 

@@ -53,6 +53,7 @@ CASES = [
     ("misspelt metric", "error: the model's compile() names metric 'acuracy', which Keras does not know"),
     ("unknown loss", "error: the model's compile() names loss 'sparse_categorical_crosentropy', which Keras does "
                      "not know"),
+    ("unknown --loss", "error: unknown loss 'nope': give a Keras loss name such as"),
     ("tf.data batched differently", "parts_batched_differently's tf.data.Dataset failed when read: Input element "
                                     "must have the same batch size in each component"),
     ("resume, truncated index", "train_state' cannot be read (not an sstable"),
@@ -74,6 +75,7 @@ def runs(tmp_path_factory, local_digits_run):
     commands = [
         [*local, "--model", f"{user}:misspelt_metric"],
         [*local, "--model", f"{user}:unknown_loss"],
+        [*local, "--loss", "nope"],  # the built-in, compiled by the product on Keras's fit
         [*local, "--dataset", f"{user}:parts_batched_differently"],
         [*local, "--resume", "--output", str(index)],
         [*local, "--resume", "--output", str(weights)],
