@@ -106,6 +106,7 @@ def test_fit_from_a_fresh_script_compiles_a_model_that_compiles_nothing_and_trai
 
 X = np.zeros((100, 4), dtype="float32")
 Y = np.zeros(100, dtype="int64")
+PS = "parameter-server"
 
 
 def build_model():
@@ -131,14 +132,12 @@ def build_model():
     ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of arrays"),
     ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3)"),
     ({"initial_epoch": 2}, "initial_epoch must be an integer from 0 to epochs - 1 = 0 (got 2)"),
-    # With a feature only the product's own step has (audit_sample_ids), Keras's arguments it does not take as Keras
-    # means them: each named, with what to use.
-    ({"batch_size": 33, "audit_sample_ids": True}, "batch_size 33 is the global batch and does not divide over 2 "
-                                               "replicas (2 Ray worker(s), one replica each): use 32 or 34"),
-    ({"x": [X, X], "audit_sample_ids": True}, "x is a list of 2, which Keras reads as several model inputs by position"),
-    ({"steps_per_epoch": 5, "audit_sample_ids": True}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
-    ({"validation_batch_size": 8, "audit_sample_ids": True}, "validation_batch_size: validation runs at the training batch"),
-    ({"validation_freq": 2, "audit_sample_ids": True}, "validation_freq=2: every epoch is validated here"),
+    # With a strategy only the product's own step runs (parameter servers), Keras's arguments it does not take as
+    # Keras means them: each named, with what to use.
+    ({"x": [X, X], "strategy": PS}, "x is a list of 2, which Keras reads as several model inputs by position"),
+    ({"steps_per_epoch": 5, "strategy": PS}, "steps_per_epoch and validation_steps cut epochs short in Keras"),
+    ({"validation_batch_size": 8, "strategy": PS}, "validation_batch_size: validation runs at the training batch"),
+    ({"validation_freq": 2, "strategy": PS}, "validation_freq=2: every epoch is validated here"),
     ({"max_queue_size": 8}, "unknown key 'max_queue_size'"),
 ])
 def test_fit_refuses_in_one_line_before_anything_starts(tmp_path, kwargs, message):

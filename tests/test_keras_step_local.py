@@ -169,8 +169,8 @@ def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_
 
 
 def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
-    with pytest.raises(UserError, match="audit_sample_ids: the product's own training features"):
-        app.fit(two_optimizers, X, epochs=1, audit_sample_ids=True, output=str(tmp_path / "never"))
+    with pytest.raises(UserError, match="strategy: the product's own training features"):
+        app.fit(two_optimizers, X, epochs=1, strategy="parameter-server", output=str(tmp_path / "never"))
     # Tensor parallel on Keras's fit cuts the state of one optimizer (this one holds its compile()'s default and its
     # own two); with ZeRO, the state would be cut twice.
     with pytest.raises(UserError, match="tensor_parallel=2 splits the state of the model's one optimizer, and "

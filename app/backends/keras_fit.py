@@ -361,6 +361,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     world = (records[-1]["workers"] if records else config.min_workers) if backend_of(config).on_ray else 1
     exported = export(model, out, config.export)
     outputs.write_history(out / outputs.HISTORY_FILE, records)
+    from app.training import keras_audit
     from app.training.keras_callbacks import as_metrics
 
     if records and all("loss" in r for r in records):  # a train_step that logs no loss (a GAN's d_loss) has no curve
@@ -377,5 +378,9 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),
               "optimizer_parts_bytes": state.get("optimizer_parts_bytes"),
               "seconds": round(time.time() - started, 2)}
+    if keras_audit.STATE_KEY in state:  # --audit-sample-ids: every epoch's ids, and result.json's counts of them
+        audited = state[keras_audit.STATE_KEY]
+        (out / outputs.AUDIT_FILE).write_text(json.dumps(audited))
+        result["audit"] = keras_audit.summary(audited)
     (out / outputs.RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
     return KerasRun(records, model, result)

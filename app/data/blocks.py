@@ -346,24 +346,27 @@ def keras_rows(table: "pa.Table", spec: Spec, labelled: bool) -> tuple[Any, Opti
     return features(table, spec), _labels(table, spec) if labelled else None
 
 
-def keras_block(table: "pa.Table", spec: Spec, labelled: bool, holdout: Optional[tuple[str, float]] = None
-                ) -> "pa.Table":
+def keras_block(table: "pa.Table", spec: Spec, labelled: bool, holdout: Optional[tuple[str, float]] = None,
+                ids: bool = False) -> "pa.Table":
     """A raw block -> the x (and y) columns of a streamed Keras input's Ray Dataset (``keras_rows``); ``holdout``
-    ("train" or "val", fraction): one side of the seeded validation split by row content (the module docstring)."""
+    ("train" or "val", fraction): one side of the seeded validation split by row content (the module docstring);
+    ``ids``: each row's id (its content hash) in an ID column too (--audit-sample-ids)."""
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
 
     x, y = keras_rows(table, spec, labelled)
+    row_ids = _row_ids(table, spec, x, y if y is not None else np.zeros(table.num_rows, np.int64)) \
+        if holdout is not None or ids else None
     if holdout is not None:
         side, fraction = holdout
-        n = table.num_rows
-        chosen = in_validation(_row_ids(table, spec, x, y if y is not None else np.zeros(n, np.int64)), spec.seed,
-                               fraction)
+        chosen = in_validation(row_ids, spec.seed, fraction)
         keep = chosen if side == "val" else ~chosen
-        x, y = nest_map(lambda a: a[keep], x), None if y is None else y[keep]
+        x, y, row_ids = nest_map(lambda a: a[keep], x), None if y is None else y[keep], row_ids[keep]
     columns = {k: ArrowTensorArray.from_numpy(a) for k, a in x_columns(x).items()}
     if y is not None:
         columns[Y] = ArrowTensorArray.from_numpy(y) if y.ndim > 1 else pa.array(y)
+    if ids:
+        columns[ID] = pa.array(row_ids)
     return pa.table(columns)
 
 

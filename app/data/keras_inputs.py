@@ -33,7 +33,7 @@ random augmentation was drawn once (``MAX_BYTES`` bounds what is held).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -65,6 +65,7 @@ class KerasData:
     read_once: str = ""  # why a tf.data.Dataset is not (the plan says it)
     counted: bool = True  # False: a pipeline that reads files; ``rows`` holds its first batch only, and its rows
     # and batches are counted as the workers run it (num_rows, steps: None)
+    ids: Optional[np.ndarray] = None  # each row's id (--audit-sample-ids); None: its position in ``rows``
 
     @property
     def num_rows(self) -> Optional[int]:
@@ -116,7 +117,8 @@ class KerasData:
         """Whether a global batch of the first epoch does not divide over ``world`` workers."""
         return world > 1 and (not self.counted or any(len(b) % world for b in self.epoch(0, 0)))
 
-    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool, skip: int = 0):
+    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool, skip: int = 0,
+                       record: Optional[Callable[[np.ndarray], Any]] = None):
         """This worker's batches of one epoch of ``epochs`` as a ``tf.data.Dataset`` that fit() iterates once per
         epoch, and ``choose(epoch)``, which says which epoch its next pass is (call it when the epoch begins: a
         callback's ``on_epoch_begin``, ahead of the epoch's iterator). Returns (dataset, choose).
@@ -125,7 +127,9 @@ class KerasData:
         its last execution of an epoch short, where one dataset of every epoch read with ``steps_per_epoch`` would
         run it into the next epoch's batches. ``training``: batches that cannot give every worker a row are left
         out, so every worker has the same steps. ``skip``: the first epoch's batches already trained (a run that goes
-        on from a checkpoint inside that epoch, app.training.keras_worker) are left out of it."""
+        on from a checkpoint inside that epoch, app.training.keras_worker) are left out of it. ``record``: handed
+        the ids of each batch's rows as fit() reads it (app.training.keras_audit; a pipeline's elements carry no ids:
+        the driver refuses the audit for one)."""
         import tensorflow as tf
 
         if self.pipeline is not None:
@@ -144,9 +148,17 @@ class KerasData:
         with tf.device("/cpu:0"):
             chosen = tf.Variable(0, dtype=tf.int64, trainable=False)  # which epoch of ``epochs`` (from 0)
 
+        ids_t = None if record is None else tf.constant(
+            np.arange(self.num_rows, dtype=np.int64) if self.ids is None else np.asarray(self.ids, np.int64))
+
         def batch(i):
             take = index_t[starts_t[i]:starts_t[i + 1]]
-            return tf.nest.pack_sequence_as(self.rows, [tf.gather(leaf, take) for leaf in leaves])
+            rows = tf.nest.pack_sequence_as(self.rows, [tf.gather(leaf, take) for leaf in leaves])
+            if ids_t is None:
+                return rows
+            seen = tf.numpy_function(record, [tf.gather(ids_t, take)], tf.int64, stateful=True)
+            with tf.control_dependencies([seen]):  # recorded as the batch is delivered
+                return tf.nest.map_structure(tf.identity, rows)
 
         def one_epoch(_):  # read when a pass begins: after choose()
             k = chosen.read_value()

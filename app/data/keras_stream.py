@@ -36,11 +36,11 @@ import logging
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from app.data.arrays import Y, x_of
+from app.data.arrays import ID, Y, x_of
 from app.data.schema import Spec
 from app.errors import UserError
 
@@ -91,6 +91,7 @@ class StreamedKerasData:
     # Keras's {class id: weight} (training only): each row's loss weighed by its label's class, by Keras's own
     # adapter of a tf.data input (validation stays unweighted, as in fit())
     class_weight: Optional[dict] = None
+    audited: bool = False  # each row carries its id (ID column), for --audit-sample-ids
     shard: Any = field(default=None, repr=False)  # the worker's ray.data.DataIterator, bound on the worker
 
     streamed = True
@@ -147,9 +148,11 @@ class StreamedKerasData:
                     f"no validation part), {'held out of training' if self.holdout[0] == 'train' else 'scored'}")
         return how + ("" if self.labelled else f"; no {self.spec.label!r} column: the rows are x alone") + self.shared
 
-    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool):
+    def worker_dataset(self, epochs: range, seed: int, rank: int, world: int, training: bool,
+                       record: Optional[Callable[[np.ndarray], Any]] = None):
         """One pass of this worker's shard as a ``tf.data.Dataset`` fit() iterates once per epoch, and
-        ``choose(epoch)`` (call it when the epoch begins), which seeds that epoch's mixing buffer."""
+        ``choose(epoch)`` (call it when the epoch begins), which seeds that epoch's mixing buffer. ``record``: handed
+        the ids of each batch's rows as fit() reads it (``audited`` data only)."""
         import tensorflow as tf
 
         if self.shard is None:
@@ -164,6 +167,8 @@ class StreamedKerasData:
             for batch in shard.iter_batches(batch_size=self.batch, batch_format="numpy", drop_last=False,
                                             prefetch_batches=PREFETCH_BATCHES, **shuffle):
                 x = x_of(batch, names)
+                if record is not None:
+                    record(batch[ID])
                 yield (x, batch[Y]) if self.labelled else (x,)
 
         signature = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)),
@@ -261,6 +266,7 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
     check_weighed(class_weight, labelled, config)
     if training and rows < world:
         raise UserError(f"{what} has {rows} rows, fewer than the {world} workers: use fewer workers")
+    audited = training and config.audit_sample_ids  # the rows' ids streamed beside them
     x_first, y_first = keras_rows(first, spec, labelled)
     example = (x_first,) if y_first is None else (x_first, y_first)
     # Small enough for the object store (the product's one rule, app.data.streamed): read once into it, every
@@ -270,7 +276,7 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
     with nullcontext() if cached else streamed.streaming(config), _in_order(not (training and shuffle)):
         ds = _projected(streamed.read(loc, config, None, config.seed if reshuffled else None), loc, spec, labelled)
         ds = ds.map_batches(keras_block, batch_format="pyarrow", batch_size=batch_rows(spec),
-                            fn_kwargs={"spec": spec, "labelled": labelled, "holdout": holdout})
+                            fn_kwargs={"spec": spec, "labelled": labelled, "holdout": holdout, "ids": audited})
     if cached:
         ds = ds.materialize()
     if holdout is not None:
@@ -282,7 +288,8 @@ def prepare(loc, config: "TrainConfig", *, name: str, what: str, batch_size: int
     data = StreamedKerasData(name, loc.uri, spec, labelled, rows, world, batch_size // world, example,
                              training=training, shuffle_buffer=config.shuffle_buffer if training and shuffle else 0,
                              files_reshuffled=reshuffled, cached=cached, holdout=holdout,
-                             shared=_shared(loc), class_weight=dict(class_weight) if class_weight else None)
+                             shared=_shared(loc), class_weight=dict(class_weight) if class_weight else None,
+                             audited=audited)
     return data, ds
 
 

@@ -58,7 +58,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
             raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
-    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set())
+    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica or backend.ray_train else set())
     if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
         return None
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
@@ -122,7 +122,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         callbacks=product_callbacks.load(config) if config.callbacks else None,
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
         verbose="auto", shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run,
+        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run, row_ids=data.ids,
         # config.yaml: the run's own fields (its global batch as the per-worker batch Keras's fit is given)
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
@@ -162,6 +162,7 @@ class _Data:
     streamed: bool = False  # files or a ray.data.Dataset, read by the workers
     facts: Any = None  # arrays' DataFacts (app.data.arrays)
     rows: Optional[int] = None  # the training rows of arrays read here
+    ids: Any = None  # their ids (the audit's: --audit-sample-ids)
 
 
 def _data(config, model, dry: bool = False) -> _Data:
@@ -202,4 +203,5 @@ def _data(config, model, dry: bool = False) -> _Data:
     train, val = source.train, source.val
     weights = class_weights(config, source.facts)
     return _Data(train.x, train.y, train.w, (val.x, val.y) if len(val) else None,
-                 dict(enumerate(weights)) if weights is not None else None, facts=source.facts, rows=len(train))
+                 dict(enumerate(weights)) if weights is not None else None, facts=source.facts, rows=len(train),
+                 ids=train.ids)

@@ -26,6 +26,10 @@ def lines(config, model, train, val, world: int, features, shard, tensor, compil
         resizes.append(f"checkpoints: every epoch, and every {config.checkpoint_every_steps} steps inside one (a "
                        "restart or a resize goes on from that step: its weights, optimizers, data position and the "
                        "epoch's metrics so far)")
+    if config.audit_sample_ids:
+        resizes.append("audit: the ids of the training rows each worker's input hands to fit(), gathered over the "
+                       "workers every epoch into audit_sample_ids.json (result.json's audit: per epoch, the ids "
+                       "trained and the distinct ones)")
     return [_run_line(config, world, features.batch_size, train.steps, epochs)] \
         + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
         + features.lines() + shard.lines + (tensor.lines(per_worker=on_ray) if tensor else []) + resizes + [

@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
@@ -41,7 +43,9 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      # step checkpoints and elastic resizes (app.training.keras_worker)
                      "checkpoint_every_steps", "resize_check_s",
                      # TensorBoard's step scalars (app.training.keras_callbacks.StepScalars)
-                     "log_every_steps"}
+                     "log_every_steps",
+                     # every epoch's training row ids over the workers (app.training.keras_audit)
+                     "audit_sample_ids"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
 DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"}
 
@@ -147,10 +151,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
         verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
         validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False,
-        recorded: Optional[dict[str, Any]] = None, ray_run: Any = None):
+        recorded: Optional[dict[str, Any]] = None, ray_run: Any = None, row_ids: Optional[np.ndarray] = None):
     """``recorded``: config fields the run's config.yaml says instead (a run from a config: its own model, dataset
     and callbacks, so that --resume and jobs/evaluate.py read them back); ``ray_run``: a sweep trial's
-    keras_fit.RayRun."""
+    keras_fit.RayRun; ``row_ids``: the id of each row of arrays x (the audit's; else each row's position)."""
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
@@ -244,6 +248,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
+    _check_audit(config, train, row_ids)
     if config.checkpoint_every_steps and (train.pipeline is not None or not train.counted):
         raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
                         f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
@@ -252,7 +257,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
                    task=defaults.task if defaults is not None else None, tensor=tensor,
-                   checkpoint_every_steps=config.checkpoint_every_steps)
+                   checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids)
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
                             defaults.line(built_by_product(config.model)) if defaults else None, class_weight,
                             validation_freq, callbacks, x, validation_data, epochs)
@@ -263,6 +268,21 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
                             ray_run or keras_fit.RayRun())
     return run, config.output_dir()
+
+
+def _check_audit(config, train, row_ids: Optional[np.ndarray]) -> None:
+    """--audit-sample-ids counts rows by their ids: arrays' (given, or their positions) and streamed files' (their
+    content hash); said before any worker starts. Sets the arrays' ``row_ids``."""
+    if not config.audit_sample_ids:
+        return
+    if getattr(train, "pipeline", None) is not None:
+        raise UserError("--audit-sample-ids (audit_sample_ids) counts rows by their ids, and a tf.data.Dataset's "
+                        "elements carry none: give the rows as arrays or files, or leave the audit out")
+    if config.checkpoint_every_steps:
+        raise UserError("--audit-sample-ids with --checkpoint-every-steps: an epoch that goes on from a step inside it "
+                        "would audit only the rows after that step; leave one of them out")
+    if row_ids is not None and not getattr(train, "streamed", False):
+        train.ids = np.asarray(row_ids, np.int64)
 
 
 def _compiled_with_defaults(model, train, config) -> "default_compile.Defaults":

@@ -67,6 +67,7 @@ class KerasJob:
     recorded: Optional[dict] = None  # the run's config as config.yaml records it (each checkpoint's state holds it)
     checkpoint_every_steps: Optional[int] = None  # also a checkpoint every N steps inside an epoch (arrays only)
     log_every_steps: int = 0  # TensorBoard's step scalars every N steps (with tensorboard_dir); 0: per epoch only
+    audit: bool = False  # --audit-sample-ids: every epoch's training row ids over the workers (app.training.keras_audit)
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -236,7 +237,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     session.start()
     import keras
 
-    from app.training import keras_callbacks, keras_features, keras_sync, zero
+    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, zero
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
@@ -293,6 +294,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     # Every worker takes part in each point's sums; rank 0 writes them.
     step_scalars = [keras_callbacks.StepScalars(job.log_every_steps, collective, board)] \
         if job.log_every_steps and job.tensorboard_dir else []
+    ids = keras_audit.IdLog() if job.audit else None
+    audit = [keras_audit.AuditIds(ids, collective, state, session.rank)] if ids is not None else []
 
     def callbacks(choose_epoch: Callable[[int], Any], skip: int) -> list:
         """A fit's callbacks (``skip``: the first epoch's steps done before it, from a checkpoint inside it)."""
@@ -305,7 +308,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
             state, collective, skip)] if job.checkpoint_every_steps else []
         return [epoch_input, *goes_on, *(own if session.rank == 0 else []), *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
-                *stepped,
+                *stepped, *audit,
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
                                             own=own if session.rank == 0 else [],
                                             rows=trained_rows(train, session.world), finite=job.task is not None),
@@ -322,9 +325,11 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
             if not epochs or model.stop_training and epochs.start > first:
                 continue
             # (a streamed input's worker_dataset takes no skip: the driver refuses step checkpoints for it)
-            left_out = {"skip": skip} if skip and epochs.start == first else {}
+            given = {"skip": skip} if skip and epochs.start == first else {}
+            if ids is not None:
+                given["record"] = ids.record
             train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world,
-                                                          training=True, **left_out)
+                                                          training=True, **given)
             model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
                       validation_freq=job.validation_freq,
                       callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0,
