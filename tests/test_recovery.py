@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.backends import ray_train
 from app.config import build_config
+from app.run.api import run_training
 from app.training import checkpoint
 from conftest import REPO, alive_actors, clean_env, frozen_by_the_test, run_job, run_jobs_at_once
 
@@ -59,7 +59,7 @@ def test_sigkilled_worker_is_replaced_and_the_run_completes(ray_cluster, two_wor
     config = build_config(None, {"output": str(out), "num_workers": 2, "epochs": 12, "max_failures": 2})
     earlier = {a.actor_id for a in alive_actors(ray_cluster, "RayTrainWorker")}  # another test's, ending: not ours
     outcome: dict = {}
-    trainer = threading.Thread(target=lambda: outcome.update(result=ray_train.run(config)), daemon=True)
+    trainer = threading.Thread(target=lambda: outcome.update(result=run_training(config)), daemon=True)
     trainer.start()
 
     # The run's workers are looked up as soon as they are up: the state API takes a second or more to answer.

@@ -56,6 +56,7 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "base_lr": base, "lr_scaling": features.lr_scaling,
             "learning_rate": base * features.scale if base is not None else None,  # the peak, after any warmup
             "epochs_completed": final.get("epoch", job.initial_epoch),
+            "restarts": final.get("attempt", 0),  # the worker group's restarts (a lost worker, a resize)
             "stopped_early": state.get("stopped_early"),  # a callback that stopped the run: after which epoch, why
             "steps_per_epoch": job.train.steps, "rows": job.train.num_rows,
             # the validation rows (0: none; None: counted only as the workers read them)

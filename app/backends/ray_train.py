@@ -129,13 +129,24 @@ def for_workers(config: TrainConfig) -> TrainConfig:
 
 def by_value(obj) -> None:
     """Pickle the module that defines ``obj`` by value: a worker may not be able to import it (a file loaded by
-    path, a test module, a notebook)."""
+    path, a test module, a notebook). What ``obj`` carries is followed: a partial's function and arguments (a
+    built-in's carries the run's config, and with it a data function passed from Python), a wrapper's model
+    function (app.training.default_compile.CompiledWithDefaults), a config's functions."""
     import functools
 
     from ray import cloudpickle
 
-    while isinstance(obj, functools.partial):  # a partial's own module is functools: its function's is the one
-        obj = obj.func
+    if isinstance(obj, functools.partial):  # a partial's own module is functools: its function's is the one
+        for carried in (obj.func, *obj.args, *obj.keywords.values()):
+            by_value(carried)
+        return
+    if hasattr(type(obj), "model_fields"):  # a config: the functions it names
+        for name in type(obj).model_fields:
+            if callable(value := getattr(obj, name)):
+                by_value(value)
+        return
+    if callable(getattr(obj, "model_fn", None)):
+        by_value(obj.model_fn)
     module = sys.modules.get(getattr(obj, "__module__", None) or "")
     if module is None or module.__name__ == "__main__" or module.__name__.startswith(("app.", "keras")) \
             or module.__name__.split(".")[0] in sys.stdlib_module_names:  # importable everywhere
