@@ -326,7 +326,10 @@ class OutputSection(_Section):
         description="What the run writes for use elsewhere: keras = model.keras, savedmodel = saved_model/ (a "
         "SavedModel for TensorFlow Serving); --export keras,savedmodel or --export keras.")
     audit_sample_ids: bool = Field(
-        False, description="All-gather sample ids each step and record per-epoch coverage (costs one collective)."
+        False, description="Record the id of every training row each worker's input hands to the step, gathered "
+        "over the workers every epoch: audit_sample_ids.json (a list of ids per epoch) and result.json's audit (ids "
+        "trained and distinct ones per epoch). Arrays and files; not a tf.data pipeline, not with "
+        "--checkpoint-every-steps."
     )
     # Not "verbose": app.fit takes Keras's verbose (0, 1, 2, "auto"), beside every config field.
     show_logs: bool = Field(
