@@ -255,7 +255,7 @@ def dry_runs(tmp_path_factory, joined):
                            "--overwrite", "--per-replica-batch", "16"],
         "flag over file": ["--config", str(root / "my.yaml"), "--epochs", "2"],
         "file alone": ["--config", str(root / "my.yaml")],
-        # A compiled model of the user's with --optimizer: the product's step, after the driver built the model
+        # A compiled model of the user's with --optimizer: its compile() with the product's optimizer, by Keras's fit
         "optimizer over compile": [*files, "--feature-columns", "features", "--model", f"{root / 'compiled.py'}:build",
                                    "--optimizer", "adam"],
     }
@@ -283,7 +283,8 @@ def test_subprocess_dry_run_several_values_and_bools_on(dry_runs):
 def test_subprocess_dry_run_optimizer_over_a_compiled_models_own_locally(dry_runs):
     out, p = dry_runs["optimizer over compile"]
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "optimizer adam (--optimizer)" in p.stdout, p.stdout
+    assert "compile: the model's own compile(), with its optimizer replaced by Adam at base_lr 0.05 (--optimizer)" \
+        in p.stdout, p.stdout
     assert not out.exists()
 
 

@@ -420,6 +420,44 @@ def test_app_fit_with_a_data_function_trains_by_kerass_fit_and_returns_kerass_hi
     assert history.model.count_params() == _uncompiled(2)().count_params()
 
 
+@pytest.mark.parametrize("flags, optimizer", [
+    # its compiled SGD(0.1), at the rate and momentum given
+    ({"base_lr": 0.02, "momentum": 0.5}, lambda: keras.optimizers.SGD(0.02, momentum=0.5)),
+    # the product's optimizer in its place, the LR rule (on by default for it) set to leave the rate as it is
+    ({"optimizer": "adam", "base_lr": 0.01, "lr_scaling": "none", "warmup_epochs": 0, "lr_decay": "constant"},
+     lambda: keras.optimizers.Adam(0.01)),
+])
+def test_flags_change_a_compiled_models_optimizer_and_it_trains_as_model_fit_compiled_so(tmp_path, flags, optimizer):
+    """--optimizer, --base-lr, --momentum over a model the user compiled: Keras's fit of that model, its compile()
+    kept but for what the flags change (app.training.default_compile.Recompile), weight for weight."""
+    def rows():
+        return {"train": (X, Y), "val": (X[:20], Y[:20])}
+
+    out = tmp_path / "run"
+    result = app.train(model=compiled, data=rows, backend="local", epochs=2, per_replica_batch=16, shuffle=False,
+                       output=str(out), **flags)
+    model = compiled()
+    model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    expected = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, validation_data=(X[:20], Y[:20]), verbose=0)
+    for key, values in expected.history.items():
+        np.testing.assert_allclose([r[key] for r in result["history"]], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    for got, want in zip(keras.models.load_model(out / "model.keras").get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flags_a_compiled_model_has_nothing_to_change_in_are_one_line(tmp_path):
+    def rows():
+        return X, Y
+
+    for flags, message in [({"task": "regression"}, "--task chooses the compile of a model that compiles nothing"),
+                           ({"from_logits": True}, "--from-logits goes with --loss"),
+                           ({"num_classes": 3}, "--num-classes sizes the built-in models"),
+                           ({"model": two_optimizers, "optimizer": "adam"}, "--optimizer: the product's compile, and")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            app.train(**{"model": compiled, **flags}, data=rows, backend="local", output=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+
+
 class OwnMetricsAndPredict(keras.Model):
     """keras.io's "customizing fit" shapes: compute_metrics adds a metric of its own, predict_step returns classes."""
 

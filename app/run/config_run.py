@@ -86,10 +86,26 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         name = product_model.model_name(config)
         product_model.check_output(model, product_model.task_with_model(facts, model), name)
     elif chosen & _BUILT_FIELDS:  # a function of no arguments takes none of them
-        return None
-    taken = KERAS_STEP_FIELDS | (set() if keras_step.brings_its_step(model) else DEFAULT_COMPILE_FIELDS)
-    if chosen & (DEFAULT_COMPILE_FIELDS - taken):  # --optimizer with a compiled model's own
-        return None
+        flag = sorted(chosen & _BUILT_FIELDS)[0]
+        raise UserError(f"--{flag.replace('_', '-')} sizes the built-in models (and functions of the product's "
+                        f"arguments: input_shape, num_classes, ...); {getattr(config.model, '__name__', config.model)} "
+                        "takes no arguments and builds its own model: leave it out")
+    recompile = None
+    taken = KERAS_STEP_FIELDS | DEFAULT_COMPILE_FIELDS
+    if model_fn is config.model and keras_step.brings_its_step(model):
+        # The flags' changes to the user's own compile() (--optimizer, --base-lr, --loss, ...), the rest as given
+        from app.training.default_compile import recompile_of
+
+        import keras
+
+        asked = chosen & DEFAULT_COMPILE_FIELDS
+        own = overrides_step(model) + (["compile"] if type(model).compile is not keras.Model.compile else [])
+        if asked and own:  # a step of its own reads what its own compile() set: nothing here to change in it
+            raise UserError(f"--{sorted(asked)[0].replace('_', '-')}: the product's compile, and "
+                            f"{getattr(config.model, '__name__', config.model)} trains by its own {', '.join(own)}: "
+                            "leave it out")
+        recompile = recompile_of(model, config, asked) if asked else None
+        taken = KERAS_STEP_FIELDS
     from app.training import callbacks as product_callbacks
 
     data = data or _data(config, model, dry)
@@ -123,6 +139,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
         verbose="auto", shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run, row_ids=data.ids,
+        recompile=recompile,
         # config.yaml: the run's own fields (its global batch as the per-worker batch Keras's fit is given)
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})

@@ -151,10 +151,12 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
         verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
         validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False,
-        recorded: Optional[dict[str, Any]] = None, ray_run: Any = None, row_ids: Optional[np.ndarray] = None):
+        recorded: Optional[dict[str, Any]] = None, ray_run: Any = None, row_ids: Optional[np.ndarray] = None,
+        recompile: Optional["default_compile.Recompile"] = None):
     """``recorded``: config fields the run's config.yaml says instead (a run from a config: its own model, dataset
     and callbacks, so that --resume and jobs/evaluate.py read them back); ``ray_run``: a sweep trial's
-    keras_fit.RayRun; ``row_ids``: the id of each row of arrays x (the audit's; else each row's position)."""
+    keras_fit.RayRun; ``row_ids``: the id of each row of arrays x (the audit's; else each row's position);
+    ``recompile``: what the flags change in the compile() of a model the user compiled."""
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
@@ -217,6 +219,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
     if defaults is not None:
         model_fn = default_compile.CompiledWithDefaults(model_fn, defaults)
+    elif recompile is not None:
+        recompile.compile(model)  # the driver's model, as every worker's will be
+        model_fn = default_compile.CompiledWithDefaults(model_fn, recompile)
     default_compile.check_names(model)
     fit_inputs.check_labels(model, train)
     val = None
@@ -240,7 +245,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app.training.keras_features import KerasFeatures
 
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
-                                steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None)
+                                steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None or getattr(recompile, "optimizer", None) is not None)
     features.check()
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
@@ -259,7 +264,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                    task=defaults.task if defaults is not None else None, tensor=tensor,
                    checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids)
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
-                            defaults.line(built_by_product(config.model)) if defaults else None, class_weight,
+                            defaults.line(built_by_product(config.model)) if defaults else
+                            recompile.line() if recompile is not None else None, class_weight,
                             validation_freq, callbacks, x, validation_data, epochs)
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()

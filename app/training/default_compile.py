@@ -26,7 +26,7 @@ know is one line in the driver, not an error traced by every worker at its first
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -78,6 +78,114 @@ def check_names(model) -> None:
                 raise unknown_name(kind, identifier, e) from None
 
 
+def loss_object(name: str, from_logits: bool) -> Any:
+    """A Keras loss by name; a cross-entropy's ``from_logits`` as given."""
+    import keras
+
+    losses = {"sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
+              "categorical_crossentropy": keras.losses.CategoricalCrossentropy,
+              "binary_crossentropy": keras.losses.BinaryCrossentropy}
+    return losses[name](from_logits=from_logits) if name in losses else keras.losses.get(name)
+
+
+def product_optimizer(name: str, learning_rate: float, momentum: float) -> Any:
+    """--optimizer's optimizer: SGD with --momentum, or Adam, at ``learning_rate``."""
+    import keras
+
+    return keras.optimizers.SGD(learning_rate, momentum=momentum) if name == "sgd" \
+        else keras.optimizers.Adam(learning_rate)
+
+
+@dataclass(frozen=True)
+class Recompile:
+    """What the run's flags change in the compile() of a model the user compiled, the rest of it kept as given
+    (its losses, metrics, loss weights): ``optimizer`` (--optimizer: the product's, at ``learning_rate``), else the
+    compiled optimizer's class and settings with ``learning_rate`` (--base-lr) and ``momentum`` (--momentum) where
+    given; ``loss`` (--loss, with ``from_logits``); ``steps_per_execution``. Decided in the driver
+    (``recompile_of``), applied by every worker to its own build (``CompiledWithDefaults``)."""
+
+    optimizer: Optional[str] = None
+    learning_rate: Optional[float] = None
+    momentum: Optional[float] = None
+    loss: Optional[str] = None
+    from_logits: bool = False
+    steps_per_execution: Optional[int] = None
+
+    def compile(self, model) -> Any:
+        from app import internals
+
+        args = internals.compile_arguments(model)
+        if self.optimizer is not None:
+            args["optimizer"] = product_optimizer(self.optimizer, self.learning_rate, self.momentum)
+        elif self.learning_rate is not None or self.momentum is not None:
+            args["optimizer"] = self._changed(args["optimizer"])
+        if self.loss is not None:
+            args["loss"] = loss_object(self.loss, self.from_logits)
+        if self.steps_per_execution is not None:
+            args["steps_per_execution"] = self.steps_per_execution
+        model.compile(**args)
+        return model
+
+    def _changed(self, optimizer) -> Any:
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # compile() wraps it again for fp16 if it must
+        config = inner.get_config()
+        if self.learning_rate is not None:
+            config["learning_rate"] = self.learning_rate
+        if self.momentum is not None:
+            config["momentum"] = self.momentum
+        return type(inner).from_config(config)
+
+    def line(self) -> str:
+        """The plan's line."""
+        changes = []
+        if self.optimizer is not None:
+            which = f"SGD (momentum {self.momentum:g})" if self.optimizer == "sgd" else "Adam"
+            changes.append(f"its optimizer replaced by {which} at base_lr {self.learning_rate:g} (--optimizer)")
+        else:
+            changes += [f"its optimizer's {what} {value:g} ({flag})" for what, value, flag in (
+                ("learning rate", self.learning_rate, "--base-lr"), ("momentum", self.momentum, "--momentum"))
+                if value is not None]
+        if self.loss is not None:
+            changes.append(f"its loss {self.loss}{' (from logits)' if self.from_logits else ''} (--loss)")
+        if self.steps_per_execution is not None:
+            changes.append(f"{self.steps_per_execution} steps per execution (--steps-per-execution)")
+        return "compile: the model's own compile(), with " + ", ".join(changes) + "; its other arguments as given"
+
+
+def recompile_of(model, config, chosen: set[str]) -> Optional[Recompile]:
+    """The Recompile the flags ``chosen`` ask of a model the user compiled (None: none asked), or one line for a
+    flag that has nothing to change in it."""
+    from app import internals
+
+    name = getattr(config.model, "__name__", config.model)
+    if "task" in chosen:
+        raise UserError(f"--task chooses the compile of a model that compiles nothing; {name} compiles itself: leave "
+                        "--task out (its compile() decides its loss), or give --loss")
+    if "from_logits" in chosen and "loss" not in chosen:
+        raise UserError(f"--from-logits goes with --loss; {name}'s compiled loss says whether it takes logits itself: "
+                        "leave --from-logits out, or give --loss too")
+    optimizer = internals.compile_arguments(model).get("optimizer")
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if "momentum" in chosen and "optimizer" not in chosen and "momentum" not in inner.get_config():
+        raise UserError(f"--momentum {config.momentum:g}: {name}'s compiled optimizer {type(inner).__name__} has no "
+                        "momentum; leave --momentum out, or give --optimizer sgd too")
+    if "base_lr" in chosen and "optimizer" not in chosen and not isinstance(inner.get_config().get("learning_rate"),
+                                                                            (int, float)):
+        raise UserError(f"--base-lr {config.base_lr:g}: {name}'s compiled optimizer follows its own learning-rate "
+                        "schedule; leave --base-lr out to train with it, or compile with a number")
+    if "loss" in chosen:
+        check_loss_name(config.loss)
+    if not chosen & {"optimizer", "base_lr", "momentum", "loss", "steps_per_execution"}:
+        return None
+    product = "optimizer" in chosen
+    return Recompile(
+        optimizer=config.optimizer if product else None,
+        learning_rate=config.base_lr if product or "base_lr" in chosen else None,
+        momentum=config.momentum if product or "momentum" in chosen else None,
+        loss=config.loss if "loss" in chosen else None, from_logits=bool(config.from_logits),
+        steps_per_execution=config.steps_per_execution if "steps_per_execution" in chosen else None)
+
+
 @dataclass(frozen=True)
 class Defaults:
     task: str  # classification / binary / regression
@@ -91,17 +199,13 @@ class Defaults:
     def compile(self, model) -> Any:
         import keras
 
-        losses = {"sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
-                  "categorical_crossentropy": keras.losses.CategoricalCrossentropy,
-                  "binary_crossentropy": keras.losses.BinaryCrossentropy}
-        loss = losses[self.loss](from_logits=self.from_logits) if self.loss in losses else keras.losses.get(self.loss)
+        loss = loss_object(self.loss, self.from_logits)
         if self.task == "binary":  # Keras's "accuracy" thresholds at 0.5, which a logit is not
             metric = keras.metrics.BinaryAccuracy(name="accuracy", threshold=0.0 if self.from_logits else 0.5)
         else:
             metric = DEFAULT_METRIC[self.task]
-        optimizer = keras.optimizers.SGD(self.learning_rate, momentum=self.momentum) if self.optimizer == "sgd" \
-            else keras.optimizers.Adam(self.learning_rate)
-        model.compile(optimizer=optimizer, loss=loss, metrics=[metric], steps_per_execution=self.steps_per_execution)
+        model.compile(optimizer=product_optimizer(self.optimizer, self.learning_rate, self.momentum), loss=loss,
+                      metrics=[metric], steps_per_execution=self.steps_per_execution)
         return model
 
     def line(self, built_by_product: bool = False) -> str:
@@ -121,10 +225,11 @@ class Defaults:
 
 @dataclass(frozen=True)
 class CompiledWithDefaults:
-    """The user's model function, its model compiled with the run's defaults (picklable: Ray ships it)."""
+    """The user's model function, its model compiled with the run's defaults (or recompiled as the flags ask:
+    ``Recompile``; picklable: Ray ships it)."""
 
     model_fn: Callable[[], Any]
-    defaults: Defaults
+    defaults: Defaults | Recompile
 
     def __call__(self):
         return self.defaults.compile(self.model_fn())
