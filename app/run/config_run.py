@@ -94,9 +94,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     taken = KERAS_STEP_FIELDS | DEFAULT_COMPILE_FIELDS
     if model_fn is config.model and keras_step.brings_its_step(model):
         # The flags' changes to the user's own compile() (--optimizer, --base-lr, --loss, ...), the rest as given
-        from app.training.default_compile import recompile_of
-
         import keras
+
+        from app.training.default_compile import recompile_of
 
         asked = chosen & DEFAULT_COMPILE_FIELDS
         own = overrides_step(model) + (["compile"] if type(model).compile is not keras.Model.compile else [])
