@@ -244,8 +244,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app.training import keras_sync, tensor_parallel, zero
     from app.training.keras_features import KerasFeatures
 
+    # the product's optimizer (its compile's, or --optimizer's over the user's): the LR rule's defaults apply to it
+    product_optimizer = defaults is not None or recompile is not None and recompile.optimizer is not None
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
-                                steps_per_epoch=train.steps, epochs=epochs, product_optimizer=defaults is not None or getattr(recompile, "optimizer", None) is not None)
+                                steps_per_epoch=train.steps, epochs=epochs, product_optimizer=product_optimizer)
     features.check()
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
