@@ -274,7 +274,7 @@ def test_a_model_function_given_as_a_functools_partial_pickles_for_the_workers()
 
     from ray import cloudpickle
 
-    from app.backends.ray_train import by_value
+    from app.backends.ray_prep import by_value
 
     model_fn = functools.partial(_zeros, 3)
     by_value(model_fn)  # this test module by value, as a worker could not import it

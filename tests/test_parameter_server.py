@@ -44,8 +44,8 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     worker is SIGKILLed (the run goes on); after epoch 2 a parameter server is SIGSTOPped (nothing moves for
     --stall-timeout-s: the driver's restart loop restarts the cluster from the last checkpoint). Every epoch
     completes, the shards sit on both servers, and val accuracy is within 10% of the MWMS run's."""
-    from app.backends import ray_train
     from app.config import build_config
+    from app.run.api import run_training
     # The stall bound is above a killed worker's own recovery (Ray restarts its actor, the coordinator re-runs its
     # steps: ~20 s on a loaded 2-core machine, once over 30 s in a CI-style run), so only the frozen server trips it.
     out, stall = tmp_path / "ps", 45
@@ -59,7 +59,7 @@ def test_sharded_transformer_on_two_ps_survives_a_killed_worker_and_a_frozen_ps_
     # on what else runs; the two start-ups overlap.
     baseline: dict = {}
     mwms_config = build_config(None, {**TEXT, "output": str(tmp_path / "mwms"), "num_workers": 2, "cpus_per_worker": 0.5})
-    mwms_thread = threading.Thread(target=lambda: baseline.update(result=ray_train.run(mwms_config)), daemon=True)
+    mwms_thread = threading.Thread(target=lambda: baseline.update(result=run_training(mwms_config)), daemon=True)
     mwms_thread.start()
 
     def alive(kind: str) -> list:

@@ -5,7 +5,6 @@ text feature); each bad file refused with one line before anything starts."""
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 
@@ -13,11 +12,11 @@ import numpy as np
 import pytest
 
 from app import evaluate
-from app.backends import ray_train
 from app.config import build_config
 from app.data import streamed, text
 from app.driver import preflight
 from app.errors import UserError
+from app.run.api import run_training
 
 ROWS, CLASSES, LENGTH = 240, 3, 16
 TINY = dict(num_workers=2, epochs=1, per_replica_batch=16, hidden_units=[16], warmup_epochs=0)
@@ -75,18 +74,15 @@ def tfrecords(tmp_path_factory):
 
 def train(tmp_path, name, **overrides):
     out = tmp_path / name
-    return out, ray_train.run(build_config(None, {"output": str(out), **TINY, **overrides}))
+    return out, run_training(build_config(None, {"output": str(out), **TINY, **overrides}))
 
 
 def seen_once(out, result):
     """Each epoch's audited sample ids: every trained row once, and with the validation rows and the dropped
-    remainder, every row of the files."""
+    remainder (the odd row of 2 equal shares), every row of the files."""
     (ids,) = json.loads((out / "audit_sample_ids.json").read_text())
-    with open(out / "history.csv") as f:
-        record = next(csv.DictReader(f))
-    val, trained = float(record["val_samples"]), int(record["train_samples"])  # in memory: the short batch too
-    assert len(ids) == len(set(ids)) == trained
-    assert val + trained + result["dropped_samples_per_epoch"] == ROWS
+    assert len(ids) == len(set(ids)) == result["audit"][0]["seen"] == result["rows"] - result["dropped_samples_per_epoch"]
+    assert result["rows"] + result["val_rows"] == ROWS and result["val_rows"] > 0
 
 
 def test_a_list_feature_streams_on_two_workers_reshaped_every_row_once(ray_cluster, tmp_path, tfrecords):
@@ -159,7 +155,7 @@ def test_bad_tfrecords_are_one_line_before_anything_starts_on_both_backends(ray_
             out = tmp_path / "out"
             with pytest.raises(UserError) as info:
                 config = build_config(None, {"output": str(out), **TINY, **flags, "backend": backend})
-                ray_train.run(config) if backend == "ray" else preflight.load_data(config, 1)
+                run_training(config) if backend == "ray" else preflight.load_data(config, 1)
             message = str(info.value)
             assert words in message and "\n" not in message, (backend, flags, message)
             assert not out.exists()

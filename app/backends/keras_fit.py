@@ -98,9 +98,9 @@ class RayKerasSession:
                              {**record, **as_metrics(record), "epoch_seconds": record["seconds"]}, checkpoint=ckpt)
 
     def progress_bar(self, total: int, desc: str):
-        from app.backends.ray_session import progress_bar
+        from app.ui import console
 
-        return progress_bar(total, desc)
+        return console.worker_progress_bar(total, desc)
 
     def worker_nodes(self, collective) -> list[str]:
         import ray
@@ -234,7 +234,7 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
     start_guard.install()
     from ray import cloudpickle
 
-    from app.backends.ray_train import by_value
+    from app.backends.ray_prep import by_value
 
     for obj in [job.model_fn, *(type(c) for c in job.callbacks or [])]:
         by_value(obj)

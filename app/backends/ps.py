@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.backend import backend_of
-from app.backends import ray_session, ray_train
+from app.backends import ray_prep
 from app.config import TrainConfig
 from app.driver import cluster, outputs
 from app.errors import RunFailed, UserError
@@ -107,7 +107,7 @@ class Chief:
 
         alive()
         session = ParameterServerSession(config, spec, train, val, checkpoint_dir, restore,
-                                         ray_session.progress_bar, alive)
+                                         console.worker_progress_bar, alive)
         train_worker(config, job, session)
         return session.result()
 
@@ -232,13 +232,13 @@ STREAMED = (
 
 
 def check(config: TrainConfig, require_fit: bool = True):
-    """ray_train's checks, and parquet/CSV/image files refused before Ray Data reads them."""
+    """ray_prep's checks, and parquet/CSV/image files refused before Ray Data reads them."""
     from app.data import files
 
     loc = files.located(config)
     if files.streams(loc, backend_of(config).on_ray):
         raise UserError(STREAMED.format(what=f"--dataset {config.dataset}"))
-    checked = ray_train.check(config, require_fit, loc)
+    checked = ray_prep.check(config, require_fit, loc)
     check_data(checked)
     return checked
 
@@ -269,7 +269,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     lines, out = preflight.begin(config, checked, config.num_workers, strategy_line(config))
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars())
     train, val = ray.put(checked.source.train), ray.put(checked.source.val)
-    shipped = ray_train.for_workers(config)
+    shipped = ray_prep.for_workers(config)
     restore = config.resume
     with console.routed(out / console.LOG_FILE, config.show_logs, plan=lines):
         for attempt in range(config.max_failures + 1):

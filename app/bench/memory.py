@@ -58,7 +58,6 @@ those shared pages as it reads blocks from all over the store, hence 1.3x.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
@@ -103,10 +102,10 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     """One training run in this process: ``{"data": DIR, "out": DIR, "workers": N, "workload": {...}}``."""
     import ray
 
-    from app.backends import ray_train
     from app.bench.sampler import ProcessPeaks
     from app.config import build_config
     from app.driver import cluster
+    from app.run.api import run_training
     from app.training.metrics import peak_rss_mib
 
     config = build_config(None, {**payload["workload"], "dataset": payload["data"], "output": payload["out"],
@@ -115,19 +114,17 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     with ProcessPeaks() as peaks:
         cluster.connect(config)  # the local Ray that jobs/train.py would start, shut down below
         try:
-            result = ray_train.run(config)
+            result = run_training(config)
         finally:
             ray.shutdown()
-    with open(Path(payload["out"]) / "history.csv") as f:
-        last = list(csv.DictReader(f))[-1]
     train_worker = lambda name: name.startswith("ray::RayTrainWorker")  # noqa: E731
     biggest = sorted(peaks.processes.values(), key=lambda p: -p.own)[:4]
     return {
-        "rows_trained": int(last["train_samples"]),
-        "val_rows": int(last["val_samples"]),
+        "rows_trained": result["rows"] - result["dropped_samples_per_epoch"],
+        "val_rows": result["val_rows"],
         "seconds": round(time.time() - started, 1),
         "driver_peak_mib": round(peak_rss_mib(), 1),
-        "train_worker_peak_mib": round(float(last["worker_peak_rss_mib"]), 1),
+        "train_worker_peak_mib": peaks.largest(train_worker),
         "train_worker_anon_peak_mib": peaks.largest(train_worker, "own"),
         "train_worker_uss_peak_mib": peaks.largest(train_worker, "uss"),
         "ray_data_process_peak_mib": peaks.largest(_is_task),

@@ -41,7 +41,7 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
 def driver(config: TrainConfig):
     """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
     its ``dry_run_lines(config)`` is the plan. Imported here, not with this module: the Python API stays light."""
-    from app.backends import local, ps, ray_train
+    from app.backends import local, ps
 
     if config.shard_optimizer:  # the product's own step does not shard
         raise UserError("shard_optimizer runs inside Keras's fit: give a model that brings its step (a function of "
@@ -50,7 +50,8 @@ def driver(config: TrainConfig):
                         "replicas, on files the local backend reads, or with --tensor-parallel trains on the "
                         "product's own step, which does not shard")
 
-    return {"local": local, "parameter-server": ps, "ray": ray_train}[backend_of(config).name]
+    # A Ray Train run is Keras's fit's (app.run.config_run): it is never handed here.
+    return {"local": local, "parameter-server": ps}[backend_of(config).name]
 
 
 def dry_run(config: TrainConfig) -> list[str]:

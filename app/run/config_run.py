@@ -42,8 +42,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or one local replica. Returns result.json's
-    content. None: the run is the product's own step (the product's own features asked for, another strategy, a
-    built-in split by --tensor-parallel). ``dry``: the plan's lines instead, nothing trained (--dry-run);
+    content. None: the run is the product's own step (several local replicas, parameter servers, a pipeline),
+    never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing trained (--dry-run);
     ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica
 
@@ -51,7 +51,12 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # one asking for one local replica is what Keras's fit in this process is.
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # a run of the product's own step goes on on it
-        return None
+        if backend.ray_train and _own_step_checkpoints(config):
+            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own step "
+                            "(several local replicas, a pipeline), which Keras's fit on Ray's workers cannot go on "
+                            "from: resume it with --backend local and its --strategy, or give a new --output")
+        if not backend.ray_train:
+            return None
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
         from app.data import files
 
@@ -59,7 +64,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
             raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica or backend.ray_train else set())
-    if chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
+    if others := chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
+        if backend.ray_train:
+            raise UserError(f"{', '.join('--' + f.replace('_', '-') for f in sorted(others))}: for --backend local "
+                            "(several local devices, a pipeline) or --strategy parameter-server, not Ray Train's "
+                            "workers: leave it out")
         return None
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
@@ -68,6 +77,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         # local replicas (Mirrored, central storage, TPU) on the product's step. --tensor-parallel N splits its
         # layers inside the model Keras's fit runs (app.training.tensor_parallel.SplitInPlace), by the built-in's
         # own layout unless --tensor-layout names one.
+        if not keras_step.built_by_product(config.model) and backend.ray_train:
+            raise UserError(f"--model {getattr(config.model, '__name__', config.model)} builds no Keras model: give a "
+                            "built-in's name or a function that returns a keras.Model")
         if not keras_step.built_by_product(config.model) or not (backend.on_ray or one_local_replica(config)):
             return None
         if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
@@ -156,6 +168,16 @@ def _streamed_facts(config, data: "_Data"):
     cluster.connect_for_data(config, reads=True)
     given = given_dataset("the data function's ray.data.Dataset", data.x) if memory.is_ray_dataset(data.x) else None
     return streamed.built_in_facts(config, given)
+
+
+def _own_step_checkpoints(config) -> bool:
+    """Whether ``config``'s output holds a checkpoint of the product's own step (several local replicas)."""
+    from app.driver import resume
+
+    try:
+        return resume.latest(config) is not None
+    except UserError:
+        return False
 
 
 def _resumes_keras_run(config) -> bool:

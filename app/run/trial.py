@@ -1,6 +1,5 @@
 """One Ray Tune trial (app.tools.tune runs a sweep of them): the run jobs/train.py would make of the trial's config,
-on Keras's fit where that run is (app.run.config_run), else on the product's own step (app.backends.ray_train),
-its every epoch reported to Tune."""
+on Keras's fit (app.run.config_run), its every epoch reported to Tune."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ def run_trial(params: dict[str, Any]) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from app.backends import keras_fit, ray_train
+    from app.backends import keras_fit
     from app.run import config_run
 
     context = tune.get_context()
@@ -28,9 +27,6 @@ def run_trial(params: dict[str, Any]) -> None:
         storage = fields["storage_path"] = f"{params['storage_path'].rstrip('/')}/{sweep}/{trial_dir.name}"
     config = build_config(None, fields)  # valid: the sweep checked every trial's config before the first
     try:
-        by_keras_fit = keras_fit.RayRun((TuneReportCallback(),), storage, "train")
-        if config_run.from_config(config, ray_run=by_keras_fit) is None:
-            checked = ray_train.check(config)
-            ray_train.fit(config, checked, callbacks=[TuneReportCallback()], storage_path=storage, name="train")
+        config_run.from_config(config, ray_run=keras_fit.RayRun((TuneReportCallback(),), storage, "train"))
     finally:
         output_guard.release(config.output_dir())  # a retried trial may run in this process again

@@ -2,7 +2,7 @@
 
 Each trial is a Tune *function* trainable (the caller's: app.run.trial.run_trial) that
 makes the Ray Train run jobs/train.py would make of its sampled config (Keras's fit,
-app.backends.keras_fit, or the product's own step, app.backends.ray_train) and forwards
+app.backends.keras_fit) and forwards
 every Train report to Tune with ``TuneReportCallback`` (the Ray 2.60 way; passing a
 Trainer to the Tuner is deprecated). Search spaces are YAML files whose keys are TrainConfig
 field names, so the best trial's config feeds straight back into

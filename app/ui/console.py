@@ -96,6 +96,28 @@ def bars() -> bool:
     return sys.stderr.isatty() and not _people["silent"] and not _people["no_bars"]
 
 
+def worker_progress_bar(total: int, desc: str) -> "_Flushed":
+    """A bar for a Ray actor's epoch, drawn by the driver's console: ray.experimental.tqdm_ray."""
+    from ray.experimental import tqdm_ray
+
+    return _Flushed(tqdm_ray.tqdm(total=total, desc=desc, unit="step"))
+
+
+class _Flushed:
+    """A tqdm_ray bar whose updates leave this process at once: they are lines on stdout, which is a file here."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def update(self, k: int) -> None:
+        self.bar.update(k)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        sys.stdout.flush()
+
+
 def for_this_process() -> None:
     """Job scripts: a run's console rules stay until the process ends.
 
