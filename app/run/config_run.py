@@ -43,8 +43,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or one local replica. Returns result.json's
     content. None: the run is the product's own step (several local replicas, parameter servers, a pipeline),
-    never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing trained (--dry-run);
-    ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
+    never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing
+    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica
 
     # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
