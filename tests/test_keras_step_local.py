@@ -446,15 +446,20 @@ def test_flags_change_a_compiled_models_optimizer_and_it_trains_as_model_fit_com
 
 
 def test_flags_a_compiled_model_has_nothing_to_change_in_are_one_line(tmp_path):
+    """Before anything trains (on Ray: before any Ray starts)."""
     def rows():
         return X, Y
+
+    def nothing():
+        return None
 
     for flags, message in [({"task": "regression"}, "--task chooses the compile of a model that compiles nothing"),
                            ({"from_logits": True}, "--from-logits goes with --loss"),
                            ({"num_classes": 3}, "--num-classes sizes the built-in models"),
-                           ({"model": two_optimizers, "optimizer": "adam"}, "--optimizer: the product's compile, and")]:
+                           ({"model": two_optimizers, "optimizer": "adam"}, "--optimizer: the product's compile, and"),
+                           ({"model": nothing, "backend": "ray"}, "builds no Keras model")]:
         with pytest.raises(UserError, match=re.escape(message)):
-            app.train(**{"model": compiled, **flags}, data=rows, backend="local", output=str(tmp_path / "never"))
+            app.train(**{"model": compiled, "backend": "local", **flags}, data=rows, output=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()
 
 

@@ -89,6 +89,22 @@ def test_mirrored_sees_every_sample_once_per_epoch(local_set):
     assert per_epoch[0] != per_epoch[1]  # reshuffled
 
 
+def test_a_mirrored_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
+    """A run of several local replicas (the product's own step) resumed on Ray's workers, which train by Keras's fit:
+    one line naming where it goes on, before any Ray starts; nothing of the run is touched."""
+    from app.config import build_config
+    from app.errors import UserError
+    from app.run.api import dry_run
+
+    out, _ = local_set["audit"]
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(UserError) as e:
+        dry_run(build_config(None, {"output": str(out), "resume": True, "backend": "ray", "strategy": "auto",
+                                    "devices": None, "epochs": 3}))
+    assert "holds checkpoints of the product's own step" in str(e.value) and "--backend local" in str(e.value)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
 def test_central_storage_trains(local_set):
     _, result = local_set["cs"]
     assert result["strategy"] == "CentralStorageStrategy" and result["num_replicas"] == 2

@@ -196,7 +196,7 @@ def inspect(loc, config: "TrainConfig", what: str) -> tuple[Spec, bool, int, Any
     """Schema -> (spec, labelled, row count, the first rows as a pyarrow Table): the driver's whole read."""
     from app.data import streamed
     from app.data.blocks import _lengths, _with_lengths
-    from app.data.schema import image_spec, schema_spec
+    from app.data.schema import image_spec, schema_spec, with_feature_shape
 
     if loc.format == "numpy":
         raise UserError(f"{what}: numpy files are not streamed; load them with numpy.load and give the arrays")
@@ -223,7 +223,10 @@ def inspect(loc, config: "TrainConfig", what: str) -> tuple[Spec, bool, int, Any
     if not rows:
         raise UserError(f"{what} {loc.uri!r} is empty: 0 rows")
     lengths = {k: low for k, (low, high) in _lengths(first, spec).items()}
-    return _with_lengths(spec, lengths), labelled, rows, first
+    spec = _with_lengths(spec, lengths)
+    if spec.kind != "named" and config.feature_shape:  # each example reshaped, as the statistics pass does
+        spec = with_feature_shape(spec, config)
+    return spec, labelled, rows, first
 
 
 def _projected(raw: "ray.data.Dataset", loc, spec: Spec, labelled: bool) -> "ray.data.Dataset":

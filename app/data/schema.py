@@ -208,14 +208,20 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
         inputs = tuple((name, (length[column],) if column in length else shape)
                        for (name, shape), column in zip(spec.inputs, spec.features))
         return replace(spec, inputs=inputs), _label_totals(config, spec, stats, total)
-    # A shape the spec already knows: a Ray Data tensor column read by pyarrow alone (app.data.local_files).
+    return with_feature_shape(spec, config), _label_totals(config, spec, stats, total)
+
+
+def with_feature_shape(spec: Spec, config: "TrainConfig") -> Spec:
+    """One example as the model sees it: --feature-shape (its values as many as the column holds per example), else
+    the shape the spec already knows (a Ray Data tensor column read by pyarrow alone: app.data.local_files), else the
+    column's stored shape."""
     shape = tuple(config.feature_shape) if config.feature_shape else (spec.feature_shape or spec.stored_shape)
     if math.prod(shape) != math.prod(spec.stored_shape):
         raise UserError(
             f"--feature-shape {'x'.join(map(str, shape))} holds {math.prod(shape)} values, but column "
             f"{spec.features[0]!r} has {math.prod(spec.stored_shape)} per example"
         )
-    return replace(spec, feature_shape=shape), _label_totals(config, spec, stats, total)
+    return replace(spec, feature_shape=shape)
 
 
 def _list_lengths(stats: list[dict]) -> dict[str, int]:

@@ -1,9 +1,9 @@
-"""THE per-worker function: every backend (Ray Train workers, the local process) runs ``train_worker``.
+"""The product's own step's per-worker function, ``train_worker``: the runs Keras's fit does not train (several
+local replicas under one strategy, a pipeline, parameter servers) run it.
 
-What differs between backends hides behind a small ``Session``: which
-strategy, where the input comes from, where checkpoints go and how an epoch
-is reported (``ray.train.report`` with a checkpoint, or a local
-``tf.train.CheckpointManager``). Parameter servers are one more session
+What differs between them hides behind a small ``Session``: which strategy,
+where the input comes from, where checkpoints go and how an epoch is reported
+(a local ``tf.train.CheckpointManager``). Parameter servers are one more session
 (app.training.parameter_server): its coordinator schedules the steps on remote
 workers, which the epoch driver reaches through a step runner. Everything else
 (model, optimizer, LR plan, the epoch loop, metrics, TensorBoard) is here,
