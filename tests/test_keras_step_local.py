@@ -420,23 +420,33 @@ def test_app_fit_with_a_data_function_trains_by_kerass_fit_and_returns_kerass_hi
     assert history.model.count_params() == _uncompiled(2)().count_params()
 
 
-@pytest.mark.parametrize("flags, optimizer", [
+def compiled_by_name():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("build, flags, optimizer", [
     # its compiled SGD(0.1), at the rate and momentum given
-    ({"base_lr": 0.02, "momentum": 0.5}, lambda: keras.optimizers.SGD(0.02, momentum=0.5)),
+    (compiled, {"base_lr": 0.02, "momentum": 0.5}, lambda: keras.optimizers.SGD(0.02, momentum=0.5)),
+    # an optimizer compile() was given by name, at the rate given
+    (compiled_by_name, {"base_lr": 0.003}, lambda: keras.optimizers.Adam(0.003)),
     # the product's optimizer in its place, the LR rule (on by default for it) set to leave the rate as it is
-    ({"optimizer": "adam", "base_lr": 0.01, "lr_scaling": "none", "warmup_epochs": 0, "lr_decay": "constant"},
-     lambda: keras.optimizers.Adam(0.01)),
+    (compiled, {"optimizer": "adam", "base_lr": 0.01, "lr_scaling": "none", "warmup_epochs": 0,
+                "lr_decay": "constant"}, lambda: keras.optimizers.Adam(0.01)),
 ])
-def test_flags_change_a_compiled_models_optimizer_and_it_trains_as_model_fit_compiled_so(tmp_path, flags, optimizer):
+def test_flags_change_a_compiled_models_optimizer_and_it_trains_as_model_fit_compiled_so(tmp_path, build, flags,
+                                                                                          optimizer):
     """--optimizer, --base-lr, --momentum over a model the user compiled: Keras's fit of that model, its compile()
     kept but for what the flags change (app.training.default_compile.Recompile), weight for weight."""
     def rows():
         return {"train": (X, Y), "val": (X[:20], Y[:20])}
 
     out = tmp_path / "run"
-    result = app.train(model=compiled, data=rows, backend="local", epochs=2, per_replica_batch=16, shuffle=False,
+    result = app.train(model=build, data=rows, backend="local", epochs=2, per_replica_batch=16, shuffle=False,
                        output=str(out), **flags)
-    model = compiled()
+    model = build()
     model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     expected = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, validation_data=(X[:20], Y[:20]), verbose=0)
     for key, values in expected.history.items():

@@ -118,7 +118,7 @@ class Recompile:
         if self.optimizer is not None:
             args["optimizer"] = product_optimizer(self.optimizer, self.learning_rate, self.momentum)
         elif self.learning_rate is not None or self.momentum is not None:
-            args["optimizer"] = self._changed(args["optimizer"])
+            args["optimizer"] = self._changed(model.optimizer)  # compile()'s, resolved (it may name it: "adam")
         if self.loss is not None:
             args["loss"] = loss_object(self.loss, self.from_logits)
         if self.steps_per_execution is not None:
@@ -155,7 +155,6 @@ class Recompile:
 def recompile_of(model, config, chosen: set[str]) -> Optional[Recompile]:
     """The Recompile the flags ``chosen`` ask of a model the user compiled (None: none asked), or one line for a
     flag that has nothing to change in it."""
-    from app import internals
 
     name = getattr(config.model, "__name__", config.model)
     if "task" in chosen:
@@ -164,8 +163,7 @@ def recompile_of(model, config, chosen: set[str]) -> Optional[Recompile]:
     if "from_logits" in chosen and "loss" not in chosen:
         raise UserError(f"--from-logits goes with --loss; {name}'s compiled loss says whether it takes logits itself: "
                         "leave --from-logits out, or give --loss too")
-    optimizer = internals.compile_arguments(model).get("optimizer")
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # compile()'s, resolved from its name too
     if "momentum" in chosen and "optimizer" not in chosen and "momentum" not in inner.get_config():
         raise UserError(f"--momentum {config.momentum:g}: {name}'s compiled optimizer {type(inner).__name__} has no "
                         "momentum; leave --momentum out, or give --optimizer sgd too")
