@@ -147,6 +147,8 @@ def _ragged():
      "validation_split takes the last rows of arrays"),
     (dict(x=tf.data.Dataset.from_tensor_slices(X).batch(8)), "compiled with a loss but x has no labels (y)"),
     (dict(x=X, batch_size=8), "compiled with a loss but x has no labels (y)"),
+    (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), audit_sample_ids=True),
+     "a tf.data.Dataset's elements carry none"),
 ])
 def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     kwargs = {"epochs": 1, **kwargs}
@@ -154,6 +156,14 @@ def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
         app.fit(compiled, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "never").exists()
+
+
+def test_the_audit_with_step_checkpoints_is_one_line_before_ray_starts(tmp_path):
+    """(Step checkpoints are Ray Train's: the run would be on Ray.)"""
+    with pytest.raises(UserError, match="--audit-sample-ids with --checkpoint-every-steps") as refused:
+        app.fit(compiled, X, Y, num_workers=1, audit_sample_ids=True, checkpoint_every_steps=2,
+                output=str(tmp_path / "never"), verbose=0)
+    assert "\n" not in str(refused.value) and not (tmp_path / "never").exists()
 
 
 def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_path, monkeypatch):

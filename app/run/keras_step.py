@@ -215,6 +215,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
                                   batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
                                   class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
+    _check_audit(config, train, row_ids)
     fit_inputs.check_inputs(model, train, f"x (columns {', '.join(columns)})" if columns else "x")
     defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
     if defaults is not None:
@@ -255,7 +256,6 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
-    _check_audit(config, train, row_ids)
     if config.checkpoint_every_steps and (train.pipeline is not None or not train.counted):
         raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
                         f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
