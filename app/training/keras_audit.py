@@ -74,5 +74,5 @@ class AuditIds(keras.callbacks.Callback):
         if self.rank == 0:
             kept = self.state.setdefault(STATE_KEY, [])
             del kept[epoch:]  # a restarted worker trains its epochs again from its checkpoint's
-            kept.extend([[]] * (epoch - len(kept)))  # (epochs a resumed run trained without the audit: none)
+            kept.extend([[]] * (epoch - len(kept)))  # epochs trained before the audit was asked for: empty lists
             kept.append(every.tolist())
