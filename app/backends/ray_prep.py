@@ -11,7 +11,6 @@ from typing import Any
 from app.backend import backend_of
 from app.config import TrainConfig
 from app.driver import cluster
-from app.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +80,6 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     loc = loc or files.located(config)  # listed once for the whole run
     streamed_files = files.streams(loc, backend_of(config).on_ray)
     joining = cluster.joining_a_cluster()  # asked before a data function's Dataset may start a Ray
-    step_exact = config.elastic or config.checkpoint_every_steps
-    if streamed_files and step_exact:
-        raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
 
     if require_fit:
         cluster.check_fits_locally(config)
@@ -95,8 +91,6 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     if streamed_files or (function and require_fit):
         cluster.connect_for_data(config, reads=bool(streamed_files))
     checked = preflight.check(config, config.max_workers, loc=loc, tensor_devices=_tensor_devices(config))
-    if checked.source.streamed and step_exact:
-        raise UserError(files.STEP_EXACT.format(what=f"the Ray Dataset {registry.describe(config.dataset)} returned"))
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
     # (cluster.connect); a cluster may not.
     if checked.source.streamed and not streamed_files and (require_fit or joining):
