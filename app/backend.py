@@ -33,6 +33,10 @@ class Backend:
     counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores or an elastic run's
     # workers: known once started)
     short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
+    # The product's own training loop trains it, not Keras's fit: parameter servers (Keras 3's fit has no
+    # ParameterServerStrategy), a pipeline (the model cut into stages) and central storage (under it Keras's fit
+    # does not sum the metrics' states over the replicas).
+    own_loop: bool = False
 
 
 def runs_on_ray(backend: str) -> bool:
@@ -46,7 +50,7 @@ def backend_of(config: "TrainConfig") -> Backend:
     if runs_on_ray(config.backend) and strategy == PARAMETER_SERVER:
         return Backend(PARAMETER_SERVER, on_ray=True, ray_train=False, parameter_servers=True,
                        pipeline=False, replicas=1, replicas_why="--strategy parameter-server: each update is one "
-                       "worker's batch", counts_gpus=False, short_last_batch=False)
+                       "worker's batch", counts_gpus=False, short_last_batch=False, own_loop=True)
     if runs_on_ray(config.backend):
         return Backend("ray", on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
                        # an elastic run's replicas follow the cluster, one per worker
@@ -64,7 +68,8 @@ def backend_of(config: "TrainConfig") -> Backend:
         replicas, why = None, "the devices found"
     return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
-                   counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline")
+                   counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline",
+                   own_loop=strategy in ("pipeline", "central-storage"))
 
 
 def one_local_replica(config: "TrainConfig") -> bool:

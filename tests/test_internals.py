@@ -1,4 +1,4 @@
-"""The private APIs app/ relies on (app/internals.py), checked against the pinned versions.
+"""The private APIs app/ relies on (app/internals/), checked against the pinned versions.
 
 Each test fails when an upgrade moves or changes a private name the code uses, or
 when a public stand-in stops matching what the library does itself. Tests may import
@@ -441,3 +441,36 @@ def test_a_split_layer_computes_inside_the_users_model_and_the_step_counter_is_a
     optimizer.build(model.trainable_variables)
     internals.step_counter(optimizer).assign(4)
     assert int(optimizer.iterations) == 2
+
+
+def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit_builds():
+    """Under a strategy of 2 replicas: Keras divides a Loss object's loss by them, except inside unscaled_losses; the
+    TensorFlow optimizer's sum of the replicas' gradients is the method gradients_summed_before_apply replaces;
+    symbolic_build makes the optimizer's slots and leaves fit() nothing to build; before_epoch_logs runs first
+    where fit() makes the epoch's logs. (tests/test_local.py trains by them against model.fit.)"""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    from app.internals import replicas
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])  # one device: the class is what Keras reads
+    loss = keras.losses.MeanSquaredError()
+    with strategy.scope():
+        two = tf.distribute.get_strategy()
+        assert two is strategy
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    assert hasattr(TFOptimizer, "_all_reduce_sum_gradients")
+    replicas.gradients_summed_before_apply(model.optimizer)
+    assert model.optimizer._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)]
+    with replicas.unscaled_losses():
+        assert float(loss(np.ones(2), np.zeros(2))) == 1.0
+    x = np.ones((4, 2), "float32")
+    replicas.symbolic_build(model, (x, x[:, :1]))
+    assert model.optimizer.built and model.built
+    seen = []
+    replicas.before_epoch_logs(model, lambda: seen.append("first"))
+    model.fit(x, x[:, :1], epochs=1, verbose=0)
+    assert seen == ["first"] and "loss" in model.history.history

@@ -1,4 +1,5 @@
-"""--backend local, without Ray: one device by Keras's fit, MirroredStrategy and central storage on the product's own step."""
+"""--backend local, without Ray: one device and MirroredStrategy by Keras's fit, central storage on the product's own
+step."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def test_mirrored_over_two_cpus_equals_one_device(tmp_path):
     w1 = keras.models.load_model(tmp_path / "one" / "model.keras").get_weights()
     for a, b in zip(w1, w2):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-    # One device trains by Keras's fit (its History's keys), the two replicas on the product's own step: the same
-    # weights from either.
+    # Both train by Keras's fit (its History's keys): the two replicas, each on its half of every global batch, give
+    # one device's weights.
     losses = [float(row["loss"]) for row in csv.DictReader((tmp_path / "one" / "history.csv").open())]
-    assert one["backend"] == "local" and "loss" in one["history"][0]
+    assert one["backend"] == "local" and "loss" in one["history"][0] and two["history"][0].keys() == one["history"][0].keys()
     assert losses[-1] < losses[0] - 0.3  # the 5 full-batch steps really trained
 
 
@@ -89,14 +90,14 @@ def test_mirrored_sees_every_sample_once_per_epoch(local_set):
     assert per_epoch[0] != per_epoch[1]  # reshuffled
 
 
-def test_a_mirrored_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
-    """A run of several local replicas (the product's own step) resumed on Ray's workers, which train by Keras's fit:
-    one line naming where it goes on, before any Ray starts; nothing of the run is touched."""
+def test_a_central_storage_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
+    """A run of central storage (the product's own step) resumed on Ray's workers, which train by Keras's fit: one line
+    naming where it goes on, before any Ray starts; nothing of the run is touched."""
     from app.config import build_config
     from app.errors import UserError
     from app.run.api import dry_run
 
-    out, _ = local_set["audit"]
+    out, _ = local_set["cs"]
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(UserError) as e:
         dry_run(build_config(None, {"output": str(out), "resume": True, "backend": "ray", "strategy": "auto",
@@ -129,6 +130,9 @@ IMPOSSIBLE = [
     (["--strategy", "tpu"], "--strategy tpu: no TPU found"),
     (["--strategy", "mirrored", "--devices", "1"], "--strategy mirrored needs 2 or more devices, found 0 GPU(s), 1 CPU"),
     (["--strategy", "central-storage"], "--strategy central-storage needs 2 or more compute devices"),
+    (["--strategy", "mirrored", "--devices", "2", "--grad-accum", "2", "--model",
+      "tests/scripts/keras_step_table.py:functional"],
+     "--grad-accum 2: Keras's gradient accumulation cannot run under a strategy of several local replicas"),
 ]
 
 
@@ -239,3 +243,108 @@ def test_the_epoch_driver_numbers_chunked_steps_and_names_a_non_finite_chunk():
 
     with pytest.raises(NonFiniteLoss, match=r"non-finite training loss in epoch 2, steps 17-32 of 40"):
         EpochDriver(ChunkedSteps(bad_step=120), MEASURES).train_epoch(None, 40, epoch=2)
+
+
+OWN_STEP_MODELS = '''
+import numpy as np
+import keras
+import tensorflow as tf
+
+
+class OwnStep(keras.Model):
+    """A train_step of its own, its loss a plain function (Keras does not divide it by the replicas)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, self(x, training=True),
+                                                                               from_logits=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        return {"loss": self.tracker.result()}
+
+    def test_step(self, data):
+        x, y = data
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, self(x), from_logits=True))
+        self.tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        return {"loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+def _layers(kind):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return (OwnStep if kind == "own" else keras.Model)(inputs, keras.layers.Dense(3)(hidden))
+
+
+def own():
+    model = _layers("own")
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0))
+    return model
+
+
+def compiled():
+    model = _layers("compiled")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(203, 8)).astype("float32")  # 3 batches of 64, then 11 cut 6 + 5 over two replicas
+    return {"train": (x, (x[:, 0] > 0).astype("int64") + (x[:, 1] > 1)), "val": (x[:41], np.zeros(41, "int64"))}
+
+
+if __name__ == "__main__":  # the same model by model.fit on one device, in a process of its own
+    import json
+    import sys
+
+    model = {"own": own, "compiled": compiled}[sys.argv[1]]()
+    (x, y), val = data()["train"], data()["val"]
+    history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0).history
+    model.save_weights(sys.argv[2])
+    print(json.dumps({key: values[-1] for key, values in history.items()}))
+'''
+
+
+@pytest.mark.parametrize("kind", ["own", "compiled"])
+def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_device(tmp_path, kind):
+    """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss
+    object, per-variable clipping), each on MirroredStrategy over 2 logical CPUs with a short last batch cut 6 + 5:
+    the weights and History of model.fit on one device with the same global batch, as Keras's own fit would not give
+    (it divides only a Loss object's loss by the replicas, and clips each replica's gradient)."""
+
+    (tmp_path / "models.py").write_text(OWN_STEP_MODELS)
+    ours, keras_fit = run_jobs_at_once(
+        [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", "mirrored", "--devices", "2", "--model",
+         f"models.py:{kind}", "--dataset", "models.py:data", "--global-batch", "64", "--epochs", "3", "--no-shuffle",
+         "--output", str(tmp_path / "run")],
+        [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")], cwd=tmp_path, timeout=300)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert keras_fit.returncode == 0, keras_fit.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["strategy"] == "MirroredStrategy" and result["num_replicas"] == 2 and result["global_batch_size"] == 64
+    assert "replicas in this process" in ours.stdout + ours.stderr
+    last = json.loads(keras_fit.stdout.strip().splitlines()[-1])  # model.fit's History, its last epoch
+    assert sorted(last) == (["loss", "val_loss"] if kind == "own" else ["accuracy", "loss", "val_accuracy", "val_loss"])
+    assert {key: result["history"][-1][key] for key in last} == pytest.approx(last, rel=1e-5)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"models_{kind}", tmp_path / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    reference = getattr(models, kind)()
+    reference.load_weights(tmp_path / "keras.weights.h5")
+    trained = getattr(models, kind)()
+    trained.load_weights(tmp_path / "run" / "weights.weights.h5")  # (a subclass of __main__: no model.keras)
+    for a, b in zip(reference.get_weights(), trained.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

@@ -46,6 +46,8 @@ class KerasRun:
 class RayKerasSession:
     """A Ray Train worker's side of ``keras_fit_worker``."""
 
+    strategy = None  # one replica per worker: the workers' all-reduce is the product's (app.training.keras_sync)
+
     def __init__(self, payload: dict[str, Any]):
         import ray.train
 
@@ -120,12 +122,13 @@ def keras_loop_per_worker(payload: dict[str, Any]) -> None:
 
 
 class LocalKerasSession:
-    """One process, no Ray: checkpoints in <output>/checkpoint."""
+    """One process, no Ray: checkpoints in <output>/checkpoint; ``strategy``: a tf.distribute strategy of several
+    local replicas (app.training.strategy.local_strategy), else None (TensorFlow's default: one device)."""
 
     rank, world = 0, 1
 
-    def __init__(self, train: KerasData, val: Optional[KerasData], directory: Path):
-        self.train, self.val, self.directory = train, val, directory
+    def __init__(self, train: KerasData, val: Optional[KerasData], directory: Path, strategy: Any = None):
+        self.train, self.val, self.directory, self.strategy = train, val, directory, strategy
 
     def start(self) -> None:
         """Nothing: TensorFlow runs in the caller's process as the caller set it up (as model.fit would)."""
@@ -189,9 +192,10 @@ class RayRun:
 
 
 def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[dict] = None,
-        ray_run: RayRun = RayRun()) -> KerasRun:
+        ray_run: RayRun = RayRun(), local: Any = None) -> KerasRun:
     """Train ``job`` on ``config``'s backend and write the outputs (the output directory is checked already).
-    ``datasets``: the Ray Datasets of streamed inputs (app.data.keras_stream), by the name the workers ask for."""
+    ``datasets``: the Ray Datasets of streamed inputs (app.data.keras_stream), by the name the workers ask for;
+    ``local``: the LocalReplicas (app.training.strategy) the run trains under (None: one replica)."""
     from app.backend import backend_of
 
     started = time.time()
@@ -214,11 +218,12 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
                 directory = _ray_fit(config, job, out, datasets or {}, dataclasses.replace(ray_run, name=name))
             else:
                 try:
-                    keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint"))
+                    keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint",
+                                                                         local and local.strategy))
                 except NonFiniteLoss as e:
                     raise RunFailed(str(e)) from None
                 directory = str(out / "checkpoint")
-        return _outputs(config, job, out, directory, started)
+        return _outputs(config, job, out, directory, started, local)
     finally:
         outputs.release_output_dir(config)
 
@@ -352,7 +357,8 @@ def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
     return model, keras_worker.restore(model, directory)
 
 
-def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float) -> KerasRun:
+def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float,
+             local: Any = None) -> KerasRun:
     from app.backend import backend_of
 
     model, state = trained_model(job, directory)
@@ -372,7 +378,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
             log.warning("%s not drawn: %s", outputs.CURVES_FILE, e)
     result = {"config": config.model_dump(mode="json"),
               "history": records, "final": records[-1] if records else {},
-              "workers": world, **summary(job, state, world, started, model, config.backend),
+              "workers": world, **summary(job, state, world, started, model, config.backend, local),
               "checkpoint": "checkpoint", "history_file": outputs.HISTORY_FILE, **exported,
               # per worker (rank 0's): every optimizer's variables, and a sharded one's flat part of the weights
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),

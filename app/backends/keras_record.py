@@ -20,11 +20,13 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "weights.weights.h5"
 
 
-def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str) -> dict[str, Any]:
+def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str,
+            local: Any = None) -> dict[str, Any]:
     """The keys every run's result.json has, whichever way it trained (the command line, app.train, a sweep and
     result_line read them): the last epoch's logs as ``metrics`` (``loss`` -> ``train_loss``, ``val_loss`` as it is),
     the ``metric`` that ranks epochs and trials (app.training.objective), the replicas, the global batch and the
-    learning rate the rule gave (``model``: the trained model, its optimizer at the rate it was compiled with)."""
+    learning rate the rule gave (``model``: the trained model, its optimizer at the rate it was compiled with;
+    ``local``: the LocalReplicas of a local run of several replicas)."""
     import numpy as np
 
     from app.training.keras_callbacks import as_metrics  # the driver holds Keras already: it built the model
@@ -43,15 +45,17 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
     # The rate it was compiled with (a float32 variable: 0.05 reads 0.0500000007), as it was written.
     base = float(f"{float(np.asarray(first.learning_rate)):.7g}") if first is not None else None
     features = job.features
+    replicas = local.replicas if local is not None else world
     return {"metrics": metrics, "metric": f"val_{name}" if f"val_{name}" in metrics else f"train_{name}",
             # the rows of an optimizer update (grad_accum steps' batches), as the own step counts them
-            "num_replicas": world, "global_batch_size": features.batch_size * features.grad_accum
+            "num_replicas": replicas, "global_batch_size": features.batch_size * features.grad_accum
             if features.batch_size else None,
             "task": job.task,  # what the product compiled the model for (jobs/predict.py reads it); None: compiled
-            "strategy": ray_strategy_name(world), "backend": backend,
-            "strategy_reason": ray_strategy_reason(world) if runs_on_ray(backend) else one_replica_reason(),
-            # the worker's part of a global batch (a batch that does not divide: its largest part)
-            "per_replica_batch": -(-features.batch_size // world) if features.batch_size else None,
+            "strategy": local.name if local is not None else ray_strategy_name(world), "backend": backend,
+            "strategy_reason": local.reason if local is not None else ray_strategy_reason(world)
+            if runs_on_ray(backend) else one_replica_reason(),
+            # a replica's part of a global batch (a batch that does not divide: its largest part)
+            "per_replica_batch": -(-features.batch_size // replicas) if features.batch_size else None,
             "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,
             "base_lr": base, "lr_scaling": features.lr_scaling,
             "learning_rate": base * features.scale if base is not None else None,  # the peak, after any warmup

@@ -44,11 +44,8 @@ def driver(config: TrainConfig):
     from app.backends import local, ps
 
     if config.shard_optimizer:  # the product's own step does not shard
-        raise UserError("shard_optimizer runs inside Keras's fit: give a model that brings its step (a function of "
-                        "no arguments returning a compiled model, or one with its own train_step) and data that "
-                        "Keras's fit takes, a path of files or a ray.data.Dataset; a built-in model on several local "
-                        "replicas, on files the local backend reads, or with --tensor-parallel trains on the "
-                        "product's own step, which does not shard")
+        raise UserError("shard_optimizer runs inside Keras's fit on Ray's workers: central storage and a pipeline "
+                        "train on the product's own step, which does not shard; leave it out there")
 
     # A Ray Train run is Keras's fit's (app.run.config_run): it is never handed here.
     return {"local": local, "parameter-server": ps}[backend_of(config).name]

@@ -41,14 +41,15 @@ _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
-    for the data's facts, app.training.model) on any data, on Ray or one local replica. Returns result.json's
-    content. None: the run is the product's own step (several local replicas, parameter servers, a pipeline),
+    for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
+    Mirrored or a TPU's strategy). Returns result.json's content. None: the run is the product's own step (central
+    storage, parameter servers, a pipeline, or --resume of a run it trained),
     never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing
     trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica
 
-    # Another strategy (parameter servers, a pipeline, several local devices) is a field set: the product's step;
-    # one asking for one local replica is what Keras's fit in this process is.
+    # Another strategy (parameter servers, a pipeline, central storage) is a field set: the product's step; one
+    # asking for local replicas is what Keras's fit in this process is.
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # a run of the product's own step goes on on it
         if backend.ray_train and _own_step_checkpoints(config):
@@ -57,30 +58,50 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
                             "from: resume it with --backend local and its --strategy, or give a new --output")
         if not backend.ray_train:
             return None
+    several = _several_local_replicas(config)
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
         from app.data import files
 
         if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
             raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
-    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica or backend.ray_train else set())
+    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica or backend.ray_train else set()) \
+        - ({"strategy", "devices"} if several else set())
     if others := chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
         if backend.ray_train:
             raise UserError(f"{', '.join('--' + f.replace('_', '-') for f in sorted(others))}: for --backend local "
                             "(several local devices, a pipeline) or --strategy parameter-server, not Ray Train's "
                             "workers: leave it out")
         return None
+    # Several local replicas (Mirrored over GPUs or --devices CPUs, a TPU's cores): the strategy made before any model
+    # is built (TensorFlow's devices are set as it starts; the run builds its model in the strategy's scope).
+    if several and config.grad_accum > 1:
+        # Keras's gradient accumulation applies its update in a cond, which under a strategy of several local
+        # replicas is a merge_call TensorFlow refuses there: a built-in accumulates on the product's own step
+        if keras_step.built_by_product(config.model):
+            return None
+        raise UserError(f"--grad-accum {config.grad_accum}: Keras's gradient accumulation cannot run under a strategy "
+                        "of several local replicas (TensorFlow refuses its update inside a cond there): give a "
+                        f"{config.grad_accum}x larger --per-replica-batch (the same update), or train on Ray's "
+                        "workers (--backend ray)")
+    if several and config.shard_optimizer:
+        raise UserError(f"--shard-optimizer {config.shard_optimizer}: the optimizer's state is cut over Ray's workers; "
+                        "the replicas of a local strategy in this process each hold it whole: leave it out, or train "
+                        "on Ray's workers (--backend ray)")
+    local = _local_strategy(config) if several else None
+    replicas = local.replicas if local is not None else 1
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
     if model is None:
-        # A built-in on one local replica trains by Keras's fit, as on Ray (files read here into arrays); on several
-        # local replicas (Mirrored, central storage, TPU) on the product's step. --tensor-parallel N splits its
+        # A built-in on local replicas trains by Keras's fit, as on Ray (files read here into arrays); under central
+        # storage or a pipeline on the product's step. --tensor-parallel N splits its
         # layers inside the model Keras's fit runs (app.training.tensor_parallel.SplitInPlace), by the built-in's
         # own layout unless --tensor-layout names one.
         if not keras_step.built_by_product(config.model) and backend.ray_train:
             raise UserError(f"--model {getattr(config.model, '__name__', config.model)} builds no Keras model: give a "
                             "built-in's name or a function that returns a keras.Model")
-        if not keras_step.built_by_product(config.model) or not (backend.on_ray or one_local_replica(config)):
+        if not keras_step.built_by_product(config.model) or not (
+                backend.on_ray or local is not None or one_local_replica(config)):
             return None
         if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
             from app.training.strategy import tensor_devices
@@ -139,11 +160,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
             fields["tensor_layout"] = [f"{k}={v}" for k, v in BUILTIN_LAYOUTS[config.model].items()]
     # Keras's fit is given the global batch, which stays at every size of an elastic range (its per-replica batch is
     # the fewest workers' part)
-    batch = config.global_batch or config.per_replica_batch * (config.min_workers if backend.on_ray else 1)
+    batch = config.global_batch or config.per_replica_batch * (config.min_workers if backend.on_ray else replicas)
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
         from app.driver.preflight import checked_plan
 
-        checked_plan(config, data.rows, config.min_workers if backend.on_ray else 1)
+        checked_plan(config, data.rows, config.min_workers if backend.on_ray else 1, 1 if backend.on_ray else replicas)
     run, _ = keras_step.fit(
         model, model_fn, data.x, data.y, batch_size=batch, epochs=config.epochs,
         validation_data=data.validation, validation_split=0.0,
@@ -151,11 +172,34 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
         verbose="auto", shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run, row_ids=data.ids,
-        recompile=recompile,
+        recompile=recompile, local=local,
         # config.yaml: the run's own fields (its global batch as the per-worker batch Keras's fit is given)
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})
     return run if dry else run.result
+
+
+def _several_local_replicas(config) -> bool:
+    """Whether ``config`` asks for a strategy of several local replicas that Keras's fit trains under (Mirrored, or
+    what --strategy auto finds: several GPUs, a TPU's cores). Not a Ray run, and not what stays on the product's own
+    step: central storage (Keras's metrics are not summed over its replicas), a pipeline, --tensor-parallel (one
+    replica, split in place). Read without starting TensorFlow."""
+    from app.backend import backend_of, one_local_replica
+
+    backend = backend_of(config)
+    return not (backend.on_ray or backend.own_loop or config.tensor_degree or one_local_replica(config))
+
+
+def _local_strategy(config) -> Any:
+    """The strategy ``_several_local_replicas`` says ``config`` asks for, as a LocalReplicas (None: it finds one
+    replica after all)."""
+    from app.training import strategy as strategy_lib
+
+    try:
+        strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
+    except strategy_lib.StrategyUnavailable as e:
+        raise UserError(str(e)) from None
+    return strategy_lib.LocalReplicas(strategy, reason) if strategy.num_replicas_in_sync > 1 else None
 
 
 def _streamed_facts(config, data: "_Data"):

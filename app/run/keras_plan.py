@@ -12,8 +12,9 @@ from app.run.fit_inputs import overrides_step
 
 def lines(config, model, train, val, world: int, features, shard, tensor, compiled_line: Optional[str],
           class_weight: Any, validation_freq: Any, callbacks: Optional[list], x: Any, validation_data: Any,
-          epochs: int) -> list[str]:
-    """Every line of the plan, in order (``compiled_line``: what the product compiled a model with, if it did)."""
+          epochs: int, local: Any = None) -> list[str]:
+    """Every line of the plan, in order (``compiled_line``: what the product compiled a model with, if it did;
+    ``local``: the LocalReplicas the run trains under)."""
     from app.backend import backend_of
 
     on_ray = backend_of(config).on_ray
@@ -30,7 +31,8 @@ def lines(config, model, train, val, world: int, features, shard, tensor, compil
         resizes.append("audit: the ids of the training rows each worker's input hands to fit(), gathered over the "
                        "workers every epoch into audit_sample_ids.json (result.json's audit: per epoch, the ids "
                        "trained and the distinct ones)")
-    return [_run_line(config, world, features.batch_size, train.steps, epochs)] \
+    return [_run_line(config, world, features.batch_size, train.steps, epochs, local),
+            *([_replicas_line(local.strategy)] if local is not None else [])] \
         + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
         + features.lines() + shard.lines + (tensor.lines(per_worker=on_ray) if tensor else []) + resizes + [
             line for data, name in ((x, "x"), (validation_data, "validation_data"))
@@ -49,13 +51,27 @@ def _elastic_line(config, train, batch: Optional[int]) -> str:
             f"stays at every size, cut over its workers, so the math does not change; at {at}")
 
 
-def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int) -> str:
+def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int, local: Any = None) -> str:
     """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
     from app.training.strategy import ray_strategy_name
 
-    part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
-    return (f"run: backend {config.backend}, {ray_strategy_name(world)}, {world} worker(s), global batch {batch}{part}, "
+    if local is not None:
+        n = local.replicas
+        wide = f"{local.name} ({local.reason}), {n} replicas in this process"
+        part = f" (= {batch // n} per replica)" if batch % n == 0 else ""
+    else:
+        wide = f"{ray_strategy_name(world)}, {world} worker(s)"
+        part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
+    return (f"run: backend {config.backend}, {wide}, global batch {batch}{part}, "
             + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
+
+
+def _replicas_line(strategy) -> str:
+    """The plan's line for a local strategy of several replicas (app.run.config_run makes it)."""
+    return (f"replicas: {', '.join(strategy.extended.worker_devices)}: model.fit cuts each global batch over them; "
+            "each optimizer sums rows x gradient over the replicas (the strategy's all-reduce) and divides by the "
+            "global batch's rows before it applies them, so clipping "
+            "and accumulation see the global batch's gradient; the metrics' states are summed over them")
 
 
 def _py_dataset_line(data: Any, name: str) -> str:

@@ -152,11 +152,12 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
         validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False,
         recorded: Optional[dict[str, Any]] = None, ray_run: Any = None, row_ids: Optional[np.ndarray] = None,
-        recompile: Optional["default_compile.Recompile"] = None):
+        recompile: Optional["default_compile.Recompile"] = None, local: Any = None):
     """``recorded``: config fields the run's config.yaml says instead (a run from a config: its own model, dataset
     and callbacks, so that --resume and jobs/evaluate.py read them back); ``ray_run``: a sweep trial's
     keras_fit.RayRun; ``row_ids``: the id of each row of arrays x (the audit's; else each row's position);
-    ``recompile``: what the flags change in the compile() of a model the user compiled."""
+    ``recompile``: what the flags change in the compile() of a model the user compiled; ``local``: the
+    LocalReplicas (app.training.strategy) to train under, made by app.run.config_run before any model is built."""
     from app import registry
     from app.backends import keras_fit
     from app.driver import outputs
@@ -268,13 +269,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
                             defaults.line(built_by_product(config.model)) if defaults else
                             recompile.line() if recompile is not None else None, class_weight,
-                            validation_freq, callbacks, x, validation_data, epochs)
+                            validation_freq, callbacks, x, validation_data, epochs, local)
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
     with quiet():
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
-                            ray_run or keras_fit.RayRun())
+                            ray_run or keras_fit.RayRun(), local)
     return run, config.output_dir()
 
 

@@ -33,12 +33,14 @@ With one worker each of these is the identity: the run is ``model.fit``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from app import internals
 from app.errors import UserError
+from app.internals import replicas as replica_internals
 from app.training import zero
 from app.training.collective import Collective, Site
 
@@ -55,17 +57,15 @@ def optimizers_of(model) -> list:
     return found
 
 
-class _Rows:
-    """The rows of the batch the step being traced holds (a tensor of that trace)."""
+class _Rows(threading.local):
+    """The rows of the batch the step being traced holds (a tensor of that trace). Per thread: a strategy of several
+    local replicas traces each replica's step in a thread of its own."""
 
     value: Any = None
 
 
-def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list:
-    """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows; with
-    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns."""
-    if collective.world == 1:
-        return []
+def _recording_rows(model) -> _Rows:
+    """``model``'s train_step, made to note its batch's rows before it runs."""
     rows = _Rows()
     own_step = model.train_step
 
@@ -76,6 +76,15 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list
         return own_step(data)
 
     model.train_step = train_step
+    return rows
+
+
+def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list:
+    """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows; with
+    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns."""
+    if collective.world == 1:
+        return []
+    rows = _recording_rows(model)
     sharded = []
     for i, optimizer in enumerate(optimizers_of(model)):
         if shard_optimizer:
@@ -99,6 +108,56 @@ def _average_gradients(optimizer, collective: Collective, site: int, rows: _Rows
         total = summed[-1][0]
         return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in summed[:-1]],
                          trainable_variables)
+
+    optimizer.apply = apply
+
+
+def synchronise_replicas(model) -> None:
+    """Make ``model``'s fit() under a strategy of several local replicas (Mirrored over GPUs or logical CPUs, a TPU's
+    cores), built in its scope, one exact step over the global batch, as ``synchronise`` makes N workers: each
+    optimizer sums ``rows x gradient`` over the replicas (the replica context's all-reduce) and divides by the rows
+    before it applies them, so clipping and accumulation see the global batch's gradient, the same on every
+    replica. Keras's own parts are off (app.internals.replicas): its fit runs inside ``replica_internals.unscaled_losses()``. The
+    metrics need nothing: under the strategy their states are summed over the replicas when read. State that is not
+    trained (batch-norm moving statistics: Keras updates each replica's copy with its own part of the batch) is
+    averaged over the replicas where the epoch's logs are made, before validation, as ``synchronise`` averages it
+    over the workers."""
+    rows = _recording_rows(model)
+    replica_internals.before_epoch_logs(model, lambda: _average_over_local_replicas(model))
+    for optimizer in optimizers_of(model):
+        for each in {id(o): o for o in (optimizer, getattr(optimizer, "inner_optimizer", optimizer))}.values():
+            replica_internals.gradients_summed_before_apply(each)  # a LossScaleOptimizer's inner one sums too
+        _average_over_replicas(optimizer, rows)
+
+
+def _average_over_local_replicas(model) -> None:
+    strategy = model.distribute_strategy
+    for variable in model.non_trainable_variables:
+        if "float" not in str(variable.dtype):
+            continue
+        copies = strategy.experimental_local_results(getattr(variable, "value", variable))
+        if len(copies) > 1:
+            mean = sum(c.read_value() for c in copies) / len(copies)
+            for c in copies:
+                c.assign(mean)
+
+
+def _average_over_replicas(optimizer, rows: _Rows) -> None:
+    own_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        import tensorflow as tf
+
+        replica = tf.distribute.get_replica_context()
+        if replica is None:  # a trace in the strategy's scope (building the slots): no step is taken
+            return own_apply(grads, trainable_variables)
+        n = rows.value
+        weighed = [None if g is None else tf.convert_to_tensor(g) * tf.cast(n, g.dtype) for g in grads]
+        summed = iter(replica.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in weighed if g is not None]
+                                         + [tf.reshape(n, [1])]))
+        averaged = [None if g is None else next(summed) for g in weighed]
+        total = next(summed)[0]
+        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in averaged], trainable_variables)
 
     optimizer.apply = apply
 

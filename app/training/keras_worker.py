@@ -25,6 +25,7 @@ after it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
+from app.internals import replicas as replica_internals
 from app.training import zero_state
 from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE, Progress
 from app.training.collective import Collective
@@ -79,6 +81,7 @@ def trained_rows(data, world: int) -> Optional[int]:
 class KerasSession(Protocol):
     rank: int
     world: int
+    strategy: Any  # a local tf.distribute strategy of several replicas (built in its scope), else None
 
     def start(self) -> None:
         """Threads and collectives, before any other TensorFlow op of this process."""
@@ -232,6 +235,22 @@ def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = 
     return read_state(directory)
 
 
+def _fit_parts(model, parts: list, first: int, skip: int, train: KerasData, val_ds: Any, job: KerasJob,
+               session: KerasSession, ids: Any, callbacks: Callable[[Callable[[int], Any], int], list]) -> None:
+    for epochs in parts:
+        if not epochs or model.stop_training and epochs.start > first:
+            continue
+        # (a streamed input's worker_dataset takes no skip: the driver refuses step checkpoints for it)
+        given = {"skip": skip} if skip and epochs.start == first else {}
+        if ids is not None:
+            given["record"] = ids.record
+        train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world,
+                                                      training=True, **given)
+        model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
+                  validation_freq=job.validation_freq,
+                  callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0, shuffle=False)
+
+
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     """One worker's part of ``app.fit`` for a model trained by its own step."""
     session.start()
@@ -242,12 +261,19 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
-    model = keras_features.build(job.model_fn, job.features)
+    strategy = session.strategy
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras_features.build(job.model_fn, job.features)
+    if strategy is not None:  # one process, several replicas: their all-reduce is the strategy's
+        keras_sync.synchronise_replicas(model)
     split = Split(model, job.tensor, train) if job.tensor is not None else None
     if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
         collective.device = split.shards.plan.devices[0]
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
-    build(model, train, val, sharded)
+    if strategy is None:
+        build(model, train, val, sharded)
+    else:  # its variables are the strategy's, made in its scope (a step traced outside a replica cannot read them)
+        replica_internals.symbolic_build(model, train.first_batch())
 
     state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
@@ -321,19 +347,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     # their own (fit() counts an epoch's steps from the first one it iterates, and holds every epoch to it).
     parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     try:
-        for epochs in parts:
-            if not epochs or model.stop_training and epochs.start > first:
-                continue
-            # (a streamed input's worker_dataset takes no skip: the driver refuses step checkpoints for it)
-            given = {"skip": skip} if skip and epochs.start == first else {}
-            if ids is not None:
-                given["record"] = ids.record
-            train_ds, choose_epoch = train.worker_dataset(epochs, job.seed, session.rank, session.world,
-                                                          training=True, **given)
-            model.fit(train_ds, epochs=epochs.stop, initial_epoch=epochs.start, validation_data=val_ds,
-                      validation_freq=job.validation_freq,
-                      callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0,
-                      shuffle=False)
+        with replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
+            _fit_parts(model, parts, first, skip, train, val_ds, job, session, ids, callbacks)
     except Exception as e:
         named = keras_callbacks.raised_by_callback(e, own)
         if named is None:

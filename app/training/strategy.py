@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -59,6 +59,22 @@ def one_replica() -> "tf.distribute.Strategy":
     import tensorflow as tf
 
     return tf.distribute.get_strategy()
+
+
+@dataclass(frozen=True)
+class LocalReplicas:
+    """A local strategy of several replicas that Keras's fit trains under, and why it was chosen."""
+
+    strategy: Any  # tf.distribute.Strategy
+    reason: str
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def name(self) -> str:
+        return name_of(self.strategy)
 
 
 def name_of(strategy: "tf.distribute.Strategy") -> str:
@@ -141,7 +157,14 @@ def _split_cpu(devices: int) -> None:
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
+    if len(tf.config.get_logical_device_configuration(cpu) or []) == devices:  # split so already in this process
+        return
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        raise StrategyUnavailable(f"--devices {devices} splits this process's CPU before TensorFlow starts, and "
+                                  "TensorFlow has started here already: run it in a fresh process (python "
+                                  "jobs/train.py, or app.train first thing in a script)") from None
 
 
 def _find_tpu():
@@ -295,7 +318,7 @@ def split_for_tensor_parallel(n: int) -> None:
     import tensorflow as tf
 
     if not tf.config.list_physical_devices("GPU"):
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(StrategyUnavailable):
             _split_cpu(n)
 
 

@@ -1,0 +1,75 @@
+"""Keras's private API for its fit under a local tf.distribute strategy of several replicas (app.training.keras_sync
+``synchronise_replicas``), behind the same door as app.internals: the only place app/ touches these names,
+checked against the installed Keras by tests/test_internals.py. A leaf: libraries imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# Under a strategy of N replicas, Keras divides a loss by N where a Loss object or an added loss makes it
+# (keras/src/losses/loss.py ``scale_loss_for_distribution``; ``unscale_loss_for_distribution`` multiplies the
+# trackers' copy back), and the TensorFlow optimizer sums the replicas' gradients in ``_all_reduce_sum_gradients``
+# (keras/src/backend/tensorflow/optimizer.py), after apply() clipped each replica's own. A train_step whose loss
+# is a plain function is not divided, and a short last batch cut unevenly is not a mean over the global batch:
+# the product averages over the rows itself, before apply(), and so turns both of Keras's parts off. No public API
+# sets either. Keras builds a model's variables and its optimizer's slots under the strategy's scope before the
+# first step in ``Trainer._symbolic_build``; a resumed run restores into them before fit(), so it builds them so.
+# fit() and evaluate() would then build again in ``_maybe_symbolic_build`` (keras/src/backend/tensorflow/
+# trainer.py), from their first batch's parts averaged over the replicas: parts that differ by a row (359 rows
+# over 2 replicas) fail there ("Inputs to operation AddN ... must have the same size"); built, nothing is left
+# for it to do.
+
+
+def unscaled_losses() -> Any:
+    """A context inside which Keras neither divides losses by the replicas nor multiplies the trackers' back."""
+    import contextlib
+
+    from keras.src.losses import loss as loss_module
+
+    @contextlib.contextmanager
+    def context():
+        saved = loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution
+        loss_module.scale_loss_for_distribution = loss_module.unscale_loss_for_distribution = _same
+        try:
+            yield
+        finally:
+            loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution = saved
+
+    return context()
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def gradients_summed_before_apply(optimizer: Any) -> None:
+    """Make ``optimizer`` apply the gradients it is given as they are: the caller summed the replicas' already."""
+    optimizer._all_reduce_sum_gradients = _same
+
+
+def symbolic_build(model: Any, batch: Any) -> None:
+    """Build ``model``'s variables, its compiled metrics and its optimizer's slots for ``batch`` as fit() does before
+    its first step (under the model's strategy)."""
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=batch)
+    model._maybe_symbolic_build = _nothing_to_build
+
+
+def _nothing_to_build(iterator: Any = None, data_batch: Any = None) -> None:
+    """fit()'s and evaluate()'s build of a model ``symbolic_build`` built."""
+
+
+# fit() and evaluate() make an epoch's logs in ``_get_metrics_result_or_logs`` after its last step (before
+# validation): where replicas' copies of untrained state (batch-norm statistics) are made one.
+
+
+def before_epoch_logs(model: Any, act: Callable[[], None]) -> None:
+    """Make ``model`` run ``act()`` where fit() and evaluate() make an epoch's logs, before Keras's own making."""
+    own = model._get_metrics_result_or_logs
+
+    def logs_after(logs: Any) -> Any:
+        act()
+        return own(logs)
+
+    model._get_metrics_result_or_logs = logs_after
