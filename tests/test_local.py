@@ -304,14 +304,21 @@ def data():
     return {"train": (x, (x[:, 0] > 0).astype("int64") + (x[:, 1] > 1)), "val": (x[:41], np.zeros(41, "int64"))}
 
 
-if __name__ == "__main__":  # the same model by model.fit on one device, in a process of its own
+if __name__ == "__main__":  # the same model by model.fit on one device (or app.fit's: "app"), in a process of its own
     import json
     import sys
 
-    model = {"own": own, "compiled": compiled}[sys.argv[1]]()
     (x, y), val = data()["train"], data()["val"]
-    history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0).history
-    model.save_weights(sys.argv[2])
+    build = {"own": own, "compiled": compiled}[sys.argv[1]]
+    if sys.argv[2] == "app":
+        import app
+
+        history = app.fit(build, x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0,
+                          backend="local", strategy="mirrored", devices=2, output=sys.argv[3]).history
+    else:
+        model = build()
+        history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0).history
+        model.save_weights(sys.argv[2])
     print(json.dumps({key: values[-1] for key, values in history.items()}))
 '''
 
@@ -321,22 +328,27 @@ def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_devic
     """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss
     object, per-variable clipping), each on MirroredStrategy over 2 logical CPUs with a short last batch cut 6 + 5:
     the weights and History of model.fit on one device with the same global batch, as Keras's own fit would not give
-    (it divides only a Loss object's loss by the replicas, and clips each replica's gradient)."""
+    (it divides only a Loss object's loss by the replicas, and clips each replica's gradient). The same from
+    jobs/train.py and from app.fit in a script."""
 
     (tmp_path / "models.py").write_text(OWN_STEP_MODELS)
-    ours, keras_fit = run_jobs_at_once(
+    ours, keras_fit, from_script = run_jobs_at_once(
         [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", "mirrored", "--devices", "2", "--model",
          f"models.py:{kind}", "--dataset", "models.py:data", "--global-batch", "64", "--epochs", "3", "--no-shuffle",
          "--output", str(tmp_path / "run")],
-        [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")], cwd=tmp_path, timeout=300)
-    assert ours.returncode == 0, ours.stderr[-3000:]
-    assert keras_fit.returncode == 0, keras_fit.stderr[-3000:]
+        [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")],
+        [str(tmp_path / "models.py"), kind, "app", str(tmp_path / "app_fit")], cwd=tmp_path, timeout=300)
+    for p in (ours, keras_fit, from_script):
+        assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["strategy"] == "MirroredStrategy" and result["num_replicas"] == 2 and result["global_batch_size"] == 64
     assert "replicas in this process" in ours.stdout + ours.stderr
     last = json.loads(keras_fit.stdout.strip().splitlines()[-1])  # model.fit's History, its last epoch
     assert sorted(last) == (["loss", "val_loss"] if kind == "own" else ["accuracy", "loss", "val_accuracy", "val_loss"])
     assert {key: result["history"][-1][key] for key in last} == pytest.approx(last, rel=1e-5)
+    assert json.loads(from_script.stdout.strip().splitlines()[-1]) == pytest.approx(last, rel=1e-5)
+    assert "INFO" not in from_script.stderr  # the strategy's own lines go to the run's log
+    assert json.loads((tmp_path / "app_fit" / "result.json").read_text())["num_replicas"] == 2
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"models_{kind}", tmp_path / "models.py")

@@ -134,6 +134,17 @@ def keras_history(records: list[dict[str, Any]]) -> dict[str, list[Optional[floa
     }
 
 
+def _local_replicas(fields: dict[str, Any]) -> Any:
+    """The LocalReplicas (app.training.strategy) that app.fit's backend, strategy and devices ask for (several GPUs
+    found by --strategy auto on the local backend, Mirrored, a TPU's), made now; else None."""
+    from app.config import build_config
+    from app.run.config_run import local_replicas
+
+    asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
+                                    "shard_optimizer", "tensor_parallel") if k in fields}
+    return local_replicas(build_config(fields.get("config"), asked)) if asked else None
+
+
 def fit(
     model_fn: Any,
     x: Any = None,
@@ -165,13 +176,14 @@ def fit(
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
             model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
+        local = _local_replicas(fields)  # several local replicas: their strategy before any model is built
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))
         # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given;
         # the optimizer's fields: what the product compiles a model that compiles nothing with
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
                                                                  else set())
                               - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
-                                 else set()))
+                                 else set()) - ({"strategy", "devices"} if local is not None else set()))
         if built is not None and product_only and keras_step.overrides_step(built):
             raise UserError(f"{', '.join(product_only)}: the product's own training features, which its own step "
                             f"provides; this model trains by its own {', '.join(keras_step.overrides_step(built))}: "
@@ -183,7 +195,7 @@ def fit(
                                   class_weight=class_weight, verbose=verbose, shuffle=shuffle,
                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                                   validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-                                  validation_freq=validation_freq, fields=fields)
+                                  validation_freq=validation_freq, fields=fields, local=local)
             return History.of_keras_run(run.result, out, epochs, run.model)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle

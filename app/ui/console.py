@@ -245,9 +245,12 @@ def _own_handler_loggers() -> list[logging.Logger]:
 
 
 def _console_handlers() -> list[logging.Handler]:
-    """Handlers writing to the terminal: the root's (cli.main's basicConfig) and those of Ray's own loggers."""
+    """Handlers writing to the terminal: the root's (cli.main's basicConfig), those of Ray's own loggers and
+    TensorFlow's (its logger has a stderr handler of its own, which prints a strategy's INFO lines, as "Reduce to
+    ... then broadcast", whenever a run sets the root's level to INFO)."""
     handlers = []
-    for logger in (logging.getLogger(), *_own_handler_loggers()):
+    tensorflow = [logging.getLogger("tensorflow")] if "tensorflow" in logging.Logger.manager.loggerDict else []
+    for logger in (logging.getLogger(), *_own_handler_loggers(), *tensorflow):
         handlers += [h for h in logger.handlers
                      if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                      and getattr(h, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)]
