@@ -203,6 +203,16 @@ def local_replicas(config) -> Any:
     return strategy_lib.LocalReplicas(strategy, reason) if strategy.num_replicas_in_sync > 1 else None
 
 
+def local_replicas_of(fields: dict[str, Any]) -> Any:
+    """``local_replicas`` of app.fit's keywords (its backend, strategy, devices, ...: several GPUs found by
+    ``strategy="auto"`` on the local backend, Mirrored, a TPU's)."""
+    from app.config import build_config
+
+    asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
+                                    "shard_optimizer", "tensor_parallel") if k in fields}
+    return local_replicas(build_config(fields.get("config"), asked)) if asked else None
+
+
 def _streamed_facts(config, data: "_Data"):
     """A built-in model's data facts of streamed files (or a data function's Ray Dataset), read by Ray Data's tasks
     (app.data.streamed.built_in_facts)."""

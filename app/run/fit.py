@@ -134,17 +134,6 @@ def keras_history(records: list[dict[str, Any]]) -> dict[str, list[Optional[floa
     }
 
 
-def _local_replicas(fields: dict[str, Any]) -> Any:
-    """The LocalReplicas (app.training.strategy) that app.fit's backend, strategy and devices ask for (several GPUs
-    found by --strategy auto on the local backend, Mirrored, a TPU's), made now; else None."""
-    from app.config import build_config
-    from app.run.config_run import local_replicas
-
-    asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
-                                    "shard_optimizer", "tensor_parallel") if k in fields}
-    return local_replicas(build_config(fields.get("config"), asked)) if asked else None
-
-
 def fit(
     model_fn: Any,
     x: Any = None,
@@ -172,14 +161,13 @@ def fit(
     check_class_weight(class_weight)
     if keras_step_input(x) and not _is_keras_model(model_fn):
         from app import registry
-        from app.run import keras_step
+        from app.run import config_run, keras_step
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
             model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
-        local = _local_replicas(fields)  # several local replicas: their strategy before any model is built
+        local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))
-        # val_fraction: a seeded holdout of a path or a Ray Dataset (app.run.keras_step) when no validation is given;
-        # the optimizer's fields: what the product compiles a model that compiles nothing with
+        # val_fraction: a path's or a Ray Dataset's seeded holdout; the optimizer's: a model compiling nothing's compile
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
                                                                  else set())
                               - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
