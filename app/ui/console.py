@@ -189,7 +189,7 @@ def for_people(verbose: bool = False, marked: bool = True) -> Iterator[None]:
     _people.update(active=True, verbose=verbose, marked=marked)
     # From a Python script that configured no logging (app.fit, as model.fit is called), the root has no handler
     # and the epoch lines of a run in this process (the local backend) reached no one; the job scripts have one.
-    own = None if _console_handlers() else logging.StreamHandler(sys.stderr)
+    own = None if _console_handlers(tensorflow=False) else logging.StreamHandler(sys.stderr)
     if own is not None:
         own.setFormatter(logging.Formatter("%(message)s"))
         logging.getLogger().addHandler(own)
@@ -244,13 +244,15 @@ def _own_handler_loggers() -> list[logging.Logger]:
     return [logger for logger in loggers if not logger.propagate]
 
 
-def _console_handlers() -> list[logging.Handler]:
+def _console_handlers(tensorflow: bool = True) -> list[logging.Handler]:
     """Handlers writing to the terminal: the root's (cli.main's basicConfig), those of Ray's own loggers and
     TensorFlow's (its logger has a stderr handler of its own, which prints a strategy's INFO lines, as "Reduce to
-    ... then broadcast", whenever a run sets the root's level to INFO)."""
+    ... then broadcast", whenever a run sets the root's level to INFO; ``tensorflow=False``: not those, which print
+    no line of ours)."""
     handlers = []
-    tensorflow = [logging.getLogger("tensorflow")] if "tensorflow" in logging.Logger.manager.loggerDict else []
-    for logger in (logging.getLogger(), *_own_handler_loggers(), *tensorflow):
+    tf_logger = [logging.getLogger("tensorflow")] if tensorflow and "tensorflow" in logging.Logger.manager.loggerDict \
+        else []
+    for logger in (logging.getLogger(), *_own_handler_loggers(), *tf_logger):
         handlers += [h for h in logger.handlers
                      if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                      and getattr(h, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)]
