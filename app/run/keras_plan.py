@@ -70,8 +70,8 @@ def _replicas_line(strategy) -> str:
     """The plan's line for a local strategy of several replicas (app.run.config_run makes it)."""
     return (f"replicas: {', '.join(strategy.extended.worker_devices)}: model.fit cuts each global batch over them; "
             "each optimizer sums rows x gradient over the replicas (the strategy's all-reduce) and divides by the "
-            "global batch's rows before it applies them, so clipping "
-            "and accumulation see the global batch's gradient; the metrics' states are summed over them")
+            "global batch's rows before it applies them, so clipping and the fp16 overflow check see the global "
+            "batch's gradient; the metrics' states are summed over them")
 
 
 def _py_dataset_line(data: Any, name: str) -> str:

@@ -90,23 +90,26 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list
         if shard_optimizer:
             sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
         else:
-            _average_gradients(optimizer, collective, Site.GRADIENTS + i * Site.PACKS, rows)
+            site = Site.GRADIENTS + i * Site.PACKS
+            _average_by_rows(optimizer, rows, lambda values, site=site: collective.sum_gradients(values, site))
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
     return sharded
 
 
-def _average_gradients(optimizer, collective: Collective, site: int, rows: _Rows) -> None:
+def _average_by_rows(optimizer, rows: _Rows, summed: Any) -> None:
+    """``optimizer`` applies the mean gradient over every part's rows (a worker's, a replica's): each part's
+    gradient of its mean loss weighed by its rows, summed with the rows by ``summed(values)`` (a value may be None)
+    in the same all-reduce, then divided by them."""
     own_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
         import tensorflow as tf
 
         n = rows.value
-        # Each worker's gradient of its mean loss, weighed by its rows; the rows summed in the same all-reduce.
         weighed = [None if g is None else tf.convert_to_tensor(g) * tf.cast(n, g.dtype) for g in grads]
-        summed = collective.sum_gradients(weighed + [tf.reshape(n, [1])], site)
-        total = summed[-1][0]
-        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in summed[:-1]],
+        summed_up = summed(weighed + [tf.reshape(n, [1])])
+        total = summed_up[-1][0]
+        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in summed_up[:-1]],
                          trainable_variables)
 
     optimizer.apply = apply
@@ -116,18 +119,18 @@ def synchronise_replicas(model) -> None:
     """Make ``model``'s fit() under a strategy of several local replicas (Mirrored over GPUs or logical CPUs, a TPU's
     cores), built in its scope, one exact step over the global batch, as ``synchronise`` makes N workers: each
     optimizer sums ``rows x gradient`` over the replicas (the replica context's all-reduce) and divides by the rows
-    before it applies them, so clipping and accumulation see the global batch's gradient, the same on every
-    replica. Keras's own parts are off (app.internals.replicas): its fit runs inside ``replica_internals.unscaled_losses()``. The
-    metrics need nothing: under the strategy their states are summed over the replicas when read. State that is not
-    trained (batch-norm moving statistics: Keras updates each replica's copy with its own part of the batch) is
-    averaged over the replicas where the epoch's logs are made, before validation, as ``synchronise`` averages it
-    over the workers."""
+    before it applies them, so clipping and the fp16 overflow check see the global batch's gradient, the same on
+    every replica. Keras's own parts are off (app.internals.replicas): its fit runs inside
+    ``replica_internals.unscaled_losses()``. The metrics need nothing: under the strategy their states are summed
+    over the replicas when read. State that is not trained (batch-norm moving statistics: Keras updates each
+    replica's copy with its own part of the batch) is averaged over the replicas where the epoch's logs are made,
+    before validation, as ``synchronise`` averages it over the workers."""
     rows = _recording_rows(model)
     replica_internals.before_epoch_logs(model, lambda: _average_over_local_replicas(model))
     for optimizer in optimizers_of(model):
         for each in {id(o): o for o in (optimizer, getattr(optimizer, "inner_optimizer", optimizer))}.values():
             replica_internals.gradients_summed_before_apply(each)  # a LossScaleOptimizer's inner one sums too
-        _average_over_replicas(optimizer, rows)
+        _average_by_rows(optimizer, rows, _sum_over_replicas)
 
 
 def _average_over_local_replicas(model) -> None:
@@ -142,24 +145,15 @@ def _average_over_local_replicas(model) -> None:
                 c.assign(mean)
 
 
-def _average_over_replicas(optimizer, rows: _Rows) -> None:
-    own_apply = optimizer.apply
+def _sum_over_replicas(values: list) -> list:
+    """``values`` summed over the local replicas by the replica context's all-reduce (None stays None)."""
+    import tensorflow as tf
 
-    def apply(grads, trainable_variables=None):
-        import tensorflow as tf
-
-        replica = tf.distribute.get_replica_context()
-        if replica is None:  # a trace in the strategy's scope (building the slots): no step is taken
-            return own_apply(grads, trainable_variables)
-        n = rows.value
-        weighed = [None if g is None else tf.convert_to_tensor(g) * tf.cast(n, g.dtype) for g in grads]
-        summed = iter(replica.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in weighed if g is not None]
-                                         + [tf.reshape(n, [1])]))
-        averaged = [None if g is None else next(summed) for g in weighed]
-        total = next(summed)[0]
-        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in averaged], trainable_variables)
-
-    optimizer.apply = apply
+    replica = tf.distribute.get_replica_context()
+    if replica is None:  # traced in the strategy's scope, outside a step: nothing to sum
+        return values
+    summed = iter(replica.all_reduce(tf.distribute.ReduceOp.SUM, [v for v in values if v is not None]))
+    return [None if v is None else next(summed) for v in values]
 
 
 def _metric_variables(model) -> list:
