@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,24 @@ def test_a_central_storage_run_goes_on_locally_only_and_ray_says_so_in_one_line(
                                     "devices": None, "epochs": 3}))
     assert "holds checkpoints of the product's own step" in str(e.value) and "--backend local" in str(e.value)
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_one_replica_with_devices_and_a_resume_of_a_run_stopped_before_its_first_checkpoint_train_by_kerass_fit(
+        local_set, tmp_path):
+    """--devices 1 asks for one replica, and --resume of a run that wrote its config.yaml but stopped before its
+    first checkpoint has nothing to go on from: both train by Keras's fit, as any one-device run (the plan's step)."""
+    from app.config import build_config
+    from app.run.api import dry_run
+
+    keras_step = "step: Keras's train_step and test_step"
+    plan = dry_run(build_config(None, {"backend": "local", "devices": 1, "epochs": 1, "output": str(tmp_path / "one")}))
+    assert any(keras_step in line for line in plan), plan
+    out, _ = local_set["auto"]
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copy(out / "config.yaml", stopped / "config.yaml")
+    plan = dry_run(build_config(None, {"backend": "local", "resume": True, "output": str(stopped), "epochs": 4}))
+    assert any(keras_step in line for line in plan), plan
 
 
 def test_central_storage_trains(local_set):

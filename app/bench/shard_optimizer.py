@@ -4,11 +4,12 @@ state is large (``memory_width`` x ``memory_depth`` dense layers: ``memory_width
 in Adam's moments).
 
 Each run is a fresh process with a local Ray of its own (``python -m app.bench.shard_optimizer one '<json>'``), so
-its peaks are its own (app.bench.sampler: the largest sampled RSS of the Ray Train workers). Steady samples/s are
+its peaks are its own (app.bench.sampler: each Ray Train worker's largest sampled RSS). Steady samples/s are
 the epochs after the first (rows trained / the epoch's seconds). -> shard-optimizer.json, with the rate sharded /
 unsharded and the per-worker figures: optimizer_state_bytes and optimizer_parts_bytes from result.json, and the peak
-RSS difference unsharded - sharded (on paper: half of Adam's state, less the flat part of the weights each sharded
-worker keeps: weights x (2 (N - 1) - 1) / N).
+RSS difference unsharded - sharded of the worker that writes no checkpoint (the state and the step alone; on paper
+at least Adam's state x (N - 1) / N less the flat part of the weights each sharded worker keeps, weights / N, and
+the step's summed gradients, held a few buckets at a time), and of rank 0, which also writes the checkpoints.
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
         "weights_bytes": int(sum(np.asarray(w).nbytes for w in history.model.get_weights())),
         "optimizer_state_bytes": history.result["optimizer_state_bytes"],
         "optimizer_parts_bytes": history.result["optimizer_parts_bytes"],
-        "train_worker_peak_mib": peaks.largest(lambda name: name.startswith("ray::RayTrainWorker")),
+        # Each worker's, largest first: the first is rank 0's, which also writes the checkpoints (unsharded: Keras's
+        # model.keras with the whole state, loaded back to check it; sharded: the state gathered bucket by bucket).
+        "train_worker_peaks_mib": sorted((round(p.rss, 1) for p in peaks.processes.values()
+                                          if p.name.startswith("ray::RayTrainWorker")), reverse=True),
     }
 
 
@@ -98,9 +102,12 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "state_mib_unsharded": round(whole["optimizer_state_bytes"] / mib, 1),
         "state_mib_sharded": round(cut["optimizer_state_bytes"] / mib, 1),
         "parts_mib_sharded": round(cut["optimizer_parts_bytes"] / mib, 1),
-        "worker_peak_mib_unsharded": whole["train_worker_peak_mib"],
-        "worker_peak_mib_sharded": cut["train_worker_peak_mib"],
-        "peak_saved_mib": round(whole["train_worker_peak_mib"] - cut["train_worker_peak_mib"], 1),
+        "worker_peaks_mib_unsharded": whole["train_worker_peaks_mib"],
+        "worker_peaks_mib_sharded": cut["train_worker_peaks_mib"],
+        # the worker that writes no checkpoint: the state and the step alone
+        "peak_saved_mib": round(whole["train_worker_peaks_mib"][-1] - cut["train_worker_peaks_mib"][-1], 1),
+        "checkpoint_writer_peak_saved_mib": round(whole["train_worker_peaks_mib"][0]
+                                                  - cut["train_worker_peaks_mib"][0], 1),
         "on_paper_saved_mib": round((whole["optimizer_state_bytes"] - cut["optimizer_state_bytes"]
                                      - cut["optimizer_parts_bytes"]) / mib, 1),
     }

@@ -51,12 +51,13 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # Another strategy (parameter servers, a pipeline, central storage) is a field set: the product's step; one
     # asking for local replicas is what Keras's fit in this process is.
     backend = backend_of(config)
-    if config.resume and not _resumes_keras_run(config):  # a run of the product's own step goes on on it
-        if backend.ray_train and _own_step_checkpoints(config):
+    if config.resume and not _resumes_keras_run(config):  # no checkpoint of Keras's fit: the own step's, or none
+        own = _own_step_checkpoints(config)
+        if backend.ray_train and own:
             raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own step "
                             "(several local replicas, a pipeline), which Keras's fit on Ray's workers cannot go on "
                             "from: resume it with --backend local and its --strategy, or give a new --output")
-        if not backend.ray_train:
+        if not backend.ray_train and own is not False:  # a run of the own step goes on on it (or says what is wrong)
             return None
     several = _several_local_replicas(config)
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
@@ -65,8 +66,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
             raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
-    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica or backend.ray_train else set()) \
-        - ({"strategy", "devices"} if several else set())
+    # --devices on one replica (--devices 1, --tensor-parallel N --devices N) asks for nothing Keras's fit lacks
+    chosen = set(config.model_fields_set) - ({"strategy", "devices"} if one_replica else set()) \
+        - ({"strategy"} if backend.ray_train else set()) - ({"strategy", "devices"} if several else set())
     if others := chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
         if backend.ray_train:
             raise UserError(f"{', '.join('--' + f.replace('_', '-') for f in sorted(others))}: for --backend local "
@@ -225,14 +227,15 @@ def _streamed_facts(config, data: "_Data"):
     return streamed.built_in_facts(config, given)
 
 
-def _own_step_checkpoints(config) -> bool:
-    """Whether ``config``'s output holds a checkpoint of the product's own step (several local replicas)."""
+def _own_step_checkpoints(config) -> Optional[bool]:
+    """Whether ``config``'s output holds a checkpoint of the product's own step (None: one it cannot read, which
+    the own step's resume names)."""
     from app.driver import resume
 
     try:
         return resume.latest(config) is not None
     except UserError:
-        return False
+        return None
 
 
 def _resumes_keras_run(config) -> bool:
