@@ -1,7 +1,7 @@
 """--tensor-parallel N: one layer's weights split over N devices (Megatron's column/row layout), as a user runs it
-on a laptop CPU split into logical devices: the built-in MLP on 2 devices (the product's own step), and a user's
-functional model with two MLP blocks (Adam: its slots follow the shards) on 4 devices with --tensor-layout (Keras's
-fit, the layers split inside the model it runs), each against the same run on one device, weight for weight; runs
+on a laptop CPU split into logical devices, trained by Keras's fit with the layers split inside the model it runs:
+the built-in MLP on 2 devices, and a user's functional model with two MLP blocks (Adam: its slots follow the
+shards) on 4 devices with --tensor-layout, each against the same run on one device, weight for weight; runs
 resumed at another degree (or none) against the same; the built-in transformer on 1, 2 and 4 devices (the
 tensor-parallel benchmark's runs); the bytes each device holds of the split layers, read from the variables'
 devices; the exported model is an ordinary Keras model; bad layouts are one line before training."""

@@ -101,9 +101,8 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (TensorFlow's own lines: %s)", out, out / console.LOG_FILE)
     pipeline = checked.model.get("pipeline")  # --strategy pipeline: the StagePlan
-    tensor = checked.model.get("tensor")  # --tensor-parallel: the TensorPlan
     job = WorkerJob(checked.facts, checked.objective, logdir_for(config, out.name), progress_bars=console.bars(),
-                    stages=pipeline, tensor=tensor)
+                    stages=pipeline)
     start = checked.resumed
     session = LocalSession(config, strategy, checked.source, start.path if start and start.ray_train else None)
     try:
@@ -117,8 +116,7 @@ def run(config: TrainConfig, started_at: float | None = None) -> dict[str, Any]:
     summary = outputs.write_outputs(
         config, session.checkpoints.restore_state(), latest + checkpoint.MODEL_SUFFIX,
         strategy=name, started_at=started_at,
-        extra={"strategy_reason": reason, **({"stages": list(pipeline.stages)} if pipeline else {}),
-               **({"tensor_parallel": tensor.as_dict()} if tensor else {})},
+        extra={"strategy_reason": reason, **({"stages": list(pipeline.stages)} if pipeline else {})},
     )
     return summary
 
@@ -135,17 +133,17 @@ def plan(config: TrainConfig):
     strategy, reason = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     devices = strategy_lib.stage_devices() if backend_of(config).pipeline else []
-    tensor = strategy_lib.stage_devices()[:config.tensor_degree] if config.tensor_degree else []
-    checked = preflight.check(config, 1, replicas, stage_devices=devices, tensor_devices=tensor)
-    name = "pipeline" if devices else "tensor parallel" if tensor else strategy_lib.name_of(strategy)
+    checked = preflight.check(config, 1, replicas, stage_devices=devices)
+    name = "pipeline" if devices else strategy_lib.name_of(strategy)
     return strategy, name, reason, checked, preflight.plan_lines(config, checked, 1, replicas, f"{name} ({reason})")
 
 
 def make_strategy(config: TrainConfig):
     """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
+    if config.tensor_degree:  # trained by Keras's fit (app.run.config_run); here only a run of the own step resumed
+        raise UserError(f"--tensor-parallel {config.tensor_degree} trains by Keras's fit, and the checkpoints in "
+                        f"{config.output_dir()} are of the product's own step: give a new --output")
     try:
-        if config.tensor_degree:
-            return strategy_lib.tensor_parallel_strategy(config.tensor_degree, config.cpus_per_worker)
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:
         raise UserError(str(e)) from None

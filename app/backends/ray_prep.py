@@ -90,27 +90,9 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if streamed_files or (function and require_fit):
         cluster.connect_for_data(config, reads=bool(streamed_files))
-    checked = preflight.check(config, config.max_workers, loc=loc, tensor_devices=_tensor_devices(config))
+    checked = preflight.check(config, config.max_workers, loc=loc)  # (parameter servers: no --tensor-parallel)
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
     # (cluster.connect); a cluster may not.
     if checked.source.streamed and not streamed_files and (require_fit or joining):
         cluster.check_room_for_reads(config)
     return checked
-
-
-def _tensor_devices(config: TrainConfig) -> list[str]:
-    """--tensor-parallel N: the devices the driver plans and checks the split on: N of its own when it can have
-    them, as each worker splits its layers over N devices of its own (app.training.strategy.ray_worker_strategy)."""
-    if not config.tensor_degree:
-        return []
-    from app.training.strategy import StrategyUnavailable, tensor_devices
-
-    try:
-        return tensor_devices(config.tensor_degree)
-    except StrategyUnavailable:
-        # This process's TensorFlow started before the run (an app.fit from a script that used it) or has fewer
-        # GPUs than a worker gets: each worker is a process of its own with its own devices. The layout is
-        # checked on the names the workers' devices have; the bytes each holds are counted there.
-        return [f"{'GPU' if config.use_gpu else 'CPU'}:{i}" for i in range(config.tensor_degree)]
-
-

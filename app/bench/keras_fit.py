@@ -3,8 +3,8 @@
 Same model function, data, batch, epochs and thread count, each in a process of its own:
 
 - fit: ``model.fit(x, y, batch_size=B, epochs=E)`` in a plain process (no Ray, no strategy): Keras's own loop;
-- local: ``jobs/train.py --backend local --strategy one-device``: this product's loop, its exact metric sums;
-- ray: ``jobs/train.py --num-workers 1``: the same loop in one Ray Train worker.
+- local: ``jobs/train.py --backend local --strategy one-device``: this product's run (Keras's fit in it);
+- ray: ``jobs/train.py --num-workers 1``: the same in one Ray Train worker.
 
 Steady samples/s (the first epoch, with its tracing, left out) as ratios of fit's -> keras.json.
 

@@ -30,8 +30,6 @@ from app.errors import UserError
 if TYPE_CHECKING:
     from app.config import TrainConfig
 
-RAY_DATASET = "ray.data.Dataset"
-
 
 def call_data_function(config: "TrainConfig") -> Any:
     """What the dataset function returns (built-ins included), called with the config fields it declares."""

@@ -31,7 +31,6 @@ from typing import Iterable
 
 import numpy as np
 
-PAD = 0
 _WORD = re.compile(r"[a-z0-9']+")
 
 

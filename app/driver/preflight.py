@@ -202,26 +202,6 @@ def begin(config: "TrainConfig", checked: Checked, num_workers: int, strategy: s
     return lines, out
 
 
-def elastic_line(config: "TrainConfig", checked: Checked, replicas_per_worker: int) -> str:
-    """--num-workers MIN:MAX: what stays fixed, and the plan at each size."""
-    from app.training.optim import plan_lr
-
-    at = []
-    for n in range(config.min_workers, config.max_workers + 1):
-        plan = EpochPlan.for_run(config, checked.facts.num_train_rows, n, replicas_per_worker, False,
-                                 checked.objective.short_last_batch)
-        lr = plan_lr(config, plan.update_batch, plan.updates, checked.objective).peak_lr
-        at.append(f"{n}: {plan.per_replica_batch} per replica, global {plan.global_batch}, {plan.steps} steps"
-                  + (f", lr {lr:.4g}" if isinstance(lr, (int, float)) else ""))
-    fixed = (f"--global-batch {config.global_batch} stays at every size" if config.global_batch else
-             f"--per-replica-batch {config.per_replica_batch} stays: the global batch (and the LR it scales) follow "
-             "the size; --global-batch keeps them")
-    every = f"every {config.checkpoint_every_steps} steps" if config.checkpoint_every_steps else "every epoch"
-    return (f"elastic: {config.min_workers} to {config.max_workers} workers, resized by Ray Train (a restart from "
-            f"the latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s; a lost node spends "
-            f"restarts, {config.restarts} in all: --max-failures); {fixed}; at " + "; ".join(at))
-
-
 def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replicas_per_worker: int,
                strategy: str) -> list[str]:
     """The plan a --dry-run prints (and a real run logs at its start)."""
@@ -260,8 +240,6 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
                         f"{where}")
     if (tensor_plan := m.get("tensor")) is not None:  # --tensor-parallel: its TensorPlan
         lines[2:2] = tensor_plan.lines(per_worker=backend_of(config).on_ray)
-    if config.elastic:
-        lines.insert(4, elastic_line(config, checked, replicas_per_worker))
     if config.resume:
         from app.driver import resume
 

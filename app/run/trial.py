@@ -27,6 +27,8 @@ def run_trial(params: dict[str, Any]) -> None:
         storage = fields["storage_path"] = f"{params['storage_path'].rstrip('/')}/{sweep}/{trial_dir.name}"
     config = build_config(None, fields)  # valid: the sweep checked every trial's config before the first
     try:
-        config_run.from_config(config, ray_run=keras_fit.RayRun((TuneReportCallback(),), storage, "train"))
+        if config_run.from_config(config, ray_run=keras_fit.RayRun((TuneReportCallback(),), storage, "train")) is None:
+            # the sweep refuses what Keras's fit does not train before the first trial (app.tools.tune)
+            raise RuntimeError(f"trial {trial_dir.name}: its config trains on the product's own step, not a sweep's")
     finally:
         output_guard.release(config.output_dir())  # a retried trial may run in this process again

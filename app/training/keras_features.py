@@ -32,9 +32,6 @@ from app.errors import UserError
 POLICIES = {"fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 
 
-LR_FIELDS = ("lr_scaling", "warmup_epochs", "lr_decay", "reference_batch")
-
-
 @dataclass(frozen=True)
 class KerasFeatures:
     grad_accum: int = 1

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from app.data.schema import Spec
 
 PREDICTION, PROBABILITIES = "prediction", "probabilities"
-OUTPUTS = (PREDICTION, PROBABILITIES)
 
 
 @dataclass(frozen=True)

@@ -2,19 +2,19 @@
 
 Each factory takes the strategy, a model and optimizer built under its scope,
 and the run's measures (app.training.measures: its loss and metrics), and
-returns a ``tf.function``. Nothing here knows whether it runs under
-MultiWorkerMirroredStrategy in a Ray worker, MirroredStrategy, TPUStrategy or
-one device.
+returns a ``tf.function``. Nothing here knows which strategy it runs under
+(central storage, Mirrored, a TPU's, one device: the runs of the product's own
+loop, app.training.loop; every other run trains by Keras's fit).
 
 Every step returns this replica's sums [loss, count, every metric's state] as
 float64 (app.training.measures): the caller adds them over replicas and
 workers once per epoch.
 
-``collective`` sums across Ray workers (app.training.collective): each worker is
-one replica of the default strategy there, so what the strategy's replica
-context would all-reduce is summed over the workers by it (the gradients, a
-short step's rows, an fp16 overflow); in one process it is ``ALONE``, and the
-strategy all-reduces over its local replicas as before.
+``collective`` sums across processes (app.training.collective): each is one
+replica of the default strategy there, so what the strategy's replica context
+would all-reduce is summed over them by it (the gradients, a short step's rows,
+an fp16 overflow). The product's runs are one process (``ALONE``: the strategy
+all-reduces over its local replicas); the breakdown benchmark times a pair.
 """
 
 from __future__ import annotations

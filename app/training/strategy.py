@@ -288,18 +288,6 @@ _LOCAL = {
 }
 
 
-def tensor_parallel_strategy(n: int, cpus: float | None = None) -> tuple["tf.distribute.Strategy", str]:
-    """--tensor-parallel N: one replica (the default strategy feeds it), its split layers over N devices: the
-    first N GPUs, else the CPU split into N logical devices (app.training.tensor_parallel places the shards)."""
-    import tensorflow as tf
-
-    if cpus:
-        set_thread_counts(cpus)
-    devices = tensor_devices(n)
-    kind = "GPUs" if "GPU" in devices[0] else "logical CPUs"
-    return tf.distribute.get_strategy(), f"one replica, its split layers over {n} {kind}"
-
-
 def tensor_devices(n: int) -> list[str]:
     """The N devices of this process that --tensor-parallel N's shards live on: the first N GPUs, else the CPU split
     into N logical devices (before TensorFlow initialises its devices)."""

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
     from app.config import TrainConfig
     from app.training.pipeline import Pipeline
-    from app.training.tensor_optimizer import UnsplitOptimizer
-    from app.training.tensor_parallel import TensorParallel, TensorPlan
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +43,6 @@ class WorkerJob:
     tensorboard_dir: Optional[str]
     progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
     stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
-    tensor: Optional["TensorPlan"] = None  # --tensor-parallel: which layers are split over which devices
 
 
 class Session(Protocol):
@@ -92,16 +89,6 @@ class Training:
     lr_plan: Any  # app.training.optim.LrPlan
     lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
     pipe: Optional["Pipeline"]  # --strategy pipeline: the stages that run ``model``
-    split: Optional["TensorParallel"] = None  # --tensor-parallel: ``model`` is its split clone
-    unsplit_optimizer: Optional["UnsplitOptimizer"] = None  # --tensor-parallel: the optimizer checkpoints hold
-
-    def saved(self):
-        """The model checkpoints and exports hold: ``model``, or the unsplit model with the split layers' weights."""
-        return self.split.unsplit() if self.split is not None else self.model
-
-    def saved_optimizer(self):
-        """The optimizer checkpoints hold: ``optimizer``, or the unsplit model's, holding the shards' state."""
-        return self.unsplit_optimizer.gather() if self.unsplit_optimizer is not None else self.optimizer
 
 
 def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
@@ -124,18 +111,6 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
     # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
     # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
     pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
-    if job.tensor is not None:
-        # --tensor-parallel: the model's graph again with the planned layers split, each shard's variables (and
-        # their optimizer slots) and matmuls on its device; checkpoints and exports get the unsplit model.
-        from app.training import tensor_optimizer, tensor_parallel
-        from app.training.model import model_name
-        from app.training.strategy import stage_devices
-
-        split = tensor_parallel.TensorParallel.place(model, job.tensor.on(stage_devices()), model_name(config))
-        slots = tensor_optimizer.place_optimizer_slots(optimizer)
-        with strategy.scope():
-            unsplit = tensor_optimizer.UnsplitOptimizer(split, optimizer, slots)
-        return Training(split.model, optimizer, measures, lr_plan, lr_factor, None, split, unsplit)
     return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
 
 
@@ -156,9 +131,6 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
                              job.objective.short_last_batch)
     training = build_training(config, job, strategy, plan, asynchronous)
     model, optimizer = training.model, training.optimizer
-    if training.split is not None and session.collective.world > 1:
-        # --tensor-parallel on Ray workers: each worker's gradient sums gather on its first shard's device
-        session.collective.device = training.split.plan.devices[0]
 
     # A restarted worker group (a worker died) or a resumed run starts from the last checkpoint.
     progress, state, lr_plan = restore(config, session, strategy, training, plan, asynchronous)
@@ -177,18 +149,12 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     hooks = callbacks.hooks_for(config, session.rank, model, optimizer, training.lr_factor, driver.runner,
                                 lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
     last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
-    # --tensor-parallel: what each of this worker's devices holds (fixed once split: read once, not per checkpoint)
-    device_bytes = training.split.variable_bytes() if training.split is not None else None
 
     def save(metrics: dict[str, Any]) -> None:
         state = progress.state(config=config, lr_plan=lr_plan, plan=plan, task=job.objective.task)
         state["objective"] = job.objective.summary(config)
         state.update(hooks.state())
-        if device_bytes is not None:
-            state["tensor_device_bytes"] = device_bytes
-        # --tensor-parallel: the shards (weights and optimizer state) written into the unsplit model's first
-        saved, saved_optimizer = training.saved(), training.saved_optimizer()
-        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, saved, saved_optimizer, s))
+        session.save_and_report(metrics, state, lambda d, s=state: checkpoint.save(d, model, optimizer, s))
 
     def after_steps(k: int, bar) -> None:
         bar.update(k)
@@ -238,10 +204,7 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
 
     progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
     lr_plan, optimizer = training.lr_plan, training.optimizer
-    # What a checkpoint holds: the unsplit model and its optimizer's state (--tensor-parallel: then split again).
-    state = session.restore(training.saved(), training.saved_optimizer())
-    if state is not None and training.unsplit_optimizer is not None:
-        training.unsplit_optimizer.scatter()
+    state = session.restore(training.model, optimizer)
     if state is None:
         progress.sized(session.world)
         return progress, None, lr_plan
