@@ -72,6 +72,11 @@ def backend_of(config: "TrainConfig") -> Backend:
                    own_loop=strategy in ("pipeline", "central-storage"))
 
 
+def several_replicas_asked(config: "TrainConfig") -> bool:
+    """Whether --strategy names a strategy of several local replicas (with --devices 1 the own step refuses it)."""
+    return config.strategy in ("mirrored", "central-storage", "tpu")
+
+
 def one_local_replica(config: "TrainConfig") -> bool:
     """Whether a run without Ray trains one replica, as a plain Keras script does (TensorFlow's default strategy):
     asked for (--strategy one-device), or what --strategy auto finds (no TPU, at most one GPU, no --devices split).

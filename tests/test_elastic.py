@@ -1,7 +1,8 @@
 """Elastic runs (--num-workers MIN:MAX) on a real two-node Ray cluster on this machine: a head started with
 `ray start --head --num-cpus 1`, a second node that joins while the run trains and is stopped by its own process
-group. The run grows and shrinks by itself, and its weights are those of a fixed-size run with the same seed and
-global batch: the math does not depend on the resizes."""
+group. The run grows and shrinks by itself, its optimizer's state sharded over the workers of each size, and its
+weights are those of a fixed-size run with the same seed and global batch: the math does not depend on the
+resizes."""
 
 from __future__ import annotations
 
@@ -104,7 +105,10 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
     out = tmp_path / "elastic"
     try:
         driver = nodes.driver = subprocess.Popen(
+            # --shard-optimizer 2: each resize re-cuts the momentum over the new size from the checkpoint's whole
+            # state (one worker: nothing to shard), and the weights are still the fixed-size unsharded run's
             [sys.executable, "jobs/train.py", "--num-workers", "1:2", "--checkpoint-every-steps", "4",
+             "--shard-optimizer", "2",
              "--resize-check-s", "2", "--worker-start-timeout-s", "15",
              "--dataset", f"{user}:rows", "--callbacks", f"{user}:slow", "--output", str(out), *COMMON],
             cwd=REPO, env={**env, "RAY_ADDRESS": nodes.address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

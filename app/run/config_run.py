@@ -46,7 +46,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     storage, parameter servers, a pipeline, or --resume of a run it trained),
     never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing
     trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
-    from app.backend import backend_of, one_local_replica
+    from app.backend import backend_of, one_local_replica, several_replicas_asked
 
     # Another strategy (parameter servers, a pipeline, central storage) is a field set: the product's step; one
     # asking for local replicas is what Keras's fit in this process is.
@@ -66,8 +66,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
             raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
-    # --devices on one replica (--devices 1, --tensor-parallel N --devices N) asks for nothing Keras's fit lacks
-    chosen = set(config.model_fields_set) - ({"strategy", "devices"} if one_replica else set()) \
+    # --devices on one replica (--devices 1, --tensor-parallel N --devices N) asks for nothing Keras's fit lacks; a
+    # strategy of several replicas on one device is the own step's to refuse
+    one_device = one_replica and not several_replicas_asked(config)
+    chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set()) \
+        - ({"devices"} if one_device else set()) \
         - ({"strategy"} if backend.ray_train else set()) - ({"strategy", "devices"} if several else set())
     if others := chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
         if backend.ray_train:

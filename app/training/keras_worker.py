@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -190,6 +191,12 @@ def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Pa
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
+# Whether a model's .keras file loads back, learnt at its first checkpoint: the same classes save the same way at
+# every later one, which then skips the load (a second model and optimizer state in rank 0's memory, and seconds
+# the other workers wait for at their next all-reduce).
+_LOADS_BACK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
 def _save_model(model, path: Path) -> None:
     """The model as a .keras file beside its checkpoint, for jobs/evaluate.py and jobs/predict.py --checkpoint (a
     stopped run has no model.keras of its own yet). A model Keras cannot save (a class it cannot rebuild) is left
@@ -199,13 +206,18 @@ def _save_model(model, path: Path) -> None:
 
     import keras
 
+    if _LOADS_BACK.get(model) is False:
+        return
     try:
         model.save(path)
-        with warnings.catch_warnings():  # Keras's note that an unbuilt optimizer skips the saved one's variables
-            warnings.simplefilter("ignore", UserWarning)
-            keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
+        if model not in _LOADS_BACK:
+            with warnings.catch_warnings():  # Keras's note that an unbuilt optimizer skips the saved one's variables
+                warnings.simplefilter("ignore", UserWarning)
+                keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
+            _LOADS_BACK[model] = True
     except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save or load back
         path.unlink(missing_ok=True)
+        _LOADS_BACK.setdefault(model, False)  # a model that loaded back once keeps trying (a full disk passes)
         log.debug("no %s in the checkpoint: %s", path.name, e)
 
 
