@@ -78,12 +78,11 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
 
 
 def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence[str] = (),
-                examples: Any = None, tensor_devices: Sequence[str] = ()) -> tuple[DataFacts, "Objective", dict[str, Any]]:
+                examples: Any = None) -> tuple[DataFacts, "Objective", dict[str, Any]]:
     """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary.
 
     With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
-    device (a StagePlan); with ``tensor_devices`` (--tensor-parallel) which layers are split, and the bytes each
-    device holds of them, read from the split model's variables (a TensorPlan).
+    device (a StagePlan).
     """
     from app.training.measures import settle
     from app.training.model import build_model, check_output, model_name, task_with_model
@@ -104,10 +103,6 @@ def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence
         from app.training.pipeline import plan_stages
 
         summary["pipeline"] = plan_stages(model, config.split_at, stage_devices, name)
-    if tensor_devices:
-        from app.training import tensor_parallel
-
-        summary["tensor"] = tensor_parallel.checked_plan(model, config, tensor_devices, name)
     return facts, objective, summary
 
 
@@ -123,10 +118,10 @@ def examples(source) -> Any:
 
 def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
           source: Union[Source, "Streamed", None] = None, stage_devices: Sequence[str] = (),
-          loc: Optional["Located"] = None, tensor_devices: Sequence[str] = ()) -> Checked:
+          loc: Optional["Located"] = None) -> Checked:
     """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
     source = source if source is not None else load_data(config, num_workers, loc)
-    facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source), tensor_devices)
+    facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source))
     if config.callbacks is not None:  # called here once, as each worker's model function is
         from app.training.callbacks import check as check_callbacks
 
@@ -238,8 +233,6 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
                           for s in stages)
         lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
                         f"{where}")
-    if (tensor_plan := m.get("tensor")) is not None:  # --tensor-parallel: its TensorPlan
-        lines[2:2] = tensor_plan.lines(per_worker=backend_of(config).on_ray)
     if config.resume:
         from app.driver import resume
 

@@ -14,15 +14,14 @@ so the split is done here:
 Each shard's variables (and the optimizer's slots for them: app.training.tensor_optimizer) are created under its
 device and its matmuls run there, forward and backward: the gradient rules are the ``custom_gradient``
 functions of app.training.tensor_layers (the split layers), so the backward ops are placed by them, not left to
-the placer. The step is the usual one
-(app.training.step: one traced step, one tape): the gradients are those of the unsplit layer, summed in
-another order (1e-6 apart in float32).
+the placer. The step is Keras's (one traced step, one tape): the gradients are those of the unsplit layer, summed
+in another order (1e-6 apart in float32).
 
-On the product's own step the split model is a clone of the user's model in which the layers the layout names are
-replaced; every other layer is an ordinary copy (``TensorParallel``). On Keras's fit the model is the user's own,
-split in place (``SplitInPlace``): each named layer computes through its split layer, so a model's own
-``train_step`` and any model class (subclassed too) run it unchanged. Either way the shards are written back into
-the unsplit layers before a save, which is what checkpoints, model.keras and the SavedModel hold: evaluate,
+A run trains the user's own model split in place (``SplitInPlace``), by Keras's fit: each named layer computes
+through its split layer, so a model's own ``train_step`` and any model class (subclassed too) run it unchanged.
+(``TensorParallel``, a clone of the model in which the named layers are replaced, is what
+tests/scripts/tensor_split_step.py checks one split step with.) The shards are written back into the unsplit
+layers before a save, which is what checkpoints, model.keras and the SavedModel hold: evaluate,
 predict and serving see an ordinary model.
 """
 
@@ -80,18 +79,6 @@ class TensorPlan:
                 f"tensor parallel: split layers' variables per device: {per} (unsplit {self.unsplit_bytes / 2**10:.1f} KiB)"]
 
 
-def checked_plan(model: "keras.Model", config, devices: Sequence[str], name: str) -> TensorPlan:
-    """The driver's check of --tensor-parallel: the layout (--tensor-layout, else the built-in model's) planned on
-    the model, then the model split once here, so that the bytes per device are read from where its variables
-    are."""
-    plan = plan_split(model, layout_of(config), devices, name)
-    if set(plan.devices) <= _own_devices():
-        plan.device_bytes = TensorParallel.place(model, plan, name).variable_bytes()
-    # Else a Ray driver whose TensorFlow started before the run (one CPU device): its workers split their own
-    # devices; what each holds is read there (the worker's state: ``tensor_device_bytes``).
-    return plan
-
-
 def plan_in_place(model: "keras.Model", name: str, config, optimizers: int, on_ray: bool,
                   first_batch: Any) -> TensorPlan:
     """The driver's check of tensor_parallel on Keras's fit (``SplitInPlace``): the layout planned on the model
@@ -133,12 +120,6 @@ def layout_of(config) -> dict[str, str]:
     """--tensor-layout's LAYER=how, else the built-in model's layout (none for a user's model)."""
     return dict(item.split("=", 1) for item in config.tensor_layout) if config.tensor_layout \
         else dict(BUILTIN_LAYOUTS.get(config.model, {}) if isinstance(config.model, str) else {})
-
-
-def _own_devices() -> set[str]:
-    import tensorflow as tf
-
-    return {short_name(d.name) for d in tf.config.list_logical_devices()}
 
 
 def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str,
