@@ -82,3 +82,12 @@ def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_share
             assert sum(p["samples_per_epoch"] for p in alone["processes"]) == alone["samples_per_epoch"]
             assert summed["samples_per_epoch"] == alone["samples_per_epoch"] > 0
             assert summed["cpu_seconds"] > 0 and alone["cpu_seconds"] > 0
+
+
+def test_a_count_of_zero_is_one_line_before_anything_runs(tmp_path):
+    """A suite's counts and sizes (--runs, --rows, --epochs, ...) below 1 are refused in one line, nothing written."""
+    for suite, flag in (("streaming", "--runs"), ("engine", "--runs"), ("memory", "--rows")):
+        p = run_job("jobs/benchmark.py", suite, flag, "0", "--output", str(tmp_path / suite), timeout=120)
+        assert p.returncode != 0 and f"{suite}: {flag[2:]} 0: must be above 0" in p.stderr, p.stderr[-2000:]
+        assert p.stderr.strip().count("\n") == 0, p.stderr[-2000:]
+        assert not (tmp_path / suite).exists()

@@ -82,6 +82,10 @@ def load(suite: str, params: tuple[str, ...], file: Path, flags: Optional[dict[s
             + f" (its keys: {', '.join(params)}, workload)"
         )
     section.update({k: v for k, v in (flags or {}).items() if v is not None})
+    # every number a suite takes is a count or a size (runs, rows, epochs, workers, seconds): none can be 0 or less
+    if bad := [f"{k} {v}" for k, v in section.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v <= 0]:
+        raise UserError(f"{suite}: {', '.join(bad)}: must be above 0")
     workload = {**workload, **(read_yaml(config_file) if config_file else {}), **(sets or {})}
     build_config(None, {**workload, "output": "unused"})  # refuse a bad field or value now, in one line
     return Preset(suite, str(file), section, workload)
