@@ -26,7 +26,7 @@ from app.bench.proc import child_main, fit_seconds, measure, steady
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("workers", "rows", "features", "speed_width", "speed_depth", "memory_width", "memory_depth", "memory_rows",
+PARAMS = ("runs", "workers", "rows", "features", "speed_width", "speed_depth", "memory_width", "memory_depth", "memory_rows",
           "batch_size", "epochs")
 
 
@@ -86,15 +86,25 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
 def run(preset: Preset, out: Path, command: str) -> list[Path]:
     params = preset.params
     results: dict[str, Any] = {}
-    # Alternating, so that a slower spell of this shared machine falls on both.
-    for size in ("speed", "memory"):
-        for stage in (0, 2):
-            label = f"{size}-{'sharded' if stage else 'unsharded'}"
-            payload = {"stage": stage, "size": size, "out": str(out / f"run-{label}"), "params": params}
-            results[label] = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
-            print(f"{label}: {json.dumps(results[label])}", flush=True)
+    # Alternating, so that a slower spell of this shared machine falls on both; the speed pair ``runs`` times, each
+    # side's best rate counting (this machine's rate drifts by 2x within a run).
+    rates: dict[str, list[float]] = {"speed-unsharded": [], "speed-sharded": []}
+    for size, times in (("speed", int(params["runs"])), ("memory", 1)):
+        for i in range(times):
+            for stage in (0, 2):
+                label = f"{size}-{'sharded' if stage else 'unsharded'}"
+                payload = {"stage": stage, "size": size, "out": str(out / f"run-{label}-{i}"), "params": params}
+                measured = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
+                print(f"{label} ({i + 1}/{times}): {json.dumps(measured)}", flush=True)
+                if label in rates:
+                    rates[label].append(measured["samples_per_second"])
+                if label not in results or measured["samples_per_second"] > results[label]["samples_per_second"]:
+                    results[label] = measured
+    results["runs_samples_per_second"] = rates
     results["rate_sharded_vs_unsharded"] = round(results["speed-sharded"]["samples_per_second"]
                                                  / results["speed-unsharded"]["samples_per_second"], 3)
+    results["rate_sharded_vs_unsharded_memory_model"] = round(
+        results["memory-sharded"]["samples_per_second"] / results["memory-unsharded"]["samples_per_second"], 3)
     whole, cut = results["memory-unsharded"], results["memory-sharded"]
     mib = 2 ** 20
     results["memory"] = {
@@ -113,7 +123,8 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     }
     summary = out / "shard-optimizer.json"
     report.write_json(summary, {**results, "command": command, "preset": preset.as_dict()})
-    print(f"samples/s sharded / unsharded: {results['rate_sharded_vs_unsharded']:.3f}")
+    print(f"samples/s sharded / unsharded (best of {params['runs']} each): {results['rate_sharded_vs_unsharded']:.3f}; "
+          f"memory model (one each): {results['rate_sharded_vs_unsharded_memory_model']:.3f}")
     print("memory per worker: " + ", ".join(f"{k} {v}" for k, v in results["memory"].items()))
     return [summary]
 

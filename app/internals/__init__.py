@@ -306,13 +306,21 @@ def collective_sum(tensor: Any, group_size: int, group_key: int, instance_key: i
 
 
 def collective_gather(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
-    """Every worker's ``tensor`` concatenated along its first axis, in rank order (CPUs: ring; GPUs: NCCL).
-
-    TensorFlow 2.21 has no reduce-scatter on CPUs (``CollectiveReduceScatterV2`` finds no implementation but
-    NCCL's): app.training.zero sums with ``collective_sum`` and keeps its part."""
+    """Every worker's ``tensor`` concatenated along its first axis, in rank order (CPUs: ring; GPUs: NCCL)."""
     from tensorflow.python.ops import collective_ops
 
     return collective_ops.all_gather_v2(tensor, group_size=group_size, group_key=group_key,
+                                        instance_key=instance_key, communication_hint="auto", timeout=timeout_s)
+
+
+def collective_all_to_all(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
+    """Row ``j`` of every worker's ``tensor`` (first axis: ``group_size`` rows) sent to worker ``j``: row ``i`` of
+    the result is worker ``i``'s row for this worker. A reduce-scatter is this, summed over the rows: TensorFlow
+    2.21's own ``CollectiveReduceScatterV2`` finds no implementation but NCCL's, its all-to-all runs on CPUs too,
+    with the same bytes on the wire ((N - 1) / N of the tensor each way)."""
+    from tensorflow.python.ops import collective_ops
+
+    return collective_ops.all_to_all_v2(tensor, group_size=group_size, group_key=group_key,
                                         instance_key=instance_key, communication_hint="auto", timeout=timeout_s)
 
 

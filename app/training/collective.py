@@ -40,6 +40,7 @@ class Site(IntEnum):
     ROWS = 1
     OVERFLOW = 2
     NORMS = 10  # + the optimizer's index: its variables' squared norms, summed over their parts (app.training.zero)
+    FINITE = 20  # + the optimizer's index: its parts' non-finite gradients, counted over the workers (app.training.zero)
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
     PACKS = 1000
     PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)
@@ -79,6 +80,19 @@ class Collective:
 
         with self._placed():
             return internals.collective_gather(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+
+    def scatter_sum_in_graph(self, tensor, site: int):
+        """This worker's part of the sum over every worker of ``tensor`` (first axis: one row per worker, row ``r``
+        for rank ``r``), inside a traced function: a reduce-scatter."""
+        if self.world == 1:
+            return tensor[0]
+        import tensorflow as tf
+
+        from app import internals
+
+        with self._placed():
+            rows = internals.collective_all_to_all(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+            return tf.reduce_sum(rows, 0)
 
     def gather_tensor(self, tensor):
         """``gather_in_graph`` on the host (eager), under the next host key."""

@@ -9,16 +9,18 @@ each of N workers keeps 1/N of it:
 - the optimizer (the user's own object, any elementwise Keras optimizer) is built on this worker's parts, one
   flat variable per bucket, so its slots (Adam's moments, SGD's momentum, the accumulators of
   ``gradient_accumulation_steps``) are 1/N of the unsharded ones;
-- a step: each worker's gradients, weighed by its rows, are summed over the workers in the same packs as an
-  unsharded step, and each worker keeps its part, divided by the global batch's rows; its part of the current
-  weights is copied into its flat variables; the optimizer updates them (clipping by a variable's norm or the
-  global norm from the squares summed over every part); the updated parts are gathered from every worker into
-  every variable (an all-gather of the weights), and the variables' constraints applied, as Keras applies them.
+- a step: each worker's gradients, weighed by its rows, are reduce-scattered over the workers in buckets (each
+  worker gets only its part, summed, with the global batch's rows) and divided by the global batch's rows; its part
+  of the current weights is copied into its flat variables; the optimizer updates them (clipping by a variable's
+  norm or the global norm from the squares summed over every part); the updated parts are gathered from every
+  worker into every variable (an all-gather of the weights), and the variables' constraints applied, as Keras
+  applies them.
 
-Stages: TensorFlow 2.21 has no reduce-scatter on CPUs (``CollectiveReduceScatterV2`` has only NCCL's), so the
-gradients are summed whole and then cut. After the cut a worker holds only its part of the summed gradients and of
-any accumulator, which is stage 2; stage 1 asks for less and gets the same. The bytes on the wire are an
-all-reduce plus an all-gather of the weights (an unsharded step: the all-reduce).
+Stages: a worker only ever holds its part of the summed gradients and of any accumulator, which is stage 2; stage
+1 asks for less and gets the same. The reduce-scatter is TensorFlow's all-to-all of the parts, summed where they
+arrive (``CollectiveReduceScatterV2`` has only NCCL's implementation in TensorFlow 2.21; its all-to-all runs on
+CPUs and moves the same bytes). A step's bytes on the wire are a reduce-scatter of the gradients plus an all-gather
+of the weights: an unsharded step's all-reduce is the same two halves.
 
 An update is the same, element by element, as the unsharded one for an optimizer whose update of an element reads
 only that element's gradient and state (``ELEMENTWISE``). Others (Adafactor's factored moments, Lamb's and Muon's
@@ -99,9 +101,9 @@ def sharding(model, optimizers: list, stage: int, world: int) -> Sharding:
     stage_1 = "; stage 1 asked: the summed gradients are cut too, at no cost" if stage == 1 else ""
     return Sharding(stage, [
         f"shard_optimizer {stage} (ZeRO): each of the {world} workers keeps 1/{world} of every optimizer's state"
-        f"{sizes}, on its flat part of the weights; a step sums the gradients as unsharded and each worker keeps "
-        f"its part (TensorFlow has no reduce-scatter on CPUs){stage_1}, then gathers the updated parts (an "
-        "all-gather of the weights); checkpoints hold the whole state (result.json: optimizer_state_bytes)"])
+        f"{sizes}, on its flat part of the weights; a step reduce-scatters the gradients (each worker gets its part, "
+        f"summed){stage_1}, then gathers the updated parts (an all-gather of the weights): an all-reduce's bytes; "
+        "checkpoints hold the whole state (result.json: optimizer_state_bytes)"])
 
 
 def _slots_and_counters(optimizer) -> tuple[int, int]:
@@ -159,11 +161,10 @@ class Bucket:
 
 def cut(sizes: list[int], itemsizes: list[int], dtypes: list[str], world: int,
         bytes_per_bucket: int = BYTES_PER_PACK) -> list[Bucket]:
-    """The buckets of variables of these sizes; the first has room for one more element (the step's rows)."""
+    """The buckets of variables of these sizes."""
     groups = cut_in_packs([n * item for n, item in zip(sizes, itemsizes)], bytes_per_bucket, dtypes)
-    return [Bucket(tuple(g), tuple(sizes[i] for i in g), max(1, math.ceil((sum(sizes[i] for i in g) + (k == 0))
-                                                                          / world)))
-            for k, g in enumerate(groups)]
+    return [Bucket(tuple(g), tuple(sizes[i] for i in g), max(1, math.ceil(sum(sizes[i] for i in g) / world)))
+            for g in groups]
 
 
 def record_slots(optimizer, slots: dict[tuple[int, str], Any], references: Optional[dict[int, Any]] = None) -> None:
@@ -250,23 +251,28 @@ class ShardedOptimizer:
         # is a few buckets', not the model's (the executor would otherwise run every all-reduce, or every gather,
         # before any slice), while a few collectives still overlap.
         scaled = hasattr(self.optimizer, "inner_optimizer")  # a LossScaleOptimizer: its step may be skipped
-        part_grads, finite, total, done = [], [], None, []
+        summed_parts, bad, done = [], [], []
         for k, b in enumerate(self.buckets):
             with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
                 flat = [tf.zeros([size]) if grads[i] is None else
                         tf.reshape(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32), [-1]) * n
-                        for i, size in zip(b.members, b.sizes)] + ([tf.reshape(n, [1])] if k == 0 else [])
-                flat.append(tf.zeros([b.part * world - b.length - (k == 0)]))
-                summed = self.collective.in_graph(tf.concat(flat, 0), Site.GRADIENTS + self.index * Site.PACKS + k)
-            total = summed[b.length] if k == 0 else total
-            lo, hi = rank * b.part, min((rank + 1) * b.part, b.length)
-            mine = tf.concat([summed[lo:max(lo, hi)] / total, tf.zeros([b.part - max(0, hi - lo)])], 0)
-            finite += [tf.reduce_all(tf.math.is_finite(summed))] if scaled else []
-            part_grads.append(mine)
-            done.append([mine, *finite[-1:]])
-        # A loss scale overflowed on one worker overflows on all: an inf in any part skips every worker's step.
-        poison = tf.where(tf.reduce_all(finite), 0.0, float("nan")) if scaled else 0.0
-        part_grads = [tf.cast(g + poison, part.dtype) for g, part in zip(part_grads, self.parts)]
+                        for i, size in zip(b.members, b.sizes)]
+                flat.append(tf.zeros([b.part * world - b.length]))
+                # One row per worker (its part), and a column of this worker's rows: each worker gets its part of
+                # the gradients summed over the workers and, last, the global batch's rows.
+                rows = tf.concat([tf.reshape(tf.concat(flat, 0), [world, b.part]), tf.fill([world, 1], n)], 1)
+                summed = self.collective.scatter_sum_in_graph(rows, Site.GRADIENTS + self.index * Site.PACKS + k)
+            bad += [tf.reduce_sum(tf.cast(~tf.math.is_finite(summed), tf.float32))] if scaled else []
+            summed_parts.append(summed)
+            done.append([summed])
+        # A loss scale overflowed on one worker overflows on all: an inf in any worker's part skips every worker's step.
+        poison = tf.where(self.collective.in_graph(tf.add_n(bad), Site.FINITE + self.index) > 0, float("nan"), 0.0) \
+            if scaled else 0.0
+        part_grads = []
+        for summed, b, part in zip(summed_parts, self.buckets, self.parts):
+            filled = max(0, min(b.part, b.length - rank * b.part))  # the part's elements that are the variables'
+            mine = tf.concat([summed[:filled] / summed[b.part], tf.zeros([b.part - filled])], 0)
+            part_grads.append(tf.cast(mine + poison, part.dtype))
         for k in range(len(self.buckets)):
             self.parts[k].assign(self._part_of(k, variables, rank))
         self._own_apply(part_grads, self.parts)
