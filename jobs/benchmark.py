@@ -1,9 +1,8 @@
-"""Benchmarks: throughput (default), breakdown, checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic,
+"""Benchmarks: throughput (default), checkpoint, memory, exit, ps, sweep, keras, input, predict, elastic,
 tensor-parallel, streaming, shard-optimizer.
 
     python jobs/benchmark.py                        # throughput: Ray path vs a plain TF loop (~13 min here)
     python jobs/benchmark.py --quick                # small and short: checks that it works (<3 min)
-    python jobs/benchmark.py breakdown --config runs/benchmark-.../ray-1.yaml   # strategy x input, 1 process
     python jobs/benchmark.py checkpoint --repeats 10 --set model=cnn            # checkpoint write vs epoch
     python jobs/benchmark.py memory --only 1x --set stream_buffer_mib=512       # streamed parquet, 1x vs 10x
     python jobs/benchmark.py exit --runs 3 [--checkout ../old-worktree]         # last epoch line -> exit

@@ -53,6 +53,7 @@ LOCAL_LANE = {"test_architecture", "test_bad_input_property", "test_benchmarks_d
 # ... and these tests of files that otherwise use Ray (each runs the local backend only, with no Ray fixture).
 LOCAL_LANE_TESTS = {
     "test_zero::test_every_weight_is_in_exactly_one_workers_part_and_the_parts_are_equal",
+    "test_benchmark::test_the_checkpoint_suite_times_the_products_own_training",
     "test_zero::test_what_cannot_be_sharded_is_one_line_before_anything_trains",
     "test_zero::test_one_worker_has_nothing_to_shard_and_trains_as_model_fit",
     "test_recovery::test_local_crash_and_resume_gives_the_uninterrupted_weights",

@@ -55,33 +55,15 @@ def test_elastic_benchmark_grows_and_shrinks_a_tensorflow_group_on_two_nodes(no_
     # CPU and first starts a group of the old size, ~7 s when it does not; BENCHMARKS.md.)
 
 
-@pytest.mark.own_ray_cluster
-def test_breakdown_and_checkpoint_suites_time_the_products_own_training(no_shared_ray, tmp_path):
-    """They build the model, optimizer and step runner with the worker's own functions
-    (app.training.worker.build_training, replica_steps) after the driver's model check: a change there that
-    they did not follow fails here, not in the next benchmark run."""
-    for suite, report in (("checkpoint", "checkpoint.json"), ("breakdown", "breakdown.json")):
-        p = run_job("jobs/benchmark.py", suite, "--quick", "--output", str(tmp_path / suite), timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        result = json.loads((tmp_path / suite / report).read_text())
-        if suite == "checkpoint":
-            assert result["parameters"] > 0 and result["steps_per_epoch"] > 0
-        else:
-            assert {(r["strategy"], r["input"]) for r in result["results"]} == {
-                (s, i) for s in ("none", "mwms") for i in ("arrays", "raydata")}
-            assert all(r["samples_per_second"] > 0 for r in result["results"])
-            # 2 processes as 2 workers, summed and not: the same steps, the same gradients' size
-            pairs = result["two_workers"]
-            assert [p["summed"] for p in pairs] == [True, False] and all(p["samples_per_second"] > 0 for p in pairs)
-            assert pairs[0]["gradient_bytes"] == pairs[1]["gradient_bytes"] > 0
-            assert pairs[0]["steps_per_epoch"] == pairs[1]["steps_per_epoch"] > 0
-            # The pair's samples, counted once: summed, each process counts both workers' (its measures are summed
-            # across the two); not summed, each its own. The same epoch either way.
-            summed, alone = pairs
-            assert [p["samples_per_epoch"] for p in summed["processes"]] == [summed["samples_per_epoch"]] * 2
-            assert sum(p["samples_per_epoch"] for p in alone["processes"]) == alone["samples_per_epoch"]
-            assert summed["samples_per_epoch"] == alone["samples_per_epoch"] > 0
-            assert summed["cpu_seconds"] > 0 and alone["cpu_seconds"] > 0
+def test_the_checkpoint_suite_times_the_products_own_training(tmp_path):
+    """It builds the model, optimizer and step runner with the own loop's functions
+    (app.training.worker.build_training, replica_steps) after the driver's model check, no Ray: a change there that
+    it did not follow fails here, not in the next benchmark run."""
+    p = run_job("jobs/benchmark.py", "checkpoint", "--quick", "--output", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert result["parameters"] > 0 and result["steps_per_epoch"] > 0
+    assert result["median_checkpoint_ms"] > 0 and result["median_epoch_ms"] > 0
 
 
 def test_a_count_of_zero_is_one_line_before_anything_runs(tmp_path):

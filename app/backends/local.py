@@ -18,7 +18,6 @@ from app.driver import outputs
 from app.errors import NonFiniteLoss, RunFailed, UserError
 from app.training import checkpoint
 from app.training import strategy as strategy_lib
-from app.training.collective import ALONE
 from app.training.worker import WorkerJob, train_worker
 from app.ui import console
 
@@ -30,9 +29,8 @@ CHECKPOINT_DIR = checkpoint.LOCAL_DIR
 class LocalSession:
     """One process, every local device: a tf.distribute strategy and tf.train.CheckpointManager checkpoints."""
 
-    rank, world = 0, 1
-    coordinator = None  # synchronous replicas
-    collective = ALONE  # one process: its strategy all-reduces its replicas
+    world = 1
+    coordinator = None  # synchronous replicas of one process: its strategy all-reduces them
 
     def __init__(self, config: TrainConfig, strategy, source, start_from: Optional[str] = None):
         # start_from: a Ray Train checkpoint a resumed run goes on from (newer than any of its own)

@@ -28,7 +28,6 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     add = lambda name, text: sub.add_parser(name, parents=[common], help=text, description=text)  # noqa: E731
     t = add("throughput", "The Ray path vs a plain TF loop, 1..N workers, the N-process ceiling, input, start-up.")
     t.add_argument("--workers", type=int, nargs="+", help="Ray worker counts (default: 1 2, more with the CPUs).")
-    add("breakdown", "Strategy (none, MWMS) x input (arrays, Ray Data) in one process, no Ray Train.")
     add("checkpoint", "The time to write one checkpoint against one epoch, no Ray.").add_argument(
         "--repeats", type=int, help="Epochs timed, each followed by a checkpoint write.")
     m = add("memory", "Peak memory training on streamed parquet at 1x and at --scale x its size.")

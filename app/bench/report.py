@@ -71,22 +71,6 @@ def scaling_plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def breakdown_table(results: list[dict]) -> str:
-    lines = [f"{'strategy':<10}{'input':<10}{'samples/s':>10}"]
-    lines += [f"{r['strategy']:<10}{r['input']:<10}{r['samples_per_second']:>10,.0f}" for r in results]
-    return "\n".join(lines)
-
-
-def pair_lines(pairs: list[dict[str, Any]]) -> str:
-    """The breakdown's two workers: summed and not, and what the all-reduce costs a step."""
-    summed, alone = (next(p for p in pairs if p["summed"] is s) for s in (True, False))
-    return (f"2 processes, each one worker of 2, gradients summed: {summed['samples_per_second']:,.0f} samples/s; "
-            f"the same without the sum: {alone['samples_per_second']:,.0f} samples/s; summed / not "
-            f"{summed['samples_per_second'] / alone['samples_per_second']:.2f} "
-            f"({summed['gradient_bytes']:,} gradient bytes summed per step; CPU seconds of both processes, summed "
-            f"{summed['cpu_seconds']:.1f}, not {alone['cpu_seconds']:.1f})")
-
-
 def checkpoint_summary(r: dict[str, Any]) -> str:
     return (
         f"model {r['model']}, {r['parameters']:,} parameters, {r['steps_per_epoch']} steps/epoch\n"

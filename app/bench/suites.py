@@ -2,7 +2,6 @@
 
 - throughput (app.bench.scaling): the Ray path against a plain TF loop, 1..N workers, the N-process
   ceiling, the input alone, the time to first step -> benchmark.json, scaling.png
-- breakdown (app.bench.breakdown): strategy and input varied one at a time -> breakdown.json
 - checkpoint (app.bench.checkpoint_cost): one checkpoint write against one epoch -> checkpoint.json
 - memory (app.bench.memory): peak memory with streamed parquet at 1x and scale x -> memory.json
 - exit (app.bench.exit_gap): the time from the last epoch line to the end of jobs/train.py -> exit.json
@@ -34,7 +33,6 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from app.bench import (
-    breakdown,
     checkpoint_cost,
     elastic,
     engine,
@@ -53,7 +51,7 @@ from app.bench import (
 from app.bench.preset import Preset, load, parse_sets, preset_file
 from app.driver import output_guard
 
-SUITES = {"throughput": scaling, "breakdown": breakdown, "checkpoint": checkpoint_cost, "memory": memory,
+SUITES = {"throughput": scaling, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "engine": engine, "input": input_sources,
           "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming,
           "shard-optimizer": shard_optimizer}

@@ -1,4 +1,4 @@
-"""The product's training in one plain process, no Ray Train: what the breakdown and checkpoint suites time.
+"""The product's own training in one plain process, no Ray Train: what the checkpoint suite times.
 
 Nothing here is a copy: the driver's model check and objective (app.driver.preflight.check_model), the
 worker's model, optimizer and LR plan (app.training.worker.build_training), its step runner
@@ -28,17 +28,15 @@ class Timed:
         return self.driver.train_epoch(iterator, plan.steps, epoch)
 
 
-def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan, collective=None) -> Timed:
-    """``source``: the in-memory data (app.data.memory.load_source); ``collective``: the sums across workers of a
-    process that is one of them (app.training.collective), else none."""
+def build_training(config: "TrainConfig", strategy, source, plan: EpochPlan) -> Timed:
+    """``source``: the in-memory data (app.data.memory.load_source)."""
     from app.driver import preflight
-    from app.training.collective import ALONE
     from app.training.loop import EpochDriver
     from app.training.worker import WorkerJob, build_training, replica_steps
 
     facts, objective, _ = preflight.check_model(config, source.facts, examples=preflight.examples(source))
     training = build_training(config, WorkerJob(facts, objective, None), strategy, plan)
-    steps = replica_steps(config, strategy, training, plan, collective or ALONE)
+    steps = replica_steps(config, strategy, training, plan)
     return Timed(training, EpochDriver(steps, training.measures))
 
 

@@ -14,36 +14,31 @@ Two kinds of input:
   pure function of (seed, epoch), and worker ``rank`` of ``world`` takes its
   contiguous slice of it: exactly once by construction, as a distributed
   sampler does, with no Ray task per epoch;
-- a Ray Data shard (streamed files): Ray Data deals the rows.
+- a Ray Data shard of validation rows (jobs/evaluate.py on files): Ray Data deals the rows.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from app.data.arrays import ID, DataFacts, Split, W, Y, nest_map, padded_with_zero_weight, x_of
+from app.data.arrays import DataFacts, Split, W, Y, nest_map, padded_with_zero_weight, x_of
 from app.data.plan import EpochPlan
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-log = logging.getLogger(__name__)
 
-
-def _batch_signature(facts: DataFacts, third: "tf.DType", weights: bool = False) -> tuple:
-    """A streamed batch: (x, y, ids or weights) [+ sample weights]; streamed data has one label, and one input or
-    named inputs (--inputs)."""
+def _batch_signature(facts: DataFacts) -> tuple:
+    """A streamed validation batch: (x, y, weights); streamed data has one label, and one input or named inputs
+    (--inputs)."""
     import tensorflow as tf
 
     x = lambda shape: tf.TensorSpec((None, *shape), tf.float32)  # noqa: E731
     return (
         {k: x(shape) for k, shape in facts.input_shapes.items()} if facts.input_shapes else x(facts.feature_shape),
         tf.TensorSpec((None, *facts.label_shape), tf.as_dtype(facts.label_dtype)),
-        tf.TensorSpec((None,), third),
-    ) + ((tf.TensorSpec((None,), tf.float32),) if weights else ())
+        tf.TensorSpec((None,), tf.float32),
+    )
 
 
 def train_batches_from_arrays(
@@ -112,57 +107,6 @@ def eval_batches_from_arrays(
     return tf.data.Dataset.from_tensor_slices((nest_map(mine, x), nest_map(mine, y), mine(w))).batch(batch_size)
 
 
-def train_batches_from_shard(
-    shard, plan: EpochPlan, facts: DataFacts, epochs: int, shuffle_buffer: int = 0, seed: int = 0
-) -> "tf.data.Dataset":
-    """Per-replica (x, y, id, sample weight 1) batches of a Ray Data shard, for ``epochs`` epochs of ``plan.steps``.
-
-    Each call of the generator is one pass of the Ray shard (one epoch, newly
-    shuffled); ``repeat()`` starts the next pass, so the prefetch overlaps the
-    epoch boundary. The cardinality stays "infinite" to TensorFlow, which spares
-    a per-step all-reduce in multi-worker mode; after the last planned epoch
-    the generator comes back empty, which ends ``repeat()``. A shard with fewer
-    full batches than planned raises instead of letting the other workers wait
-    in the all-reduce forever.
-
-    With ``shuffle_buffer`` (streamed data, which is not shuffled globally)
-    rows are shuffled in a local buffer of that many rows, seeded anew each
-    pass; the shard still holds the same rows, so the step count is unchanged.
-    """
-    import tensorflow as tf
-
-    passes_left = [epochs]
-
-    def epoch() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        if passes_left[0] <= 0:
-            return
-        passes_left[0] -= 1
-        taken = extra = 0
-        shuffle = (
-            {"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed * 1_000_003 + passes_left[0]}
-            if shuffle_buffer
-            else {}
-        )
-        for batch in shard.iter_batches(
-            batch_size=plan.step_batch, batch_format="numpy", drop_last=True, prefetch_batches=2, **shuffle
-        ):
-            if taken < plan.steps:
-                taken += 1
-                yield x_of(batch, facts.input_shapes), batch[Y], batch[ID], np.ones(len(batch[ID]), np.float32)
-            else:
-                extra += 1
-        if taken < plan.steps:
-            raise RuntimeError(
-                f"uneven shard: this worker got {taken} full batches of {plan.step_batch}, "
-                f"the plan needs {plan.steps} on every worker"
-            )
-        if extra:
-            log.warning("shard had %d batches beyond the planned %d; they were skipped", extra, plan.steps)
-
-    ds = tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.int64, weights=True))
-    return ds.repeat().prefetch(2)
-
-
 def eval_batches_from_shard(shard, batch_size: int, facts: DataFacts) -> "tf.data.Dataset":
     """Per-replica (x, y, weight) batches of a padded validation shard, last batch partial."""
     import tensorflow as tf
@@ -171,4 +115,4 @@ def eval_batches_from_shard(shard, batch_size: int, facts: DataFacts) -> "tf.dat
         for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
             yield x_of(batch, facts.input_shapes), batch[Y], batch[W]
 
-    return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts, tf.float32))
+    return tf.data.Dataset.from_generator(epoch, output_signature=_batch_signature(facts))

@@ -1,23 +1,18 @@
-"""Keras callbacks on N workers: they run on rank 0 only, and every worker takes their decisions.
+"""Keras callbacks on the product's own loop (several local replicas, a pipeline, parameter servers' coordinator).
 
 ``--callbacks file.py:function`` (or ``app.train(callbacks=[...])``) gives a list of
 ``keras.callbacks.Callback``. The semantics are ``model.fit``'s on one machine:
 
 - ``on_train_begin/end``, ``on_epoch_begin(epoch)`` and ``on_epoch_end(epoch, logs)`` (epochs 0-based, as in
   Keras) with the epoch's exact metrics under Keras's names (``loss``, ``<metric>``, ``val_loss``,
-  ``val_<metric>``, ``learning_rate``); ``on_train_batch_end(batch, logs)`` every ``--log-every-steps`` steps
-  (those steps are already a collective of every worker), with the epoch's running loss and metrics so far.
-- ``callback.model`` is rank 0's model. ``model.stop_training = True`` ends the run for every worker after the
-  epoch it was set in (that epoch is checkpointed; result.json says who stopped it and why).
+  ``val_<metric>``, ``learning_rate``); ``on_train_batch_end(batch, logs)`` every ``--log-every-steps`` steps,
+  with the epoch's running loss and metrics so far.
+- ``callback.model`` is the run's model. ``model.stop_training = True`` ends the run after the epoch it was set
+  in (that epoch is checkpointed; result.json says who stopped it and why).
 - The learning rate a callback sets (``model.optimizer.learning_rate = x``, ``.assign(x)``: ReduceLROnPlateau,
   LearningRateScheduler) becomes a factor the planned schedule is multiplied by from then on
   (``app.training.optim.lr_schedule``): x / (the schedule's LR at that step).
-
-Why rank 0 only: replicas hold the same weights and the logs are the same on every worker (the metrics are
-summed over all of them), so one copy of each callback decides for all, and the files a callback writes
-(CSVLogger, ModelCheckpoint, TensorBoard, your own) are written once, as every file of the run is. Its
-decisions reach the others in one small all-reduce after each hook (rank 0's values, zeros elsewhere):
-stop, LR factor, and whether a callback raised (then rank 0 raises its error and the others end quietly).
+- A callback that raises ends the run with its error (the last checkpoint is kept).
 
 What a callback sees as ``model.optimizer``, during its hooks only, is an ordinary Keras optimizer of the
 run's optimizer's class whose ``learning_rate`` variable holds the LR in effect and whose ``iterations`` the
@@ -29,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
-
-import numpy as np
 
 from app import registry
 from app.errors import UserCodeError, UserError
@@ -91,8 +84,9 @@ def check(config: "TrainConfig", objective: "Objective") -> list[str]:
         if name in REFUSED and type(c).__module__.startswith("keras."):
             raise UserError(f"callback {name} is not supported: {REFUSED[name]}")
         if getattr(c, "restore_best_weights", False):
-            raise UserError(f"callback {name}(restore_best_weights=True) is not supported: the weights would change on "
-                            "rank 0 only; the run keeps its best checkpoints instead (--keep-checkpoints)")
+            raise UserError(f"callback {name}(restore_best_weights=True) is not supported: the "
+                            "checkpoints and the export would not hold those weights; the run keeps its best checkpoints "
+                            "instead (--keep-checkpoints)")
         hook = next((h for h in NEVER_CALLED if h in vars(c) or _overrides(type(c), h)), None)
         if hook is not None:
             raise UserError(f"callback {name} defines {hook}, which this product never calls (it calls on_train_begin/"
@@ -131,10 +125,6 @@ def lr_factor():
     return tf.Variable(1.0, trainable=False, dtype=tf.float64, name="callback_lr_factor")
 
 
-class PeerFailed(Exception):
-    """A callback raised on rank 0: this worker ends quietly, rank 0's error ends the run."""
-
-
 class NoHooks:
     """A run without callbacks: nothing is called, nothing is all-reduced."""
 
@@ -149,24 +139,21 @@ class NoHooks:
         return {}
 
 
-def hooks_for(config: "TrainConfig", rank: int, model, optimizer, factor, runner, steps: Callable[[], int],
+def hooks_for(config: "TrainConfig", model, optimizer, factor, runner, steps: Callable[[], int],
               steps_per_epoch: int, restored: Optional[dict[str, Any]]):
-    """The run's hooks: ``runner`` (app.training.loop.StepRunner) sums over every worker and reads the LR."""
+    """The run's hooks: ``runner`` (app.training.loop.StepRunner) reads the LR."""
     if config.callbacks is None:
         return NoHooks()
-    return Hooks(load(config) if rank == 0 else [], rank, model, optimizer, factor, runner, steps,
+    return Hooks(load(config), model, optimizer, factor, runner, steps,
                  {"epochs": config.epochs, "steps": steps_per_epoch, "verbose": 0}, restored or {})
 
 
 class Hooks:
-    """The callbacks on rank 0 (none elsewhere), and the decisions every worker takes from them.
+    """The run's callbacks, and the decisions the loop takes from them (stop, the LR factor)."""
 
-    Every worker calls each method at the same point of the loop: each ends in the same all-reduce.
-    """
-
-    def __init__(self, callbacks: list, rank: int, model, optimizer, factor, runner, steps, params: dict,
+    def __init__(self, callbacks: list, model, optimizer, factor, runner, steps, params: dict,
                  restored: dict[str, Any]):
-        self.callbacks, self.rank, self.model, self.factor = callbacks, rank, model, factor
+        self.callbacks, self.model, self.factor = callbacks, model, factor
         self.runner, self.steps = runner, steps
         # A restarted or resumed run keeps the LR factor (the callbacks themselves start afresh).
         self.lr_factor = float(restored.get("lr_factor", 1.0))
@@ -184,8 +171,7 @@ class Hooks:
                 c.mode = metric_mode(c.monitor)
 
     def train_begin(self) -> None:
-        if self.rank == 0:
-            self.model.stop_training = False
+        self.model.stop_training = False
         self._call("on_train_begin")
         self._agree()
 
@@ -196,26 +182,25 @@ class Hooks:
     @property
     def on_batch(self) -> Callable[[int, dict[str, float]], None]:
         def batch_end(batch: int, scalars: dict[str, float]) -> None:
-            # A stop or an error here is acted on at the epoch's end: every worker runs the epoch's steps.
+            # A stop or an error here is acted on at the epoch's end: the epoch's steps all run.
             self._call("on_train_batch_end", batch, {k.removeprefix("train_"): float(v) for k, v in scalars.items()})
             self._agree(final=False)
 
         return batch_end
 
     def epoch_end(self, epoch: int, record: dict[str, Any]) -> Optional[str]:
-        """Call on_epoch_end; the reason the run stops now (rank 0's words; elsewhere a stand-in), or None."""
+        """Call on_epoch_end; the reason the run stops now, or None."""
         self._call("on_epoch_end", epoch - 1, keras_logs(record))
         if not self._agree():
             return None
-        reason = self.stop_reason or "a callback on rank 0 set model.stop_training"
+        reason = self.stop_reason or "a callback set model.stop_training"
         self.stopped = {"epoch": epoch, "reason": reason}
-        if self.rank == 0:
-            log.info("stopped early after epoch %d: %s", epoch, reason)
+        log.info("stopped early after epoch %d: %s", epoch, reason)
         return reason
 
     def train_end(self) -> None:
         self._call("on_train_end")
-        if self.failure is not None:  # nothing is left for the others to wait for: rank 0 alone raises
+        if self.failure is not None:
             raise self.failure
 
     def state(self) -> dict[str, Any]:
@@ -260,17 +245,12 @@ class Hooks:
             self.lr_factor *= wanted / now
 
     def _agree(self, final: bool = True) -> bool:
-        """Rank 0's decisions on every worker: the LR factor is set; True when the run stops now."""
-        mine = [self.stop_reason is not None, self.lr_factor, self.failure is not None]
-        stop, factor, failed = self.runner.total(np.array(mine if self.rank == 0 else [0, 0, 0], np.float64))
-        if factor != float(self.factor.numpy()):
-            self.factor.assign(factor)
-        self.lr_factor = float(factor)
-        if final and failed:
-            if self.rank == 0:
-                raise self.failure
-            raise PeerFailed()
-        return bool(stop)
+        """The callbacks' decisions taken: the LR factor is set; True when the run stops now."""
+        if self.lr_factor != float(self.factor.numpy()):
+            self.factor.assign(self.lr_factor)
+        if final and self.failure is not None:
+            raise self.failure
+        return self.stop_reason is not None
 
 
 def _view_optimizer(optimizer):

@@ -2,20 +2,20 @@
 
 MultiWorkerMirroredStrategy is created in each Ray worker only to configure the
 cluster's collectives (from TF_CONFIG, before any other TensorFlow op); the
-model, its optimizers and the step (the product's own, or Keras's) then run
-under the default strategy, one replica per worker, exactly as one process runs
-them: no MWMS scope, whose per-step cost on a CPU is a large part of a step
-(BENCHMARKS.md, "Two workers"). What crosses workers goes through the same
-collective all-reduce MWMS uses inside (``CollectiveReduceV2``, ring over gRPC
-on CPUs, NCCL on GPUs), called here directly:
+model, its optimizers and Keras's step then run under the default strategy,
+one replica per worker, exactly as one process runs them: no MWMS scope, whose
+per-step cost was 8 % of a CPU step's rate here. What crosses workers goes
+through the same collective all-reduce MWMS uses inside (``CollectiveReduceV2``,
+ring over gRPC on CPUs, NCCL on GPUs), called here directly:
 
 - in a traced step (``in_graph``, ``sum_gradients``): the gradients, once per
   optimizer step, in packs that start as soon as their gradients exist (the
-  last layers' first), overlapping the rest of the backward pass;
+  last layers' first), overlapping the rest of the backward pass (sharded
+  optimizers: ``scatter_sum_in_graph`` and ``gather_in_graph``, app.training.zero);
 - on the host (``host``, ``gather``): metric sums, batch-norm statistics,
   callback decisions, where each worker runs, a few times per epoch.
 
-With one worker (``ALONE``) every sum is the value itself.
+With one worker every sum is the value itself.
 
 Every worker makes the same calls in the same order, so a key names the same
 all-reduce everywhere: a traced call site has a fixed instance key (``Site``),
@@ -37,8 +37,6 @@ GROUP_KEY = 4242  # one group: every worker's device; MWMS's own groups count up
 class Site(IntEnum):
     """Every all-reduce in a traced step, one key each (an optimizer's gradients: GRADIENTS + its index)."""
 
-    ROWS = 1
-    OVERFLOW = 2
     NORMS = 10  # + the optimizer's index: its variables' squared norms, summed over their parts (app.training.zero)
     FINITE = 20  # + the optimizer's index: its parts' non-finite gradients, counted over the workers (app.training.zero)
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
@@ -182,9 +180,6 @@ class Collective:
         mine = np.zeros((self.world, row.size))
         mine[self.rank] = row
         return self.host(mine.ravel()).reshape(self.world, row.size)
-
-
-ALONE = Collective(1)  # one process: nothing crosses
 
 
 def cut_in_packs(nbytes: Sequence[int], limit: int = BYTES_PER_PACK, kinds: Optional[Sequence] = None) -> list[list[int]]:

@@ -8,10 +8,9 @@ runs ``strategy.run`` on synchronous replicas (central storage, a built-in's
 for both: the host-side step count, the log window, the non-finite check, the
 epoch record.
 
-The caller passes the same step count on every worker (an all-reduce with a
-missing peer waits forever); counting steps on an endless dataset also avoids
-TF's per-step "does any worker still have data" all-reduce that a finite
-multi-worker dataset costs.
+The caller passes the same step count on every parameter-server worker;
+counting steps on an endless dataset also avoids TF's per-step "does any
+worker still have data" check that a finite distributed dataset costs.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import numpy as np
 
 from app.errors import NonFiniteLoss
-from app.training.collective import ALONE, Collective
-from app.training.metrics import EpochStats, epoch_metrics, largest_peak_rss, local_sum
+from app.training.metrics import EpochStats, epoch_metrics, local_sum, peak_rss_mib
 from app.training.step import TrainSteps
 
 if TYPE_CHECKING:
@@ -41,9 +39,6 @@ class StepRunner(Protocol):
         """Run the next steps (at most ``remaining``, numbered from ``first_step``): (this worker's sums
         [loss, count, metric states] over them, how many ran, their sample ids or None)."""
 
-    def total(self, local: np.ndarray) -> np.ndarray:
-        """Sums of this worker -> the sums over every worker (every worker calls it at the same point)."""
-
     def evaluate(self, val) -> EpochStats:
         """Every validation row once, exact sums."""
 
@@ -54,29 +49,26 @@ class StepRunner(Protocol):
         """What this kind of run adds to each epoch's record."""
 
 
-def evaluate(strategy, eval_step, dist_dataset, measures: "Measures", collective: Collective = ALONE) -> EpochStats:
-    """Loss and metrics over every replica's batches of every worker; padding rows weigh 0."""
+def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochStats:
+    """Loss and metrics over every replica's batches; padding rows weigh 0."""
     import tensorflow as tf
 
     start = time.perf_counter()
     acc = tf.zeros((measures.size,), tf.float64)
     for batch in dist_dataset:
         acc += local_sum(strategy, eval_step(batch))
-    return EpochStats.from_sums(collective.host(acc.numpy()), time.perf_counter() - start, measures.results)
+    return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start, measures.results)
 
 
 class ReplicaSteps:
-    """Synchronous replicas: ``strategy.run`` of the compiled steps (app.training.step), sums all-reduced over the
-    workers by ``collective`` (``ALONE`` in one process)."""
+    """Synchronous replicas of one process: ``strategy.run`` of the compiled steps (app.training.step)."""
 
     def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None,
-                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False,
-                 collective: Collective = ALONE, ids_per_step: int = 0):
+                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False):
         self.strategy, self.optimizer, self.measures = strategy, optimizer, measures
         self.train_steps, self.eval_step, self.average_state = train_steps, eval_step, average_state
         self.steps_per_execution = steps_per_execution
         self.audit_sample_ids = audit_sample_ids
-        self.collective, self.ids_per_step = collective, ids_per_step  # ids: at most this many per worker and step
         self._traced = False
 
     def steps_taken(self) -> int:
@@ -102,34 +94,21 @@ class ReplicaSteps:
 
         if self.steps_per_execution == 1:
             per_replica, ids = self.train_steps.one(self._first_batch(iterator))
-            return local_sum(self.strategy, per_replica), 1, self._every_workers(ids) if self.audit_sample_ids else None
+            return local_sum(self.strategy, per_replica), 1, ids.numpy() if self.audit_sample_ids else None
         k = min(self.steps_per_execution, remaining)
         return self.train_steps.many(iterator, tf.constant(k)), k, None
-
-    def _every_workers(self, ids) -> np.ndarray:
-        """This step's sample ids of every worker, in rank order (a short step's are fewer: padded with -1)."""
-        ids = ids.numpy()
-        if self.collective.world == 1:
-            return ids
-        row = np.full(self.ids_per_step, -1.0)
-        row[:len(ids)] = ids
-        every = self.collective.gather(row).ravel()
-        return every[every >= 0].astype(np.int64)
-
-    def total(self, local: np.ndarray) -> np.ndarray:
-        return self.collective.host(local)
 
     def evaluate(self, val) -> EpochStats:
         # Each replica moved its own batch-norm statistics: they agree before they are evaluated and saved.
         if self.average_state is not None:
             self.average_state()
-        return evaluate(self.strategy, self.eval_step, val, self.measures, self.collective)
+        return evaluate(self.strategy, self.eval_step, val, self.measures)
 
     def learning_rate(self, global_step: int) -> float:
         return float(self.optimizer.learning_rate.numpy())
 
     def extra_metrics(self) -> dict[str, Any]:
-        return {"worker_peak_rss_mib": largest_peak_rss(self.collective)}
+        return {"worker_peak_rss_mib": peak_rss_mib()}
 
 
 class EpochDriver:
@@ -165,10 +144,10 @@ class EpochDriver:
             if first_step_time is None:
                 acc.numpy()  # wait for the step to really finish
                 first_step_time = time.time()
-        sums = self.runner.total(acc.numpy())
+        sums = acc.numpy()
         if not np.isfinite(sums[0]):
             bad = next(((s, k) for s, k, local in step_sums if not np.isfinite(np.asarray(local)[0])), None)
-            where = (f"a step of {steps} on another worker" if bad is None else f"step {bad[0]} of {steps}"
+            where = (f"a step of {steps}" if bad is None else f"step {bad[0]} of {steps}"
                      if bad[1] == 1 else f"steps {bad[0] - bad[1] + 1}-{bad[0]} of {steps}")
             raise NonFiniteLoss(
                 f"non-finite training loss in epoch {epoch}, {where}: check the data for NaN/inf or lower "
@@ -194,14 +173,14 @@ class EpochDriver:
 class _LogWindow:
     """The steps since the last log point of ``train_epoch`` (a window never spans two epochs).
 
-    The epoch's running sums are summed over every worker at each log point;
-    the window's are those minus their value at the last point: nothing is
-    added per step beyond what the epoch already sums.
+    The epoch's running sums are read at each log point; the window's are those
+    minus their value at the last point: nothing is added per step beyond what
+    the epoch already sums.
     """
 
     def __init__(self, driver: EpochDriver, on_log, on_batch, start: float):
         self.driver, self.on_log, self.on_batch, self.start = driver, on_log, on_batch, start
-        self.base = np.zeros(driver.measures.size)  # the epoch's running sums over every worker at the last log point
+        self.base = np.zeros(driver.measures.size)  # the epoch's running sums at the last log point
 
     def after(self, epoch_sums, k: int, done: int) -> None:
         d = self.driver
@@ -209,8 +188,7 @@ class _LogWindow:
         every = d.log_every_steps
         if not every or d.global_step // every == before // every:
             return
-        # Every worker gets here at the same step (same config, same step count): a collective is safe.
-        running = d.runner.total(epoch_sums.numpy())
+        running = epoch_sums.numpy()
         stats = EpochStats.from_sums(running - self.base, 0.0, d.measures.results)
         now = time.perf_counter()
         lr = d.runner.learning_rate(d.global_step)

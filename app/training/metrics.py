@@ -58,11 +58,6 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def largest_peak_rss(collective) -> float:
-    """The largest peak RSS (MiB) of any worker so far: what bounds a worker's memory (one tiny all-reduce)."""
-    return float(collective.gather([peak_rss_mib()]).max())
-
-
 def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate: float, dropped: int) -> dict:
     """The per-epoch record shared by every backend (history.csv, Ray reports, TensorBoard)."""
     metrics = {

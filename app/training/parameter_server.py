@@ -44,7 +44,6 @@ import numpy as np
 from app.data.arrays import Split
 from app.data.plan import EpochPlan
 from app.training import checkpoint
-from app.training.collective import ALONE
 from app.training.metrics import EpochStats
 
 if TYPE_CHECKING:
@@ -77,9 +76,6 @@ class ParameterServerSession:
     Any wait here can hang on a frozen task, not only the steps: even tracing a
     new function registers it with every worker.
     """
-
-    rank = 0
-    collective = ALONE  # the coordinator's steps update the parameter servers; nothing is all-reduced
 
     def __init__(self, config: "TrainConfig", cluster_spec: dict[str, list[str]], train: Split, val: Split,
                  checkpoint_dir: str, restore: bool, progress_bar: Callable[..., Any],
@@ -197,9 +193,6 @@ class ScheduledSteps:
                    for i in range(n)]
         self.coordinator.join()  # raises a step's error, or UnavailableError for a lost parameter server
         return np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0), n, None
-
-    def total(self, local: np.ndarray) -> np.ndarray:
-        return local
 
     def evaluate(self, val) -> EpochStats:
         """Every validation row once, on the chief: the same sums as the synchronous paths, so the same metrics."""

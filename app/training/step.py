@@ -7,22 +7,15 @@ returns a ``tf.function``. Nothing here knows which strategy it runs under
 loop, app.training.loop; every other run trains by Keras's fit).
 
 Every step returns this replica's sums [loss, count, every metric's state] as
-float64 (app.training.measures): the caller adds them over replicas and
-workers once per epoch.
-
-``collective`` sums across processes (app.training.collective): each is one
-replica of the default strategy there, so what the strategy's replica context
-would all-reduce is summed over them by it (the gradients, a short step's rows,
-an fp16 overflow). The product's runs are one process (``ALONE``: the strategy
-all-reduces over its local replicas); the breakdown benchmark times a pair.
+float64 (app.training.measures): the caller adds them over replicas once per
+epoch. These runs are one process: what crosses replicas is the strategy's own
+all-reduce (parameter servers: its variables, on the servers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
-
-from app.training.collective import ALONE, Collective, Site
 
 if TYPE_CHECKING:
     import keras
@@ -41,26 +34,24 @@ def build_optimizer_slots(strategy, model, optimizer) -> None:
             optimizer.build(model.trainable_variables)
 
 
-def sum_everywhere(value, collective: Collective, site: int):
-    """Sum over every replica of this process (the strategy's replica context) and over every worker."""
+def sum_everywhere(value):
+    """Sum over every replica (the strategy's replica context)."""
     import tensorflow as tf
 
-    return collective.in_graph(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value), site)
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
-def agree_on_overflow(grads, collective: Collective = ALONE):
+def agree_on_overflow(grads):
     """Make an fp16 overflow on any replica an overflow on all of them.
 
     LossScaleOptimizer checks the *local* gradients before its all-reduce:
-    under MWMS a worker that overflowed would skip the step (and the
-    all-reduce) while the others wait in it forever; under Mirrored the first
-    replica decides and another's inf would be summed into the weights. One
-    scalar all-reduce per step makes the decision global.
+    under Mirrored the first replica decides and another's inf would be summed
+    into the weights. One scalar all-reduce per step makes the decision global.
     """
     import tensorflow as tf
 
     bad = tf.cast(tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32)
-    any_bad = sum_everywhere(bad, collective, Site.OVERFLOW) > 0
+    any_bad = sum_everywhere(bad) > 0
     poison = tf.where(any_bad, float("nan"), 0.0)
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
@@ -76,7 +67,7 @@ def with_penalties(model: "keras.Model", per_example_loss):
 
 
 def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int,
-                       short_last: bool = False, collective: Collective = ALONE):
+                       short_last: bool = False):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
 
     ``short_last``: the plan ends each epoch with a short step (app.data.plan), so the global batch is counted in
@@ -92,7 +83,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
         if not short_last:
             return global_batch
         rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
-        return tf.cast(sum_everywhere(rows, collective, Site.ROWS), tf.int32)
+        return tf.cast(sum_everywhere(rows), tf.int32)
 
     def micro_batch_gradients(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
@@ -129,10 +120,9 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
                 lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((measures.size,), tf.float64))
             )
         if scales_loss:
-            grads = agree_on_overflow(grads, collective)
-        # Across Ray workers: the sum of every worker's gradients (each of the loss over the global batch), in
-        # packs as they come; in one process the strategy's optimizer all-reduces its replicas' itself.
-        optimizer.apply_gradients(zip(collective.sum_gradients(grads), variables))
+            grads = agree_on_overflow(grads)
+        # The strategy's optimizer all-reduces its replicas' gradients (each of the loss over the global batch).
+        optimizer.apply_gradients(zip(grads, variables))
         return step_sums
 
     return train_step
@@ -146,15 +136,13 @@ class TrainSteps:
 
 def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
                      audit_sample_ids: bool = False, replica_step: Optional[Callable] = None,
-                     short_last: bool = False, collective: Collective = ALONE) -> TrainSteps:
+                     short_last: bool = False) -> TrainSteps:
     """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
-    ``short_last``, ``collective``: as for ``replica_train_step``. ``one`` returns this process's sample ids
-    (every worker's: ``ReplicaSteps`` gathers them)."""
+    ``short_last``: as for ``replica_train_step``. ``one`` returns the step's sample ids (every replica's)."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last,
-                                              collective)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last)
 
     @tf.function
     def one(batch):
@@ -198,15 +186,14 @@ def make_eval_step(strategy, model, measures: "Measures"):
     return distributed
 
 
-def make_replica_state_average(strategy, model, collective: Collective = ALONE) -> Optional[Callable[[], None]]:
+def make_replica_state_average(strategy, model) -> Optional[Callable[[], None]]:
     """Average non-trainable float state (batch-norm moving statistics) over every replica.
 
     Each replica updates batch-norm moving mean/variance from its own batch:
     Keras 3 creates these variables with aggregation "none", so the replicas'
     copies drift apart, each evaluates with its own, and rank 0 saves only its
     own. Averaging them once per epoch keeps one consistent value (what
-    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step). Across Ray workers the
-    process's value is then averaged over the workers.
+    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step).
     """
     import tensorflow as tf
 
@@ -225,8 +212,4 @@ def make_replica_state_average(strategy, model, collective: Collective = ALONE) 
 
         strategy.run(replica)
 
-    def everywhere() -> None:
-        average()
-        collective.average_variables(state)
-
-    return everywhere
+    return average

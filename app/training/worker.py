@@ -13,14 +13,12 @@ once, and reads top to bottom.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from app.data.arrays import DataFacts
 from app.data.plan import EpochPlan
 from app.training import callbacks, checkpoint
-from app.training.collective import ALONE, Collective
 from app.training.measures import Measures
 from app.training.objective import Objective
 from app.training.pipeline import StagePlan
@@ -41,17 +39,14 @@ class WorkerJob:
     facts: DataFacts
     objective: Objective
     tensorboard_dir: Optional[str]
-    progress_bars: bool = False  # the console is a terminal: rank 0 shows a bar inside long epochs
+    progress_bars: bool = False  # the console is a terminal: a bar inside long epochs
     stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
 
 
 class Session(Protocol):
     """What a backend provides to ``train_worker``."""
 
-    rank: int
-    world: int  # workers that each take a slice of every epoch's rows
-    # Sums across the workers of a synchronous run (Ray workers: app.training.collective); ALONE in one process.
-    collective: Collective
+    world: int  # workers that each take a slice of every epoch's rows (parameter servers' workers; else 1)
     # ParameterServerStrategy's ClusterCoordinator: steps are scheduled on remote workers, asynchronously.
     # None: synchronous replicas (strategy.run, gradients all-reduced).
     coordinator: Optional[Any]
@@ -67,13 +62,13 @@ class Session(Protocol):
         the distributed val dataset)."""
 
     def placement(self, strategy) -> list[str]:
-        """Where each rank runs (recorded in result.json), or []."""
+        """Where each worker runs (recorded in result.json), or []."""
 
     def save_and_report(self, metrics: dict[str, Any], state: dict[str, Any], write: Callable[[str], None]) -> None:
         """Checkpoint the epoch (``state``; ``write(directory)`` writes a whole one) and report its metrics."""
 
     def progress_bar(self, total: int, desc: str) -> Any:
-        """A tqdm-like bar that reaches the person at the console (only rank 0 asks for one)."""
+        """A tqdm-like bar that reaches the person at the console."""
 
     def alive(self) -> None:
         """Training moved on (steps ran, an evaluation ended): a sign of life for a driver that watches for stalls."""
@@ -120,8 +115,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
-    # Ray workers: one replica each (the default strategy), summed by the session's collective.
-    replicas_in_sync = strategy.num_replicas_in_sync * session.collective.world
+    replicas_in_sync = strategy.num_replicas_in_sync
     config = config.at_size(replicas_in_sync)  # --global-batch: this size's equal part of it
     # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
     # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
@@ -140,13 +134,11 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     driver = EpochDriver(
         step_runner(config, session, strategy, training, plan, lr_plan, progress.history),
         training.measures,
-        # Log points are collectives on synchronous replicas: every worker must agree on them.
         log_every_steps=config.log_every_steps if config.tensorboard or config.callbacks else 0,
     )
-    tensorboard = TensorBoard(job.tensorboard_dir if session.rank == 0 else None)
-    make_bar = session.progress_bar if job.progress_bars and session.rank == 0 else None
-    # Keras callbacks run on rank 0; every worker takes their decisions (stop, LR) at the same points.
-    hooks = callbacks.hooks_for(config, session.rank, model, optimizer, training.lr_factor, driver.runner,
+    tensorboard = TensorBoard(job.tensorboard_dir)
+    make_bar = session.progress_bar if job.progress_bars else None
+    hooks = callbacks.hooks_for(config, model, optimizer, training.lr_factor, driver.runner,
                                 lambda: driver.global_step or driver.runner.steps_taken(), plan.updates, state)
     last_epoch = progress.epoch if hooks.stopped else config.epochs  # a run a callback stopped stays stopped
 
@@ -159,14 +151,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     def after_steps(k: int, bar) -> None:
         bar.update(k)
         session.alive()
-        progress.step += k
-        if config.checkpoint_every_steps and progress.step % config.checkpoint_every_steps == 0 \
-                and progress.step < plan.updates:  # the epoch's end has its own checkpoint
-            # Not an epoch's score: the worst finite one ranks it below every epoch's (Ray Train keeps the best N and
-            # the latest). Finite: Ray records scores as JSON, where NaN and infinities come back as null.
-            worst = -sys.float_info.max if job.objective.mode == "max" else sys.float_info.max
-            save({"epoch": progress.epoch, "step": progress.step, "workers": session.world,
-                  f"val_{job.objective.metric}": worst})
+        progress.step += k  # a resumed Ray Train checkpoint inside an epoch goes on from its step
 
     try:
         hooks.train_begin()
@@ -183,15 +168,12 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
             metrics["workers"] = session.world
             progress.record(metrics, train.sample_ids)
             tensorboard.epoch(epoch, metrics)
-            if session.rank == 0:
-                log.info(progress_line(metrics, config.epochs, progress.history))
+            log.info(progress_line(metrics, config.epochs, progress.history))
             stop = hooks.epoch_end(epoch, metrics)
             save(metrics)
             if stop:
                 break
         hooks.train_end()
-    except callbacks.PeerFailed:
-        return  # a callback raised on rank 0, whose error ends the run
     finally:
         tensorboard.close()
 
@@ -217,10 +199,10 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
     lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
     if lr_plan.step_offset and not asynchronous:
         optimizer.learning_rate = lr_position.schedule(config, lr_plan, training.lr_factor)
-    if session.rank == 0:  # one line: the resize (if any) and where training goes on
-        log.info("%sresumed at %s from its checkpoint (attempt %d, %d optimizer steps taken%s)",
-                 f"{resized}; " if resized else "", progress.position(), progress.attempt, steps_done,
-                 f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
+    # One line: the resize (if any) and where training goes on.
+    log.info("%sresumed at %s from its checkpoint (attempt %d, %d optimizer steps taken%s)",
+             f"{resized}; " if resized else "", progress.position(), progress.attempt, steps_done,
+             f"; LR schedule read {lr_plan.step_offset:+d} steps from there" if lr_plan.step_offset else "")
     return progress, state, lr_plan
 
 
@@ -237,11 +219,10 @@ def step_runner(config: "TrainConfig", session: Session, strategy, training: Tra
         done = history[-1]["optimizer_steps"] if history else 0
         return ScheduledSteps(session.coordinator, strategy, training.model, training.optimizer, training.measures,
                               plan, lr_position.schedule(config, lr_plan, training.lr_factor), steps_taken=done)
-    return replica_steps(config, strategy, training, plan, session.collective)
+    return replica_steps(config, strategy, training, plan)
 
 
-def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan,
-                  collective: Collective = ALONE):
+def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan):
     """Synchronous replicas' step runner (``strategy.run`` of the compiled steps); the benchmarks time it too."""
     from app.training.loop import ReplicaSteps
     from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
@@ -252,10 +233,9 @@ def replica_steps(config: "TrainConfig", strategy, training: Training, plan: Epo
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
                          config.audit_sample_ids,
                          pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None, short_last=plan.last_rows > 0, collective=collective),
+                         if pipe else None, short_last=plan.last_rows > 0),
         make_eval_step(strategy, pipe if pipe is not None else model, measures),
-        make_replica_state_average(strategy, model, collective),
+        make_replica_state_average(strategy, model),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,
-        collective=collective, ids_per_step=plan.step_batch * plan.replicas_per_worker,
     )
