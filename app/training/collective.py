@@ -39,6 +39,7 @@ class Site(IntEnum):
 
     NORMS = 10  # + the optimizer's index: its variables' squared norms, summed over their parts (app.training.zero)
     FINITE = 20  # + the optimizer's index: its parts' non-finite gradients, counted over the workers (app.training.zero)
+    ROWS = 30  # + the optimizer's index: the global batch's rows behind its sharded step (app.training.zero)
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
     PACKS = 1000
     PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)

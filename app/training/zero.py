@@ -251,28 +251,25 @@ class ShardedOptimizer:
         # is a few buckets', not the model's (the executor would otherwise run every all-reduce, or every gather,
         # before any slice), while a few collectives still overlap.
         scaled = hasattr(self.optimizer, "inner_optimizer")  # a LossScaleOptimizer: its step may be skipped
+        total = self.collective.in_graph(n, Site.ROWS + self.index)  # the global batch's rows
         summed_parts, bad, done = [], [], []
         for k, b in enumerate(self.buckets):
             with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
                 flat = [tf.zeros([size]) if grads[i] is None else
                         tf.reshape(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32), [-1]) * n
                         for i, size in zip(b.members, b.sizes)]
-                flat.append(tf.zeros([b.part * world - b.length]))
-                # One row per worker (its part), and a column of this worker's rows: each worker gets its part of
-                # the gradients summed over the workers and, last, the global batch's rows.
-                rows = tf.concat([tf.reshape(tf.concat(flat, 0), [world, b.part]), tf.fill([world, 1], n)], 1)
-                summed = self.collective.scatter_sum_in_graph(rows, Site.GRADIENTS + self.index * Site.PACKS + k)
+                flat.append(tf.zeros([b.part * world - b.length]))  # zeros: the padding sums to zeros
+                # One row per worker, its part: each worker gets its part summed over the workers.
+                summed = self.collective.scatter_sum_in_graph(tf.reshape(tf.concat(flat, 0), [world, b.part]),
+                                                              Site.GRADIENTS + self.index * Site.PACKS + k)
             bad += [tf.reduce_sum(tf.cast(~tf.math.is_finite(summed), tf.float32))] if scaled else []
             summed_parts.append(summed)
             done.append([summed])
-        # A loss scale overflowed on one worker overflows on all: an inf in any worker's part skips every worker's step.
-        poison = tf.where(self.collective.in_graph(tf.add_n(bad), Site.FINITE + self.index) > 0, float("nan"), 0.0) \
-            if scaled else 0.0
-        part_grads = []
-        for summed, b, part in zip(summed_parts, self.buckets, self.parts):
-            filled = max(0, min(b.part, b.length - rank * b.part))  # the part's elements that are the variables'
-            mine = tf.concat([summed[:filled] / summed[b.part], tf.zeros([b.part - filled])], 0)
-            part_grads.append(tf.cast(mine + poison, part.dtype))
+        part_grads = [summed / total for summed in summed_parts]
+        if scaled:  # a loss scale overflowed on one worker overflows on all: an inf in any part skips every step
+            poison = tf.where(self.collective.in_graph(tf.add_n(bad), Site.FINITE + self.index) > 0, float("nan"), 0.0)
+            part_grads = [g + poison for g in part_grads]
+        part_grads = [tf.cast(g, part.dtype) for g, part in zip(part_grads, self.parts)]
         for k in range(len(self.buckets)):
             self.parts[k].assign(self._part_of(k, variables, rank))
         self._own_apply(part_grads, self.parts)
@@ -280,8 +277,9 @@ class ShardedOptimizer:
         for k, b in enumerate(self.buckets):
             with tf.control_dependencies(done[k - IN_FLIGHT] if k >= IN_FLIGHT else []):
                 whole = self.collective.gather_in_graph(tf.convert_to_tensor(self.parts[k]),
-                                                        Site.PARTS + self.index * Site.PACKS + k)[:b.length]
-                for i, piece in zip(b.members, tf.split(whole, list(b.sizes))):
+                                                        Site.PARTS + self.index * Site.PACKS + k)
+                padding = b.part * world - b.length
+                for i, piece in zip(b.members, tf.split(whole, [*b.sizes, padding] if padding else list(b.sizes))):
                     v = variables[i]
                     v.assign(tf.reshape(piece, v.shape))
                     if v.constraint is not None:  # as Keras applies them, after the update
