@@ -10,7 +10,7 @@ each of N workers keeps 1/N of it:
   flat variable per bucket, so its slots (Adam's moments, SGD's momentum, the accumulators of
   ``gradient_accumulation_steps``) are 1/N of the unsharded ones;
 - a step: each worker's gradients, weighed by its rows, are reduce-scattered over the workers in buckets (each
-  worker gets only its part, summed, with the global batch's rows) and divided by the global batch's rows; its part
+  worker gets only its part, summed) and divided by the global batch's rows (one scalar all-reduce); its part
   of the current weights is copied into its flat variables; the optimizer updates them (clipping by a variable's
   norm or the global norm from the squares summed over every part); the updated parts are gathered from every
   worker into every variable (an all-gather of the weights), and the variables' constraints applied, as Keras
