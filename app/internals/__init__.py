@@ -155,17 +155,6 @@ def times_called(layer: Any) -> int:
     return len(layer._inbound_nodes)
 
 
-def node_call_arguments(node: Any, tensors: dict[int, Any]) -> tuple[list, dict]:
-    """A functional node's call (args, kwargs) with each KerasTensor replaced by ``tensors[id(tensor)]`` (what
-    Keras's own graph runner does)."""
-    return node.arguments.fill_in(tensors)
-
-
-def consumers(layer: Any) -> list[Any]:
-    """The operations that take ``layer``'s outputs, in every graph it was called in (filter by the model's layers)."""
-    return [node.operation for node in layer._outbound_nodes]
-
-
 def keras_history(tensor: Any) -> Any:
     """The record of which node produced a KerasTensor (Keras rewrites it when a model re-registers the tensor)."""
     return tensor._keras_history

@@ -52,11 +52,6 @@ def from_shards(parts, device: str):
     return g(*parts)
 
 
-def _is_shapes(shape) -> bool:
-    """The shapes of several tensors (the column layer's shards), not one tensor's shape."""
-    return isinstance(shape, (list, tuple)) and bool(shape) and isinstance(shape[0], (list, tuple))
-
-
 def split_dense_class():
     import keras
 
@@ -64,10 +59,10 @@ def split_dense_class():
         """A Dense layer's kernel in ``len(devices)`` shards, one per device (``mode``: column or row)."""
 
         def __init__(self, units: int, input_dim: int, devices: Sequence[str], mode: str, activation=None,
-                     use_bias: bool = True, gather: bool = True, **kwargs):
+                     use_bias: bool = True, **kwargs):
             super().__init__(**kwargs)
             self.units, self.input_dim, self.devices, self.mode = units, input_dim, list(devices), mode
-            self.use_bias, self.gather = use_bias, gather
+            self.use_bias = use_bias
             self.activation = keras.activations.get(activation)
             self.kernels: list[Any] = []
             self.biases: list[Any] = []
@@ -76,7 +71,6 @@ def split_dense_class():
             import tensorflow as tf
 
             n = len(self.devices)
-            # (a row layer's input may arrive as the column layer's shards: its size is the unsplit layer's)
             in_dim, out_dim = (self.input_dim, self.units // n) if self.mode == "column" \
                 else (self.input_dim // n, self.units)
             for i, d in enumerate(self.devices):
@@ -101,11 +95,9 @@ def split_dense_class():
                         if self.use_bias:
                             y = y + ops.cast(self.biases[i], self.compute_dtype)
                         outs.append(self.activation(y) if self.activation is not None else y)
-                if not self.gather:  # the row layer after it takes the shards where they are
-                    return outs
                 with tf.device(self.devices[0]):
                     return ops.concatenate(outs, axis=-1)
-            parts = inputs if isinstance(inputs, (list, tuple)) else ops.split(inputs, n, axis=-1)
+            parts = ops.split(inputs, n, axis=-1)
             partials = []
             for i, d in enumerate(self.devices):
                 with tf.device(d):
@@ -118,12 +110,7 @@ def split_dense_class():
                 return self.activation(y) if self.activation is not None else y
 
         def compute_output_shape(self, input_shape):
-            if self.mode == "column":
-                shape = tuple(input_shape[:-1])
-                return ([(*shape, self.units // len(self.devices))] * len(self.devices) if not self.gather
-                        else (*shape, self.units))
-            first = input_shape[0] if _is_shapes(input_shape) else input_shape
-            return (*tuple(first[:-1]), self.units)
+            return (*tuple(input_shape[:-1]), self.units)
 
         def pieces(self, original) -> list[tuple[Any, list, Any]]:
             """(a variable of the unsplit layer ``original``, its pieces here, the axis they join on or None)."""

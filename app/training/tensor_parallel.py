@@ -7,9 +7,8 @@ so the split is done here:
   columns, shard ``i`` holds ``[in, units/N]`` and its bias part; the input reaches every shard through
   Megatron's *f* (identity forward, sum of the shards' input gradients backward).
 - **Row-parallel Dense** (the second Dense of the block): its kernel is cut by input rows, shard ``i`` holds
-  ``[in/N, units]`` and multiplies the ``i``-th part of the input (the column layer's shard, which never leaves
-  its device when the pair is adjacent); the partial outputs meet in Megatron's *g* (sum forward, identity
-  backward), and the bias is added once, after the sum.
+  ``[in/N, units]`` and multiplies the ``i``-th part of the input; the partial outputs meet in Megatron's *g* (sum
+  forward, identity backward), and the bias is added once, after the sum.
 
 Each shard's variables (and the optimizer's slots for them: app.training.tensor_optimizer) are created under its
 device and its matmuls run there, forward and backward: the gradient rules are the ``custom_gradient``
@@ -18,10 +17,9 @@ the placer. The step is Keras's (one traced step, one tape): the gradients are t
 in another order (1e-6 apart in float32).
 
 A run trains the user's own model split in place (``SplitInPlace``), by Keras's fit: each named layer computes
-through its split layer, so a model's own ``train_step`` and any model class (subclassed too) run it unchanged.
-(``TensorParallel``, a clone of the model in which the named layers are replaced, is what
-tests/scripts/tensor_split_step.py checks one split step with.) The shards are written back into the unsplit
-layers before a save, which is what checkpoints, model.keras and the SavedModel hold: evaluate,
+through its split layer, so a model's own ``train_step`` and any model class (subclassed too) run it unchanged;
+each column layer's output is gathered on its first device, since the model's own code passes it on. The shards
+are written back into the unsplit layers before a save, which is what checkpoints, model.keras and the SavedModel hold: evaluate,
 predict and serving see an ordinary model.
 """
 
@@ -54,7 +52,6 @@ class TensorPlan:
 
     devices: list[str]
     splits: dict[str, str]  # layer name -> column / row / heads (replicated layers are not listed)
-    gathered: dict[str, bool] = field(default_factory=dict)  # column layer -> its output is concatenated
     device_bytes: dict[str, int] = field(default_factory=dict)  # the split layers' variable bytes per device
     unsplit_bytes: int = 0  # the same layers' bytes unsplit
 
@@ -67,7 +64,7 @@ class TensorPlan:
         """The same split on this process's devices (a Ray worker's GPUs where the driver planned on its CPU).
         ``devices`` may list the other workers' too (TensorFlow lists a cluster's): a short name is this process's."""
         names = list(dict.fromkeys(short_name(d) for d in devices))[:len(self.devices)]
-        return TensorPlan(names, self.splits, self.gathered,
+        return TensorPlan(names, self.splits,
                           {new: self.device_bytes[old] for old, new in zip(self.devices, names)
                            if old in self.device_bytes}, self.unsplit_bytes)
 
@@ -104,7 +101,7 @@ def plan_in_place(model: "keras.Model", name: str, config, optimizers: int, on_r
                             f"set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {n})"
                             ) from None
     built_on(model, first_batch)
-    return plan_split(model, layout_of(config), devices, name, in_place=True)
+    return plan_split(model, layout_of(config), devices, name)
 
 
 def built_on(model: "keras.Model", batch: Any) -> None:
@@ -122,17 +119,10 @@ def layout_of(config) -> dict[str, str]:
         else dict(BUILTIN_LAYOUTS.get(config.model, {}) if isinstance(config.model, str) else {})
 
 
-def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str,
-               in_place: bool = False) -> TensorPlan:
-    """Each layer the layout names, checked: a Dense whose split size divides by the devices, a MultiHeadAttention
-    whose heads do; one line otherwise. ``in_place`` (``SplitInPlace``): any model's layers, nested ones too, each
-    column layer's output gathered (the model's own code passes it on)."""
-
-    from app.training.pipeline import functional
-
-    if not in_place:
-        model = functional(model, name)
-    layers = internals.sublayers(model) if in_place else model.layers
+def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[str], name: str) -> TensorPlan:
+    """Each layer the layout names (any of the model's layers, nested ones too), checked: a Dense whose split size
+    divides by the devices, a MultiHeadAttention whose heads do; one line otherwise."""
+    layers = internals.sublayers(model)
     n = len(devices)
     if not layout:
         raise UserError(f"--tensor-parallel {n}: give --tensor-layout LAYER=column|row|heads ... for {name} (which "
@@ -151,13 +141,8 @@ def plan_split(model: "keras.Model", layout: dict[str, str], devices: Sequence[s
             _check_splits(layer, how, n)
             splits[layer.name] = how
     by_name = {layer.name: layer for layer in layers}
-    gathered = {}
-    for layer_name, how in splits.items():
-        if how == "column" and not in_place:
-            consumers = [op for op in internals.consumers(by_name[layer_name]) if op in model.layers]
-            gathered[layer_name] = not (len(consumers) == 1 and splits.get(consumers[0].name) == "row")
     unsplit = sum(int(v.numpy().nbytes) for layer_name in splits for v in by_name[layer_name].weights)
-    return TensorPlan([short_name(d) for d in devices], splits, gathered, unsplit_bytes=unsplit)
+    return TensorPlan([short_name(d) for d in devices], splits, unsplit_bytes=unsplit)
 
 
 def _check_splits(layer, how: str, n: int) -> None:
@@ -183,7 +168,7 @@ def _check_splits(layer, how: str, n: int) -> None:
                         f"{n} equal shards: use a --tensor-parallel that divides {size}")
 
 
-def _split_layer(layer, how: str, plan: TensorPlan, name: str, gather: bool = True):
+def _split_layer(layer, how: str, plan: TensorPlan, name: str):
     """The split layer that computes what ``layer`` (a Dense or a MultiHeadAttention the plan names) computes."""
     if how == "heads":
         dims = (*(int(d.kernel.shape[0]) for d in (layer.query_dense, layer.key_dense, layer.value_dense)),
@@ -192,8 +177,8 @@ def _split_layer(layer, how: str, plan: TensorPlan, name: str, gather: bool = Tr
                                                      plan.devices, use_bias=layer.use_bias, name=name,
                                                      dtype=layer.dtype_policy)
     return tensor_layers.split_dense_class()(layer.units, int(layer.kernel.shape[0]), plan.devices, how,
-                                             activation=layer.activation, use_bias=layer.use_bias, gather=gather,
-                                             name=name, dtype=layer.dtype_policy)
+                                             activation=layer.activation, use_bias=layer.use_bias, name=name,
+                                             dtype=layer.dtype_policy)
 
 
 class Shards:
@@ -233,60 +218,6 @@ class Shards:
             for v in pieces:
                 out[device_of(v)] = out.get(device_of(v), 0) + int(v.numpy().nbytes)
         return out
-
-
-class TensorParallel(Shards):
-    """The user's model (``original``) and its split clone (``model``), which trains (the product's own step)."""
-
-    def __init__(self, original: "keras.Model", model: "keras.Model", plan: TensorPlan):
-        self.original, self.model, self.plan = original, model, plan
-
-    @classmethod
-    def place(cls, original: "keras.Model", plan: TensorPlan, name: str) -> "TensorParallel":
-        """The model's graph run again with the split layers in place of those the plan names; every other layer
-        is the original's own (its variables shared), so only the split layers' weights are copied."""
-        import keras
-
-        from app.training.pipeline import Graph, functional
-
-        graph = functional(original, name)
-        inputs = [keras.Input(shape=t.shape[1:], dtype=t.dtype, name=internals.keras_history(t).operation.name)
-                  for t in graph.inputs]
-        tensors = {id(a): b for a, b in zip(graph.inputs, inputs)}
-        split: dict[str, Any] = {}
-        for node in Graph.of(graph).nodes:
-            op = node.operation
-            how = plan.splits.get(op.name)
-            if how is not None and op.name not in split:
-                split[op.name] = _split_layer(op, how, plan, op.name, gather=plan.gathered.get(op.name, True))
-            args, kwargs = internals.node_call_arguments(node, tensors)
-            out = (split[op.name] if how is not None else op)(*args, **kwargs)
-            if how == "column" and not plan.gathered.get(op.name, True):
-                tensors[id(node.outputs[0])] = out  # the shards, each on its device, for the row layer after it
-            else:
-                tensors.update({id(a): b for a, b in zip(node.outputs, keras.tree.flatten(out))})
-        model = keras.Model(keras.tree.map_structure(lambda t: tensors[id(t)], graph.input),
-                            keras.tree.map_structure(lambda t: tensors[id(t)], graph.output), name=graph.name)
-        placed = cls(graph, model, plan)
-        placed.resplit()
-        return placed
-
-    def pieces(self) -> list[tuple[Any, list, Any]]:
-        return [piece for layer in self.model.layers if layer.name in self.plan.splits
-                for piece in layer.pieces(self.original.get_layer(layer.name))]
-
-    @property
-    def unsplit_trainable(self) -> list:
-        return self.original.trainable_variables
-
-    @property
-    def split_trainable(self) -> list:
-        return self.model.trainable_variables
-
-    def unsplit(self) -> "keras.Model":
-        """The original model, holding the trained weights (the other layers are the original's own)."""
-        self.unsplit_weights()
-        return self.original
 
 
 class SplitInPlace(Shards):
