@@ -1,9 +1,9 @@
-"""Epoch metrics: exact sums over every replica of every worker, and the per-epoch record.
+"""The own loop's epoch metrics: exact sums over every replica, and the per-epoch record.
 
-Loss, sample count and every metric's state are summed per replica and
-reduced across all workers once per epoch (app.training.measures), so a val
-accuracy is the accuracy over the whole validation set, not an average of
-per-worker averages, and an AUC is the AUC of all the rows.
+Loss, sample count and every metric's state are summed per replica and added
+once per epoch (app.training.measures), so a val accuracy is the accuracy over
+the whole validation set, not an average of per-replica averages, and an AUC is
+the AUC of all the rows.
 """
 
 from __future__ import annotations
