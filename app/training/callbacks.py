@@ -84,9 +84,8 @@ def check(config: "TrainConfig", objective: "Objective") -> list[str]:
         if name in REFUSED and type(c).__module__.startswith("keras."):
             raise UserError(f"callback {name} is not supported: {REFUSED[name]}")
         if getattr(c, "restore_best_weights", False):
-            raise UserError(f"callback {name}(restore_best_weights=True) is not supported: the "
-                            "checkpoints and the export would not hold those weights; the run keeps its best checkpoints "
-                            "instead (--keep-checkpoints)")
+            raise UserError(f"callback {name}(restore_best_weights=True) is not supported on the product's own "
+                            "loop: the run keeps its best checkpoints instead (--keep-checkpoints)")
         hook = next((h for h in NEVER_CALLED if h in vars(c) or _overrides(type(c), h)), None)
         if hook is not None:
             raise UserError(f"callback {name} defines {hook}, which this product never calls (it calls on_train_begin/"
