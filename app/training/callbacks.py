@@ -172,25 +172,25 @@ class Hooks:
     def train_begin(self) -> None:
         self.model.stop_training = False
         self._call("on_train_begin")
-        self._agree()
+        self._decide()
 
     def epoch_begin(self, epoch: int) -> None:
         self._call("on_epoch_begin", epoch - 1)
-        self._agree()
+        self._decide()
 
     @property
     def on_batch(self) -> Callable[[int, dict[str, float]], None]:
         def batch_end(batch: int, scalars: dict[str, float]) -> None:
             # A stop or an error here is acted on at the epoch's end: the epoch's steps all run.
             self._call("on_train_batch_end", batch, {k.removeprefix("train_"): float(v) for k, v in scalars.items()})
-            self._agree(final=False)
+            self._decide(final=False)
 
         return batch_end
 
     def epoch_end(self, epoch: int, record: dict[str, Any]) -> Optional[str]:
         """Call on_epoch_end; the reason the run stops now, or None."""
         self._call("on_epoch_end", epoch - 1, keras_logs(record))
-        if not self._agree():
+        if not self._decide():
             return None
         reason = self.stop_reason or "a callback set model.stop_training"
         self.stopped = {"epoch": epoch, "reason": reason}
@@ -243,7 +243,7 @@ class Hooks:
         if wanted != shown and now > 0:
             self.lr_factor *= wanted / now
 
-    def _agree(self, final: bool = True) -> bool:
+    def _decide(self, final: bool = True) -> bool:
         """The callbacks' decisions taken: the LR factor is set; True when the run stops now."""
         if self.lr_factor != float(self.factor.numpy()):
             self.factor.assign(self.lr_factor)

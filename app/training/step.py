@@ -34,7 +34,7 @@ def build_optimizer_slots(strategy, model, optimizer) -> None:
             optimizer.build(model.trainable_variables)
 
 
-def sum_everywhere(value):
+def sum_over_replicas(value):
     """Sum over every replica (the strategy's replica context)."""
     import tensorflow as tf
 
@@ -51,7 +51,7 @@ def agree_on_overflow(grads):
     import tensorflow as tf
 
     bad = tf.cast(tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32)
-    any_bad = sum_everywhere(bad) > 0
+    any_bad = sum_over_replicas(bad) > 0
     poison = tf.where(any_bad, float("nan"), 0.0)
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
@@ -83,7 +83,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
         if not short_last:
             return global_batch
         rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
-        return tf.cast(sum_everywhere(rows), tf.int32)
+        return tf.cast(sum_over_replicas(rows), tf.int32)
 
     def micro_batch_gradients(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
