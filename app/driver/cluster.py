@@ -182,6 +182,10 @@ def _start_local() -> None:
     # 157 s with 32 and 46 s with 1 on 2 cores). Set before ray.init so that Ray's daemons, and so every worker,
     # inherit it; a value the user set wins.
     os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", str(min(32, os.cpu_count() or 1)))
+    # Ray starts its worker processes at nice 15 (the raylet's `worker_niceness`, read from the environment it starts
+    # in), below its own daemons and this driver: the training workers of a run this process started are the run,
+    # and train at its priority (`ray job submit` does the same for a job's workers). A value the user set wins.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     init_local_ray(num_cpus=(os.cpu_count() or 1) + 1)
     # Nothing preempts the nodes of a Ray this process started (Ray Train V2's watcher
     # is one more process, and its polls, on the critical path): read by fit().
