@@ -79,9 +79,17 @@ class RayKerasSession:
         import ray.train
 
         restored = ray.train.get_checkpoint()
-        if restored is not None:
-            return restored.to_directory()
-        return self.payload["start_from"]  # a resumed run: its last checkpoint, until this Ray run has one
+        if restored is None:
+            return self.payload["start_from"]  # a resumed run: its last checkpoint, until this Ray run has one
+        import pyarrow.fs
+
+        # Not Checkpoint.to_directory()'s default directory: it is one per checkpoint and node, and a worker that
+        # asks once another has copied it copies it again, over the files that one is reading (a restart read "file
+        # is too short to be an sstable"). A checkpoint on this machine's disk is read where it is (restore reads
+        # only); one in remote storage is copied into a directory of this worker's own.
+        if isinstance(restored.filesystem, pyarrow.fs.LocalFileSystem):
+            return restored.path
+        return restored.to_directory(tempfile.mkdtemp(prefix=f"checkpoint-rank{self.rank}-"))
 
     def save_and_report(self, record: dict[str, Any], write: Callable[[str], None]) -> None:
         import ray.train
