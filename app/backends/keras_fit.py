@@ -86,8 +86,7 @@ class RayKerasSession:
         # Not Checkpoint.to_directory()'s default directory: it is one per checkpoint and node, and a worker that
         # asks once another has copied it copies it again, over the files that one is reading (a restart read "file
         # is too short to be an sstable"). A checkpoint on this machine's disk is read where it is (restore reads
-        # only); one in remote storage is copied into a directory of this worker's own, left in the node's temporary
-        # directory as Ray leaves its own copy.
+        # only); a remote one is copied into this worker's own temporary directory, left there as Ray leaves its copy.
         if isinstance(restored.filesystem, pyarrow.fs.LocalFileSystem):
             return restored.path
         return restored.to_directory(tempfile.mkdtemp(prefix=f"checkpoint-rank{self.rank}-"))
