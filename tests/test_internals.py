@@ -447,7 +447,8 @@ def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit
     """Under a strategy of 2 replicas: Keras divides a Loss object's loss by them, except inside unscaled_losses; the
     TensorFlow optimizer's sum of the replicas' gradients is the method gradients_summed_before_apply replaces;
     symbolic_build makes the optimizer's slots and leaves fit() nothing to build; before_epoch_logs runs first
-    where fit() makes the epoch's logs. (tests/test_local.py trains by them against model.fit.)"""
+    where fit() makes the epoch's logs; an optimizer, a LossScaleOptimizer too, applies in the cross-replica context.
+    (tests/test_local.py trains by them against model.fit.)"""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -474,3 +475,17 @@ def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit
     replicas.before_epoch_logs(model, lambda: seen.append("first"))
     model.fit(x, x[:, :1], epochs=1, verbose=0)
     assert seen == ["first"] and "loss" in model.history.history
+    # Keras's optimizer updates through maybe_merge_call, which in the cross-replica context now calls its function;
+    # a LossScaleOptimizer's apply there is its common apply (its own refuses that context).
+    replicas.merge_call_in_cross_replica_context()
+    assert not replicas.strategy_merges()  # no strategy: nothing to merge
+    assert tf.__internal__.distribute.interim.maybe_merge_call(lambda s, v: (s, v), strategy, 3) == (strategy, 3)
+    with strategy.scope():
+        assert replicas.strategy_merges()  # Mirrored on a CPU
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+        variable = keras.Variable(np.ones(2, "float32"))
+        replicas.cross_replica_apply(scaled)([tf.ones(2) * scaled.initial_scale], [variable])
+        np.testing.assert_allclose(variable.numpy(), np.zeros(2))
+        replicas.cross_replica_apply(scaled)([tf.constant([np.inf, 1.0])], [variable])  # skipped, scale halved
+        np.testing.assert_allclose(variable.numpy(), np.zeros(2))
+        assert float(scaled.dynamic_scale.numpy()) == scaled.initial_scale / 2

@@ -20,14 +20,16 @@ def weights(path):
 
 
 def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(tmp_path):
-    """K=2 at batch B == K=1 at batch 2B, full-batch SGD, under Mirrored (a real all-reduce)."""
+    """K=2 at batch B == K=1 at batch 2B, full-batch SGD, under Mirrored (a real all-reduce): Keras's gradient
+    accumulation on Keras's fit over 2 local replicas."""
     # 1,436 training rows (1797 - round(1797 x 0.2009)): one whole batch of 1,436 either way. (With the default
     # 1,438, the single run would end each epoch on a short batch of 2 rows, which accumulation cannot cut.)
     common = ["--strategy", "mirrored", "--devices", "2", "--val-fraction", "0.2009", *FULL_BATCH_SGD]
     accumulated, single = local_runs((tmp_path / "k2", *common, "--per-replica-batch", "359", "--grad-accum", "2"),
                                      (tmp_path / "k1", *common, "--per-replica-batch", "718"))
     assert accumulated["global_batch_size"] == single["global_batch_size"] == 1436
-    assert accumulated["grad_accum"] == 2 and accumulated["steps_per_epoch"] == single["steps_per_epoch"] == 1
+    # Keras's fit counts its steps, one a micro-batch; the optimizer updates once for both
+    assert accumulated["grad_accum"] == 2 and accumulated["steps_per_epoch"] == 2 * single["steps_per_epoch"] == 2
     for a, b in zip(weights(tmp_path / "k1"), weights(tmp_path / "k2")):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     assert accumulated["metrics"]["train_loss"] == pytest.approx(single["metrics"]["train_loss"], rel=1e-5)

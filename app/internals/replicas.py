@@ -48,6 +48,57 @@ def gradients_summed_before_apply(optimizer: Any) -> None:
     optimizer._all_reduce_sum_gradients = _same
 
 
+# Keras's TensorFlow optimizer updates through ``tf.__internal__.distribute.interim.maybe_merge_call``, a merge_call
+# under a strategy of several local replicas on CPUs: refused inside the ``ops.cond`` of gradient accumulation or of
+# a LossScaleOptimizer's finite check. The product applies the replicas' one summed gradient once, in the
+# cross-replica context (keras_sync), where the update function is simply called, as merge_call would call it.
+
+
+def strategy_merges() -> bool:
+    """Whether Keras's optimizer would merge_call under the current strategy (as it asks: most strategies do; a
+    Mirrored one over GPUs inside XLA does not)."""
+    import tensorflow as tf
+
+    return not tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def merge_call_in_cross_replica_context() -> None:
+    """Make Keras's ``maybe_merge_call`` call its function directly in the cross-replica context (once per process;
+    the replica context's calls go on as before)."""
+    import tensorflow as tf
+
+    interim = tf.__internal__.distribute.interim
+    own = interim.maybe_merge_call
+    if getattr(own, "cross_replica_aware", False):
+        return
+
+    def maybe_merge_call(fn: Callable, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        if tf.distribute.in_cross_replica_context():
+            return fn(strategy, *args, **kwargs)
+        return own(fn, strategy, *args, **kwargs)
+
+    maybe_merge_call.cross_replica_aware = True
+    interim.maybe_merge_call = maybe_merge_call
+
+
+def cross_replica_apply(optimizer: Any) -> Callable:
+    """``optimizer``'s apply for the cross-replica context. A LossScaleOptimizer's own apply refuses that context:
+    under a strategy that merges it makes one merge_call around its finite check and its update, which in the
+    cross-replica context is its common apply (the check, then the inner optimizer's apply or a smaller scale)."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    if not isinstance(optimizer, LossScaleOptimizer):
+        return optimizer.apply
+
+    def apply(grads: list, trainable_variables: Any = None) -> None:
+        if not optimizer.built:
+            optimizer.build(trainable_variables)
+            optimizer.built = True
+        optimizer._common_apply(grads, trainable_variables=trainable_variables)
+
+    return apply
+
+
 def symbolic_build(model: Any, batch: Any) -> None:
     """Build ``model``'s variables, its compiled metrics and its optimizer's slots for ``batch`` as fit() does before
     its first step (under the model's strategy)."""

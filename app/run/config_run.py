@@ -80,8 +80,6 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         return None
     # Several local replicas (Mirrored over GPUs or --devices CPUs, a TPU's cores): the strategy made before any model
     # is built (TensorFlow's devices are set as it starts; the run builds its model in the strategy's scope).
-    if several and config.grad_accum > 1 and keras_step.built_by_product(config.model):
-        return None  # a built-in accumulates over several local replicas on the product's own step (local_replicas)
     local = local_replicas(config)
     replicas = local.replicas if local is not None else 1
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
@@ -190,11 +188,6 @@ def local_replicas(config) -> Any:
     What Keras's fit cannot do over such replicas is one line."""
     if not _several_local_replicas(config):
         return None
-    if config.grad_accum > 1:  # Keras applies an accumulated update in a cond: a merge_call TensorFlow refuses there
-        raise UserError(f"--grad-accum {config.grad_accum}: Keras's gradient accumulation cannot run under a strategy "
-                        "of several local replicas (TensorFlow refuses its update inside a cond there): give a "
-                        f"{config.grad_accum}x larger --per-replica-batch (the same update), or train on Ray's "
-                        "workers (--backend ray)")
     if config.shard_optimizer:
         raise UserError(f"--shard-optimizer {config.shard_optimizer}: the optimizer's state is cut over Ray's workers; "
                         "the replicas of a local strategy in this process each hold it whole: leave it out, or train "

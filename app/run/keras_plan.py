@@ -62,6 +62,8 @@ def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int,
     else:
         wide = f"{ray_strategy_name(world)}, {world} worker(s)"
         part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
+    if config.grad_accum > 1 and batch:  # the product's global batch is the rows of an update (result.json's)
+        part += f", {batch * config.grad_accum} rows an update ({config.grad_accum} steps accumulated)"
     return (f"run: backend {config.backend}, {wide}, global batch {batch}{part}, "
             + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
 

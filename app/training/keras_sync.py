@@ -124,13 +124,41 @@ def synchronise_replicas(model) -> None:
     ``replica_internals.unscaled_losses()``. The metrics need nothing: under the strategy their states are summed
     over the replicas when read. State that is not trained (batch-norm moving statistics: Keras updates each
     replica's copy with its own part of the batch) is averaged over the replicas where the epoch's logs are made,
-    before validation, as ``synchronise`` averages it over the workers."""
+    before validation, as ``synchronise`` averages it over the workers. Each optimizer applies once, in the
+    cross-replica context (``_apply_once_over_replicas``): so gradient accumulation and fp16 run here as on a worker."""
     rows = _recording_rows(model)
     replica_internals.before_epoch_logs(model, lambda: _average_over_local_replicas(model))
+    replica_internals.merge_call_in_cross_replica_context()
     for optimizer in optimizers_of(model):
         for each in {id(o): o for o in (optimizer, getattr(optimizer, "inner_optimizer", optimizer))}.values():
             replica_internals.gradients_summed_before_apply(each)  # a LossScaleOptimizer's inner one sums too
+        _apply_once_over_replicas(optimizer)
         _average_by_rows(optimizer, rows, _sum_over_replicas)
+
+
+def _apply_once_over_replicas(optimizer) -> None:
+    """``optimizer`` applies the replicas' summed gradient (the same on each) once, in the cross-replica context:
+    its gradient accumulation's and its loss scale's conditions then hold no merge_call, which TensorFlow refuses
+    inside a condition."""
+    own_apply, cross_replica_apply = optimizer.apply, replica_internals.cross_replica_apply(optimizer)
+
+    def apply(grads, trainable_variables=None):
+        import tensorflow as tf
+
+        replica = tf.distribute.get_replica_context()
+        if replica is None or not replica_internals.strategy_merges():
+            return own_apply(grads, trainable_variables)  # nothing merges: Keras's conditions hold no merge_call
+        given = [i for i, g in enumerate(grads) if g is not None]
+
+        def once(strategy, *summed):
+            whole = [None] * len(grads)
+            for i, g in zip(given, summed):
+                whole[i] = strategy.experimental_local_results(g)[0]
+            return cross_replica_apply(whole, trainable_variables)
+
+        return replica.merge_call(once, args=tuple(grads[i] for i in given))
+
+    optimizer.apply = apply
 
 
 def _average_over_local_replicas(model) -> None:

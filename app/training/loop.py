@@ -2,10 +2,9 @@
 
 This is the product's own loop, for what Keras's fit does not train (app.backend's
 ``own_loop``): how a step runs is a ``StepRunner``'s business: ``ReplicaSteps`` here
-runs ``strategy.run`` on synchronous replicas (central storage, a built-in's
---grad-accum on Mirrored replicas, the pipeline); app.training.parameter_server's
-``ScheduledSteps`` schedules numbered steps on parameter-server workers. The driver keeps what is the same
-for both: the host-side step count, the log window, the non-finite check, the
+runs ``strategy.run`` on synchronous replicas (central storage, the pipeline);
+app.training.parameter_server's ``ScheduledSteps`` schedules numbered steps on parameter-server workers.
+The driver keeps what is the same for both: the host-side step count, the log window, the non-finite check, the
 epoch record.
 
 The caller passes the same step count on every parameter-server worker;
