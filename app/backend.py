@@ -34,8 +34,7 @@ class Backend:
     # workers: known once started)
     short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
     # The product's own training loop trains it, not Keras's fit: parameter servers (Keras 3's fit has no
-    # ParameterServerStrategy), a pipeline (the model cut into stages) and central storage (under it Keras's fit
-    # does not sum the metrics' states over the replicas).
+    # ParameterServerStrategy) and a pipeline (the model cut into stages, each stage's step the product's).
     own_loop: bool = False
 
 
@@ -69,7 +68,7 @@ def backend_of(config: "TrainConfig") -> Backend:
     return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
                    counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline",
-                   own_loop=strategy in ("pipeline", "central-storage"))
+                   own_loop=strategy == "pipeline")
 
 
 def several_replicas_asked(config: "TrainConfig") -> bool:

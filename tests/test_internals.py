@@ -489,3 +489,10 @@ def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit
         replicas.cross_replica_apply(scaled)([tf.constant([np.inf, 1.0])], [variable])  # skipped, scale halved
         np.testing.assert_allclose(variable.numpy(), np.zeros(2))
         assert float(scaled.dynamic_scale.numpy()) == scaled.initial_scale / 2
+    # Central storage's one copy of a variable: its aggregation, and a Keras variable's assignment, replaceable
+    # (tests/test_local.py's "central" case trains by them against model.fit).
+    from tensorflow.python.distribute.ps_values import AggregatingVariable
+
+    assert isinstance(AggregatingVariable.aggregation, property)
+    assert "_aggregation" in AggregatingVariable.__init__.__code__.co_names
+    assert callable(variable._direct_assign) and isinstance(variable._value, tf.Variable)

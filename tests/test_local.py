@@ -62,6 +62,7 @@ def local_set(tmp_path_factory):
             "audit": ["--strategy", "mirrored", "--devices", "2", "--epochs", "2", "--per-replica-batch", "50",
                       "--audit-sample-ids"],
             "cs": ["--strategy", "central-storage", "--devices", "2", "--epochs", "3"],
+            "pipeline": ["--strategy", "pipeline", "--devices", "2", "--epochs", "1"],
             "cnn": ["--strategy", "mirrored", "--devices", "2", "--dataset", "synthetic", "--synthetic-rows", "512",
                     "--synthetic-shape", "8", "8", "3", "--model", "cnn", "--conv-filters", "4", "8", "--epochs", "2",
                     "--per-replica-batch", "16"]}
@@ -91,14 +92,14 @@ def test_mirrored_sees_every_sample_once_per_epoch(local_set):
     assert per_epoch[0] != per_epoch[1]  # reshuffled
 
 
-def test_a_central_storage_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
-    """A run of central storage (the product's own step) resumed on Ray's workers, which train by Keras's fit: one line
+def test_a_pipeline_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
+    """A pipeline run (the product's own step) resumed on Ray's workers, which train by Keras's fit: one line
     naming where it goes on, before any Ray starts; nothing of the run is touched."""
     from app.config import build_config
     from app.errors import UserError
     from app.run.api import dry_run
 
-    out, _ = local_set["cs"]
+    out, _ = local_set["pipeline"]
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(UserError) as e:
         dry_run(build_config(None, {"output": str(out), "resume": True, "backend": "ray", "strategy": "auto",
@@ -325,13 +326,14 @@ if __name__ == "__main__":  # the same model by model.fit on one device (or app.
     import sys
 
     (x, y), val = data()["train"], data()["val"]
-    build = {"own": own, "compiled": compiled, "accumulated": own}[sys.argv[1]]
+    build = {"own": own, "compiled": compiled, "accumulated": own, "central": compiled}[sys.argv[1]]
     steps = 2 if sys.argv[1] == "accumulated" else 1
+    strategy = "central-storage" if sys.argv[1] == "central" else "mirrored"
     if sys.argv[2] == "app":
         import app
 
         history = app.fit(build, x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0,
-                          backend="local", strategy="mirrored", devices=2, grad_accum=steps, output=sys.argv[3]).history
+                          backend="local", strategy=strategy, devices=2, grad_accum=steps, output=sys.argv[3]).history
     else:
         model = build()
         if steps > 1:
@@ -342,7 +344,7 @@ if __name__ == "__main__":  # the same model by model.fit on one device (or app.
 '''
 
 
-@pytest.mark.parametrize("kind", ["own", "compiled", "accumulated"])
+@pytest.mark.parametrize("kind", ["own", "compiled", "accumulated", "central"])
 def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_device(tmp_path, kind):
     """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss
     object, per-variable clipping), each on MirroredStrategy over 2 logical CPUs with a short last batch cut 6 + 5:
@@ -350,12 +352,14 @@ def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_devic
     (it divides only a Loss object's loss by the replicas, and clips each replica's gradient). The same from
     jobs/train.py and from app.fit in a script. "accumulated": the own train_step with grad_accum 2, which is Keras's
     gradient_accumulation_steps=2 (Keras's fit alone refuses it over several local replicas: its update is a
-    merge_call inside a condition)."""
+    merge_call inside a condition). "central": the compiled model under central storage (one copy of each variable,
+    where Keras's fit alone counts a metric's state once per replica)."""
 
     (tmp_path / "models.py").write_text(OWN_STEP_MODELS)
-    model = "own" if kind == "accumulated" else kind
+    model = {"accumulated": "own", "central": "compiled"}.get(kind, kind)
+    strategy = "central-storage" if kind == "central" else "mirrored"
     ours, keras_fit, from_script = run_jobs_at_once(
-        [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", "mirrored", "--devices", "2", "--model",
+        [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", strategy, "--devices", "2", "--model",
          f"models.py:{model}", "--dataset", "models.py:data", "--global-batch", "64", "--epochs", "3", "--no-shuffle",
          "--grad-accum", "2" if kind == "accumulated" else "1", "--output", str(tmp_path / "run")],
         [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")],
@@ -363,11 +367,12 @@ def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_devic
     for p in (ours, keras_fit, from_script):
         assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["strategy"] == "MirroredStrategy" and result["num_replicas"] == 2
+    assert result["strategy"] == ("CentralStorageStrategy" if kind == "central" else "MirroredStrategy")
+    assert result["num_replicas"] == 2
     assert result["global_batch_size"] == 64 * (2 if kind == "accumulated" else 1)  # the rows of an update
     assert "replicas in this process" in ours.stdout + ours.stderr
     last = json.loads(keras_fit.stdout.strip().splitlines()[-1])  # model.fit's History, its last epoch
-    assert sorted(last) == (["accuracy", "loss", "val_accuracy", "val_loss"] if kind == "compiled" else ["loss", "val_loss"])
+    assert sorted(last) == (["loss", "val_loss"] if model == "own" else ["accuracy", "loss", "val_accuracy", "val_loss"])
     assert {key: result["history"][-1][key] for key in last} == pytest.approx(last, rel=1e-5)
     assert json.loads(from_script.stdout.strip().splitlines()[-1]) == pytest.approx(last, rel=1e-5)
     assert "INFO" not in from_script.stderr  # the strategy's own lines go to the run's log

@@ -1,7 +1,8 @@
 """The local backend: the same per-worker function in this process, no Ray.
 
-MirroredStrategy over GPUs (or logical CPUs), TPUStrategy, one device,
-CentralStorageStrategy, or the model cut into pipeline stages; the input is
+The model cut into pipeline stages, or the local strategy of a run of the
+product's own step that --resume goes on (app.run.config_run sends every
+other local run to Keras's fit, app.backends.keras_fit); the input is
 tf.data from the same arrays with the same rules as the Ray path. Ray is
 never imported here.
 """

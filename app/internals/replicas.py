@@ -99,6 +99,36 @@ def cross_replica_apply(optimizer: Any) -> Callable:
     return apply
 
 
+def updates_exact_on_one_copy(model: Any) -> None:
+    """Make ``model``'s (built) updates in a replica context exact where the strategy keeps one copy of a variable
+    (central storage's ``AggregatingVariable``), which such an update reaches merged over the replicas by the
+    variable's aggregation. A metric's state: Keras assigns the new state (``assign_add`` is ``assign(self +
+    value)``), which a sum would count once per replica; its change is assigned instead, summed, as Mirrored's
+    per-replica copies are summed when read. Untrained state that Keras gives no aggregation (batch-norm moving
+    statistics, a seed generator's state): the replicas' new values averaged (the first replica's for integers),
+    as Mirrored's copies averaged before validation give (the moving averages are linear in them)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.ps_values import AggregatingVariable
+
+    metric_variables = {id(v): v for metric in model.metrics for v in metric.variables}
+    for variable in {**{id(v): v for v in model.variables}, **metric_variables}.values():
+        raw = getattr(variable, "_value", None)
+        if not isinstance(raw, AggregatingVariable):
+            continue
+        if id(variable) in metric_variables:
+            def direct_assign(value: Any, raw: Any = raw) -> None:
+                value = tf.cast(value, raw.dtype)
+                if tf.distribute.in_cross_replica_context():
+                    raw.assign(value)  # a reset, or a restored state: once
+                else:
+                    raw.assign_add(value - raw.read_value())
+
+            variable._direct_assign = direct_assign
+        elif not variable.trainable and raw.aggregation == tf.VariableAggregation.NONE:
+            raw._aggregation = (tf.VariableAggregation.MEAN if raw.dtype.is_floating
+                                else tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
 def symbolic_build(model: Any, batch: Any) -> None:
     """Build ``model``'s variables, its compiled metrics and its optimizer's slots for ``batch`` as fit() does before
     its first step (under the model's strategy)."""

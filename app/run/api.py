@@ -44,8 +44,8 @@ def driver(config: TrainConfig):
     from app.backends import local, ps
 
     if config.shard_optimizer:  # the product's own step does not shard
-        raise UserError("shard_optimizer runs inside Keras's fit on Ray's workers: central storage and a pipeline "
-                        "train on the product's own step, which does not shard; leave it out there")
+        raise UserError("shard_optimizer runs inside Keras's fit on Ray's workers: a pipeline trains on the "
+                        "product's own step, which does not shard; leave it out there")
 
     # A Ray Train run is Keras's fit's (app.run.config_run): it is never handed here.
     return {"local": local, "parameter-server": ps}[backend_of(config).name]

@@ -42,13 +42,13 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
-    Mirrored or a TPU's strategy). Returns result.json's content. None: the run is the product's own step (central
-    storage, parameter servers, a pipeline, or --resume of a run it trained),
+    Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
+    own step (parameter servers, a pipeline, or --resume of a run it trained),
     never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing
     trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica, several_replicas_asked
 
-    # Another strategy (parameter servers, a pipeline, central storage) is a field set: the product's step; one
+    # Another strategy (parameter servers, a pipeline) is a field set: the product's step; one
     # asking for local replicas is what Keras's fit in this process is.
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # no checkpoint of Keras's fit: the own step's, or none
@@ -172,10 +172,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
 
 
 def _several_local_replicas(config) -> bool:
-    """Whether ``config`` asks for a strategy of several local replicas that Keras's fit trains under (Mirrored, or
-    what --strategy auto finds: several GPUs, a TPU's cores). Not a Ray run, and not what stays on the product's own
-    step: central storage (Keras's metrics are not summed over its replicas), a pipeline, --tensor-parallel (one
-    replica, split in place). Read without starting TensorFlow."""
+    """Whether ``config`` asks for a strategy of several local replicas that Keras's fit trains under (Mirrored,
+    central storage, or what --strategy auto finds: several GPUs, a TPU's cores). Not a Ray run, and not a pipeline
+    (the product's own step) or --tensor-parallel (one replica, split in place). Read without starting TensorFlow."""
     from app.backend import backend_of, one_local_replica
 
     backend = backend_of(config)

@@ -286,6 +286,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         build(model, train, val, sharded)
     else:  # its variables are the strategy's, made in its scope (a step traced outside a replica cannot read them)
         replica_internals.symbolic_build(model, train.first_batch())
+        replica_internals.updates_exact_on_one_copy(model)  # central storage's one copy of each variable
 
     state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)

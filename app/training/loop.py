@@ -2,7 +2,7 @@
 
 This is the product's own loop, for what Keras's fit does not train (app.backend's
 ``own_loop``): how a step runs is a ``StepRunner``'s business: ``ReplicaSteps`` here
-runs ``strategy.run`` on synchronous replicas (central storage, the pipeline);
+runs ``strategy.run`` on synchronous replicas (the pipeline);
 app.training.parameter_server's ``ScheduledSteps`` schedules numbered steps on parameter-server workers.
 The driver keeps what is the same for both: the host-side step count, the log window, the non-finite check, the
 epoch record.

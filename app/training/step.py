@@ -3,8 +3,9 @@
 Each factory takes the strategy, a model and optimizer built under its scope,
 and the run's measures (app.training.measures: its loss and metrics), and
 returns a ``tf.function``. Nothing here knows which strategy it runs under
-(central storage, Mirrored, a TPU's, one device: the runs of the product's own
-loop, app.training.loop; every other run trains by Keras's fit).
+(a pipeline's, parameter servers', or a local one of a run of this loop that
+--resume goes on: the runs of the product's own loop, app.training.loop;
+every other run trains by Keras's fit).
 
 Every step returns this replica's sums [loss, count, every metric's state] as
 float64 (app.training.measures): the caller adds them over replicas once per
