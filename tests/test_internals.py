@@ -496,3 +496,16 @@ def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit
     assert isinstance(AggregatingVariable.aggregation, property)
     assert "_aggregation" in AggregatingVariable.__init__.__code__.co_names
     assert callable(variable._direct_assign) and isinstance(variable._value, tf.Variable)
+
+
+def test_one_call_of_rays_gcs_client_answers_for_the_cluster(ray_cluster):
+    """app.internals.ray_auth's call: None from the session's Ray (this process holds its token) and from an address
+    nothing answers at within the wait; a refused token is its error (tests/test_start_faults.py, in 5 s, not 25)."""
+    import time
+
+    from app.internals.ray_auth import cluster_refusal
+
+    assert cluster_refusal(ray_cluster.get_runtime_context().gcs_address) is None
+    started = time.monotonic()
+    assert cluster_refusal("127.0.0.1:9", wait_s=0.5) is None
+    assert time.monotonic() - started < 5

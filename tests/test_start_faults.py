@@ -100,7 +100,8 @@ def test_a_worker_killed_at_start_without_max_failures_ends_in_one_line(ray_clus
 
 def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_line(ray_cluster, tmp_path):
     """The session's Ray has token authentication on (ray.init's default), as a `ray start` head does
-    once ~/.ray/auth_token exists: a driver joining it with no token, or a wrong one, gets one line."""
+    once ~/.ray/auth_token exists: a driver joining it with no token, or a wrong one, gets one line, from the
+    cluster's first answer (ray.init alone tries 20 times, a second apart, before it says so)."""
     address = ray_cluster.get_runtime_context().gcs_address
     cmd = ["jobs/train.py", "--epochs", "1", "--output"]
     no_token, wrong_token = run_jobs_at_once(
@@ -113,6 +114,7 @@ def test_a_token_cluster_joined_without_its_token_or_with_a_wrong_one_is_one_lin
         assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
         assert f"requires token authentication and we sent {given}" in errors[0] and "RAY_AUTH_MODE=token" in errors[0]
         assert "Traceback" not in p.stdout + p.stderr
+        assert p.seconds < 18, f"{p.seconds:.0f} s to refuse {given}"  # its imports and one call, not 20 retries
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
 
 

@@ -10,6 +10,7 @@ import threading
 from app.backend import backend_of
 from app.config import TrainConfig
 from app.errors import UserError
+from app.internals.ray_auth import cluster_refusal
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +92,18 @@ def _join_or_start() -> bool:
     import ray
 
     _quiet_token_notice()
-    if os.environ.get("RAY_ADDRESS"):
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        # One call first (a GCS address: not "auto", not a ray:// client's): ray.init() takes 20 s to say that the
+        # cluster refuses our token.
+        if "://" not in address and address != "auto" and _refused_authentication(cluster_refusal(address)):
+            raise _token_refused(address)
         try:
             ray.init(logging_level=logging.WARNING)
         except (ray.exceptions.AuthenticationError, ConnectionError) as e:
             if not _refused_authentication(e):
                 raise
-            given = "a token that it does not accept" if os.environ.get("RAY_AUTH_MODE") == "token" else "no token"
-            raise UserError(
-                f"the Ray cluster at {os.environ['RAY_ADDRESS']} requires token authentication and we sent {given}: "
-                "set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
-                "~/.ray/auth_token, as on the head)"
-            ) from None
+            raise _token_refused(address) from None
         return True
     _start_local()
     return False
@@ -120,6 +121,13 @@ def _say_if_waiting(config: TrainConfig) -> None:
             "Waiting up to %.0f s for them (--worker-start-timeout-s).",
             free.get("CPU", 0), free.get("GPU", 0), need_cpus, need_gpus, config.worker_start_timeout_s,
         )
+
+
+def _token_refused(address: str) -> UserError:
+    given = "a token that it does not accept" if os.environ.get("RAY_AUTH_MODE") == "token" else "no token"
+    return UserError(f"the Ray cluster at {address} requires token authentication and we sent {given}: set "
+                     "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                     "~/.ray/auth_token, as on the head)")
 
 
 def _refused_authentication(error: BaseException | None) -> bool:
