@@ -113,7 +113,7 @@ class KerasFeatures:
         if self.grad_accum > 1:
             lines.append(f"grad_accum {self.grad_accum}: every optimizer the model holds takes Keras's "
                          f"gradient_accumulation_steps={self.grad_accum} (an update every {self.grad_accum} steps, "
-                         "with the mean of their gradients over every worker's rows)")
+                         "with the mean of their gradients over all their rows, on every worker or replica)")
         if self.schedules:
             parts = ([f"scaled {self.lr_scaling} by {self.batch_size * self.grad_accum} rows an update / "
                       f"reference_batch {self.reference_batch} = x{self.scale:.4g}"] if self.scale != 1.0 else []) + \
