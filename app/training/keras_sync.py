@@ -121,8 +121,9 @@ def synchronise_replicas(model) -> None:
     optimizer sums ``rows x gradient`` over the replicas (the replica context's all-reduce) and divides by the rows
     before it applies them, so clipping and the fp16 overflow check see the global batch's gradient, the same on
     every replica. Keras's own parts are off (app.internals.replicas): its fit runs inside
-    ``replica_internals.unscaled_losses()``. The metrics need nothing: under the strategy their states are summed
-    over the replicas when read. State that is not trained (batch-norm moving statistics: Keras updates each
+    ``replica_internals.unscaled_losses()``. The metrics' states are summed over the replicas when read (central
+    storage's one copy of each takes every replica's change: ``replica_internals.updates_exact_on_one_copy``, once
+    the model is built). State that is not trained (batch-norm moving statistics: Keras updates each
     replica's copy with its own part of the batch) is averaged over the replicas where the epoch's logs are made,
     before validation, as ``synchronise`` averages it over the workers. Each optimizer applies once, in the
     cross-replica context (``_apply_once_over_replicas``): so gradient accumulation and fp16 run here as on a worker."""
