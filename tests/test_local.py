@@ -360,8 +360,10 @@ def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_devic
     strategy = "central-storage" if kind == "central" else "mirrored"
     ours, keras_fit, from_script = run_jobs_at_once(
         [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", strategy, "--devices", "2", "--model",
-         f"models.py:{model}", "--dataset", "models.py:data", "--global-batch", "64", "--epochs", "3", "--no-shuffle",
-         "--grad-accum", "2" if kind == "accumulated" else "1", "--output", str(tmp_path / "run")],
+         f"models.py:{model}", "--dataset", "models.py:data", "--epochs", "3", "--no-shuffle",
+         # the global batch is the rows of an update: model.fit's 64 a step, accumulated over 2 steps
+         *(["--global-batch", "128", "--grad-accum", "2"] if kind == "accumulated" else ["--global-batch", "64"]),
+         "--output", str(tmp_path / "run")],
         [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")],
         [str(tmp_path / "models.py"), kind, "app", str(tmp_path / "app_fit")], cwd=tmp_path, timeout=300)
     for p in (ours, keras_fit, from_script):

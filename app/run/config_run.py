@@ -150,9 +150,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
 
         if config.model in BUILTIN_LAYOUTS:
             fields["tensor_layout"] = [f"{k}={v}" for k, v in BUILTIN_LAYOUTS[config.model].items()]
-    # Keras's fit is given the global batch, which stays at every size of an elastic range (its per-replica batch is
-    # the fewest workers' part)
-    batch = config.global_batch or config.per_replica_batch * (config.min_workers if backend.on_ray else replicas)
+    # Keras's fit is given the global batch (the rows of an update) over the steps it accumulates, which stays at
+    # every size of an elastic range (its per-replica batch is the fewest workers' part); --global-batch splits over
+    # the replicas and the steps (TrainConfig.at_size)
+    batch = config.global_batch // config.grad_accum if config.global_batch \
+        else config.per_replica_batch * (config.min_workers if backend.on_ray else replicas)
     if not data.streamed:  # a batch behind an update larger than the rows: the own step's refusal, in its words
         from app.driver.preflight import checked_plan
 

@@ -55,16 +55,18 @@ def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int,
     """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
     from app.training.strategy import ray_strategy_name
 
+    # The product's global batch is the rows of an update (result.json's): Keras's batch x the steps accumulated.
+    accumulated = f" x {config.grad_accum} accumulated steps" if config.grad_accum > 1 and batch else ""
     if local is not None:
         n = local.replicas
         wide = f"{local.name} ({local.reason}), {n} replicas in this process"
-        part = f" (= {batch // n} per replica)" if batch % n == 0 else ""
+        part = f" (= {batch // n} per replica{accumulated})" if batch % n == 0 else ""
     else:
         wide = f"{ray_strategy_name(world)}, {world} worker(s)"
-        part = f" (= {batch // world} per worker)" if world > 1 and batch % world == 0 else ""
-    if config.grad_accum > 1 and batch:  # the product's global batch is the rows of an update (result.json's)
-        part += f", {batch * config.grad_accum} rows an update ({config.grad_accum} steps accumulated)"
-    return (f"run: backend {config.backend}, {wide}, global batch {batch}{part}, "
+        part = f" (= {batch // world} per worker{accumulated})" if world > 1 and batch % world == 0 else ""
+    part = part or (f" (= {batch}{accumulated})" if accumulated else "")
+    return (f"run: backend {config.backend}, {wide}, global batch {batch * config.grad_accum if batch else batch}"
+            f"{part}, "
             + (f"{steps} steps per epoch, " if steps else "") + f"{epochs} epochs")
 
 
