@@ -509,3 +509,23 @@ def test_one_call_of_rays_gcs_client_answers_for_the_cluster(ray_cluster):
     started = time.monotonic()
     assert cluster_refusal("127.0.0.1:9", wait_s=0.5) is None
     assert time.monotonic() - started < 5
+
+
+def test_our_trainer_starts_no_ray_data_actor_without_datasets_and_rays_own_callbacks_otherwise():
+    """app.internals.ray_train: Ray Train's default callbacks, less the DatasetsCallback (whose DatasetManager actor
+    starts with every run) where the run has no dataset; with one, exactly Ray's own list."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from app.internals.ray_train import data_parallel_trainer
+
+    def callbacks(cls, **datasets):
+        trainer = cls(lambda config: None, backend_config=tf_config.TFConfig(), datasets=datasets or None,
+                      scaling_config=ray.train.ScalingConfig(num_workers=1))
+        return [type(c) for c in trainer._create_default_callbacks()]
+
+    rays = callbacks(DataParallelTrainer)
+    assert DatasetsCallback in rays  # Ray still makes it on every run: what ours leaves out
+    assert callbacks(data_parallel_trainer()) == [c for c in rays if c is not DatasetsCallback]
+    assert callbacks(data_parallel_trainer(), train=lambda: None) == callbacks(DataParallelTrainer, train=lambda: None)
+    assert DatasetsCallback in callbacks(data_parallel_trainer(), train=lambda: None)

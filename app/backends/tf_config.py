@@ -32,6 +32,8 @@ import ray
 import ray.util
 from ray.train.backend import Backend, BackendConfig
 
+from app.internals import ray_train
+
 
 def _set_tf_config(worker_addresses: list[str], index: int) -> None:
     os.environ["TF_CONFIG"] = json.dumps(
@@ -125,12 +127,11 @@ def trainer(train_loop_per_worker, train_loop_config=None, **kwargs):
     hands it to its controller inside the run's context, and the controller unpickles that context: a user's
     model function or callbacks (pickled by value) import Keras, hence TensorFlow, when unpickled, so the
     controller, which never runs a TensorFlow op, imported it (~4 s on 2 cores) before it asked for the workers.
+    A run without datasets starts no Ray Data actor (app.internals.ray_train).
     """
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
     # Read by the driver when it starts the controller, which passes it on (Ray Train's ENV_VARS_TO_PROPAGATE).
     os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S)
-    return DataParallelTrainer(
+    return ray_train.data_parallel_trainer()(
         train_loop_per_worker=functools.partial(_opened, train_loop_per_worker),
         train_loop_config={SHIPPED: ray.put(train_loop_config)},
         backend_config=TFConfig(), **kwargs)
