@@ -93,18 +93,21 @@ def test_mirrored_sees_every_sample_once_per_epoch(local_set):
 
 
 def test_a_pipeline_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
-    """A pipeline run (the product's own step) resumed on Ray's workers, which train by Keras's fit: one line
-    naming where it goes on, before any Ray starts; nothing of the run is touched."""
+    """A pipeline run (the product's own step) resumed on Ray's workers or under Mirrored, which train by Keras's
+    fit: one line naming where it goes on, before any Ray starts; nothing of the run is touched."""
     from app.config import build_config
     from app.errors import UserError
     from app.run.api import dry_run
 
     out, _ = local_set["pipeline"]
     before = sorted(p.name for p in out.iterdir())
-    with pytest.raises(UserError) as e:
-        dry_run(build_config(None, {"output": str(out), "resume": True, "backend": "ray", "strategy": "auto",
-                                    "devices": None, "epochs": 3}))
-    assert "holds checkpoints of the product's own step" in str(e.value) and "--backend local" in str(e.value)
+    # on Ray's workers, and under a local strategy Keras's fit trains: neither goes on from the own step's checkpoints
+    for elsewhere in ({"backend": "ray", "strategy": "auto", "devices": None},
+                      {"backend": "local", "strategy": "mirrored", "devices": 2}):
+        with pytest.raises(UserError) as e:
+            dry_run(build_config(None, {"output": str(out), "resume": True, "epochs": 3, **elsewhere}))
+        assert "holds checkpoints of the product's own step" in str(e.value) and "--backend local --strategy " \
+            "pipeline" in str(e.value) and "give a new --output" in str(e.value), (elsewhere, str(e.value))
     assert sorted(p.name for p in out.iterdir()) == before
 
 

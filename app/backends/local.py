@@ -1,10 +1,8 @@
-"""The local backend: the same per-worker function in this process, no Ray.
+"""The local backend of the product's own step: the model cut into pipeline stages, in this process, no Ray.
 
-The model cut into pipeline stages, or the local strategy of a run of the
-product's own step that --resume goes on (app.run.config_run sends every
-other local run to Keras's fit, app.backends.keras_fit); the input is
-tf.data from the same arrays with the same rules as the Ray path. Ray is
-never imported here.
+app.run.config_run sends every other local run to Keras's fit (app.backends.keras_fit), and refuses to resume a
+run of the own step under another strategy. The input is tf.data from the same arrays with the same rules as the
+Ray path. Ray is never imported here.
 """
 
 from __future__ import annotations
@@ -139,9 +137,6 @@ def plan(config: TrainConfig):
 
 def make_strategy(config: TrainConfig):
     """The local strategy and why (devices are configured before TensorFlow initialises them: first)."""
-    if config.tensor_degree:  # trained by Keras's fit (app.run.config_run); here only a run of the own step resumed
-        raise UserError(f"--tensor-parallel {config.tensor_degree} trains by Keras's fit, and the checkpoints in "
-                        f"{config.output_dir()} are of the product's own step: give a new --output")
     try:
         strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:

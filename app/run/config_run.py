@@ -43,8 +43,8 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
     Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
-    own step (parameter servers, a pipeline, or --resume of a run it trained),
-    never on Ray Train, where what Keras's fit cannot run is one line. ``dry``: the plan's lines instead, nothing
+    own step (parameter servers, a pipeline, and --resume of their runs), never on Ray Train, where what Keras's
+    fit cannot run is one line. ``dry``: the plan's lines instead, nothing
     trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica, several_replicas_asked
 
@@ -52,13 +52,14 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # asking for local replicas is what Keras's fit in this process is.
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # no checkpoint of Keras's fit: the own step's, or none
-        own = _own_step_checkpoints(config)
-        if backend.ray_train and own:
-            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own step "
-                            "(several local replicas, a pipeline), which Keras's fit on Ray's workers cannot go on "
-                            "from: resume it with --backend local and its --strategy, or give a new --output")
-        if not backend.ray_train and own is not False:  # a run of the own step goes on on it (or says what is wrong)
-            return None
+        own = _own_step_checkpoints(config, quiet=backend.own_loop)
+        if backend.own_loop and own is not False:  # a pipeline's or parameter servers' run goes on on the own step
+            return None  # (or its resume says what is wrong with the checkpoint)
+        if own is not False:
+            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own step, "
+                            "which goes on only as the pipeline (--backend local --strategy pipeline) or the parameter "
+                            "servers (--strategy parameter-server) it trains; Keras's fit, which trains every other "
+                            "run, cannot go on from them: give a new --output")
     several = _several_local_replicas(config)
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
         from app.data import files
@@ -224,14 +225,16 @@ def _streamed_facts(config, data: "_Data"):
     return streamed.built_in_facts(config, given)
 
 
-def _own_step_checkpoints(config) -> Optional[bool]:
-    """Whether ``config``'s output holds a checkpoint of the product's own step (None: one it cannot read, which
-    the own step's resume names)."""
+def _own_step_checkpoints(config, quiet: bool) -> Optional[bool]:
+    """Whether ``config``'s output holds a checkpoint of the product's own step. One it cannot read: None when
+    ``quiet`` (the own step's resume names it), else that one line."""
     from app.driver import resume
 
     try:
         return resume.latest(config) is not None
     except UserError:
+        if not quiet:
+            raise
         return None
 
 

@@ -62,10 +62,10 @@ def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochSt
 class ReplicaSteps:
     """Synchronous replicas of one process: ``strategy.run`` of the compiled steps (app.training.step)."""
 
-    def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None,
-                 average_state=None, *, steps_per_execution: int = 1, audit_sample_ids: bool = False):
+    def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None, *,
+                 steps_per_execution: int = 1, audit_sample_ids: bool = False):
         self.strategy, self.optimizer, self.measures = strategy, optimizer, measures
-        self.train_steps, self.eval_step, self.average_state = train_steps, eval_step, average_state
+        self.train_steps, self.eval_step = train_steps, eval_step
         self.steps_per_execution = steps_per_execution
         self.audit_sample_ids = audit_sample_ids
         self._traced = False
@@ -98,9 +98,6 @@ class ReplicaSteps:
         return self.train_steps.many(iterator, tf.constant(k)), k, None
 
     def evaluate(self, val) -> EpochStats:
-        # Each replica moved its own batch-norm statistics: they agree before they are evaluated and saved.
-        if self.average_state is not None:
-            self.average_state()
         return evaluate(self.strategy, self.eval_step, val, self.measures)
 
     def learning_rate(self, global_step: int) -> float:

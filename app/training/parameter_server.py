@@ -148,7 +148,7 @@ def scheduled_step(strategy, model, optimizer, measures: "Measures", batch: int,
 
     from app.training.step import replica_train_step
 
-    replica_step = replica_train_step(model, optimizer, measures, global_batch=batch, grad_accum=1)
+    replica_step = replica_train_step(model, optimizer, measures, global_batch=batch)
 
     @tf.function
     def step(iterator, n):

@@ -1,11 +1,10 @@
-"""The compiled steps: train (one or several per call), eval, and the end-of-epoch replica-state average.
+"""The compiled steps: train (one or several per call) and eval.
 
 Each factory takes the strategy, a model and optimizer built under its scope,
 and the run's measures (app.training.measures: its loss and metrics), and
 returns a ``tf.function``. Nothing here knows which strategy it runs under
-(a pipeline's, parameter servers', or a local one of a run of this loop that
---resume goes on: the runs of the product's own loop, app.training.loop;
-every other run trains by Keras's fit).
+(a pipeline's or the parameter servers': the runs of the product's own loop,
+app.training.loop; every other run trains by Keras's fit).
 
 Every step returns this replica's sums [loss, count, every metric's state] as
 float64 (app.training.measures): the caller adds them over replicas once per
@@ -67,12 +66,14 @@ def with_penalties(model: "keras.Model", per_example_loss):
     return per_example_loss + tf.cast(tf.add_n(model.losses), per_example_loss.dtype)
 
 
-def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int, grad_accum: int,
+def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int,
                        short_last: bool = False):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
 
     ``short_last``: the plan ends each epoch with a short step (app.data.plan), so the global batch is counted in
-    every step (one scalar all-reduce) instead of taken from the plan.
+    every step (one scalar all-reduce) instead of taken from the plan. Accumulating several micro-batches per update
+    is Keras's (gradient_accumulation_steps, app.training.keras_features): the runs here take one batch a step
+    (parameter servers refuse --grad-accum; a pipeline's step is its own, its micro-batches its accumulation).
     """
     import keras
     import tensorflow as tf
@@ -86,40 +87,22 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
         rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
         return tf.cast(sum_over_replicas(rows), tf.int32)
 
-    def micro_batch_gradients(x, y, sample_weight):
+    def train_step(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
         with tf.GradientTape() as tape:
             out = model(x, training=True)
             per_example_loss = measures.loss(y, out, weight)
-            # Divide by the *global* batch (all replicas, all micro-batches): the
-            # all-reduce then sums replica gradients into the gradient of the mean
-            # over the global batch.
+            # Divide by the *global* batch (all replicas): the all-reduce then sums replica gradients into the
+            # gradient of the mean over the global batch.
             loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=rows_in_step(sample_weight))
             if model.losses:
-                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses)) / grad_accum
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             if scales_loss:
                 loss = optimizer.scale_loss(loss)
-        return tape.gradient(loss, variables), measures.sums(y, out, with_penalties(model, per_example_loss),
-                                                             tf.ones_like(per_example_loss), weight)
-
-    def train_step(x, y, sample_weight):
-        if grad_accum == 1:
-            grads, step_sums = micro_batch_gradients(x, y, sample_weight)
-        else:
-            # K micro-batches, one at a time (activation memory of one), gradients
-            # summed locally; the optimizer's all-reduce then runs once per K.
-            micro = tf.shape(sample_weight)[0] // grad_accum
-
-            def accumulate(i, grads, step_sums):
-                part = lambda t: t[i * micro:(i + 1) * micro]  # noqa: E731
-                g, s = micro_batch_gradients(tf.nest.map_structure(part, x), tf.nest.map_structure(part, y),
-                                             part(sample_weight))
-                return i + 1, [a + b for a, b in zip(grads, g)], step_sums + s
-
-            zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in variables]
-            _, grads, step_sums = tf.while_loop(
-                lambda i, *_: i < grad_accum, accumulate, (tf.constant(0), zeros, tf.zeros((measures.size,), tf.float64))
-            )
+        grads = tape.gradient(loss, variables)
+        # Before the update: the penalties (model.losses) are read from the weights the loss saw.
+        step_sums = measures.sums(y, out, with_penalties(model, per_example_loss), tf.ones_like(per_example_loss),
+                                  weight)
         if scales_loss:
             grads = agree_on_overflow(grads)
         # The strategy's optimizer all-reduces its replicas' gradients (each of the loss over the global batch).
@@ -135,15 +118,14 @@ class TrainSteps:
     many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
 
 
-def make_train_steps(strategy, model, optimizer, measures, global_batch: int, grad_accum: int = 1,
-                     audit_sample_ids: bool = False, replica_step: Optional[Callable] = None,
-                     short_last: bool = False) -> TrainSteps:
+def make_train_steps(strategy, model, optimizer, measures, global_batch: int, audit_sample_ids: bool = False,
+                     replica_step: Optional[Callable] = None, short_last: bool = False) -> TrainSteps:
     """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
     ``short_last``: as for ``replica_train_step``. ``one`` returns the step's sample ids (every replica's)."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, grad_accum, short_last)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, short_last)
 
     @tf.function
     def one(batch):
@@ -185,32 +167,3 @@ def make_eval_step(strategy, model, measures: "Measures"):
         return strategy.run(eval_step, args=batch)
 
     return distributed
-
-
-def make_replica_state_average(strategy, model) -> Optional[Callable[[], None]]:
-    """Average non-trainable float state (batch-norm moving statistics) over every replica.
-
-    Each replica updates batch-norm moving mean/variance from its own batch:
-    Keras 3 creates these variables with aggregation "none", so the replicas'
-    copies drift apart, each evaluates with its own, and rank 0 saves only its
-    own. Averaging them once per epoch keeps one consistent value (what
-    tf.keras 2 did with ON_READ/MEAN variables, without a collective per step).
-    """
-    import tensorflow as tf
-
-    state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
-    if not state:
-        return None
-
-    @tf.function
-    def average():
-        def replica():
-            ctx = tf.distribute.get_replica_context()
-            for v in state:
-                # all_reduce of the variable itself fails under MWMS ("destinations can not be
-                # empty"): reduce a tensor copy of this replica's value.
-                v.assign(ctx.all_reduce(tf.distribute.ReduceOp.MEAN, tf.identity(v.value)))
-
-        strategy.run(replica)
-
-    return average

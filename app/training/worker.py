@@ -1,5 +1,5 @@
-"""The product's own step's per-worker function, ``train_worker``: the runs Keras's fit does not train (several
-local replicas under one strategy, a pipeline, parameter servers) run it.
+"""The product's own step's per-worker function, ``train_worker``: the runs Keras's fit does not train (a pipeline,
+parameter servers) run it.
 
 What differs between them hides behind a small ``Session``: which strategy,
 where the input comes from, where checkpoints go and how an epoch is reported
@@ -225,17 +225,15 @@ def step_runner(config: "TrainConfig", session: Session, strategy, training: Tra
 def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan):
     """Synchronous replicas' step runner (``strategy.run`` of the compiled steps); the benchmarks time it too."""
     from app.training.loop import ReplicaSteps
-    from app.training.step import make_eval_step, make_replica_state_average, make_train_steps
+    from app.training.step import make_eval_step, make_train_steps
 
     model, optimizer, measures, pipe = training.model, training.optimizer, training.measures, training.pipe
     return ReplicaSteps(
         strategy, optimizer, measures,
-        make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.grad_accum,
-                         config.audit_sample_ids,
+        make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.audit_sample_ids,
                          pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
                          if pipe else None, short_last=plan.last_rows > 0),
         make_eval_step(strategy, pipe if pipe is not None else model, measures),
-        make_replica_state_average(strategy, model),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,
     )
