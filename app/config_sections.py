@@ -274,8 +274,8 @@ class OptimSection(_Section):
     )
     grad_accum: PositiveInt = Field(
         1,
-        description="Accumulate gradients over K micro-batches of --per-replica-batch before each all-reduce and "
-        "update: global batch = per-replica x replicas x K (the LR rule uses it).",
+        description="One optimizer update every K steps of --per-replica-batch, their gradients summed (Keras's "
+        "gradient_accumulation_steps): global batch = per-replica x replicas x K (the LR rule uses it).",
     )
     mixed_precision: Literal["off", "fp16", "bf16"] = Field(
         "off",
