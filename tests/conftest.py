@@ -78,6 +78,7 @@ LOCAL_LANE_TESTS = {
     "test_keras_step::test_one_worker_is_keras_fit_weight_for_weight_or_refused_as_keras_refuses",
     "test_named_inputs::test_parquet_columns_train_a_two_input_model_by_name_then_evaluate_and_predict",
     "test_callbacks::test_bad_callbacks_are_one_line_before_training",
+    "test_elastic::test_the_plan_splits_the_global_batch_of_an_update_at_every_size_with_accumulated_steps",
     "test_data::test_bad_numpy_data_is_refused_without_ray",
     "test_data::test_tokenizer_is_deterministic_and_pads",
     "test_data::test_validation_split_is_seeded_and_stable",

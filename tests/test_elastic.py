@@ -214,3 +214,17 @@ def test_an_impossible_range_or_batch_is_refused_in_one_line_before_ray_starts(r
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and REFUSED[case][1] in errors[0], p.stderr[-2000:]
     assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_the_plan_splits_the_global_batch_of_an_update_at_every_size_with_accumulated_steps(tmp_path):
+    """--global-batch is the rows of an update at every size: with --grad-accum 2, 64 is 32 a step on 1 worker and
+    16 on each of 2, each twice (the plan's run line and its elastic line say the same; nothing trained)."""
+    from app.config import build_config
+    from app.run.api import dry_run
+
+    lines = dry_run(build_config(None, {"output": str(tmp_path / "plan"), "num_workers": "1:2", "global_batch": 64,
+                                        "grad_accum": 2}))
+    text = "\n".join(lines)
+    assert "global batch 64 (= 16 per worker x 2 accumulated steps)" in text, text
+    assert "the global batch 64 stays at every size" in text and "at 1: 32 per replica x 2 accumulated steps, " \
+        "global 64, " in text and "; 2: 16 per replica x 2 accumulated steps, global 64, " in text, text

@@ -43,11 +43,15 @@ def _elastic_line(config, train, batch: Optional[int]) -> str:
     """The plan's line for an elastic range: how a resize goes on, and each size's part of the global batch."""
     every = f"every {config.checkpoint_every_steps} steps" if config.checkpoint_every_steps else "every epoch"
     sizes = range(config.min_workers, config.max_workers + 1)
-    at = "; ".join(f"{n}: {-(-batch // n) if batch else 'its part of each batch'} per replica, global "
-                   f"{batch or 'as given'}, {train.steps_on(n, 0, config.seed)} steps" for n in sizes)
+    # ``batch``: Keras's, a step's; the global batch is an update's rows (the steps accumulated), as in the run line
+    k = config.grad_accum
+    per = f" x {k} accumulated steps" if k > 1 else ""
+    at = "; ".join(f"{n}: {f'{-(-batch // n)} per replica{per}' if batch else 'its part of each batch per replica'}"
+                   f", global {batch * k if batch else 'as given'}, {train.steps_on(n, 0, config.seed)} steps"
+                   for n in sizes)
     return (f"elastic: {config.min_workers} to {config.max_workers} workers, resized by Ray Train (a restart from the "
             f"latest checkpoint, {every}; looks for room every {config.resize_check_s:g} s; a lost node spends "
-            f"restarts, {config.restarts} in all: --max-failures); the global batch {batch or '(as x gives it)'} "
+            f"restarts, {config.restarts} in all: --max-failures); the global batch {batch * k if batch else '(as x gives it)'} "
             f"stays at every size, cut over its workers, so the math does not change; at {at}")
 
 
