@@ -67,11 +67,13 @@ def precision_runs(tmp_path_factory):
 
 
 def test_fp16_overflow_on_one_replica_skips_the_step_on_all(tmp_path):
-    """Keras' LossScaleOptimizer checks local gradients only; the loop makes the decision global."""
+    """Keras's LossScaleOptimizer checks the gradients it is given; Keras's fit on local replicas, as the product
+    runs it, gives it the replicas' sum, so an overflow on one is a skipped step on all."""
     p = subprocess.run([sys.executable, "tests/scripts/fp16_overflow_on_one_replica.py", str(tmp_path / "o")],
                        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads(p.stdout.strip().splitlines()[-1])
     assert seen["compute_dtype"] == "float16"
     assert seen["finite"] and seen["unchanged"], seen  # skipped everywhere, no inf summed into the weights
+    assert seen["optimizer"] == "LossScaleOptimizer" and seen["steps_applied"] == 0, seen
     assert seen["scale_after"] == seen["scale_before"] / 2  # and the loss scale backed off

@@ -34,28 +34,6 @@ def build_optimizer_slots(strategy, model, optimizer) -> None:
             optimizer.build(model.trainable_variables)
 
 
-def sum_over_replicas(value):
-    """Sum over every replica (the strategy's replica context)."""
-    import tensorflow as tf
-
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
-
-
-def agree_on_overflow(grads):
-    """Make an fp16 overflow on any replica an overflow on all of them.
-
-    LossScaleOptimizer checks the *local* gradients before its all-reduce:
-    under Mirrored the first replica decides and another's inf would be summed
-    into the weights. One scalar all-reduce per step makes the decision global.
-    """
-    import tensorflow as tf
-
-    bad = tf.cast(tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])), tf.float32)
-    any_bad = sum_over_replicas(bad) > 0
-    poison = tf.where(any_bad, float("nan"), 0.0)
-    return [g + tf.cast(poison, g.dtype) for g in grads]
-
-
 def with_penalties(model: "keras.Model", per_example_loss):
     """The loss as Keras reports it (``loss``, ``val_loss``): each example's loss plus the model's own penalties
     (``model.losses``: weight regularisers, ``add_loss``), which are per batch, so once per row of a mean."""
@@ -66,26 +44,19 @@ def with_penalties(model: "keras.Model", per_example_loss):
     return per_example_loss + tf.cast(tf.add_n(model.losses), per_example_loss.dtype)
 
 
-def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int,
-                       short_last: bool = False):
+def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
 
-    ``short_last``: the plan ends each epoch with a short step (app.data.plan), so the global batch is counted in
-    every step (one scalar all-reduce) instead of taken from the plan. Accumulating several micro-batches per update
-    is Keras's (gradient_accumulation_steps, app.training.keras_features): the runs here take one batch a step
-    (parameter servers refuse --grad-accum; a pipeline's step is its own, its micro-batches its accumulation).
+    The runs that take it are a parameter server's workers (asynchronous: each applies its own batch) and the
+    checkpoint benchmark's one device: one batch a step of the plan's size, never a short last one, no fp16
+    overflow to agree on across replicas (parameter servers refuse fp16 and --grad-accum). A pipeline's step is its
+    own (app.training.pipeline); every other run trains by Keras's fit.
     """
     import keras
     import tensorflow as tf
 
     variables = model.trainable_variables
     scales_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-    def rows_in_step(sample_weight):
-        if not short_last:
-            return global_batch
-        rows = tf.cast(tf.shape(sample_weight)[0], tf.float32)
-        return tf.cast(sum_over_replicas(rows), tf.int32)
 
     def train_step(x, y, sample_weight):
         weight = measures.train_weights(y, sample_weight)
@@ -94,7 +65,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
             per_example_loss = measures.loss(y, out, weight)
             # Divide by the *global* batch (all replicas): the all-reduce then sums replica gradients into the
             # gradient of the mean over the global batch.
-            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=rows_in_step(sample_weight))
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch)
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             if scales_loss:
@@ -103,8 +74,6 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
         # Before the update: the penalties (model.losses) are read from the weights the loss saw.
         step_sums = measures.sums(y, out, with_penalties(model, per_example_loss), tf.ones_like(per_example_loss),
                                   weight)
-        if scales_loss:
-            grads = agree_on_overflow(grads)
         # The strategy's optimizer all-reduces its replicas' gradients (each of the loss over the global batch).
         optimizer.apply_gradients(zip(grads, variables))
         return step_sums
@@ -119,13 +88,13 @@ class TrainSteps:
 
 
 def make_train_steps(strategy, model, optimizer, measures, global_batch: int, audit_sample_ids: bool = False,
-                     replica_step: Optional[Callable] = None, short_last: bool = False) -> TrainSteps:
+                     replica_step: Optional[Callable] = None) -> TrainSteps:
     """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
-    ``short_last``: as for ``replica_train_step``. ``one`` returns the step's sample ids (every replica's)."""
+    ``one`` returns the step's sample ids (every replica's)."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch, short_last)
+    step = replica_step or replica_train_step(model, optimizer, measures, global_batch)
 
     @tf.function
     def one(batch):

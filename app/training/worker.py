@@ -232,7 +232,7 @@ def replica_steps(config: "TrainConfig", strategy, training: Training, plan: Epo
         strategy, optimizer, measures,
         make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.audit_sample_ids,
                          pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None, short_last=plan.last_rows > 0),
+                         if pipe else None),
         make_eval_step(strategy, pipe if pipe is not None else model, measures),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,

@@ -1,49 +1,45 @@
 """Run by tests/test_precision.py in a fresh process (logical CPU devices must be set up before TF starts).
 
-Two Mirrored replicas, fp16 with loss scaling; replica 1's batch holds an inf,
-so only its gradients overflow. The step must be skipped on both replicas
-(weights unchanged and finite) and the loss scale halved.
+A user's compiled model trained by app.fit on two Mirrored replicas in this process, fp16 with Keras's loss
+scaling (mixed_precision="fp16"); replica 1's half of the one batch holds an inf, so only its gradients
+overflow. Keras's fit there, as the product runs it, applies the replicas' summed gradient once
+(app.training.keras_sync.synchronise_replicas): the step must be skipped on both replicas (weights unchanged and
+finite, the inner optimizer's step count 0) and the loss scale halved.
 """
 
 import json
 import sys
 
+import keras
 import numpy as np
 
-from app.config import build_config
-from app.data.arrays import DataFacts
-from app.training import optim
-from app.training import strategy as strategy_lib
-from app.training.measures import Measures
-from app.training.model import build_model
-from app.training.objective import Objective
-from app.training.step import make_train_steps
-
-strategy, _ = strategy_lib.local_strategy("mirrored", 2, 1)
-config = build_config(None, {"backend": "local", "mixed_precision": "fp16", "output": sys.argv[1], "hidden_units": [8]})
-lr_plan = optim.plan_lr(config, global_batch=8, steps_per_epoch=1)
-with strategy.scope():
-    model = build_model(config, DataFacts((4,), "classification", 3, 8, 0))
-    optimizer = optim.make_optimizer(config, lr_plan)
-objective = Objective("classification", "sparse_categorical_crossentropy", True, output_shape=(3,))
-steps = make_train_steps(strategy, model, optimizer, Measures(objective, model), global_batch=8)
-
-import tensorflow as tf  # noqa: E402
+import app
 
 x = np.ones((8, 4), np.float32)
-x[6, 0] = np.inf  # in the second half: replica 1's per-replica batch
+x[6, 0] = np.inf  # in the second half: replica 1's part of the batch
 y = np.zeros(8, np.int64)
-ids = np.arange(8, dtype=np.int64)
-batches = tf.data.Dataset.from_tensor_slices((x, y, ids, np.ones(8, np.float32))).batch(4)  # replica 0, then 1
-iterator = iter(strategy.distribute_datasets_from_function(lambda _: batches))
-before = [w.copy() for w in model.get_weights()]
-scale_before = float(optimizer.dynamic_scale.numpy())
-steps.one(next(iterator))
+INITIAL_SCALE = 2.0**15  # keras.optimizers.LossScaleOptimizer's
+
+
+def build():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="dense_0"),
+                              keras.layers.Dense(3, name="logits")])
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+history = app.fit(build, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, backend="local",
+                  strategy="mirrored", devices=2, mixed_precision="fp16", output=sys.argv[1])
+model, optimizer = history.model, history.model.optimizer
+keras.utils.set_random_seed(0)  # app.fit's default seed: the weights both replicas started from
+before = build().get_weights()
 after = model.get_weights()
 print(json.dumps({
     "finite": bool(all(np.isfinite(w).all() for w in after)),
     "unchanged": bool(all(np.array_equal(a, b) for a, b in zip(before, after))),
-    "scale_before": scale_before,
+    "optimizer": type(optimizer).__name__,
+    "steps_applied": int(optimizer.inner_optimizer.iterations.numpy()),
+    "scale_before": INITIAL_SCALE,
     "scale_after": float(optimizer.dynamic_scale.numpy()),
     "compute_dtype": model.get_layer("dense_0").compute_dtype,
 }))
