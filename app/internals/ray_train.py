@@ -4,7 +4,7 @@ inside the function.
 
 Ray Train 2.60 makes a ``DatasetsCallback`` on every run (``DataParallelTrainer._create_default_callbacks``), and
 that callback starts a ``DatasetManager`` actor, a process that imports Ray Data, as the workers start, datasets or
-none. On 2 cores it competes with the workers' import of TensorFlow: ~1.2 s of every run's start (docs/design.md,
+none. On 2 cores it competes with the workers' import of TensorFlow: ~1.1 s of every run's start (docs/design.md,
 facts). Ray has no switch for it. Without datasets there is no shard to hand out, and no worker reads the
 DataContext the callback would copy to it.
 """
