@@ -122,6 +122,27 @@ def test_a_frozen_peer_is_named_and_an_unrelated_deadline_is_not():
     assert failures.summarize(upload) == "OSError: upload to gs://bucket failed: Deadline Exceeded (rank 0)"
 
 
+def test_a_worker_lost_in_a_step_or_while_the_controller_spoke_to_it_names_max_failures(tmp_path):
+    """Without a restart budget, a lost worker's line says how to get one, whether Ray reports it as the worker's
+    failure (a training step) or as the controller's (a kill that lands while it speaks to the group)."""
+    import ray.exceptions
+    import ray.train
+
+    from app.config import build_config
+
+    class Failed(Exception):
+        def __init__(self, failures):
+            super().__init__("Training failed")
+            self.worker_failures = failures
+
+    died = ray.exceptions.ActorDiedError()
+    for error in (Failed({0: died}), ray.train.ControllerError(died)):
+        for budget, hinted in ((0, True), (2, False)):
+            config = build_config(None, {"output": str(tmp_path / "run"), "max_failures": budget})
+            assert ("rerun with --max-failures 2" in failures.restart_hint(error, config)) == hinted, (error, budget)
+    assert failures.restart_hint(Failed({0: ValueError("a bug")}), build_config(None, {"output": str(tmp_path)})) == ""
+
+
 def test_nonfinite_values_are_counted_in_every_column_kind():
     nan, inf = float("nan"), float("inf")
     assert blocks._nonfinite(pa.chunked_array([[1.0, nan], [inf, None, 2.0]])) == 2

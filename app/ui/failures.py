@@ -50,8 +50,9 @@ def restart_hint(error: BaseException, config: TrainConfig) -> str:
     """For a worker lost mid-run with no restart budget: how to get one."""
     import ray
 
-    failures = getattr(error, "worker_failures", None) or {}
-    if config.restarts or not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
+    # A worker lost in a training step (its failure), or while the controller spoke to the group (the controller's)
+    lost = [*(getattr(error, "worker_failures", None) or {}).values(), getattr(error, "controller_failure", None)]
+    if config.restarts or not any(isinstance(e, ray.exceptions.RayActorError) for e in lost):
         return ""
     return ("; a lost worker is not replaced with --max-failures 0: rerun with --max-failures 2 to restart from "
             "the last checkpoint")
