@@ -15,7 +15,7 @@ all-reduce (parameter servers: its variables, on the servers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import keras
@@ -47,10 +47,10 @@ def with_penalties(model: "keras.Model", per_example_loss):
 def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int):
     """The per-replica step: gradients of the loss averaged over the *global* batch, then applied.
 
-    The runs that take it are a parameter server's workers (asynchronous: each applies its own batch) and the
-    checkpoint benchmark's one device: one batch a step of the plan's size, never a short last one, no fp16
-    overflow to agree on across replicas (parameter servers refuse fp16 and --grad-accum). A pipeline's step is its
-    own (app.training.pipeline); every other run trains by Keras's fit.
+    The parameter servers' workers take it (asynchronous: each applies its own batch): one batch a step of the
+    plan's size, never a short last one, no fp16 overflow to agree on across replicas (parameter servers refuse
+    fp16 and --grad-accum). A pipeline's step is its own (app.training.pipeline); every other run trains by Keras's
+    fit.
     """
     import keras
     import tensorflow as tf
@@ -87,19 +87,18 @@ class TrainSteps:
     many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
 
 
-def make_train_steps(strategy, model, optimizer, measures, global_batch: int, audit_sample_ids: bool = False,
-                     replica_step: Optional[Callable] = None) -> TrainSteps:
-    """``replica_step``: a per-replica (x, y, w) -> sums step of its own (app.training.pipeline's), else the usual.
-    ``one`` returns the step's sample ids (every replica's)."""
+def make_train_steps(strategy, model, optimizer, measures, replica_step: Callable,
+                     audit_sample_ids: bool = False) -> TrainSteps:
+    """``replica_step``: a per-replica (x, y, w) -> sums step (app.training.pipeline's). ``one`` returns the step's
+    sample ids (every replica's)."""
     import tensorflow as tf
 
     build_optimizer_slots(strategy, model, optimizer)
-    step = replica_step or replica_train_step(model, optimizer, measures, global_batch)
 
     @tf.function
     def one(batch):
         x, y, ids, w = batch
-        per_replica = strategy.run(step, args=(x, y, w))
+        per_replica = strategy.run(replica_step, args=(x, y, w))
         gathered = strategy.gather(ids, axis=0) if audit_sample_ids else tf.zeros((0,), tf.int64)
         return per_replica, gathered
 
@@ -109,7 +108,7 @@ def make_train_steps(strategy, model, optimizer, measures, global_batch: int, au
         acc = tf.zeros((measures.size,), tf.float64)
         for _ in tf.range(k):
             x, y, _ids, w = next(iterator)
-            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(step, args=(x, y, w)))))
+            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(replica_step, args=(x, y, w)))))
         return acc
 
     return TrainSteps(one, many)

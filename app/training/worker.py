@@ -76,7 +76,7 @@ class Session(Protocol):
 
 @dataclass
 class Training:
-    """What one worker trains, built by ``build_training`` for every backend and for the benchmarks."""
+    """What one worker trains, built by ``build_training``."""
 
     model: Any
     optimizer: Any
@@ -223,17 +223,17 @@ def step_runner(config: "TrainConfig", session: Session, strategy, training: Tra
 
 
 def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan):
-    """Synchronous replicas' step runner (``strategy.run`` of the compiled steps); the benchmarks time it too."""
+    """A pipeline's step runner: ``strategy.run`` of its compiled steps (its stages' own train step)."""
     from app.training.loop import ReplicaSteps
     from app.training.step import make_eval_step, make_train_steps
 
     model, optimizer, measures, pipe = training.model, training.optimizer, training.measures, training.pipe
     return ReplicaSteps(
         strategy, optimizer, measures,
-        make_train_steps(strategy, model, optimizer, measures, plan.global_batch, config.audit_sample_ids,
-                         pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches)
-                         if pipe else None),
-        make_eval_step(strategy, pipe if pipe is not None else model, measures),
+        make_train_steps(strategy, model, optimizer, measures,
+                         pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches),
+                         config.audit_sample_ids),
+        make_eval_step(strategy, pipe, measures),
         steps_per_execution=config.steps_per_execution,
         audit_sample_ids=config.audit_sample_ids,
     )

@@ -28,7 +28,7 @@ from app.training import strategy as strategy_lib
 from app.training.measures import Measures
 from app.training.model import build_model
 from app.training.pipeline import Pipeline
-from app.training.step import make_train_steps
+from app.training.step import make_train_steps, replica_train_step
 
 STEPS = 3
 
@@ -72,8 +72,9 @@ def train(case: dict, checked, microbatches: int | None):
     pipe = Pipeline.place(model, checked.model["pipeline"], checked.facts.feature_shape) if microbatches else None
     model = pipe.model if pipe else model
     measures = Measures(checked.objective, model)
-    step = pipe.train_step(optimizer, measures, batch_size, microbatches) if pipe else None
-    steps = make_train_steps(strategy, model, optimizer, measures, batch_size, replica_step=step)
+    step = pipe.train_step(optimizer, measures, batch_size, microbatches) if pipe \
+        else replica_train_step(model, optimizer, measures, batch_size)
+    steps = make_train_steps(strategy, model, optimizer, measures, step)
     first = [float(v) for v in steps.one(batch)[0].numpy()]
     for _ in range(STEPS - 1):
         steps.one(batch)
