@@ -1,8 +1,8 @@
 """Which backend runs a training, decided here once from ``--backend`` and ``--strategy``.
 
 Everything that differs between the backends is a field of `Backend`: who starts the workers and where they
-run, who keeps the checkpoints, how many replicas share a global batch before anything starts, whether an epoch
-may end on a short batch. The rest of the code reads these fields and never compares a backend's or a
+run, who keeps the checkpoints, how many replicas share a global batch before anything starts, whether Keras's
+fit or the product's own loop trains it. The rest of the code reads these fields and never compares a backend's or a
 strategy's name (``tests/test_architecture.py::test_backend_and_strategy_names_are_compared_in_three_modules``):
 only this module, the config's cross-field rules (app.config) and the command line (app.cli) name them.
 The driver that runs each backend is looked up by `Backend.name` (app.run.api).
@@ -32,7 +32,6 @@ class Backend:
     replicas_why: str
     counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores or an elastic run's
     # workers: known once started)
-    short_last_batch: bool  # an epoch may end on a shorter batch, as model.fit's does
     # The product's own training loop trains it, not Keras's fit: parameter servers (Keras 3's fit has no
     # ParameterServerStrategy) and a pipeline (the model cut into stages, each stage's step the product's).
     own_loop: bool = False
@@ -49,13 +48,12 @@ def backend_of(config: "TrainConfig") -> Backend:
     if runs_on_ray(config.backend) and strategy == PARAMETER_SERVER:
         return Backend(PARAMETER_SERVER, on_ray=True, ray_train=False, parameter_servers=True,
                        pipeline=False, replicas=1, replicas_why="--strategy parameter-server: each update is one "
-                       "worker's batch", counts_gpus=False, short_last_batch=False, own_loop=True)
+                       "worker's batch", counts_gpus=False, own_loop=True)
     if runs_on_ray(config.backend):
         return Backend("ray", on_ray=True, ray_train=True, parameter_servers=False, pipeline=False,
                        # an elastic run's replicas follow the cluster, one per worker
                        replicas=None if config.elastic else config.max_workers,
-                       replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False,
-                       short_last_batch=True)
+                       replicas_why=f"{config.max_workers} Ray worker(s), one replica each", counts_gpus=False)
     one_replica = strategy in ("one-device", "pipeline")
     if config.tensor_degree:
         replicas, why = 1, f"--tensor-parallel {config.tensor_degree}: one replica, split over devices"
@@ -67,8 +65,7 @@ def backend_of(config: "TrainConfig") -> Backend:
         replicas, why = None, "the devices found"
     return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
-                   counts_gpus=replicas is None and strategy != "tpu", short_last_batch=strategy != "pipeline",
-                   own_loop=strategy == "pipeline")
+                   counts_gpus=replicas is None and strategy != "tpu", own_loop=strategy == "pipeline")
 
 
 def several_replicas_asked(config: "TrainConfig") -> bool:

@@ -93,29 +93,19 @@ def test_epoch_plan_equalises_shards_and_counts_the_dropped_rows():
 
 
 @pytest.mark.parametrize("rows, workers, replicas", [(499, 2, 1), (499, 1, 1), (100, 2, 2), (1438, 3, 1), (64, 2, 1)])
-def test_a_short_last_batch_trains_every_row_once_split_over_every_replica(rows, workers, replicas):
-    """As model.fit: the rows whole batches leave are one short last step, cut as evenly as can be over every
-    replica; step s's global batch is the same rows whatever the number of workers."""
-    p = EpochPlan(rows, workers, 16, replicas, short_last=True)
+def test_the_whole_batches_of_an_epoch_cover_distinct_rows_and_are_one_workers_global_batches(rows, workers, replicas):
+    """The own step's plan (a pipeline, parameter servers): whole batches, each row at most once, the rows left over
+    fewer than a global batch; step s's global batch is the same rows whatever the number of workers."""
+    p = EpochPlan(rows, workers, 16, replicas)
     starts, sizes = p.slices()
-    assert starts.shape == sizes.shape == (workers, p.steps * replicas)
+    assert starts.shape == sizes.shape == (workers, p.steps * replicas) and (sizes == 16).all()
     covered = sorted(r for s, n in zip(starts.ravel(), sizes.ravel()) for r in range(s, s + n))
-    assert covered == list(range(rows)) and p.dropped == 0 and p.samples == rows
-    assert p.last_rows == rows % (16 * workers * replicas)
-    if p.last_rows:
-        short = sizes[:, -replicas:].ravel()  # each replica's part of the short step: as even as can be
-        assert short.max() - short.min() <= 1 and short.min() >= 1 and short.sum() == p.last_rows
+    assert covered == list(range(p.samples)) and p.dropped == rows % (16 * workers * replicas)
     # The same global batches as one worker with the global batch, in the same order.
-    one = EpochPlan(rows, 1, 16 * workers * replicas, short_last=True)
+    one = EpochPlan(rows, 1, 16 * workers * replicas)
     one_starts, one_sizes = one.slices()
     step_rows = sizes.reshape(workers, p.steps, replicas).sum(axis=(0, 2))
     assert list(step_rows) == list(one_sizes[0]) and list(starts[0, ::replicas]) == list(one_starts[0])
-
-
-def test_a_short_last_batch_smaller_than_the_replicas_is_dropped():
-    p = EpochPlan(65, 2, 16, short_last=True)  # 1 row left over, 2 replicas: one would get none
-    assert p.last_rows == 0 and p.dropped == 1 and p.steps == 2
-    assert EpochPlan(65, 2, 16).dropped == 1
 
 
 @pytest.mark.parametrize("given", [(1, 4), [1, 4], "1:4"])

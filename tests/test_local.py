@@ -178,17 +178,22 @@ def test_ray_flags_are_refused_for_local_and_vice_versa(tmp_path):
 
 
 def test_local_backend_never_imports_ray(tmp_path):
-    code = f"""
+    """Both engines of --backend local, each from a fresh process as app.train runs it: Keras's fit on one replica
+    (the default) and the product's own loop (a pipeline over 2 logical CPUs, which must be made before TensorFlow
+    starts)."""
+    for name, fields in (("fit", ""), ("pipeline", ', strategy="pipeline", devices=2')):
+        code = f"""
 import sys
-from app.config import build_config
-from app.backends import local as local_train
-local_train.run(build_config(None, {{"backend": "local", "epochs": 1, "output": {str(tmp_path / "o")!r}}}))
+import app
+app.train(backend="local", epochs=1, output={str(tmp_path / name)!r}{fields})
 assert "ray" not in sys.modules, sorted(m for m in sys.modules if m.startswith("ray"))
 print("no ray")
 """
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
+        p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0 and "no ray" in p.stdout, p.stderr[-3000:]
+    assert json.loads((tmp_path / "pipeline" / "result.json").read_text())["strategy"] == "pipeline"
+    assert (tmp_path / "fit" / "result.json").exists()
 
 
 def test_cnn_batch_norm_state_is_one_value_across_replicas(local_set):

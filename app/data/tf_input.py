@@ -55,7 +55,7 @@ def train_batches_from_arrays(
     the other; ``rank`` may be a tensor, as a parameter-server worker's). So N
     workers train on the very batches one worker with the global batch does,
     as Keras's ``fit`` with ``shuffle=False`` takes them
-    (rows 0..G-1 first), the short last one included where the plan has one.
+    (rows 0..G-1 first).
     ``start_step``: the first epoch starts there (a checkpoint inside it), at the
     very rows an uninterrupted run would have gone on with, whatever the size.
     """
@@ -64,15 +64,13 @@ def train_batches_from_arrays(
     x, y = (tf.nest.map_structure(tf.constant, a) for a in (split.x, split.y))
     ids, w = tf.constant(split.ids), tf.constant(split.weights())
     starts, sizes = (tf.gather(tf.constant(a), rank) for a in plan.slices())
-    # Whole batches only: a static batch size, as before the short last batch existed.
-    size = None if plan.last_rows else plan.step_batch
 
     def one_epoch(epoch):
         order = tf.range(len(split), dtype=tf.int64)
         if shuffle:  # stateless: the permutation is a pure function of (seed, epoch)
             order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
         return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(
-            lambda start, n: tf.ensure_shape(order[start:start + n], (size,)))
+            lambda start, n: tf.ensure_shape(order[start:start + n], (plan.step_batch,)))
 
     def gather(index):
         rows = lambda t: tf.gather(t, index)  # noqa: E731

@@ -126,7 +126,7 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
         from app.training.callbacks import check as check_callbacks
 
         summary["callbacks"] = check_callbacks(config, objective)
-    plan = checked_plan(config, facts.num_train_rows, num_workers, replicas_per_worker, objective.short_last_batch)
+    plan = checked_plan(config, facts.num_train_rows, num_workers, replicas_per_worker)
     checked = Checked(source, facts, objective, summary)
     if config.resume:
         from app.driver import resume
@@ -135,17 +135,16 @@ def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
     return checked
 
 
-def checked_plan(config: "TrainConfig", rows: int, num_workers: int, replicas_per_worker: int = 1,
-                 short_last: bool = False) -> EpochPlan:
+def checked_plan(config: "TrainConfig", rows: int, num_workers: int, replicas_per_worker: int = 1) -> EpochPlan:
     """The epoch plan at ``num_workers``, refused in one line when its batch does not fit the training rows (at
     every size of an elastic run)."""
     sizes = list(config_scale.sizes(config.num_workers)) if config.elastic else [num_workers]
     for n in sizes:
-        plan = EpochPlan.for_run(config, rows, n, replicas_per_worker, short_last=short_last)
+        plan = EpochPlan.for_run(config, rows, n, replicas_per_worker)
         if not plan.steps and config.global_batch is not None:  # the fix is a smaller --global-batch
             raise UserError(global_batch_too_large(config, rows, [n * replicas_per_worker for n in sizes]))
         plan.check()
-    return EpochPlan.for_run(config, rows, num_workers, replicas_per_worker, short_last=short_last)
+    return EpochPlan.for_run(config, rows, num_workers, replicas_per_worker)
 
 
 def global_batch_too_large(config: "TrainConfig", rows: int, replicas: Sequence[int]) -> str:
@@ -170,16 +169,10 @@ def lr_line(lr, objective, config: "TrainConfig") -> str:
 
 def batches_line(plan: EpochPlan) -> str:
     """What the plan does with the rows that whole batches leave over."""
-    if plan.last_rows:
-        return (f"each epoch ends with a short batch of the {plan.last_rows} rows left over, as model.fit "
-                f"(split over the {plan.num_workers * plan.replicas_per_worker} replica(s))")
-    if plan.short_last and plan.dropped:
-        return (f"{plan.dropped} training rows dropped per epoch (fewer than one per replica: a short last batch "
-                "would leave a replica none)")
     if not plan.dropped:
         return "every training row once per epoch (whole batches)"
-    return (f"{plan.dropped} training rows dropped per epoch (whole batches on every replica: streamed data, "
-            "--grad-accum and parameter servers cannot end an epoch on a short batch)")
+    return (f"{plan.dropped} training rows dropped per epoch (whole batches on every replica: the product's own "
+            "step, which a pipeline and parameter servers train on, takes one batch size)")
 
 
 def begin(config: "TrainConfig", checked: Checked, num_workers: int, strategy: str) -> tuple[list[str], Path]:
@@ -205,8 +198,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     facts = checked.facts
     asynchronous = backend_of(config).parameter_servers
     objective = checked.objective
-    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous,
-                             objective.short_last_batch)
+    plan = EpochPlan.for_run(config, facts.num_train_rows, num_workers, replicas_per_worker, asynchronous)
     lr = plan_lr(config, plan.update_batch, plan.updates, objective)
     run = (f"global batch {plan.global_batch} (= {plan.per_replica_batch} per replica"
            f"{f' x {config.grad_accum} accumulated' if config.grad_accum > 1 else ''}), {plan.steps} steps per epoch")

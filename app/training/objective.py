@@ -85,9 +85,6 @@ class Objective:
     # The compiled optimizer's LR (a number or its own schedule) trains as compiled, as model.fit would: no scaling
     # rule, warm-up or decay, because the run typed none of LR_FLAGS (app.training.optim.plan_lr).
     lr_as_compiled: bool = False
-    # As model.fit does, every epoch ends with the short batch of the rows left over (app.data.plan), where the
-    # data can be cut that way: in memory, one optimizer step per batch, synchronous replicas.
-    short_last_batch: bool = False
     class_weights: Optional[tuple[float, ...]] = None  # --class-weight, per class id
     # A model with several outputs: per output (name, label shape, output shape, label dtype, task); else ().
     outputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...], str, str], ...] = ()
@@ -164,7 +161,6 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
         label_shape=tuple(facts.label_shape), output_shape=tuple(output_shape),
         compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
         compiled_optimizer=optimizer, base_lr=base_lr, lr_as_compiled=as_compiled,
-        short_last_batch=not facts.streamed and config.grad_accum == 1 and backend_of(config).short_last_batch,
         class_weights=class_weights(config, facts), sources=tuple(sources), outputs=outputs,
     )
     return objective

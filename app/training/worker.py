@@ -121,8 +121,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
     asynchronous = session.coordinator is not None
     replicas = 1 if asynchronous else replicas_in_sync // session.world
-    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous,
-                             job.objective.short_last_batch)
+    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
     training = build_training(config, job, strategy, plan, asynchronous)
     model, optimizer = training.model, training.optimizer
 
