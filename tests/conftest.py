@@ -88,7 +88,7 @@ LOCAL_LANE_TESTS = {
     "test_fit::test_a_model_function_given_as_a_functools_partial_pickles_for_the_workers",
     "test_fit::test_a_model_file_function_that_takes_the_products_arguments_trains_by_the_products_step",
     "test_fit::test_fit_refuses_in_one_line_before_anything_starts",
-    "test_fit::test_the_epoch_record_maps_to_keras_history_keys_for_any_metric",
+    "test_fit::test_the_own_loops_epoch_record_is_written_and_read_back_under_keras_history_keys_for_any_metric",
     "test_fit::test_validation_split_is_the_last_rows_cut_as_keras_cuts",
     "test_parameter_server::test_parameter_server_requests_that_cannot_be_met_are_one_line",
     "test_parameter_server::test_sharded_embedding_is_one_table_with_sparse_gradients",

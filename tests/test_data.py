@@ -295,7 +295,8 @@ def test_labels_out_of_range_are_refused(ray_cluster, tmp_path, good_parquet):
 
 def test_bad_numpy_data_is_refused_without_ray(tmp_path):
     cases = {
-        "label array 'label' not found in dataset .*: it has x, y": dict(x=np.zeros((5, 2)), y=np.arange(5)),
+        "label array 'label' not found in dataset .*: it has x, y: give --label-column one of them":
+            dict(x=np.zeros((5, 2)), y=np.arange(5)),
         r"label array 'label' has dtype float64, expected integers": dict(x=np.zeros((5, 2)), label=np.ones(5)),
         "array 'x' .* has ragged feature shapes": dict(
             x=np.array([np.zeros(2), np.zeros(3)], dtype=object), label=np.arange(2)

@@ -179,14 +179,22 @@ def test_a_model_file_function_that_takes_the_products_arguments_trains_by_the_p
     assert model_that_brings_its_step(f"{tmp_path / 'models.py'}:compiled").compiled
 
 
-def test_the_epoch_record_maps_to_keras_history_keys_for_any_metric():
+def test_the_own_loops_epoch_record_is_written_and_read_back_under_keras_history_keys_for_any_metric():
+    """history.csv's row of an own-loop epoch names its logs as Keras does, the rest of the record after them, and
+    app.fit's History reads them back as Keras's History has them."""
     from app.run.fit import keras_history
+    from app.training.metrics import epoch_line, history_row, keras_logs
 
     records = [{"epoch": e, "train_loss": 1.0 / e, "train_accuracy": 0.5, "train_auc": 0.6, "val_loss": 2.0,
                 "val_accuracy": 0.7, "val_auc": 0.8, "learning_rate": 0.1, "train_samples": 400,
                 "train_seconds": 1.5, "val_samples": 100, "dropped_samples": 5} for e in (1, 2)]
-    assert keras_history(records) == {"loss": [1.0, 0.5], "accuracy": [0.5, 0.5], "auc": [0.6, 0.6],
-                                      "val_loss": [2.0, 2.0], "val_accuracy": [0.7, 0.7], "val_auc": [0.8, 0.8]}
+    rows = [history_row(r) for r in records]
+    assert list(rows[0]) == ["epoch", "loss", "accuracy", "auc", "val_loss", "val_accuracy", "val_auc",
+                             "learning_rate", "train_samples", "train_seconds", "val_samples", "dropped_samples"]
+    assert keras_history(rows) == {"loss": [1.0, 0.5], "accuracy": [0.5, 0.5], "auc": [0.6, 0.6],
+                                   "val_loss": [2.0, 2.0], "val_accuracy": [0.7, 0.7], "val_auc": [0.8, 0.8]}
+    assert epoch_line(2, 3, keras_logs(records[1]), 1.25) == \
+        "epoch 2/3  loss 0.5  accuracy 0.5  auc 0.6  val_loss 2  val_accuracy 0.7  val_auc 0.8  (1.2 s)"
 
 
 def test_validation_split_is_the_last_rows_cut_as_keras_cuts():

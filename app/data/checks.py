@@ -20,8 +20,10 @@ def check_labels(what: str, low: int, high: int, num_classes: Optional[int]) -> 
         )
 
 
-def missing(kind: str, name: str, uri: str, existing: list[str]) -> UserError:
-    return UserError(f"{kind} {name!r} not found in dataset {uri!r}: it has {', '.join(existing) or 'nothing'}")
+def missing(kind: str, name: str, uri: str, existing: list[str], flag: Optional[str] = None) -> UserError:
+    """``flag``: the option that names it, which the line tells the user to give one of ``existing`` with."""
+    fix = f": give {flag} one of them" if flag and existing else ""
+    return UserError(f"{kind} {name!r} not found in dataset {uri!r}: it has {', '.join(existing) or 'nothing'}{fix}")
 
 
 # How a NaN/inf refusal ends, for every source.

@@ -71,14 +71,14 @@ def load_numpy(config: "TrainConfig", uri: str) -> tuple[np.ndarray, np.ndarray]
     arrays = _numpy_arrays(loc)
     names = sorted(arrays)
     if config.label_column not in arrays:
-        raise missing("label array", config.label_column, uri, names)
+        raise missing("label array", config.label_column, uri, names, "--label-column")
     features = config.feature_columns or [n for n in names if n != config.label_column]
     if len(features) != 1:
         raise UserError(
             f"dataset {uri!r} has arrays {', '.join(names)}: name the one feature array with --feature-columns"
         )
     if features[0] not in arrays:
-        raise missing("feature array", features[0], uri, names)
+        raise missing("feature array", features[0], uri, names, "--feature-columns")
     x, y = arrays[features[0]](), arrays[config.label_column]()
     if y.dtype.kind not in "iu" and (config.task in ("classification", "binary") or y.dtype.kind not in "f"):
         raise UserError(

@@ -83,11 +83,11 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
         seed=config.seed,
     )
     if labelled and config.label_column not in types:
-        raise missing("label column", config.label_column, loc.uri, names)
+        raise missing("label column", config.label_column, loc.uri, names, "--label-column")
     common["task"] = _task(config, types[config.label_column]) if labelled else config.task
     if config.text_column:
         if config.text_column not in types:
-            raise missing("text column", config.text_column, loc.uri, names)
+            raise missing("text column", config.text_column, loc.uri, names, "--text-column")
         if _type_kind(types[config.text_column]) not in ("string", "binary"):  # binary: UTF-8 bytes
             raise UserError(f"text column {config.text_column!r} has type {types[config.text_column]}, expected strings")
         return Spec(kind="text", features=(config.text_column,), stored_shape=(config.sequence_length,), **common)
@@ -96,7 +96,7 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
     features = config.feature_columns or [n for n in names if n != config.label_column]
     for name in features:
         if name not in types:
-            raise missing("feature column", name, loc.uri, names)
+            raise missing("feature column", name, loc.uri, names, "--feature-columns")
     if not features:
         raise UserError(f"dataset {loc.uri!r} has no feature columns besides the label {config.label_column!r}")
     kinds = {name: _type_kind(types[name]) for name in features}

@@ -18,6 +18,7 @@ from app.driver import output_guard
 from app.errors import UserError
 from app.training.checkpoint import LOCAL_DIR as LOCAL_CHECKPOINTS
 from app.training.export import SAVED_MODEL_DIR, export_saved_model
+from app.training.metrics import history_row
 from app.training.objective import metric_in, metric_mode, metric_names_in
 from app.training.optim import AS_COMPILED
 
@@ -198,7 +199,7 @@ def write_outputs(
     # From the checkpoint's model file, in this process (the driver: it built the model for the checks, so
     # TensorFlow is imported already): one ordinary model, whatever the strategy trained it.
     saved_model = export_saved_model(model_file, out / SAVED_MODEL_DIR) if "savedmodel" in config.export else None
-    write_history(out / HISTORY_FILE, history)
+    write_history(out / HISTORY_FILE, [history_row(h) for h in history])  # its logs under Keras's names
     lr_plan = state["lr_plan"]
     num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
     plot_curves(history, out / CURVES_FILE, subtitle=_subtitle(config, state, strategy, num_replicas))

@@ -52,10 +52,6 @@ from app.errors import UserError
 from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_BATCH_SIZE, KERAS_STEP_FIELDS
 from app.run.keras_step import given as _given
 
-# Keys of the epoch record that are counts and times, not metrics: train_samples, train_seconds, val_samples.
-# Every other train_<name> / val_<name> is a loss or a metric and goes to .history.
-NOT_METRICS = ("samples", "seconds")
-
 
 def keras_step_input(x: Any) -> bool:
     """An input that a model's own fit trains on: what Keras's fit reads itself (arrays, or a dict, list or tuple
@@ -115,23 +111,15 @@ class History:
         return f"History({len(self.epoch)} epochs, keys {list(self.history)}, output {self.model_file.parent})"
 
 
-def keras_history(records: list[dict[str, Any]]) -> dict[str, list[Optional[float]]]:
-    """Per-epoch records -> Keras's History keys: train_loss -> loss, train_<m> -> <m>, val_<m> as it is.
+def keras_history(rows: list[dict[str, Any]]) -> dict[str, list[Optional[float]]]:
+    """history.csv's rows of an own-loop run (app.training.metrics.history_row: its logs under Keras's names) ->
+    Keras's History: each loss and metric, training ones first, then validation, as Keras orders its logs. A value
+    an epoch's row lacks is None."""
+    from app.training.objective import metric_names_in
 
-    Generic over the metric names the records carry; training keys first, then validation, as Keras orders
-    its logs. A value an epoch's record lacks is None.
-    """
-    keys = list(dict.fromkeys(k for r in records for k in r))
-    mapped = {}
-    for prefix, keras_prefix in (("train_", ""), ("val_", "val_")):
-        for key in keys:
-            name = key[len(prefix):]
-            if key.startswith(prefix) and name not in NOT_METRICS:
-                mapped[keras_prefix + name] = key
-    return {
-        keras_key: [None if r.get(key) in (None, "") else float(r[key]) for r in records]
-        for keras_key, key in mapped.items()
-    }
+    names = list(dict.fromkeys(n for r in rows for n in metric_names_in(r)))
+    keys = [k for k in (*names, *(f"val_{n}" for n in names)) if any(k in r for r in rows)]
+    return {k: [None if r.get(k) in (None, "") else float(r[k]) for r in rows] for k in keys}
 
 
 def fit(

@@ -271,6 +271,8 @@ def with_learning_rate(model, scalars: dict[str, float]) -> dict[str, float]:
 
 
 def epoch_line(record: dict[str, Any], epochs: int) -> str:
-    """One console line per epoch: its logs as Keras names them."""
-    values = "  ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in RECORD_KEYS)
-    return f"epoch {record['epoch']}/{epochs}  {values}  ({record['seconds']:.1f} s)"
+    """One console line per epoch: its logs as Keras names them (app.training.metrics.epoch_line)."""
+    from app.training import metrics
+
+    return metrics.epoch_line(record["epoch"], epochs, {k: v for k, v in record.items() if k not in RECORD_KEYS},
+                              record["seconds"])

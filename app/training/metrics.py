@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from app.training.objective import metric_in, metric_names_in
+from app.training.objective import metric_names_in
 
 
 @dataclass
@@ -82,19 +82,23 @@ def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate:
     return metrics
 
 
-SHORT = {"accuracy": "acc"}  # the console's short names
+def keras_logs(record: dict) -> dict:
+    """An own-loop epoch record's losses and metrics under Keras's History names (``train_loss`` -> ``loss``,
+    ``train_<metric>`` -> ``<metric>``, ``val_<name>`` as it is): what history.csv and the console name them as, as
+    for a run of Keras's fit. result.json, TensorBoard and Ray's reports keep the record's names, every run's."""
+    names = metric_names_in(record)
+    return {**{n: record[f"train_{n}"] for n in names if f"train_{n}" in record},
+            **{f"val_{n}": record[f"val_{n}"] for n in names}}
 
 
-def progress_line(m: dict, epochs: int, history: list[dict]) -> str:
-    """One epoch on the console: losses, every val metric (the run's own first), LR, speed, time left."""
-    mean_epoch = sum(h["epoch_seconds"] for h in history) / len(history)
-    eta = mean_epoch * (epochs - m["epoch"])
-    primary = metric_in(m)
-    names = [n for n in metric_names_in(m) if n != "loss"]
-    names = ([primary] if primary in names else []) + [n for n in names if n != primary]
-    shown = "  ".join(f"val_{SHORT.get(n, n)} {m[f'val_{n}']:.4f}" for n in names)
-    return (
-        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
-        f"{shown}{'  ' if shown else ''}lr {m['learning_rate']:.4g}  "
-        f"{m['samples_per_second']:,.0f} samples/s  {m['epoch_seconds']:.1f} s  ETA {eta:.0f} s"
-    )
+def history_row(record: dict) -> dict:
+    """history.csv's row of an own-loop epoch: the epoch, its logs as Keras names them, then the rest of the record."""
+    logs = keras_logs(record)
+    renamed = {f"train_{k}" for k in logs}
+    return {"epoch": record["epoch"], **logs, **{k: v for k, v in record.items() if k not in renamed and k not in logs}}
+
+
+def epoch_line(epoch: int, epochs: int, logs: dict, seconds: float) -> str:
+    """One console line per epoch, for every run: its logs as Keras names them, and the epoch's seconds."""
+    values = "  ".join(f"{k} {v:.4g}" for k, v in logs.items())
+    return f"epoch {epoch}/{epochs}  {values}  ({seconds:.1f} s)"

@@ -111,7 +111,7 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
     from app.training.loop import EpochBar, EpochDriver
-    from app.training.metrics import progress_line
+    from app.training.metrics import epoch_line, keras_logs
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
@@ -167,7 +167,7 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
             metrics["workers"] = session.world
             progress.record(metrics, train.sample_ids)
             tensorboard.epoch(epoch, metrics)
-            log.info(progress_line(metrics, config.epochs, progress.history))
+            log.info(epoch_line(epoch, config.epochs, keras_logs(metrics), metrics["epoch_seconds"]))
             stop = hooks.epoch_end(epoch, metrics)
             save(metrics)
             if stop:
