@@ -132,6 +132,38 @@ def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):
     assert result["metrics"]["val_accuracy"] > 0.8
 
 
+def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(tmp_path):
+    """A Keras script imports Keras first and app.fit checks the model before the run: the pipeline's logical
+    devices are still made before TensorFlow starts, and the History has Keras's keys (history.csv's names)."""
+    code = textwrap.dedent(f"""
+        import json
+        import keras
+        import numpy as np
+        import app
+
+        def build():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+            return model
+
+        x = np.random.default_rng(0).normal(size=(320, 5)).astype("float32")
+        history = app.fit(build, x, (x[:, 0] > 0).astype("int64"), epochs=2, batch_size=32, validation_split=0.2,
+                          backend="local", strategy="pipeline", devices=2, output={str(tmp_path / "run")!r},
+                          verbose=0)
+        print(json.dumps({{"keys": list(history.history), "epoch": history.epoch,
+                           "strategy": history.result["strategy"]}}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"keys": ["loss", "accuracy", "val_loss", "val_accuracy"], "epoch": [0, 1], "strategy": "pipeline"}
+    header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
+    assert header[:5] == ["epoch", "loss", "accuracy", "val_loss", "val_accuracy"]
+
+
 def test_split_at_takes_a_comma_list_or_separate_values():
     base = ["--backend", "local", "--strategy", "pipeline"]
     assert cli.train_args("t", [*base, "--split-at", "block_2,block_4,block_6"]).config.split_at == [

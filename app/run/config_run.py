@@ -196,21 +196,33 @@ def local_replicas(config) -> Any:
                         "on Ray's workers (--backend ray)")
     from app.training import strategy as strategy_lib
 
+    strategy, reason = _local_strategy(config)
+    return strategy_lib.LocalReplicas(strategy, reason) if strategy.num_replicas_in_sync > 1 else None
+
+
+def _local_strategy(config) -> tuple[Any, str]:
+    from app.training import strategy as strategy_lib
+
     try:
-        strategy, reason = strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
+        return strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
     except strategy_lib.StrategyUnavailable as e:
         raise UserError(str(e)) from None
-    return strategy_lib.LocalReplicas(strategy, reason) if strategy.num_replicas_in_sync > 1 else None
 
 
 def local_replicas_of(fields: dict[str, Any]) -> Any:
     """``local_replicas`` of app.fit's keywords (its backend, strategy, devices, ...: several GPUs found by
-    ``strategy="auto"`` on the local backend, Mirrored, a TPU's)."""
+    ``strategy="auto"`` on the local backend, Mirrored, a TPU's). A pipeline's devices are made here too, before
+    fit's checks build the model (TensorFlow's devices are set as it starts); the own loop trains it."""
+    from app.backend import backend_of
     from app.config import build_config
 
     asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
                                     "shard_optimizer", "tensor_parallel") if k in fields}
-    return local_replicas(build_config(fields.get("config"), asked)) if asked else None
+    config = build_config(fields.get("config"), asked) if asked else None
+    if config is not None and backend_of(config).pipeline:
+        _local_strategy(config)
+        return None
+    return local_replicas(config) if config is not None else None
 
 
 def _streamed_facts(config, data: "_Data"):
