@@ -1,9 +1,12 @@
-"""The own loop's epoch metrics: exact sums over every replica, and the per-epoch record.
+"""The own loop's epoch metrics: exact sums over every replica, and the per-epoch record; the console's epoch
+line of every run.
 
 Loss, sample count and every metric's state are summed per replica and added
 once per epoch (app.training.measures), so a val accuracy is the accuracy over
 the whole validation set, not an average of per-replica averages, and an AUC is
-the AUC of all the rows.
+the AUC of all the rows. The record names them ``train_<name>`` / ``val_<name>``
+(result.json, TensorBoard, Ray's reports, as a run of Keras's fit names them
+there); history.csv and the console name them as Keras's History does.
 """
 
 from __future__ import annotations
