@@ -53,7 +53,7 @@ LOCAL_LANE = {"test_architecture", "test_bad_input_property", "test_benchmarks_d
 # ... and these tests of files that otherwise use Ray (each runs the local backend only, with no Ray fixture).
 LOCAL_LANE_TESTS = {
     "test_zero::test_every_weight_is_in_exactly_one_workers_part_and_the_parts_are_equal",
-    "test_benchmark::test_the_checkpoint_suite_times_the_products_own_training",
+    "test_benchmark::test_the_checkpoint_suite_times_kerass_fit_and_the_runs_own_checkpoint_write",
     "test_zero::test_what_cannot_be_sharded_is_one_line_before_anything_trains",
     "test_zero::test_one_worker_has_nothing_to_shard_and_trains_as_model_fit",
     "test_recovery::test_local_crash_and_resume_gives_the_uninterrupted_weights",
@@ -141,6 +141,13 @@ def pytest_collection_modifyitems(config, items):
         RAY_FIXTURES & set(item.fixturenames) or item.get_closest_marker("own_ray_cluster"))]
     if misplaced:
         raise pytest.UsageError(f"tests in the local lane that use a Ray (LOCAL_LANE, LOCAL_LANE_TESTS): {misplaced}")
+    # A renamed test would leave its entry behind, and itself in the Ray lane: an entry names a test of its module.
+    modules = {Path(item.nodeid.partition("::")[0]).stem: item.module for item in items if hasattr(item, "module")}
+    stale = sorted(entry for entry in LOCAL_LANE_TESTS
+                   if entry.partition("::")[0] in modules and not hasattr(modules[entry.partition("::")[0]],
+                                                                          entry.partition("::")[2]))
+    if stale:
+        raise pytest.UsageError(f"LOCAL_LANE_TESTS names tests that do not exist: {stale}")
 
 
 def pytest_configure(config):
