@@ -91,6 +91,7 @@ LOCAL_LANE_TESTS = {
     "test_fit::test_the_own_loops_epoch_record_is_written_and_read_back_under_keras_history_keys_for_any_metric",
     "test_fit::test_validation_split_is_the_last_rows_cut_as_keras_cuts",
     "test_parameter_server::test_parameter_server_requests_that_cannot_be_met_are_one_line",
+    "test_parameter_server::test_the_plan_says_why_parameter_servers_train_on_the_products_own_loop",
     "test_parameter_server::test_sharded_embedding_is_one_table_with_sparse_gradients",
     "test_predict::test_a_corrupt_model_file_is_one_line_for_evaluate_and_predict",
     "test_predict::test_app_predict_from_every_in_memory_source",

@@ -184,3 +184,12 @@ def test_parameter_server_requests_that_cannot_be_met_are_one_line(args, message
     p = subprocess.run([sys.executable, "jobs/train.py", *args], cwd=REPO, env=clean_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_the_plan_says_why_parameter_servers_train_on_the_products_own_loop():
+    """The plan (a --dry-run's, on in-memory data) says in one line why this run is not Keras's fit."""
+    p = subprocess.run([sys.executable, "jobs/train.py", "--strategy", "parameter-server", "--num-workers", "2",
+                        "--cpus-per-worker", "0.5", "--dry-run"], cwd=REPO, env=clean_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step: the product's own loop, not Keras's fit (Keras 3's fit has no ParameterServerStrategy)" in p.stdout

@@ -107,7 +107,9 @@ def test_cnn_pipeline_on_digits_matches_one_device(tmp_path):
     assert [s["device"] for s in stages] == ["/device:CPU:0", "/device:CPU:1"]
     assert stages[0]["first"] == "conv_0_0" and stages[1]["last"] == "logits"
     assert all(s["parameters"] > 0 for s in stages)
-    assert "pipeline: 2 stages, each batch as 4 micro-batches" in p.stderr  # the plan line
+    assert "pipeline: 2 stages, each batch as 4 micro-batches" in p.stderr  # the plan lines
+    assert "step: the product's own loop, not Keras's fit (Keras's fit has no step that runs one batch's " \
+           "micro-batches through stages on several devices)" in p.stderr
     # The exported model is one ordinary model (the equivalence script reloads one and checks its outputs).
     with zipfile.ZipFile(out / "model.keras") as saved:
         exported = json.loads(saved.read("config.json"))

@@ -214,6 +214,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
         f"{run}, {config.epochs} epochs",
+        own_loop_line(asynchronous),
         lr_line(lr, objective, config),
     ]
     if m.get("callbacks") is not None:
@@ -231,6 +232,14 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         lines.append(resume.plan_line(config, checked.resumed, plan, lr))
     return lines
 
+
+def own_loop_line(asynchronous: bool) -> str:
+    """Why this run trains on the product's own loop and not, as every other run, on Keras's fit."""
+    if asynchronous:
+        return ("step: the product's own loop, not Keras's fit (Keras 3's fit has no ParameterServerStrategy): each "
+                "worker's step applies the gradients of its own batch to the parameter servers' variables")
+    return ("step: the product's own loop, not Keras's fit (Keras's fit has no step that runs one batch's micro-batches "
+            "through stages on several devices): the gradients of the loss over the global batch, applied once a batch")
 
 
 def objective_line(config: "TrainConfig", objective: "Objective") -> str:
