@@ -194,19 +194,11 @@ def local_replicas(config) -> Any:
         raise UserError(f"--shard-optimizer {config.shard_optimizer}: the optimizer's state is cut over Ray's workers; "
                         "the replicas of a local strategy in this process each hold it whole: leave it out, or train "
                         "on Ray's workers (--backend ray)")
+    from app.backends.local import make_strategy
     from app.training import strategy as strategy_lib
 
-    strategy, reason = _local_strategy(config)
+    strategy, reason = make_strategy(config)
     return strategy_lib.LocalReplicas(strategy, reason) if strategy.num_replicas_in_sync > 1 else None
-
-
-def _local_strategy(config) -> tuple[Any, str]:
-    from app.training import strategy as strategy_lib
-
-    try:
-        return strategy_lib.local_strategy(config.strategy, config.devices, config.cpus_per_worker)
-    except strategy_lib.StrategyUnavailable as e:
-        raise UserError(str(e)) from None
 
 
 def local_replicas_of(fields: dict[str, Any]) -> Any:
@@ -220,7 +212,9 @@ def local_replicas_of(fields: dict[str, Any]) -> Any:
                                     "shard_optimizer", "tensor_parallel") if k in fields}
     config = build_config(fields.get("config"), asked) if asked else None
     if config is not None and backend_of(config).pipeline:
-        _local_strategy(config)
+        from app.backends.local import make_strategy
+
+        make_strategy(config)
         return None
     return local_replicas(config) if config is not None else None
 

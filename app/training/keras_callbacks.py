@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from app.errors import NonFiniteLoss
+from app.training import metrics
 from app.training.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,5 @@ def with_learning_rate(model, scalars: dict[str, float]) -> dict[str, float]:
 
 def epoch_line(record: dict[str, Any], epochs: int) -> str:
     """One console line per epoch: its logs as Keras names them (app.training.metrics.epoch_line)."""
-    from app.training import metrics
-
     return metrics.epoch_line(record["epoch"], epochs, {k: v for k, v in record.items() if k not in RECORD_KEYS},
                               record["seconds"])

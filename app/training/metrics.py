@@ -97,7 +97,7 @@ def keras_logs(record: dict) -> dict:
 def history_row(record: dict) -> dict:
     """history.csv's row of an own-loop epoch: the epoch, its logs as Keras names them, then the rest of the record."""
     logs = keras_logs(record)
-    renamed = {f"train_{k}" for k in logs}
+    renamed = {f"train_{n}" for n in metric_names_in(record)}  # what became a log (val_<name> keeps its name)
     return {"epoch": record["epoch"], **logs, **{k: v for k, v in record.items() if k not in renamed and k not in logs}}
 
 
