@@ -149,6 +149,9 @@ def _ragged():
     (dict(x=X, batch_size=8), "compiled with a loss but x has no labels (y)"),
     (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), audit_sample_ids=True),
      "a tf.data.Dataset's elements carry none"),
+    (dict(x=X, y=np.array(["no", "yes"])[Y]), "y holds strings (<U3, e.g. 'yes'), and Keras's fit takes numbers"),
+    (dict(x=X, y=Y, validation_data=(X, np.array(["no", "yes"], dtype=object)[Y])),
+     "validation_data's y holds strings (object, e.g. 'yes')"),
 ])
 def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     kwargs = {"epochs": 1, **kwargs}
@@ -589,6 +592,61 @@ def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_star
         with pytest.raises(UserError, match=re.escape(said)):
             app.fit(*args, backend="local", output=str(tmp_path / "never"), verbose=0, **kwargs)
     assert not (tmp_path / "never").exists()
+
+
+class OwnStepBugs(keras.Model):
+    """A model of its own step, with the bugs a user writes in one: an unpacking that fails when Keras's fit traces
+    the step, a matrix product whose shapes fail when it runs, and a test_step that fails as validation traces it."""
+
+    def __init__(self, bug):
+        super().__init__()
+        self.bug, self.dense = bug, keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def train_step(self, data):
+        if self.bug == "unpack":
+            x, y, w = data
+        x, y = data
+        with tf.GradientTape() as tape:
+            out = self(x, training=True)
+            loss = tf.reduce_mean(tf.matmul(out, y[:, None]) if self.bug == "matmul" else tf.square(out))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+    def test_step(self, data):
+        raise KeyError(f"no metric {self.bug}")
+
+
+def test_an_error_in_the_models_own_step_is_one_line_naming_it_where_the_error_says(tmp_path):
+    """Keras's fit traces and runs the model's own steps as graphs, whose errors name no code of the user's
+    (autograph's "in user code:", TensorFlow's "Graph execution error"): one line names the model's method, the
+    error and its file and line where the error says them; the whole traceback is in the run's log."""
+    from app.errors import UserCodeError
+
+    def own(bug):
+        def build():
+            model = OwnStepBugs(bug)
+            model.compile(optimizer="sgd")
+            return model
+        return build
+
+    first = inspect.getsourcelines(OwnStepBugs)[1]
+    y = Y.astype("float32")
+    cases = [("unpack", {}, f"OwnStepBugs.train_step raised ValueError: not enough values to unpack (expected 3, got 2) "
+                            f"(test_keras_step_local.py line {first + 13})"),
+             ("matmul", {}, "OwnStepBugs.train_step (or its test_step, call) raised InvalidArgumentError: Matrix "
+                            "size-incompatible: In[0]: [16,1], In[1]: [16,1]"),
+             ("validation", {"validation_data": (X, y)},
+              f"OwnStepBugs.test_step raised KeyError: 'no metric validation' (test_keras_step_local.py line {first + 22})")]
+    for bug, kwargs, said in cases:
+        with pytest.raises(UserCodeError) as raised:
+            app.fit(own(bug), X, y, batch_size=16, epochs=1, backend="local", output=str(tmp_path / bug), verbose=0,
+                    **kwargs)
+        log = tmp_path / bug / "train.log"
+        assert str(raised.value) == f"{said} (full traceback in {log})"
+        assert "Traceback (most recent call last)" in log.read_text()
 
 
 def test_a_loss_that_goes_nan_or_below_zero_trains_on_as_model_fit_and_its_curves_still_draw(tmp_path):

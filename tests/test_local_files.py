@@ -194,3 +194,75 @@ def test_a_tensor_column_ray_data_wrote_keeps_its_shape_locally(tmp_path):
     assert source.facts.feature_shape == (4, 4) and source.train.x.shape[1:] == (4, 4)
     flat = preflight.load_data(config.model_copy(update={"feature_shape": [16]}), 1)
     assert flat.facts.feature_shape == (16,)
+
+
+SCORED_MODELS = '''
+import keras
+
+
+@keras.saving.register_keras_serializable(package="scored")
+class OwnTestStep(keras.Model):
+    """Keras's train step, its own test step: the mean of each row's largest logit."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.top = keras.metrics.Mean(name="top_logit")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def test_step(self, data):
+        self.top.update_state(keras.ops.max(self(data[0], training=False), axis=-1))
+        return {"top_logit": self.top.result()}
+
+
+def metrics():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
+    return model
+
+
+def own_test_step():
+    model = OwnTestStep()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+'''
+
+
+def test_evaluate_scores_as_kerass_evaluate(tmp_path):
+    """jobs/evaluate.py runs Keras's evaluate on the run's model: its compiled metrics as Keras names them, or its own
+    test_step (a class its model file registers, imported from the run's config): what the run's last epoch
+    reported, and what keras's evaluate gives on the same rows; prediction loads that class too."""
+    import keras
+
+    x, y = learnable(400)
+    np.savez(tmp_path / "train.npz", x=x[:300], y=y[:300])
+    np.savez(tmp_path / "val.npz", x=x[300:], y=y[300:])
+    (tmp_path / "scored.py").write_text(SCORED_MODELS)
+    data = ["--dataset", str(tmp_path / "train.npz"), "--val-dataset", str(tmp_path / "val.npz"),
+            "--feature-columns", "x", "--label-column", "y", "--epochs", "2", "--per-replica-batch", "16"]
+    names = ("metrics", "own_test_step")
+    for p in [without_ray("jobs/train.py", "--backend", "local", "--output", str(tmp_path / name),
+                          "--model", f"{tmp_path / 'scored.py'}:{name}", *data) for name in names]:
+        finished(p)
+    for p in [without_ray("jobs/evaluate.py", "--run", str(tmp_path / name)) for name in names]:
+        finished(p)
+    finished(without_ray("jobs/predict.py", "--run", str(tmp_path / "own_test_step"), "--backend", "local",
+                         "--output", str(tmp_path / "predicted")))
+    scored = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in names}
+    trained = {name: json.loads((tmp_path / name / "result.json").read_text())["metrics"] for name in names}
+    assert {k for k in scored["metrics"] if k.startswith("val_")} == {"val_loss", "val_accuracy", "val_top2",
+                                                                       "val_samples"}
+    assert {k for k in scored["own_test_step"] if k.startswith("val_")} == {"val_top_logit", "val_samples"}
+    model = keras.models.load_model(tmp_path / "metrics" / "model.keras")
+    by_keras = model.evaluate(x[300:], y[300:], batch_size=16, verbose=0, return_dict=True)
+    for name in names:
+        assert scored[name]["val_samples"] == 100
+        for key, value in scored[name].items():
+            if key.startswith("val_") and key != "val_samples":
+                assert value == pytest.approx(trained[name][key], rel=1e-5), (name, key)
+    for key, value in by_keras.items():
+        assert scored["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5), key
+    assert json.loads((tmp_path / "predicted" / "_predict.json").read_text())["rows"] == 300

@@ -5,8 +5,7 @@ Driver:  fit()'s inputs read once (app.data.keras_inputs) -> Ray (join or start)
 Worker:  app.training.keras_worker.keras_fit_worker, with a ``RayKerasSession`` (or ``LocalKerasSession``)
 
 The outputs: history.csv and result.json (Keras's epoch logs as the History has them), the trained model as
-``weights.weights.h5`` (any model Keras can train), and where the model can be saved and loaded, model.keras
-and a SavedModel; where it cannot, one line says so and the run still returns its History and model.
+``weights.weights.h5`` (any model Keras can train), and model.keras and a SavedModel where Keras can save them.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from app.backends.keras_record import export, summary
 from app.config import TrainConfig
 from app.data.keras_inputs import KerasData
 from app.driver import cluster, outputs
-from app.errors import NonFiniteLoss, RunFailed, UserError
+from app.errors import NonFiniteLoss, RunFailed, UserCodeError, UserError
 from app.training import checkpoint, keras_worker
 from app.training.keras_worker import KerasJob
 from app.ui import console, failures
@@ -83,10 +82,9 @@ class RayKerasSession:
             return self.payload["start_from"]  # a resumed run: its last checkpoint, until this Ray run has one
         import pyarrow.fs
 
-        # Not Checkpoint.to_directory()'s default directory: it is one per checkpoint and node, and a worker that
-        # asks once another has copied it copies it again, over the files that one is reading (a restart read "file
-        # is too short to be an sstable"). A checkpoint on this machine's disk is read where it is (restore reads
-        # only); a remote one is copied into this worker's own temporary directory, left there as Ray leaves its copy.
+        # Not Checkpoint.to_directory()'s default directory (one per checkpoint and node: a worker copies it again
+        # over the files another is reading, "file is too short to be an sstable"). A local checkpoint is read where
+        # it is; a remote one is copied into this worker's own temporary directory, left there as Ray leaves its copy.
         if isinstance(restored.filesystem, pyarrow.fs.LocalFileSystem):
             return restored.path
         return restored.to_directory(tempfile.mkdtemp(prefix=f"checkpoint-rank{self.rank}-"))
@@ -230,6 +228,8 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
                                                                          local and local.strategy))
                 except NonFiniteLoss as e:
                     raise RunFailed(str(e)) from None
+                except UserCodeError as e:  # as a Ray run's: the user's traceback in the run's log
+                    raise UserCodeError(f"{e} (full traceback in {console.write_trace(str(e), e.trace)})") from None
                 directory = str(out / "checkpoint")
         return _outputs(config, job, out, directory, started, local)
     finally:

@@ -7,42 +7,82 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from app import internals
 from app.backend import backend_of
 from app.config import TrainConfig
 from app.driver import output_guard
 from app.errors import UserError
 from app.tools import trained
-from app.training import checkpoint, model_file
+from app.training import checkpoint, default_compile, model_file
 
 log = logging.getLogger(__name__)
 
 
 def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any]:
-    """Val loss and metric of a .keras model on the config's validation split, summed exactly as in training."""
-    import tensorflow as tf
-
-    from app.data import tf_input
-    from app.driver import preflight
-    from app.training.loop import evaluate
-    from app.training.measures import Measures, settle
+    """Val loss and metrics of a .keras model on the config's validation split, by Keras's own ``evaluate``: the
+    loss and metrics it was compiled with (or the run's defaults, for a model that compiles nothing), its own
+    ``test_step`` if it has one, every row once: the values training reported for the same weights and rows."""
     from app.training.model import check_output, task_with_model
-    from app.training.objective import objective_for
-    from app.training.step import make_eval_step
 
     model = _load(model_file.check(model_path))
-    source = _data(config, [getattr(t, "name", None) for t in (model.inputs or [])])
-    facts = task_with_model(source.facts, model, config.task)
-    objective = settle(objective_for(config, facts, model, check_output(model, facts, str(model_path))), model, facts,
-                       preflight.examples(source))
-    measures = Measures(objective, model)
-    strategy = tf.distribute.get_strategy()  # the default, single-device strategy
-    if source.streamed:  # read by Ray Data in this process (a Ray run's files)
-        batches = tf_input.eval_batches_from_shard(source.val, config.per_replica_batch, source.facts)
-    else:
-        batches = tf_input.eval_batches_from_arrays(source.val, config.per_replica_batch)
-    stats = evaluate(strategy, make_eval_step(strategy, model, measures),
-                     strategy.distribute_datasets_from_function(lambda _: batches), measures)
-    return {"val_loss": stats.loss, **{f"val_{k}": v for k, v in stats.metrics.items()}, "val_samples": stats.samples}
+    source = _data(config, [getattr(t, "name", None) for t in (getattr(model, "inputs", None) or [])])
+    check_output(model, task_with_model(source.facts, model, config.task), str(model_path))
+    batches = _val_batches(source, config.per_replica_batch)
+    if not getattr(model, "compiled", False):
+        _compile(model, config, batches, None if source.streamed else source.val.y)
+    elif config.loss:  # --loss (the run's, or this evaluation's): the loss its compile() is scored with
+        default_compile.Recompile(loss=config.loss, from_logits=bool(config.from_logits)).compile(model)
+    _check_loss(model, batches)
+    logs = internals.flat_logs(model.evaluate(batches, verbose=0, return_dict=True))
+    return {**{f"val_{k}": v for k, v in logs.items()}, "val_samples": source.facts.num_val_rows}
+
+
+def _val_batches(source, batch_size: int):
+    """(x, y) batches of every validation row once: the rows of weight 0 that pad a streamed shard are left out."""
+    from app.data import tf_input
+
+    if not source.streamed:
+        batches = tf_input.eval_batches_from_arrays(source.val, batch_size)  # one process: no padding
+        return batches.map(lambda x, y, _w: (x, y))
+    return (tf_input.eval_batches_from_shard(source.val, batch_size, source.facts).unbatch()
+            .filter(lambda _x, _y, w: w > 0).map(lambda x, y, _w: (x, y)).batch(batch_size))
+
+
+def _compile(model, config: TrainConfig, batches, labels) -> None:
+    """A model saved without its compile(): its own ``test_step`` scores it, or else the run's defaults, decided
+    from the labels (``labels``: every validation label in memory, or None: the first batch's) as training decided
+    them (app.training.default_compile)."""
+    import keras
+
+    if type(model).test_step is not keras.Model.test_step:
+        model.compile()
+        return
+    first = next(iter(batches))
+    default_compile.decide(model, first, first[1].numpy() if labels is None else labels, config).compile(model)
+
+
+def _check_loss(model, batches) -> None:
+    """The compiled loss on the first batch, before the evaluation's graph: labels it cannot take (a --loss for
+    one-hot labels given class ids, another task's loss) are one line, not a graph error."""
+    import keras
+
+    if type(model).test_step is not keras.Model.test_step or type(model).compute_loss is not keras.Model.compute_loss:
+        return  # its own step decides what it computes
+    x, y = next(iter(batches))
+    out = model(x, training=False)
+    try:
+        model.compute_loss(x, y, out, training=False)
+    except Exception as e:  # any failure of the loss on these labels
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        shapes = (f" for labels of {y.dtype.name}, shape {tuple(y.shape[1:])} per row, and outputs of shape "
+                  f"{tuple(out.shape[1:])} per row" if hasattr(y, "dtype") and hasattr(out, "shape") else "")
+        raise UserError(f"the model's loss {_loss_name(model)} does not take these labels and its outputs "
+                        f"({type(e).__name__}: {first}): give a --loss{shapes}, or the data it was trained on") from None
+
+
+def _loss_name(model) -> str:
+    loss = getattr(model, "loss", None)
+    return str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", loss))
 
 
 def _load(model_path: Path):

@@ -7,11 +7,13 @@ What jobs/evaluate.py and jobs/predict.py (and app.evaluate / app.predict) are p
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from app import registry
 from app.config import TrainConfig, build_config, read_yaml
 from app.driver.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
 from app.errors import UserError
@@ -59,7 +61,7 @@ def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
     saved = read_yaml(candidate) if candidate.is_file() else {}
     # The model comes from the file: the recorded builder is not needed, and one defined in a
     # script or a notebook ("__main__:build_model") could not be loaded here anyway.
-    saved.pop("model", None)
+    register_classes(saved.pop("model", None))
     return build_config(None, {**saved, "output": str(model_path.parent), **overrides})
 
 
@@ -82,5 +84,16 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
     keras_file.check(model_file)
     state = checkpoint.read_state(state_file)
     saved = {k: v for k, v in state.get("config", {}).items() if k != "model"}  # the model comes from the file
+    register_classes(state.get("config", {}).get("model"))
     config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
     return Trained(model_file, config, state.get("task"), state_file)
+
+
+def register_classes(recorded: Any) -> None:
+    """The run's model file or module imported (its function not called): the Keras classes it registers
+    (``keras.saving.register_keras_serializable``) then load with the model. A built-in, a function passed from a
+    script, or a file that is gone or fails to import: nothing here; the load says what it misses."""
+    if not isinstance(recorded, str) or not registry.is_plugin(recorded) or not registry.reloadable(recorded):
+        return
+    with contextlib.suppress(UserError):  # the import's own error (UserCodeError) included
+        registry.resolve(recorded, registry.MODELS)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.internals import replicas as replica_internals
-from app.training import zero_state
+from app.training import user_code, zero_state
 from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE, Progress
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
@@ -282,11 +282,12 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
         collective.device = split.shards.plan.devices[0]
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
-    if strategy is None:
-        build(model, train, val, sharded)
-    else:  # its variables are the strategy's, made in its scope (a step traced outside a replica cannot read them)
-        replica_internals.symbolic_build(model, train.first_batch())
-        replica_internals.updates_exact_on_one_copy(model)  # central storage's one copy of each variable
+    with user_code.named(model):  # the model's steps are traced here first
+        if strategy is None:
+            build(model, train, val, sharded)
+        else:  # its variables are the strategy's, made in its scope (a step traced outside a replica cannot read them)
+            replica_internals.symbolic_build(model, train.first_batch())
+            replica_internals.updates_exact_on_one_copy(model)  # central storage's one copy of each variable
 
     state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
@@ -360,13 +361,9 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     # their own (fit() counts an epoch's steps from the first one it iterates, and holds every epoch to it).
     parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     try:
-        with replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
+        with user_code.named(model, lambda e: keras_callbacks.raised_by_callback(e, own)), \
+                replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
             _fit_parts(model, parts, first, skip, train, val_ds, job, session, ids, callbacks)
-    except Exception as e:
-        named = keras_callbacks.raised_by_callback(e, own)
-        if named is None:
-            raise
-        raise named from None
     finally:
         if board is not None:
             board.close()

@@ -77,7 +77,13 @@ def task_with_model(facts: DataFacts, model: "keras.Model", requested: str = "au
 def task_without_labels(model: "keras.Model") -> str:
     """The task of a model no run recorded, for rows without labels (prediction): its output alone decides
     (one value is a regression, unless a sigmoid makes it binary)."""
-    outputs = int(model.output_shape[-1]) if len(model.output_shape) > 1 else 1
+    try:
+        shape = tuple(model.output_shape)
+    except AttributeError:  # a subclassed model has none: its output on one example of the shape it was built for
+        import numpy as np
+
+        shape = tuple(model(np.zeros((1, *model.get_build_config()["input_shape"][1:]), np.float32)).shape)
+    outputs = int(shape[-1]) if len(shape) > 1 else 1
     return "classification" if outputs > 1 else "binary" if ends_in_probabilities(model) else "regression"
 
 
