@@ -563,7 +563,7 @@ def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_star
              ((regression, x, nan), {}, "labels are NaN in 1 row(s) (row 5)"),
              ((regression, x, np.ones(64, "float32")), {"validation_data": (x[:10, :3], np.ones(10))},
               "validation_data's x has examples of shape (3,) but the training data's (4,)"),
-             ((Uncompiled, x), {}, "call compile(optimizer=...) in Uncompiled's function")]
+             ((Uncompiled, x), {}, "call compile(optimizer=...) in Uncompiled before it returns the Uncompiled")]
 
     # The user's own code raising (a PyDataset, a generator, the model function): its name, the error, where.
     class Corrupt(keras.utils.PyDataset):

@@ -22,7 +22,7 @@ def overrides_step(model) -> list[str]:
     return [n for n in STEPS if getattr(type(model), n) is not getattr(keras.Model, n)]
 
 
-def check_labels(model, train) -> None:
+def check_labels(model, train, function: str = "") -> None:
     """What Keras's fit refuses at its first step (ValueError: None values not supported), refused before any worker
     starts: a loss given to compile, Keras's own step and loss computation, and batches with no labels."""
     import keras
@@ -33,7 +33,8 @@ def check_labels(model, train) -> None:
 
     if "train_step" in own and not getattr(model, "compiled", False) and not optimizers_of(model):
         raise UserError(f"the model overrides train_step but was never compiled, so it has no optimizer (Keras's fit "
-                        f"refuses it too): call compile(optimizer=...) in {type(model).__name__}'s function before returning it")
+                        f"refuses it too): call compile(optimizer=...) in {function or 'the model function'} before it returns "
+                        f"the {type(model).__name__}")
     if y is None and getattr(model, "loss", None) is not None and not {"train_step", "compute_loss"} & own:
         raise UserError("the model is compiled with a loss but x has no labels (y), which Keras's fit refuses too: "
                         "give y, or a dataset of (x, y) elements")

@@ -225,7 +225,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         recompile.compile(model)  # the driver's model, as every worker's will be
         model_fn = default_compile.CompiledWithDefaults(model_fn, recompile)
     default_compile.check_names(model)
-    fit_inputs.check_labels(model, train)
+    fit_inputs.check_labels(model, train, getattr(model_fn, "__name__", ""))
     val = None
     if "val" in datasets:
         val = validation_data
