@@ -266,3 +266,8 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
     for key, value in by_keras.items():
         assert scored["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5), key
     assert json.loads((tmp_path / "predicted" / "_predict.json").read_text())["rows"] == 300
+    # A --loss the labels do not fit: one line before the evaluation's graph runs.
+    refused = without_ray("jobs/evaluate.py", "--run", str(tmp_path / "metrics"), "--loss", "categorical_crossentropy")
+    _, err = refused.communicate(timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "error: the model's loss categorical_crossentropy does not take these labels and its outputs" in err

@@ -12,6 +12,7 @@ import numpy as np
 from app.backend import backend_of
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
+from app.training import default_compile
 
 STEPS = ("train_step", "test_step", "compute_loss", "compute_metrics")  # what a model may override
 
@@ -67,7 +68,7 @@ def check_labels(model, train, function: str = "") -> None:
 def _check_loss_kind(model, labels: np.ndarray) -> None:
     """A categorical cross-entropy given the other form of labels (Keras's fit fails at its first step, on every
     worker): one line with the fix."""
-    name = _loss_name(model)
+    name = default_compile.loss_name(model)
     kind = name.lower().replace("categoricalcrossentropy", "categorical_crossentropy")
     one_hot = labels.ndim >= 2 and labels.shape[-1] > 1
     if "sparse_categorical" in kind and one_hot:
@@ -78,15 +79,9 @@ def _check_loss_kind(model, labels: np.ndarray) -> None:
                         "loss='sparse_categorical_crossentropy', or one-hot the labels")
 
 
-def _loss_name(model) -> str:
-    """The compiled loss's name (a string, a Loss's name or a function's), "" for none."""
-    loss = getattr(model, "loss", None)
-    return str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", ""))
-
-
 def _sparse_classes(model) -> int:
     """The outputs of a one-output model compiled with a sparse categorical cross-entropy (0: another loss)."""
-    if "sparse_categorical" not in _loss_name(model):
+    if "sparse_categorical" not in default_compile.loss_name(model):
         return 0
     try:
         outputs = model.outputs

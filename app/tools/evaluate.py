@@ -76,13 +76,8 @@ def _check_loss(model, batches) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         shapes = (f" for labels of {y.dtype.name}, shape {tuple(y.shape[1:])} per row, and outputs of shape "
                   f"{tuple(out.shape[1:])} per row" if hasattr(y, "dtype") and hasattr(out, "shape") else "")
-        raise UserError(f"the model's loss {_loss_name(model)} does not take these labels and its outputs "
+        raise UserError(f"the model's loss {default_compile.loss_name(model)} does not take these labels and its outputs "
                         f"({type(e).__name__}: {first}): give a --loss{shapes}, or the data it was trained on") from None
-
-
-def _loss_name(model) -> str:
-    loss = getattr(model, "loss", None)
-    return str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", loss))
 
 
 def _load(model_path: Path):

@@ -78,6 +78,12 @@ def check_names(model) -> None:
                 raise unknown_name(kind, identifier, e) from None
 
 
+def loss_name(model) -> str:
+    """The compiled loss's name (a string, a Loss's name or a function's), "" for none."""
+    loss = getattr(model, "loss", None)
+    return str(loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", ""))
+
+
 def loss_object(name: str, from_logits: bool) -> Any:
     """A Keras loss by name; a cross-entropy's ``from_logits`` as given."""
     import keras

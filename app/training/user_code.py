@@ -4,7 +4,7 @@ told in one line that names that code, the error and, where the error says it, t
 Keras's fit runs a model's steps as a traced graph. An error of the user's Python when it is traced comes back as
 autograph's "in user code:" message, and an error of its ops when they run as TensorFlow's "Graph execution error"
 (its "defined at" frames, when TensorFlow kept them). Either way the first line a user sees names no code of
-theirs; this one does, and the whole traceback stays chained to it (written to the run's error file).
+theirs; this one does, and keeps the whole traceback (which the run writes to its train.log).
 """
 
 from __future__ import annotations
