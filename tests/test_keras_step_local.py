@@ -594,6 +594,23 @@ def test_labels_shapes_and_a_missing_compile_are_one_line_before_any_worker_star
     assert not (tmp_path / "never").exists()
 
 
+def test_app_evaluate_and_predict_take_the_arrays_of_an_app_fit_run(tmp_path):
+    """A run of app.fit on arrays: app.evaluate scores every row of the arrays it is given, as Keras's evaluate does,
+    app.predict predicts the arrays given; given none, one line says to (config.yaml cannot hold arrays)."""
+    out = tmp_path / "run"
+    app.fit(compiled, X, Y, batch_size=16, epochs=1, backend="local", output=str(out), verbose=0)
+    scored = app.evaluate(str(out / "model.keras"), data=(X, Y))
+    by_keras = keras.models.load_model(out / "model.keras").evaluate(X, Y, verbose=0, return_dict=True)
+    assert scored["val_samples"] == len(X) and scored["dataset"] == "arrays given to app.evaluate"
+    assert {k for k in scored if k.startswith("val_")} == {"val_loss", "val_accuracy", "val_samples"}
+    for key, value in by_keras.items():
+        assert scored[f"val_{key}"] == pytest.approx(value, rel=1e-5), key
+    assert app.predict(str(out), data=X, output=str(tmp_path / "predicted"), backend="local")["rows"] == len(X)
+    with pytest.raises(UserError, match=re.escape("was trained on data passed from Python (app:fit(x)), which its "
+                                                  "config cannot read again: give the data")):
+        app.evaluate(str(out / "model.keras"))
+
+
 class OwnStepBugs(keras.Model):
     """A model of its own step, with the bugs a user writes in one: an unpacking that fails when Keras's fit traces
     the step, a matrix product whose shapes fail when it runs, and a test_step that fails as validation traces it."""

@@ -220,7 +220,8 @@ class OwnTestStep(keras.Model):
 def metrics():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(3)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+                           keras.metrics.MeanIoU(num_classes=3, sparse_y_pred=False)])
     return model
 
 
@@ -234,7 +235,8 @@ def own_test_step():
 def test_evaluate_scores_as_kerass_evaluate(tmp_path):
     """jobs/evaluate.py runs Keras's evaluate on the run's model: its compiled metrics as Keras names them, or its own
     test_step (a class its model file registers, imported from the run's config): what the run's last epoch
-    reported, and what keras's evaluate gives on the same rows; prediction loads that class too."""
+    reported, and what keras's evaluate gives on the same rows; prediction loads that class too, and reads a .npz
+    without labels."""
     import keras
 
     x, y = learnable(400)
@@ -251,10 +253,15 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
         finished(p)
     finished(without_ray("jobs/predict.py", "--run", str(tmp_path / "own_test_step"), "--backend", "local",
                          "--output", str(tmp_path / "predicted")))
+    np.savez(tmp_path / "unlabelled.npz", x=x[:50])  # prediction needs no labels
+    finished(without_ray("jobs/predict.py", "--run", str(tmp_path / "metrics"), "--backend", "local",
+                         "--dataset", str(tmp_path / "unlabelled.npz"), "--output", str(tmp_path / "unlabelled")))
     scored = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in names}
     trained = {name: json.loads((tmp_path / name / "result.json").read_text())["metrics"] for name in names}
-    assert {k for k in scored["metrics"] if k.startswith("val_")} == {"val_loss", "val_accuracy", "val_top2",
-                                                                       "val_samples"}
+    # An unnamed metric object is named as the run's History names it (a second of its class in one process would
+    # be "..._1": the driver builds the model again to export it).
+    assert {k for k in scored["metrics"] if k.startswith("val_")} == {
+        "val_loss", "val_accuracy", "val_top2", "val_mean_io_u", "val_samples"}
     assert {k for k in scored["own_test_step"] if k.startswith("val_")} == {"val_top_logit", "val_samples"}
     model = keras.models.load_model(tmp_path / "metrics" / "model.keras")
     by_keras = model.evaluate(x[300:], y[300:], batch_size=16, verbose=0, return_dict=True)
@@ -266,6 +273,7 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
     for key, value in by_keras.items():
         assert scored["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5), key
     assert json.loads((tmp_path / "predicted" / "_predict.json").read_text())["rows"] == 300
+    assert json.loads((tmp_path / "unlabelled" / "_predict.json").read_text())["rows"] == 50
     # A --loss the labels do not fit: one line before the evaluation's graph runs.
     refused = without_ray("jobs/evaluate.py", "--run", str(tmp_path / "metrics"), "--loss", "categorical_crossentropy")
     _, err = refused.communicate(timeout=300)

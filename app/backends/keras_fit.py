@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from app.backends.keras_record import export, summary
+from app import internals
+from app.backends.keras_record import export, summary, trained_model
 from app.config import TrainConfig
 from app.data.keras_inputs import KerasData
 from app.driver import cluster, outputs
@@ -223,6 +224,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
             if on_ray:
                 directory = _ray_fit(config, job, out, datasets or {}, dataclasses.replace(ray_run, name=name))
             else:
+                names = internals.keep_keras_names()  # as this process's worker builds its model
                 try:
                     keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint",
                                                                          local and local.strategy))
@@ -231,7 +233,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
                 except UserCodeError as e:  # as a Ray run's: the user's traceback in the run's log
                     raise UserCodeError(f"{e} (full traceback in {console.write_trace(str(e), e.trace)})") from None
                 directory = str(out / "checkpoint")
-        return _outputs(config, job, out, directory, started, local)
+        return _outputs(config, job, out, directory, started, local, None if on_ray else names)
     finally:
         outputs.release_output_dir(config)
 
@@ -353,23 +355,12 @@ def epochs_done(config: TrainConfig) -> int:
     return checkpoint.read_state(Path(last) / keras_worker.STATE_FILE)["epoch"] if last else 0
 
 
-def trained_model(job: KerasJob, directory: str) -> tuple[Any, dict[str, Any]]:
-    """The model the user's function builds, with the checkpoint's weights (and optimizers' state)."""
-    import keras
-
-    from app.training import keras_features
-
-    keras.utils.set_random_seed(job.seed)
-    model = keras_features.build(job.model_fn, job.features, schedules=False)
-    keras_worker.build(model, job.train)
-    return model, keras_worker.restore(model, directory)
-
-
 def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float,
-             local: Any = None) -> KerasRun:
+             local: Any = None, names: Optional[Callable[[], None]] = None) -> KerasRun:
+    """``names``: Keras's name counters as this process's own worker built its model (None: a Ray run's)."""
     from app.backend import backend_of
 
-    model, state = trained_model(job, directory)
+    model, state = trained_model(job, directory, names)
     records = state["history"]
     # The workers of the last epoch (an elastic run's size changes; the record says it).
     world = (records[-1]["workers"] if records else config.min_workers) if backend_of(config).on_ray else 1

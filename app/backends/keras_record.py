@@ -6,18 +6,40 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from app.backend import runs_on_ray
 from app.driver import outputs
 from app.training import keras_worker
-from app.training.export import SAVED_MODEL_DIR, describe
+from app.training.export import SAVED_MODEL_DIR, export_saved_model
 from app.training.keras_worker import KerasJob
 from app.training.strategy import one_replica_reason, ray_strategy_name, ray_strategy_reason
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.weights.h5"
+
+
+def trained_model(job: KerasJob, directory: str, names: Optional[Callable[[], None]] = None) -> tuple[Any, dict]:
+    """The model the user's function builds, with the checkpoint's weights (and optimizers' state), its objects
+    named as the workers' builds named them (Keras numbers a second ``AUC()`` of a process ``auc_1``; model.keras
+    and evaluation then name its metrics as the run's History): in a new process's counters (a Ray worker's), or
+    ``names`` (restores this process's counters as they were when its own worker built its model)."""
+    import keras
+
+    from app import internals
+    from app.training import keras_features
+
+    after = internals.keep_keras_names(fresh=names is None)
+    if names is not None:
+        names()
+    try:
+        keras.utils.set_random_seed(job.seed)
+        model = keras_features.build(job.model_fn, job.features, schedules=False)
+        keras_worker.build(model, job.train)
+    finally:
+        after()
+    return model, keras_worker.restore(model, directory)
 
 
 def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str,
@@ -101,8 +123,8 @@ def export(model, out: Path, formats: tuple = ("keras", "savedmodel")) -> dict[s
     if "savedmodel" not in formats:
         return done
     try:
-        model.export(str(out / SAVED_MODEL_DIR), verbose=False)
-        done["saved_model"] = describe(out / SAVED_MODEL_DIR)  # its serving signature, as every run's result.json
+        # Its serving signature, as every run's result.json: an unnamed keras.Input's is "x" (app.training.export)
+        done["saved_model"] = export_saved_model(model, out / SAVED_MODEL_DIR)
     except Exception as e:
         log.warning("no SavedModel: Keras cannot export this model for serving (%s)", _short(e))
     return done

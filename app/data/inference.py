@@ -63,7 +63,8 @@ def rows_of(config: "TrainConfig", given: Any = None) -> Rows:
         if loc is not None:
             from app.data.numpy_files import load_numpy
 
-            return _in_memory(load_numpy(config, config.dataset), config, f"dataset {config.dataset!r}")
+            x, y = load_numpy(config, config.dataset, need_labels=False)
+            return _in_memory(x if y is None else (x, y), config, f"dataset {config.dataset!r}")
         given = memory.call_data_function(config)
         what = config.dataset if isinstance(config.dataset, str) else registry.describe(config.dataset)
     else:

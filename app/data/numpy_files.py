@@ -54,8 +54,9 @@ def _numpy_arrays(loc: Located) -> dict[str, Any]:
     return {os.path.basename(p)[: -len(".npy")]: opener(p) for p in loc.files if p.endswith(".npy")}
 
 
-def load_numpy(config: "TrainConfig", uri: str) -> tuple[np.ndarray, np.ndarray]:
-    """Features and labels of a .npz file or .npy directory, schema-checked (labels: app.data.memory)."""
+def load_numpy(config: "TrainConfig", uri: str, need_labels: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Features and labels of a .npz file or .npy directory, schema-checked (labels: app.data.memory).
+    ``need_labels=False`` (prediction): arrays without the label array are features alone (labels None)."""
     loc = locate(uri, config.data_format)
     if loc.format != "numpy":
         raise UserError(
@@ -70,9 +71,11 @@ def load_numpy(config: "TrainConfig", uri: str) -> tuple[np.ndarray, np.ndarray]
                         "that returns ({'name': array, ...}, labels), or write the arrays as parquet columns")
     arrays = _numpy_arrays(loc)
     names = sorted(arrays)
+    features = config.feature_columns or [n for n in names if n != config.label_column]
+    if config.label_column not in arrays and not need_labels and len(features) == 1 and features[0] in arrays:
+        return arrays[features[0]](), None
     if config.label_column not in arrays:
         raise missing("label array", config.label_column, uri, names, "--label-column")
-    features = config.feature_columns or [n for n in names if n != config.label_column]
     if len(features) != 1:
         raise UserError(
             f"dataset {uri!r} has arrays {', '.join(names)}: name the one feature array with --feature-columns"

@@ -373,15 +373,18 @@ def flat_logs(logs: dict) -> dict:
     return pythonify_logs(logs)
 
 
-def keep_keras_names() -> Callable[[], None]:
+def keep_keras_names(fresh: bool = False) -> Callable[[], None]:
     """Keras's name counters (``keras.backend.get_uid``: what makes a second AUC ``auc_1``) as they are now; call
     the returned function to put them back. A model the driver builds only to inspect it then leaves the names of
-    the model the run builds in this process as ``model.fit`` would have them."""
+    the model the run builds in this process as ``model.fit`` would have them. ``fresh``: the counters are then
+    emptied, as a new process has them (a Ray worker's)."""
     import collections
 
     from keras.src.backend.common import global_state
 
     saved = dict(global_state.get_global_attribute("object_name_uids") or {})
+    if fresh:
+        global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
 
     def restore() -> None:
         global_state.set_global_attribute("object_name_uids", collections.defaultdict(int, saved))

@@ -122,15 +122,19 @@ def tune(space: str, model: Any = None, data: Any = None, output: Optional[str] 
 
 
 def evaluate(model_file: str, data: Any = None, **fields: Any) -> dict[str, Any]:
-    """Score an exported .keras model on a validation split, as jobs/evaluate.py does."""
+    """Score an exported .keras model as jobs/evaluate.py does, by Keras's ``evaluate``. ``data``: arrays ``(x, y)``
+    are scored whole, every row (``model.evaluate(x, y)``); a path or a data function, its validation split, cut as
+    training cut it; none, the run's own validation rows."""
     from pathlib import Path
 
     from app.tools import evaluate as evaluate_lib
     from app.tools.trained import config_for
 
     model_file = Path(model_file)
-    config = config_for(model_file, {**fields, **_plugins(None, data)})
-    return evaluate_lib.evaluate_and_write(model_file, config, model_file.parent / "eval.json")
+    rows = data if isinstance(data, (tuple, list)) else None
+    config = config_for(model_file, {**fields, **_plugins(None, None if rows is not None else data)},
+                        data_given=rows is not None)
+    return evaluate_lib.evaluate_and_write(model_file, config, model_file.parent / "eval.json", rows)
 
 
 def predict(trained: str, data: Any = None, output: Optional[str] = None, keep_columns: Any = (),
@@ -156,11 +160,8 @@ def predict(trained: str, data: Any = None, output: Optional[str] = None, keep_c
     keep = (keep_columns,) if isinstance(keep_columns, str) else tuple(keep_columns)
     overrides = {**fields, **({"dataset": data} if isinstance(data, str) or callable(data) else {})}
     path = Path(trained)
-    if path.suffix == ".keras":
-        found = trained_lib.located(model=path, overrides=overrides)
-    elif (path / "model.keras").is_file() and (path / "config.yaml").is_file():  # a run (a checkpoint has no config.yaml)
-        found = trained_lib.located(run=path, overrides=overrides)
-    else:
-        found = trained_lib.located(checkpoint_dir=path, overrides=overrides)
     given = None if isinstance(data, str) or callable(data) else data
+    kind = "model" if path.suffix == ".keras" else "run" if (path / "model.keras").is_file() and (
+        path / "config.yaml").is_file() else "checkpoint_dir"  # a run (a checkpoint has no config.yaml)
+    found = trained_lib.located(**{kind: path}, overrides=overrides, data_given=given is not None)
     return predict_lib.predict(found, predict_lib.PredictOptions(output=output, keep_columns=keep, **options), given)

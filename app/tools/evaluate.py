@@ -18,23 +18,33 @@ from app.training import checkpoint, default_compile, model_file
 log = logging.getLogger(__name__)
 
 
-def evaluate_model(model_path: str | Path, config: TrainConfig) -> dict[str, Any]:
-    """Val loss and metrics of a .keras model on the config's validation split, by Keras's own ``evaluate``: the
-    loss and metrics it was compiled with (or the run's defaults, for a model that compiles nothing), its own
-    ``test_step`` if it has one, every row once: the values training reported for the same weights and rows."""
+def evaluate_model(model_path: str | Path, config: TrainConfig, rows: Any = None) -> dict[str, Any]:
+    """Val loss and metrics of a .keras model, by Keras's own ``evaluate``: the loss and metrics it was compiled
+    with (or the run's defaults, for a model that compiles nothing), its own ``test_step`` if it has one, every row
+    once: the values training reported for the same weights and rows. The rows: ``rows`` ((x, y) arrays, every one
+    scored, as ``model.evaluate(x, y)``), else the config's validation split."""
     from app.training.model import check_output, task_with_model
 
     model = _load(model_file.check(model_path))
-    source = _data(config, [getattr(t, "name", None) for t in (getattr(model, "inputs", None) or [])])
-    check_output(model, task_with_model(source.facts, model, config.task), str(model_path))
-    batches = _val_batches(source, config.per_replica_batch)
+    if rows is not None:
+        import tensorflow as tf
+
+        x, y = rows[0], rows[1]
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(config.per_replica_batch)
+        labels, count = y, len(tf.nest.flatten(y)[0])
+    else:
+        source = _data(config, [getattr(t, "name", None) for t in (getattr(model, "inputs", None) or [])])
+        check_output(model, task_with_model(source.facts, model, config.task), str(model_path))
+        batches = _val_batches(source, config.per_replica_batch)
+        labels, count = None if source.streamed else source.val.y, source.facts.num_val_rows
     if not getattr(model, "compiled", False):
-        _compile(model, config, batches, None if source.streamed else source.val.y)
+        _compile(model, config, batches, labels)
     elif config.loss:  # --loss (the run's, or this evaluation's): the loss its compile() is scored with
+        default_compile.check_loss_name(config.loss)
         default_compile.Recompile(loss=config.loss, from_logits=bool(config.from_logits)).compile(model)
     _check_loss(model, batches)
     logs = internals.flat_logs(model.evaluate(batches, verbose=0, return_dict=True))
-    return {**{f"val_{k}": v for k, v in logs.items()}, "val_samples": source.facts.num_val_rows}
+    return {**{f"val_{k}": v for k, v in logs.items()}, "val_samples": count}
 
 
 def _val_batches(source, batch_size: int):
@@ -107,13 +117,17 @@ def _data(config: TrainConfig, input_names: list):
     return preflight.load_data(config, 1, loc)
 
 
-def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path) -> dict[str, Any]:
+def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: str | Path,
+                       rows: Any = None) -> dict[str, Any]:
     """The metrics, written to ``out_file`` beside the model; refused at once when another job is writing there
     (a run being trained or replaced: its model may change under the evaluation)."""
     output_guard.check_not_being_written(Path(out_file).parent)
-    metrics = evaluate_model(model_path, config)
+    metrics = evaluate_model(model_path, config, rows)
     metrics["model"] = str(model_path)
-    metrics["dataset"] = config.model_dump(mode="json")["dataset"]  # a function as "module:name"
+    recorded = config.model_dump(mode="json")  # a function as "module:name"
+    # Where the scored rows came from: the arrays given, a validation file, or the dataset its split is cut from.
+    metrics["dataset"] = "arrays given to app.evaluate" if rows is not None else \
+        recorded["val_dataset"] or recorded["dataset"]
     Path(out_file).write_text(json.dumps(metrics, indent=2))
     return metrics
 

@@ -78,11 +78,15 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     config = found.config.model_copy(update={"backend": options.backend, "num_workers": options.num_workers,
                                              "cpus_per_worker": options.cpus_per_worker, "use_gpu": options.use_gpu})
     out = Path(options.output).expanduser().resolve()
+    model = _load(found.model_file)
+    if len(getattr(model, "outputs", None) or [None]) > 1:
+        raise UserError(f"{found.model_file} has {len(model.outputs)} outputs ({', '.join(model.output_names)}), and "
+                        "a prediction writes one per row: call model.predict on the loaded model, or score it with "
+                        "jobs/evaluate.py")
     output_guard.check(out, "predict", _reads(found, config, given), overwrite=options.overwrite)
     if clash := set(keep) & {"prediction", "probabilities"}:
         raise UserError(f"--keep-columns {', '.join(sorted(clash))}: the predictions take that name; keep other columns")
     rows = inference.rows_of(config, given)
-    model = _load(found.model_file)
     task, from_logits = _task(found, config, model)
     on_ray = backend_of(config).on_ray
     if on_ray:

@@ -30,11 +30,12 @@ class Trained:
 
 
 def located(model: Any = None, checkpoint_dir: Any = None, run: Any = None,
-            overrides: Optional[dict[str, Any]] = None) -> Trained:
-    """Exactly one of a .keras file, a checkpoint, a run's output directory."""
+            overrides: Optional[dict[str, Any]] = None, data_given: bool = False) -> Trained:
+    """Exactly one of a .keras file, a checkpoint, a run's output directory. ``data_given``: the caller holds the
+    rows (arrays from Python): the run's own data need not be loadable."""
     overrides = overrides or {}
     if checkpoint_dir:
-        return from_checkpoint(checkpoint_dir, overrides)
+        return from_checkpoint(checkpoint_dir, overrides, data_given)
     if run:
         run = Path(run)
         if not run.is_dir():
@@ -44,28 +45,29 @@ def located(model: Any = None, checkpoint_dir: Any = None, run: Any = None,
             raise UserError(f"run {str(run)!r} has no {MODEL_FILE} (an unfinished run, or one trained with --export "
                             f"savedmodel): give --checkpoint {run} for its latest checkpoint")
         model = run / MODEL_FILE
-    return from_model_file(model, overrides)
+    return from_model_file(model, overrides, data_given)
 
 
-def from_model_file(model_file: Any, overrides: dict[str, Any]) -> Trained:
+def from_model_file(model_file: Any, overrides: dict[str, Any], data_given: bool = False) -> Trained:
     """A .keras file: its run's config.yaml and result.json beside it (if any), then the overrides."""
     model_file = keras_file.check(model_file)
     result = model_file.parent / RESULT_FILE
     task = json.loads(result.read_text()).get("task") if result.is_file() else None
-    return Trained(model_file, config_for(model_file, overrides), task)
+    return Trained(model_file, config_for(model_file, overrides, data_given), task)
 
 
-def config_for(model_path: Path, overrides: dict[str, Any]) -> TrainConfig:
+def config_for(model_path: Path, overrides: dict[str, Any], data_given: bool = False) -> TrainConfig:
     """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
     candidate = model_path.parent / CONFIG_FILE
     saved = read_yaml(candidate) if candidate.is_file() else {}
     # The model comes from the file: the recorded builder is not needed, and one defined in a
     # script or a notebook ("__main__:build_model") could not be loaded here anyway.
     register_classes(saved.pop("model", None))
-    return build_config(None, {**saved, "output": str(model_path.parent), **overrides})
+    return build_config(None, {**_data_of(saved, overrides, data_given, model_path), "output": str(model_path.parent),
+                               **overrides})
 
 
-def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
+def from_checkpoint(ckpt: Any, overrides: dict[str, Any], data_given: bool = False) -> Trained:
     """A checkpoint of any backend (app.training.checkpoint.located) carries its own config and task in its state."""
     found = checkpoint.located(ckpt)
     if found is None:
@@ -85,8 +87,29 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any]) -> Trained:
     state = checkpoint.read_state(state_file)
     saved = {k: v for k, v in state.get("config", {}).items() if k != "model"}  # the model comes from the file
     register_classes(state.get("config", {}).get("model"))
-    config = build_config(None, {**saved, "output": str(state_file.parent), **overrides})
+    config = build_config(None, {**_data_of(saved, overrides, data_given, state_file.parent),
+                                 "output": str(state_file.parent), **overrides})
     return Trained(model_file, config, state.get("task"), state_file)
+
+
+def _data_of(saved: dict[str, Any], overrides: dict[str, Any], data_given: bool, where: Path) -> dict[str, Any]:
+    """The run's recorded config, its data as the caller replaces it: a --dataset given without --val-dataset
+    replaces the run's validation file too (its rows are split as training split them). Data the run was handed
+    from Python (arrays, a script's function) cannot be read again from config.yaml: the caller gives it, or one
+    line says to."""
+    saved = dict(saved)
+    if "dataset" in overrides and "val_dataset" not in overrides:
+        saved.pop("val_dataset", None)
+    for name in ("dataset", "val_dataset"):
+        value = saved.get(name)
+        if name in overrides or not isinstance(value, str) or registry.is_dataset_name(value):
+            continue
+        if not data_given:
+            raise UserError(f"{where} was trained on data passed from Python ({value}), which its config cannot read "
+                            "again: give the data (app.evaluate(model, data=(x, y)), app.predict(run, data=x), or "
+                            "--dataset PATH)")
+        saved.pop(name)
+    return saved
 
 
 def register_classes(recorded: Any) -> None:
