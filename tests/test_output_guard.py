@@ -105,7 +105,8 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
         local_digits_run, tmp_path):
     """A real run writes a directory (its marker and lock appear); while it trains, another --overwrite of it, a
     --resume of it and a prediction into it are refused. A run of this product is then replaced by --overwrite
-    (a bad one first, which deletes nothing); a prediction's directory is replaced by the next prediction."""
+    (a bad one first, which deletes nothing); a prediction's directory is replaced by the next prediction, unless
+    a file of the user's is in it."""
     busy = tmp_path / "busy"
     writer = subprocess.Popen([sys.executable, "jobs/train.py", "--backend", "local", "--epochs", "30", "--output",
                                str(busy)], cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
@@ -148,6 +149,14 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
                      "--backend", "local", timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
     assert json.loads((preds / "_predict.json").read_text())["rows"] > 0
+    # A file of the user's, put in a directory the product wrote: --overwrite would delete it, and is refused.
+    (preds / "notes.txt").write_text("mine")
+    before = tree_hash(preds)
+    third = run_job("jobs/predict.py", "--run", str(local_digits_run), "--output", str(preds), "--overwrite",
+                    "--backend", "local", timeout=300)
+    assert third.returncode == 2 and tree_hash(preds) == before, third.stderr[-2000:]
+    assert f"error: output '{preds}' holds notes.txt, which this product did not write and --overwrite would " \
+           "delete: move them out" in third.stderr
     busy_files = {p.name for p in busy.iterdir()}
     replaced = run_job("jobs/train.py", "--backend", "local", "--epochs", "1", "--output", str(busy), "--overwrite",
                        timeout=300)

@@ -5,7 +5,9 @@ one line when the directory is or contains the working directory, the home direc
 product's repository or a git work tree, or anything the job reads (its dataset, validation set, run, model file,
 checkpoint, plug-in files; a dataset's directory also may not hold it); or when another job is writing it.
 ``--overwrite`` replaces only a directory this product wrote for the same kind of job: each one holds ``MARKER``
-(its kind). ``take`` is called once the job's own checks have passed: only then is a replaced directory deleted.
+(its kind, and once a job has ended, the names its jobs wrote there); one that holds anything else (a file the user
+added) is refused, naming it. ``take`` is called once the job's own checks have passed: only then is a replaced
+directory deleted.
 
 "Another job is writing it": ``take`` holds an exclusive ``flock`` on ``LOCK`` in the directory until ``release``
 or the process's end (the kernel drops it with the process, so a killed job leaves no stale lock behind);
@@ -38,6 +40,7 @@ KINDS = ("train", "tune", "predict", "benchmark")
 _WHAT = {"train": "a training run", "tune": "a sweep", "predict": "predictions", "benchmark": "benchmark results"}
 
 _held: dict[Path, int] = {}  # directories this process is writing -> the descriptor holding their lock
+_found: dict[Path, set[str]] = {}  # ... -> the names in it when this process took it (not its own)
 
 
 def default_output(kind: str) -> str:
@@ -99,6 +102,22 @@ def check(out: Path, kind: str, reads: Mapping[str, Path] = {}, *, overwrite: bo
     if written != kind:
         raise UserError(f"output {str(out)!r} holds {_WHAT.get(written, written)}, not {_WHAT[kind]}: give another "
                         f"--output, e.g. --output {default_output(kind)}")
+    if overwrite and (foreign := _not_written(out)):
+        raise UserError(f"output {str(out)!r} holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, "
+                        "which this product did not write and --overwrite would delete: move them out, or give "
+                        f"another --output, e.g. --output {default_output(kind)}")
+
+
+def _not_written(out: Path) -> list[str]:
+    """The names in ``out`` that no job of this product wrote there (its marker lists what they wrote; a job that
+    never ended has no list: nothing is known against it)."""
+    try:
+        wrote = json.loads((out / MARKER).read_text()).get("wrote")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if wrote is None:
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name not in {*wrote, MARKER, LOCK})
 
 
 def check_not_being_written(directory: Path) -> None:
@@ -157,15 +176,29 @@ def take(out: Path, kind: str, *, replace: bool = False) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     _lock(out, kind)
+    _found[out] = {p.name for p in out.iterdir()}
     if kind_of(out) is None:  # a resumed run keeps its marker; an empty directory given gets one
         (out / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
     return out
 
 
 def release(out: Path) -> None:
-    """This process no longer writes ``out`` (another job may now replace it)."""
-    fd = _held.pop(Path(out).expanduser().resolve(), None)
-    if fd is not None:
+    """This process no longer writes ``out`` (another job may now replace it). Its marker lists what this
+    product wrote there: what the job added, and what earlier jobs had (``--overwrite`` deletes nothing else)."""
+    out = Path(out).expanduser().resolve()
+    fd = _held.pop(out, None)
+    if fd is None:
+        return
+    try:
+        marker = json.loads((out / MARKER).read_text())
+        found = _found.pop(out, set())
+        # Without a list yet (a job that never ended wrote what was here), what was here counts as written.
+        earlier = marker.get("wrote", found)
+        marker["wrote"] = sorted({*earlier, *(p.name for p in out.iterdir() if p.name not in found)} - {MARKER, LOCK})
+        (out / MARKER).write_text(json.dumps(marker) + "\n")
+    except (OSError, ValueError, AttributeError):  # a marker gone or not ours: nothing listed
+        pass
+    finally:
         os.close(fd)  # closing the descriptor drops the flock
 
 
