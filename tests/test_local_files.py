@@ -21,11 +21,11 @@ FAST = ["--optimizer", "adam", "--base-lr", "0.01", "--lr-scaling", "none", "--w
 
 # Runs a job script as a user types it, then checks that Ray never came near the process.
 WITHOUT_RAY = """
-import runpy, sys
+import os, runpy, sys
 import psutil
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
-sys.path.insert(0, "jobs")
+sys.path.insert(0, os.path.dirname(script))
 try:
     runpy.run_path(script, run_name="__main__")
 except SystemExit as e:
@@ -39,8 +39,8 @@ print("no ray")
 """
 
 
-def without_ray(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, *args], cwd=REPO, env=clean_env(),
+def without_ray(*args: str, cwd=REPO) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, *args], cwd=cwd, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -243,11 +243,13 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
     np.savez(tmp_path / "train.npz", x=x[:300], y=y[:300])
     np.savez(tmp_path / "val.npz", x=x[300:], y=y[300:])
     (tmp_path / "scored.py").write_text(SCORED_MODELS)
-    data = ["--dataset", str(tmp_path / "train.npz"), "--val-dataset", str(tmp_path / "val.npz"),
-            "--feature-columns", "x", "--label-column", "y", "--epochs", "2", "--per-replica-batch", "16"]
+    # Trained from the data's own directory, with relative paths: evaluated and predicted from elsewhere (the
+    # repository), the run's files are found from where it started.
+    data = ["--dataset", "train.npz", "--val-dataset", "val.npz", "--feature-columns", "x", "--label-column", "y",
+            "--epochs", "2", "--per-replica-batch", "16"]
     names = ("metrics", "own_test_step")
-    for p in [without_ray("jobs/train.py", "--backend", "local", "--output", str(tmp_path / name),
-                          "--model", f"{tmp_path / 'scored.py'}:{name}", *data) for name in names]:
+    for p in [without_ray(str(REPO / "jobs" / "train.py"), "--backend", "local", "--output", name,
+                          "--model", f"scored.py:{name}", *data, cwd=tmp_path) for name in names]:
         finished(p)
     for p in [without_ray("jobs/evaluate.py", "--run", str(tmp_path / name)) for name in names]:
         finished(p)

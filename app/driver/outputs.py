@@ -83,6 +83,9 @@ def recorded_fields(config: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in _NOT_RECORDED and k in config.model_fields_set}
 
 
+STARTED_IN = "# Started in: "  # the working directory relative paths were given from (evaluate and predict read it)
+
+
 def recorded_config(config: TrainConfig, out: Path) -> str:
     """config.yaml: the resolved config, reusable with --config, and comments saying how to use it."""
     import yaml
@@ -91,7 +94,8 @@ def recorded_config(config: TrainConfig, out: Path) -> str:
     lines = [f"# The config of the run in {out}.",
              "# Another run of it (a new output directory): python jobs/train.py --config <this file>",
              f"# Continue this one if it stopped: python jobs/train.py --output {out} --resume",
-             f"# Not recorded: {', '.join(_NOT_RECORDED)} (output was {out})"]
+             f"# Not recorded: {', '.join(_NOT_RECORDED)} (output was {out})",
+             f"{STARTED_IN}{Path.cwd()}"]
     for name in ("model", "dataset"):
         if not registry.reloadable(getattr(config, name)):
             lines.append(f"# {name}: {values[name]} was a function passed from Python, which this file cannot "

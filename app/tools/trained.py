@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from app import registry
 from app.config import TrainConfig, build_config, read_yaml
-from app.driver.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE
+from app.driver.outputs import CONFIG_FILE, MODEL_FILE, RESULT_FILE, STARTED_IN
 from app.errors import UserError
 from app.training import checkpoint
 from app.training import model_file as keras_file
@@ -59,7 +59,7 @@ def from_model_file(model_file: Any, overrides: dict[str, Any], data_given: bool
 def config_for(model_path: Path, overrides: dict[str, Any], data_given: bool = False) -> TrainConfig:
     """The run's config.yaml next to the model (if any), then the flags (dataset, val split, seed, ...)."""
     candidate = model_path.parent / CONFIG_FILE
-    saved = read_yaml(candidate) if candidate.is_file() else {}
+    saved = _from_where_it_started(read_yaml(candidate), candidate) if candidate.is_file() else {}
     # The model comes from the file: the recorded builder is not needed, and one defined in a
     # script or a notebook ("__main__:build_model") could not be loaded here anyway.
     register_classes(saved.pop("model", None))
@@ -90,6 +90,24 @@ def from_checkpoint(ckpt: Any, overrides: dict[str, Any], data_given: bool = Fal
     config = build_config(None, {**_data_of(saved, overrides, data_given, state_file.parent),
                                  "output": str(state_file.parent), **overrides})
     return Trained(model_file, config, state.get("task"), state_file)
+
+
+def _from_where_it_started(saved: dict[str, Any], config_file: Path) -> dict[str, Any]:
+    """The run's relative paths (dataset, validation set, model file) that do not exist from here, made absolute
+    from the directory the run was started in (config.yaml's "Started in" line) where they exist from there."""
+    started = next((line[len(STARTED_IN):].strip() for line in config_file.read_text().splitlines()
+                    if line.startswith(STARTED_IN)), None)
+    if not started:
+        return saved
+    saved = dict(saved)
+    for key in ("dataset", "val_dataset", "model"):
+        value = saved.get(key)
+        if not isinstance(value, str) or "://" in value:
+            continue
+        path, _, name = value.partition(":") if registry.is_plugin(value) else (value, "", "")
+        if path and not Path(path).is_absolute() and not Path(path).exists() and (Path(started) / path).exists():
+            saved[key] = str(Path(started) / path) + (f":{name}" if name else "")
+    return saved
 
 
 def _data_of(saved: dict[str, Any], overrides: dict[str, Any], data_given: bool, where: Path) -> dict[str, Any]:
