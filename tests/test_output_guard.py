@@ -137,6 +137,9 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
     bad = run_job("jobs/train.py", "--backend", "local", "--output", str(earlier), "--overwrite", "--dataset",
                   str(tmp_path / "missing.parquet"), timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr and tree_hash(earlier) == before, bad.stderr
+    # An evaluation's eval.json, written into the run, is the product's too: --overwrite replaces it.
+    scored = run_job("jobs/evaluate.py", "--run", str(earlier), timeout=300)
+    assert scored.returncode == 0 and (earlier / "eval.json").is_file(), scored.stderr[-2000:]
     preds = tmp_path / "preds"
     again, first = run_jobs_at_once(
         ["jobs/train.py", "--backend", "local", "--epochs", "1", "--output", str(earlier), "--overwrite"],

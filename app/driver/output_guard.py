@@ -120,6 +120,19 @@ def _not_written(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name not in {*wrote, MARKER, LOCK})
 
 
+def note_written(path: Path) -> None:
+    """``path``, a file a job wrote into a directory of another job's (evaluate's eval.json beside a run's model),
+    listed with what the product wrote there, so that --overwrite of that directory may replace it."""
+    path = Path(path).expanduser().resolve()
+    try:
+        marker = json.loads((path.parent / MARKER).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(marker, dict) and isinstance(marker.get("wrote"), list) and path.name not in marker["wrote"]:
+        marker["wrote"] = sorted([*marker["wrote"], path.name])
+        (path.parent / MARKER).write_text(json.dumps(marker) + "\n")
+
+
 def check_not_being_written(directory: Path) -> None:
     """Refuse to write a file into a directory that another job is writing (evaluate's eval.json beside a model)."""
     directory = Path(directory).expanduser().resolve()

@@ -129,6 +129,7 @@ def evaluate_and_write(model_path: str | Path, config: TrainConfig, out_file: st
     metrics["dataset"] = "arrays given to app.evaluate" if rows is not None else \
         recorded["val_dataset"] or recorded["dataset"]
     Path(out_file).write_text(json.dumps(metrics, indent=2))
+    output_guard.note_written(Path(out_file))  # the run's --overwrite may replace it
     return metrics
 
 
