@@ -37,3 +37,16 @@ class UserCodeError(UserError):
 
     def __reduce__(self):
         return type(self), (str(self), None, self.trace)
+
+
+def users_file(filename: str) -> bool:
+    """Whether a traceback frame's file is the user's own code: not Python's library, an installed package, this
+    product, or code generated at run time (autograph's, ``<string>``)."""
+    import sysconfig
+    from pathlib import Path
+
+    if "-packages" in filename or "__autograph_generated" in filename or filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    return not any(path.is_relative_to(d) for d in (Path(__file__).resolve().parent,
+                                                     Path(sysconfig.get_paths()["stdlib"]).resolve()))

@@ -40,7 +40,7 @@ import numpy as np
 from app import internals
 from app.data.tf_datasets import MAX_BYTES, is_tf_dataset
 from app.data.tf_pipeline import Pipeline, serialise
-from app.errors import UserError
+from app.errors import UserError, users_file
 
 
 def keras_passes_before(epoch: int, counted: bool) -> int:
@@ -346,13 +346,11 @@ def raised(e: Exception, code: str) -> str:
 
 
 def _raised_at(error: BaseException) -> str:
-    """" (file.py line N)": the last frame of the traceback outside the installed libraries and app/."""
+    """" (file.py line N)": the last frame of the traceback in the user's own code (app.errors.users_file)."""
     import traceback
     from pathlib import Path
 
-    own = Path(__file__).resolve().parents[1]
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "-packages" not in f.filename and not Path(f.filename).resolve().is_relative_to(own)]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if users_file(f.filename)]
     return f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if frames else ""
 
 

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sysconfig
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from app.errors import UserCodeError, UserError
+from app.errors import UserCodeError, UserError, users_file
 
 # What a model may bring of its own, in the order that names it when the error does not say which one ran.
 METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics", "call")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _NOISE = ("Graph execution error", "Detected at node", "<stack traces", "[[", "in user code")
-_APP = Path(__file__).resolve().parents[1]
-_PYTHON = Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
 @contextlib.contextmanager
@@ -73,9 +70,7 @@ def _users_frames(error: BaseException) -> list[tuple[str, int, str]]:
     a script's top."""
     found = [(f, int(n), fn) for f, n, fn in _FRAME.findall(str(error))]
     found += [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(error.__traceback__)]
-    return [(f, n, fn) for f, n, fn in found
-            if fn != "<module>" and "-packages" not in f and "__autograph_generated" not in f
-            and not f.startswith("<") and not any(Path(f).resolve().is_relative_to(d) for d in (_APP, _PYTHON))]
+    return [(f, n, fn) for f, n, fn in found if fn != "<module>" and users_file(f)]
 
 
 def _message(error: BaseException) -> str:
