@@ -13,7 +13,7 @@ from app.config import TrainConfig
 from app.driver import output_guard
 from app.errors import UserError
 from app.tools import trained
-from app.training import checkpoint, default_compile, model_file
+from app.training import checkpoint, default_compile, model_file, user_code
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,7 @@ def _compile(model, config: TrainConfig, batches, labels) -> None:
     """A model saved without its compile(): its own ``test_step`` scores it, or else the run's defaults, decided
     from the labels (``labels``: every validation label in memory, or None: the first batch's) as training decided
     them (app.training.default_compile)."""
-    import keras
-
-    if type(model).test_step is not keras.Model.test_step:
+    if "test_step" in user_code.own_methods(model):
         model.compile()
         return
     first = next(iter(batches))
@@ -74,9 +72,7 @@ def _compile(model, config: TrainConfig, batches, labels) -> None:
 def _check_loss(model, batches) -> None:
     """The compiled loss on the first batch, before the evaluation's graph: labels it cannot take (a --loss for
     one-hot labels given class ids, another task's loss) are one line, not a graph error."""
-    import keras
-
-    if type(model).test_step is not keras.Model.test_step or type(model).compute_loss is not keras.Model.compute_loss:
+    if {"test_step", "compute_loss"} & set(user_code.own_methods(model)):
         return  # its own step decides what it computes
     x, y = next(iter(batches))
     out = model(x, training=False)

@@ -45,7 +45,7 @@ def raised_by_model(error: BaseException, model: Any) -> Optional[UserCodeError]
     import tensorflow as tf
 
     cls = type(model).__name__
-    own = [m for m in METHODS if _defined_by_user(type(model), m)]
+    own = own_methods(model)
     frames = _users_frames(error)
     if frames:
         file, line, fn = frames[-1]
@@ -59,9 +59,13 @@ def raised_by_model(error: BaseException, model: Any) -> Optional[UserCodeError]
     return UserCodeError(f"{code} raised {type(error).__name__}: {_message(error)}{where}", error)
 
 
-def _defined_by_user(cls: type, method: str) -> bool:
-    owner = next((c for c in cls.__mro__ if method in vars(c)), None)
-    return owner is not None and not owner.__module__.startswith(("keras", "tensorflow"))
+def own_methods(model: Any) -> list[str]:
+    """The METHODS ``model``'s class defines itself (not Keras's), in METHODS' order."""
+    def defined_by_user(method: str) -> bool:
+        owner = next((c for c in type(model).__mro__ if method in vars(c)), None)
+        return owner is not None and not owner.__module__.startswith(("keras", "tensorflow"))
+
+    return [m for m in METHODS if defined_by_user(m)]
 
 
 def _users_frames(error: BaseException) -> list[tuple[str, int, str]]:
