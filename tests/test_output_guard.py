@@ -108,8 +108,9 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
     (a bad one first, which deletes nothing); a prediction's directory is replaced by the next prediction, unless
     a file of the user's is in it."""
     busy = tmp_path / "busy"
-    writer = subprocess.Popen([sys.executable, "jobs/train.py", "--backend", "local", "--epochs", "30", "--output",
-                               str(busy)], cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
+    # Epochs enough that it is still training when the refused jobs ask, however loaded the machine (killed below).
+    writer = subprocess.Popen([sys.executable, "jobs/train.py", "--backend", "local", "--epochs", "100000",
+                               "--output", str(busy)], cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
