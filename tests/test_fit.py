@@ -127,8 +127,8 @@ def build_model():
     ({"validation_split": 1.0}, "validation_split must be in [0, 1)"),
     ({"validation_split": 0.999}, "validation_split=0.999: Training data contains 100 samples, which is not "
                                   "sufficient to split it"),
-    ({"validation_data": (X, Y), "val_fraction": 0.1}, "val_fraction is the product's own validation set"),
-    ({"batch_size": 32, "per_replica_batch": 16}, "batch_size is the global batch and per_replica_batch"),
+    ({"validation_data": (X, Y), "val_fraction": 0.1}, "val_fraction holds out a seeded part of a path of files"),
+    ({"batch_size": 32, "per_replica_batch": 16}, "per_replica_batch: app.fit's batch_size is the global batch"),
     ({"x": "data/train/", "y": None, "validation_split": 0.2}, "validation_split takes the last rows of arrays"),
     ({"verbose": 3}, "verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got 3)"),
     ({"initial_epoch": 2}, "initial_epoch must be an integer from 0 to epochs - 1 = 0 (got 2)"),

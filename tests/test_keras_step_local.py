@@ -181,9 +181,19 @@ def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_
     assert not (tmp_path / "never").exists()
 
 
-def test_the_products_own_keywords_with_an_own_train_step_are_refused(tmp_path):
-    with pytest.raises(UserError, match="strategy: the product's own training features"):
+def test_a_keyword_kerass_fit_does_not_take_is_one_line_saying_what_to_give(tmp_path):
+    with pytest.raises(UserError, match="strategy: the product's own loop, which trains the model's layers, not its "
+                                        "own train_step: leave them out"):
         app.fit(two_optimizers, X, epochs=1, strategy="parameter-server", output=str(tmp_path / "never"))
+    # Keywords Keras's fit does not take, for a model of its own step or a compiled one: what to give instead.
+    for model, kwargs, words in (
+            (two_optimizers, {"per_replica_batch": 8}, "per_replica_batch: app.fit's batch_size is the global batch"),
+            (compiled, {"global_batch": 8}, "global_batch: app.fit's batch_size is the global batch"),
+            (compiled, {"hidden_units": [8]}, "hidden_units sizes the built-in models"),
+            (compiled, {"num_ps": 2}, "num_ps: for a pipeline (backend='local', strategy='pipeline') or parameter"),
+            (compiled, {"val_fraction": 0.1}, "with x a ndarray, give validation_split or validation_data")):
+        with pytest.raises(UserError, match=re.escape(words)):
+            app.fit(model, X, Y, epochs=1, output=str(tmp_path / "never"), **kwargs)
     # Tensor parallel on Keras's fit cuts the state of one optimizer (this one holds its compile()'s default and its
     # own two); with ZeRO, the state would be cut twice.
     with pytest.raises(UserError, match="tensor_parallel=2 splits the state of the model's one optimizer, and "
@@ -684,8 +694,10 @@ def test_a_loss_that_goes_nan_or_below_zero_trains_on_as_model_fit_and_its_curve
     losses = {}
     for name, build, y in (("nan", diverging, X[:, 0]), ("cosine", cosine, np.eye(2, dtype="float32")[Y])):
         expected = build().fit(X, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history["loss"]
+        # tensorboard: the run's own records, on Keras's fit (its rows and its validation, none, as given)
         got = app.fit(build, X, y, batch_size=20, epochs=2, shuffle=False, backend="local",
-                      output=str(tmp_path / name), verbose=0)
+                      output=str(tmp_path / name), verbose=0, tensorboard=name == "cosine")
+        assert sorted(got.history) == ["loss"] and (tmp_path / name / "tensorboard").is_dir() == (name == "cosine")
         losses[name] = got.history["loss"]
         assert (got.result["backend"], got.result["strategy"], got.result["per_replica_batch"]) == \
             ("local", "default strategy (one replica)", 20)

@@ -166,10 +166,11 @@ def set_keras_history(tensor: Any, history: Any) -> None:
 
 # --- Keras: what compile() was given, and how fit() resolves it (app.training.objective, measures) ----------
 #
-# The product trains with its own loop (Keras 3's fit() fails under MultiWorkerMirroredStrategy), so it
-# takes a compiled model's pieces itself. Keras publishes ``model.optimizer`` and ``model.loss`` but not
-# the metrics as the user gave them (``model.metrics`` holds them only once fit() has built them), nor the
-# functions by which fit() turns "accuracy" or "crossentropy" into the class that fits the labels.
+# What a compiled model was given, read by the product where Keras's fit is not what runs it (the own loop of a
+# pipeline and of parameter servers, evaluate's checks, the defaults for a model that compiles nothing). Keras
+# publishes ``model.optimizer`` and ``model.loss`` but not the metrics as the user gave them (``model.metrics``
+# holds them only once fit() has built them), nor the functions by which fit() turns "accuracy" or "crossentropy"
+# into the class that fits the labels.
 
 
 def compile_arguments(model: Any) -> Optional[dict[str, Any]]:

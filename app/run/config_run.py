@@ -206,17 +206,31 @@ def local_replicas_of(fields: dict[str, Any]) -> Any:
     ``strategy="auto"`` on the local backend, Mirrored, a TPU's). A pipeline's devices are made here too, before
     fit's checks build the model (TensorFlow's devices are set as it starts); the own loop trains it."""
     from app.backend import backend_of
-    from app.config import build_config
 
-    asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
-                                    "shard_optimizer", "tensor_parallel") if k in fields}
-    config = build_config(fields.get("config"), asked) if asked else None
+    config = _where_asked(fields)
     if config is not None and backend_of(config).pipeline:
         from app.backends.local import make_strategy
 
         make_strategy(config)
         return None
     return local_replicas(config) if config is not None else None
+
+
+def own_loop_of(fields: dict[str, Any]) -> bool:
+    """Whether app.fit's keywords ask for a run of the product's own loop (a pipeline, parameter servers)."""
+    from app.backend import backend_of
+
+    config = _where_asked(fields)
+    return config is not None and backend_of(config).own_loop
+
+
+def _where_asked(fields: dict[str, Any]) -> Any:
+    """The config of app.fit's keywords that say where and how wide it trains (None: none given)."""
+    from app.config import build_config
+
+    asked = {k: fields[k] for k in ("backend", "strategy", "devices", "cpus_per_worker", "grad_accum",
+                                    "shard_optimizer", "tensor_parallel") if k in fields}
+    return build_config(fields.get("config"), asked) if asked else None
 
 
 def _streamed_facts(config, data: "_Data"):

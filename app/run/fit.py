@@ -5,24 +5,27 @@
     history.model                     # the trained model
 
 ``model_fn`` is the function that builds the model (each worker builds its own), a built-in name or a
-``file.py:function``. Two ways to train, decided here once:
+``file.py:function``. Every run trains by Keras's fit but a pipeline's and parameter servers'; which way app.fit takes
+there is decided here once:
 
-- **Keras's fit** (app.run.keras_step), for a model that brings its step (compiled, or overriding
-  ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``) or compiles nothing (the product
-  compiles it with the task's defaults: app.training.default_compile; a built-in name with arrays ``x`` and ``y``
-  too, sized by them: app.run.keras_step.builtin_for_arrays), with an ``x`` that Keras's fit reads
-  itself (arrays, dicts or lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a
-  path of files or a ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every
-  argument means what it means in ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument
-  validates nothing); every worker runs the model's own fit, made one exact run across workers by
-  app.training.keras_sync. ``grad_accum``, ``mixed_precision``, the learning-rate rule and an elastic range are
-  Keras's own there (app.training.keras_features); keywords asking for the product's other features
-  (``tensor_parallel``, ...) take the other way, and with a model that overrides its step they are refused in one line.
-- **The product's own step** (app.run.api, as app.train): a built-in model on other inputs, a model function that
-  takes the product's arguments, an ``x`` that is a data function (as ``--dataset``), or the product's other features asked
-  for. Here ``batch_size`` must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a
-  path with a path ``x``), no validation argument holds out the seeded ``val_fraction`` (default 0.2: this step
-  reports validation numbers every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
+- **Keras's fit as given** (app.run.keras_step), for a model function of no arguments (a model compiled, overriding
+  ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, or compiling nothing: the product compiles
+  it with the task's defaults, app.training.default_compile; a built-in name with arrays ``x`` and ``y`` too, sized
+  by them: app.run.keras_step.builtin_for_arrays), with an ``x`` that Keras's fit reads itself (arrays, dicts or
+  lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a path of files or a
+  ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every argument means what it means in
+  ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument validates nothing); every worker
+  runs the model's own fit, made one exact run across workers by app.training.keras_sync. The product's features
+  (``grad_accum``, ``mixed_precision``, the learning-rate rule, an elastic range, ``tensor_parallel``,
+  ``shard_optimizer``, ``tensorboard``, ``export``, ...: app.run.keras_step.KERAS_STEP_FIELDS) are Keras's own
+  there (app.training.keras_features); a keyword it does not take (``per_replica_batch``, a built-in model's
+  option) is one line saying what to give instead.
+- **A run of one config** (app.run.api, as app.train): a built-in model on other inputs, a model function that
+  takes the product's arguments, an ``x`` that is a data function (as ``--dataset``), or a pipeline or parameter
+  servers asked for (the product's own loop, which trains the layers of a compiled model, not a model's own step).
+  Here ``batch_size`` must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path
+  with a path ``x``), no validation argument holds out the seeded ``val_fraction`` (default 0.2: this path reports
+  validation numbers every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
   ``validation_batch_size`` and ``validation_freq`` are refused in one line that says what to use. ``callbacks``
   run as app.train runs them.
 
@@ -147,6 +150,8 @@ def fit(
     from app.run.api import run_training
 
     check_class_weight(class_weight)
+    if "model" in fields:
+        raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
     if keras_step_input(x) and not _is_keras_model(model_fn):
         from app import registry
         from app.run import config_run, keras_step
@@ -160,10 +165,15 @@ def fit(
                                                                  else set())
                               - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
                                  else set()) - ({"strategy", "devices"} if local is not None else set()))
-        if built is not None and product_only and keras_step.overrides_step(built):
-            raise UserError(f"{', '.join(product_only)}: the product's own training features, which its own step "
-                            f"provides; this model trains by its own {', '.join(keras_step.overrides_step(built))}: "
-                            "leave them out")
+        own_loop = bool(product_only) and config_run.own_loop_of(fields)
+        if built is not None and product_only and not own_loop:
+            # one device or several (Keras's fit trains under their strategy); val_fraction: keras_step.fit says
+            product_only = sorted(set(product_only) - {"strategy", "devices", "val_fraction"})
+            if product_only:
+                keras_step.refuse_for_fit({k: fields[k] for k in product_only}, model_fn)
+        if built is not None and own_loop and keras_step.overrides_step(built):
+            raise UserError(f"{', '.join(product_only)}: the product's own loop, which trains the model's layers, "
+                            f"not its own {', '.join(keras_step.overrides_step(built))}: leave them out")
         if built is not None and not product_only:
             run, out = keras_step.fit(built, model_fn, x, y, batch_size=batch_size, epochs=epochs,
                                   validation_data=validation_data, validation_split=validation_split,
@@ -176,8 +186,6 @@ def fit(
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle
 
-    if "model" in fields:
-        raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
     if _is_keras_model(model_fn):
         raise UserError("app.fit takes the function that builds the model, not a built model: every worker builds "
                         "its own under the strategy (app.fit(build_model, x, y, ...))")

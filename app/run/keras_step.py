@@ -27,7 +27,8 @@ KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's
 
 
 # The config fields a run by the model's own step takes (where and how it runs, and the product's features it
-# carries); every other field is one that only the product's own step provides (--audit-sample-ids, a strategy).
+# carries); every other field is a built-in model's option, the data's (app.fit's x), the batch (batch_size) or the
+# product's own loop's (a pipeline, parameter servers): ``refuse_for_fit`` says which.
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
@@ -45,9 +46,34 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      # TensorBoard's step scalars (app.training.keras_callbacks.StepScalars)
                      "log_every_steps",
                      # every epoch's training row ids over the workers (app.training.keras_audit)
-                     "audit_sample_ids"}
+                     "audit_sample_ids",
+                     # the run's records: TensorBoard's scalars, the SavedModel (app.backends.keras_record)
+                     "tensorboard", "tensorboard_dir", "export"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
 DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"}
+
+
+def refuse_for_fit(fields: dict[str, Any], model_fn: Any) -> None:
+    """Refuse in one line app.fit's keywords ``fields`` (outside KERAS_STEP_FIELDS) that Keras's fit, which trains
+    the model ``model_fn`` builds, does not take, saying what to give instead; an unknown one in the config's words."""
+    from app.config import TrainConfig
+    from app.training.model import BUILTIN_OPTIONS
+
+    if unknown := set(fields) - set(TrainConfig.model_fields):
+        build_config(None, {k: fields[k] for k in unknown})  # its line names the key and where the valid ones are
+    name = getattr(model_fn, "__name__", model_fn)
+    field = sorted(fields)[0]
+    if field in ("per_replica_batch", "global_batch"):
+        raise UserError(f"{field}: app.fit's batch_size is the global batch, as model.fit's (each worker trains its "
+                        "equal part): give batch_size instead")
+    if field in ("dataset", "val_dataset"):
+        raise UserError(f"{field}: app.fit's data is x (and validation_data): give it there")
+    if field in (*BUILTIN_OPTIONS, "model_args", "num_classes"):
+        raise UserError(f"{field} sizes the built-in models (and functions of the product's arguments: input_shape, "
+                        f"num_classes, ...); {name} takes no arguments and builds its own model: leave it out")
+    raise UserError(f"{', '.join(sorted(fields))}: for a pipeline (backend='local', strategy='pipeline') or "
+                    "parameter servers (strategy='parameter-server'), the product's own loop; Keras's fit trains "
+                    "this run: leave it out")
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
