@@ -307,6 +307,9 @@ def _layers(kind):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    if kind == "compiled":  # and an Embedding of ids made from the features: a sparse gradient (tf.IndexedSlices)
+        ids = keras.ops.cast(keras.ops.abs(inputs[:, :3]) * 3, "int32") % 8
+        hidden = keras.layers.Concatenate()([hidden, keras.layers.Flatten()(keras.layers.Embedding(8, 2)(ids))])
     return (OwnStep if kind == "own" else keras.Model)(inputs, keras.layers.Dense(3)(hidden))
 
 
@@ -354,14 +357,14 @@ if __name__ == "__main__":  # the same model by model.fit on one device (or app.
 
 @pytest.mark.parametrize("kind", ["own", "compiled", "accumulated", "central"])
 def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_device(tmp_path, kind):
-    """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss
-    object, per-variable clipping), each on MirroredStrategy over 2 logical CPUs with a short last batch cut 6 + 5:
-    the weights and History of model.fit on one device with the same global batch, as Keras's own fit would not give
-    (it divides only a Loss object's loss by the replicas, and clips each replica's gradient). The same from
-    jobs/train.py and from app.fit in a script. "accumulated": the own train_step with grad_accum 2, which is Keras's
-    gradient_accumulation_steps=2 (Keras's fit alone refuses it over several local replicas: its update is a
-    merge_call inside a condition). "central": the compiled model under central storage (one copy of each variable,
-    where Keras's fit alone counts a metric's state once per replica)."""
+    """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss object,
+    per-variable clipping, an Embedding whose sparse gradient Adam takes slice by slice), each on MirroredStrategy over
+    2 logical CPUs with a short last batch cut 6 + 5: the weights and History of model.fit on one device with the same
+    global batch, as Keras's own fit would not give (it divides only a Loss object's loss by the replicas, and clips
+    each replica's gradient). The same from jobs/train.py and from app.fit in a script. "accumulated": the own
+    train_step with grad_accum 2, which is Keras's gradient_accumulation_steps=2 (Keras's fit alone refuses it over
+    several local replicas: its update is a merge_call inside a condition). "central": the compiled model under central
+    storage (one copy of each variable, where Keras's fit alone counts a metric's state once per replica)."""
 
     (tmp_path / "models.py").write_text(OWN_STEP_MODELS)
     model = {"accumulated": "own", "central": "compiled"}.get(kind, kind)

@@ -43,9 +43,14 @@ class Site(IntEnum):
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
     PACKS = 1000
     PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)
+    SLICES = 300_000  # + (the optimizer's index x 64 + the sparse gradient's index) x SLICE_KEYS: app.training.collective
 
 
 BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size
+# A sparse gradient's gather: its lengths' key, then two keys (values, rows) per padded size 2^0 .. 2^63: a key is
+# bound to the shape it first gathers, so each size has its own.
+SLICE_KEYS = 1 + 2 * 64
+SPARSE_PER_OPTIMIZER = 64  # sparse gradients an optimizer's gather keys have room for; past them: summed dense
 
 
 HOST_KEYS = 1 << 20  # host calls count up from here, above every Site
@@ -77,8 +82,9 @@ class Collective:
             return tensor
         from app import internals
 
-        with self._placed():
-            return internals.collective_gather(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+        with self._placed():  # ``site``: a number, or a tensor (a key chosen in the graph: gather_slices_in_graph)
+            return internals.collective_gather(tensor, self.world, GROUP_KEY, site if hasattr(site, "dtype")
+                                               else int(site), self.timeout_s)
 
     def scatter_sum_in_graph(self, tensor, site: int):
         """This worker's part of the sum over every worker of ``tensor`` (first axis: one row per worker, row ``r``
@@ -92,6 +98,28 @@ class Collective:
         with self._placed():
             rows = internals.collective_all_to_all(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
             return tf.reduce_sum(rows, 0)
+
+    def gather_slices_in_graph(self, slices, site: int):
+        """Every worker's slices of a ``tf.IndexedSlices`` concatenated in rank order, inside a traced function.
+        Workers may hold different numbers of slices, and a step another number than the last (a global batch cut
+        one row apart, a short last batch): each pads to the power of two at or above the longest, whose keys
+        (``site`` + 1 + 2 log2 of it) always gather that shape; the padding is dropped after the gather."""
+        import tensorflow as tf
+
+        rows = tf.cast(slices.indices, tf.int64)
+        length = tf.shape(rows, out_type=tf.int64)[:1]
+        lengths = self.gather_in_graph(length, site)
+        longest = tf.maximum(tf.reduce_max(lengths), 1)
+        bits = tf.cast(tf.raw_ops.PopulationCount(x=_smear(longest - 1)), tf.int64)  # log2 of the padded size
+        size = tf.bitwise.left_shift(tf.constant(1, tf.int64), bits)
+        values = slices.values
+        pad = tf.concat([[[0, size - length[0]]], tf.zeros([tf.rank(values) - 1, 2], tf.int64)], 0)
+        keep = tf.reshape(tf.sequence_mask(lengths, size), [-1])
+        key = tf.cast(site + 1 + 2 * bits, tf.int32)
+        all_values = self.gather_in_graph(tf.pad(values, pad), key)
+        all_rows = self.gather_in_graph(tf.pad(rows, [[0, size - length[0]]]), key + 1)
+        return tf.IndexedSlices(tf.boolean_mask(all_values, keep),
+                                tf.cast(tf.boolean_mask(all_rows, keep), slices.indices.dtype), slices.dense_shape)
 
     def gather_tensor(self, tensor):
         """``gather_in_graph`` on the host (eager), under the next host key."""
@@ -127,14 +155,22 @@ class Collective:
             return list(grads)
         import tensorflow as tf
 
-        # A sparse gradient (an embedding's rows) is summed dense; an unused variable's None stays None.
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        order = [i for i in reversed(range(len(grads))) if grads[i] is not None]
+        # A sparse gradient (an embedding's rows, tf.IndexedSlices) is every worker's slices gathered, as
+        # MultiWorkerMirroredStrategy reduces one: the optimizer then sees the slices one process would have (Adam
+        # squares each slice before adding a row's, so a dense sum would change its steps). An unused variable's
+        # None stays None.
+        optimizer = (site - Site.GRADIENTS) // Site.PACKS
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)][:SPARSE_PER_OPTIMIZER]
+        grads = [None if g is None else g if i in sparse else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
+        out = list(grads)
+        for j, i in enumerate(sparse):
+            out[i] = self.gather_slices_in_graph(
+                grads[i], Site.SLICES + (optimizer * SPARSE_PER_OPTIMIZER + j) * SLICE_KEYS)
+        order = [i for i in reversed(range(len(grads))) if grads[i] is not None and i not in sparse]
         # A densified embedding gradient may have no static shape: it counts as small here.
         packs = [[order[j] for j in pack] for pack in
                  cut_in_packs([(grads[i].shape.num_elements() or 0) * grads[i].dtype.size for i in order],
                               bytes_per_pack)]
-        out = grads
         with self._placed():  # a pack gathers gradients from every device of the worker (--tensor-parallel)
             for k, members in enumerate(packs):
                 flat = tf.concat([tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in members], 0)
@@ -181,6 +217,15 @@ class Collective:
         mine = np.zeros((self.world, row.size))
         mine[self.rank] = row
         return self.host(mine.ravel()).reshape(self.world, row.size)
+
+
+def _smear(n):
+    """``n`` (int64, >= 0) with every bit below its highest set: its population count is the bits ``n`` takes."""
+    import tensorflow as tf
+
+    for shift in (1, 2, 4, 8, 16, 32):
+        n = tf.bitwise.bitwise_or(n, tf.bitwise.right_shift(n, tf.constant(shift, tf.int64)))
+    return n
 
 
 def cut_in_packs(nbytes: Sequence[int], limit: int = BYTES_PER_PACK, kinds: Optional[Sequence] = None) -> list[list[int]]:

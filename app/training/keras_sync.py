@@ -34,7 +34,7 @@ With one worker each of these is the identity: the run is ``model.fit``.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,13 +106,26 @@ def _average_by_rows(optimizer, rows: _Rows, summed: Any) -> None:
         import tensorflow as tf
 
         n = rows.value
-        weighed = [None if g is None else tf.convert_to_tensor(g) * tf.cast(n, g.dtype) for g in grads]
+        # A sparse gradient (tf.IndexedSlices) stays sparse: its slices are gathered, not summed (``summed``)
+        weighed = [_scaled(g, lambda d, n=n: tf.cast(n, d)) for g in grads]
         summed_up = summed(weighed + [tf.reshape(n, [1])])
         total = summed_up[-1][0]
-        return own_apply([None if g is None else g / tf.cast(total, g.dtype) for g in summed_up[:-1]],
-                         trainable_variables)
+        return own_apply([_scaled(g, lambda d: 1 / tf.cast(total, d)) for g in summed_up[:-1]], trainable_variables)
 
     optimizer.apply = apply
+
+
+def _scaled(gradient, factor: Callable[[Any], Any]) -> Any:
+    """``gradient`` times ``factor(its dtype)``: a dense one, a tf.IndexedSlices' values (kept sparse), or None."""
+    import tensorflow as tf
+
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor(gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    gradient = tf.convert_to_tensor(gradient)
+    return gradient * factor(gradient.dtype)
 
 
 def synchronise_replicas(model) -> None:

@@ -24,6 +24,8 @@ Y = (X[:, 0] + X[:, 1] > 0).astype("int64")
 W = rng.uniform(0.5, 1.5, size=ROWS).astype("float32")
 XV = rng.normal(size=(40, FEATURES)).astype("float32")
 YV = (XV[:, 0] + XV[:, 1] > 0).astype("int64")
+# Token ids, 3 a row from 8: every batch looks up some rows of the embedding several times
+T, TV = rng.integers(0, 8, size=(ROWS, 3)), rng.integers(0, 8, size=(40, 3))
 
 
 def functional():
@@ -212,6 +214,17 @@ def two_outputs():
     return model
 
 
+def embedding():
+    """An Embedding trained by Adam: its gradient is sparse (tf.IndexedSlices, a slice per lookup), and Adam squares
+    each slice before a row's are added, so the workers' slices must reach the optimizer as one process's would."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,), dtype="int64")
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(8, 4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
 class Rows(keras.utils.PyDataset):
     def __init__(self, x, y):
         super().__init__()
@@ -254,6 +267,8 @@ INPUTS = {
                             "validation_split": 0.25},
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
     "list": lambda: {"x": [X[:, :2], X[:, 2:]], "y": Y, "batch_size": 24, "validation_split": 0.25},
+    "token ids": lambda: {"x": T, "y": (T[:, 0] < 4).astype("int64"), "batch_size": BATCH,
+                          "validation_data": (TV, (TV[:, 0] < 4).astype("int64"))},
 }
 # A path of parquet files as x (and validation_data): the same rows as an in-memory kind, written as columns f0..f3
 # (and label); Keras's fit gets that kind's arrays. On one worker (the local backend) app.fit reads the path into
@@ -281,7 +296,7 @@ def as_path(input_name, out):
 
 
 MODELS = {"functional": functional, "executions": executions, "two_inputs": two_inputs, "own_step": own_step,
-          "gan": gan, "distiller": distiller, "add_loss": add_loss, "two_outputs": two_outputs}
+          "gan": gan, "distiller": distiller, "add_loss": add_loss, "two_outputs": two_outputs, "embedding": embedding}
 EPOCHS = 2
 
 
