@@ -75,19 +75,21 @@ def _logs_to_file_class():
     return LogsToFile
 
 
-def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster, tmp_path):
+def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster, tmp_path, monkeypatch):
     import keras
 
     from app import evaluate, train
 
+    monkeypatch.chdir(tmp_path)  # the script's directory: a callback's relative path is found there, as in model.fit
     seen, logged, out = tmp_path / "seen.jsonl", tmp_path / "log.csv", tmp_path / "run"
     callbacks = [
         _logs_to_file_class()(str(seen)),
         # min_delta 10: no epoch after the first improves. The LR halves after epoch 2 (0-based 1) ...
         keras.callbacks.ReduceLROnPlateau(monitor="val_loss", min_delta=10, patience=0, factor=0.5),
-        # ... and the run stops after epoch 3 (0-based 2), of 5.
-        keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=10, patience=2),
+        # ... and the run stops after epoch 3 (0-based 2), of 5, its weights restored to the first epoch's.
+        keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=10, patience=2, restore_best_weights=True),
         keras.callbacks.CSVLogger(str(logged), append=True),  # two writers would write two headers
+        keras.callbacks.ModelCheckpoint("ckpt/ep{epoch}.keras"),
     ]
     result = train(model=f"{user_file}:compiled_model", data=f"{user_file}:digits_one_hot", callbacks=callbacks,
                    num_workers=2, epochs=5, output=str(out))
@@ -118,11 +120,16 @@ def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster,
     rows = logged.read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("epoch,") and [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]
 
-    # The halved LR was every worker's: the validation sums of both workers' weights equal rank 0's exported
-    # model scored in this process (a worker still at the old LR would hold other weights).
+    # The halved LR was every worker's: the validation sums of both workers' weights after the last epoch equal rank
+    # 0's weights of then, which ModelCheckpoint wrote where the script runs, scored in this process (a worker still
+    # at the old LR would hold other weights).
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ep1.keras", "ep2.keras", "ep3.keras"]
+    scored = evaluate(str(tmp_path / "ckpt" / "ep3.keras"), data=f"{user_file}:digits_one_hot")
+    assert abs(scored["val_loss"] - float(history[2]["val_loss"])) < 1e-5
+    assert abs(scored["val_accuracy"] - float(history[2]["val_accuracy"])) < 1e-6
+    # restore_best_weights: the run's model is the first epoch's, as model.fit's model would be.
     scored = evaluate(str(out / "model.keras"), data=f"{user_file}:digits_one_hot")
-    assert abs(scored["val_loss"] - result["metrics"]["val_loss"]) < 1e-5
-    assert abs(scored["val_accuracy"] - result["metrics"]["val_accuracy"]) < 1e-6
+    assert abs(scored["val_loss"] - float(history[0]["val_loss"])) < 1e-5
 
 
 def test_a_callback_that_raises_ends_the_run_in_one_line_and_keeps_the_last_checkpoint(user_file, ray_cluster,

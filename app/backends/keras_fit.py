@@ -280,7 +280,8 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
         ),
     )
     try:
-        result = trainer.fit()
+        with tf_config.in_drivers_directory():
+            result = trainer.fit()
     except ray.train.TrainingFailedError as e:
         raise RunFailed(failures.one_line(e, config)) from None
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train's SIGINT handler aborts the controller and exits

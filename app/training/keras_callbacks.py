@@ -108,16 +108,19 @@ class Checkpoints(keras.callbacks.Callback):
 
     def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
                  gather: Optional[Callable[[], None]] = None, own: Optional[list] = None, rows: Optional[int] = None,
-                 finite: bool = False):
+                 finite: bool = False, settle: Optional[Collective] = None):
         """``state``: what ``write`` saves beside the weights: the epoch reached, the history and why the run stopped
         early, kept here; ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put
         together); ``own``: the user's callbacks this worker runs (which may stop the run); ``rows``: the rows an
         epoch trains over every worker (its speed's numerator), None where the workers count them as they read;
         ``finite``: a non-finite epoch loss ends the run before its checkpoint (a model the product compiled: one
-        the user compiled trains on, as Keras's fit does)."""
+        the user compiled trains on, as Keras's fit does); ``settle``: the user gave callbacks, which may set the
+        weights as training ends (EarlyStopping's ``restore_best_weights``) on rank 0, where they run: every worker
+        then takes rank 0's weights over this collective and the run's last checkpoint holds them."""
         super().__init__()
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
-        self.own, self.rows, self.finite = own or [], rows, finite
+        self.own, self.rows, self.finite, self.settle = own or [], rows, finite, settle
+        self.written: Optional[float] = None  # rank 0's weights as its last checkpoint holds them (a fingerprint)
         self.started = time.perf_counter()
         self.first_step_time: Optional[float] = None  # wall clock (the driver's start is one): this run's first step
         self.told_first_step = False  # in this process's first epoch record (a restart's, a resumed run's too)
@@ -153,6 +156,27 @@ class Checkpoints(keras.callbacks.Callback):
         if self.gather is not None:
             self.gather()
         self.session.save_and_report(record, self.write)
+        if self.settle is not None and self.session.rank == 0:
+            self.written = _fingerprint(self.model)
+
+    def on_train_end(self, logs=None):
+        if self.settle is None or not self.state["history"]:
+            return
+        changed = self.session.rank == 0 and _fingerprint(self.model) != self.written
+        if self.settle.host(np.array([float(changed)]))[0] == 0:
+            return
+        log.info("a callback set the weights as training ended: the run's checkpoint holds them")
+        self.settle.broadcast_variables(list(self.model.weights))
+        if self.gather is not None:
+            self.gather()
+        self.session.save_and_report(self.state["history"][-1], self.write)
+        if self.session.rank == 0:
+            self.written = _fingerprint(self.model)
+
+
+def _fingerprint(model) -> float:
+    """A sum over every weight, in float64: what changes when a callback sets the weights."""
+    return float(sum(np.sum(np.abs(np.asarray(w, np.float64))) for w in model.get_weights()))
 
 
 class StepCheckpoints(keras.callbacks.Callback):

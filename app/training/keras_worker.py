@@ -351,7 +351,8 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                 *stepped, *audit,
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
                                             own=own if session.rank == 0 else [],
-                                            rows=trained_rows(train, session.world), finite=job.task is not None),
+                                            rows=trained_rows(train, session.world), finite=job.task is not None,
+                                            settle=collective if own else None),
                 *([board] if board is not None else []), *step_scalars]
 
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
