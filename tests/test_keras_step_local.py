@@ -322,7 +322,7 @@ def _logits(loss, units, metric):
 
 def _as_model_fit(history, keras_history, model) -> None:
     """app.fit's History and trained weights are model.fit's (``keras_history``, ``model``), within 1e-6."""
-    assert list(history.history) == list(keras_history.history)
+    assert list(history.history) == list(keras_history.history) and history.params == keras_history.params
     for key, values in keras_history.history.items():
         assert history.history[key] == pytest.approx(values, abs=1e-6), key
     for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
@@ -390,12 +390,12 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
     y = (np.arange(60) % 3).astype("int64")
     history = app.fit("mlp", X, y, hidden_units=[8], batch_size=16, epochs=2, shuffle=False, backend="local",
                       optimizer="adam", base_lr=0.01, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
-                      output=str(tmp_path / "run"), verbose=0)
+                      output=str(tmp_path / "run"), verbose=2)  # History.params has it, as Keras's
     keras.utils.set_random_seed(0)  # the run's seed, set before each worker builds the model
     model = build_mlp((4,), 3, hidden_units=[8])
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=2)
     _as_model_fit(history, keras_history, model)
     with pytest.raises(UserError, match="the built-in cnn does not take hidden_units"):
         app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)

@@ -75,19 +75,21 @@ class History:
     ``model``: the trained ``model.keras``, loaded on first use.
     """
 
-    def __init__(self, result: dict[str, Any], records: list[dict[str, Any]], model_file: Path):
+    def __init__(self, result: dict[str, Any], records: list[dict[str, Any]], model_file: Path, verbose: Any = "auto"):
         self.result = result
         self.records = records
         self.history = keras_history(records)
         self.epoch = [int(r["epoch"]) - 1 for r in records]  # Keras counts epochs from 0
-        self.params = {"epochs": result["config"]["epochs"], "steps": result["steps_per_epoch"]}
+        self.params = {"verbose": verbose, "epochs": result["config"]["epochs"], "steps": result["steps_per_epoch"]}
         self.model_file = model_file
         self._model = None
 
     @classmethod
-    def of_keras_run(cls, result: dict[str, Any], out: Path, epochs: int, model: Any = None) -> "History":
+    def of_keras_run(cls, result: dict[str, Any], out: Path, epochs: int, model: Any = None,
+                     verbose: Any = "auto") -> "History":
         """A run by Keras's fit (result.json's content): its epoch logs as Keras's History has them (a key's list has
-        the epochs that logged it: validation_freq); ``model`` the trained model (or its file, loaded on use)."""
+        the epochs that logged it: validation_freq); ``model`` the trained model (or its file, loaded on use);
+        ``params`` as Keras's (``verbose`` as fit was given it)."""
         self = cls.__new__(cls)
         from app.training.keras_callbacks import RECORD_KEYS
 
@@ -97,7 +99,7 @@ class History:
                 if k not in RECORD_KEYS:
                     self.history.setdefault(k, []).append(v)
         self.epoch = [int(r["epoch"]) - 1 for r in self.records]
-        self.params = {"epochs": epochs, "steps": result["steps_per_epoch"], "verbose": 0}
+        self.params = {"verbose": verbose, "epochs": epochs, "steps": result["steps_per_epoch"]}
         self.model_file = out / result.get("model_file", result["checkpoint"])
         self._model = model
         return self
@@ -182,7 +184,7 @@ def fit(
                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                                   validation_steps=validation_steps, validation_batch_size=validation_batch_size,
                                   validation_freq=validation_freq, fields=fields, local=local)
-            return History.of_keras_run(run.result, out, epochs, run.model)
+            return History.of_keras_run(run.result, out, epochs, run.model, verbose)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle
 
@@ -202,8 +204,8 @@ def fit(
         result = run_training(config)
     out = config.output_dir()
     if "final" in result:  # trained by Keras's fit (app.run.config_run): its records are Keras's epoch logs
-        return History.of_keras_run(result, out, epochs)
-    return History(result, read_records(out / result["history_file"]), out / result["model_file"])
+        return History.of_keras_run(result, out, epochs, verbose=verbose)
+    return History(result, read_records(out / result["history_file"]), out / result["model_file"], verbose)
 
 
 def _keras_only(verbose: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
