@@ -75,7 +75,9 @@ def _logs_to_file_class():
     return LogsToFile
 
 
-def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster, tmp_path, monkeypatch):
+def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster, tmp_path, monkeypatch, capsys):
+    import time
+
     import keras
 
     from app import evaluate, train
@@ -90,9 +92,19 @@ def test_callbacks_on_two_workers_as_model_fit_runs_them(user_file, ray_cluster,
         keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=10, patience=2, restore_best_weights=True),
         keras.callbacks.CSVLogger(str(logged), append=True),  # two writers would write two headers
         keras.callbacks.ModelCheckpoint("ckpt/ep{epoch}.keras"),
+        keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: print(f"printed by a callback: {epoch}")),
     ]
     result = train(model=f"{user_file}:compiled_model", data=f"{user_file}:digits_one_hot", callbacks=callbacks,
                    num_workers=2, epochs=5, output=str(out))
+
+    # A callback's print reaches the console, once an epoch (rank 0's), as model.fit's script would show it (Ray
+    # forwards a worker's output a moment later: bounded wait).
+    printed, deadline = "", time.monotonic() + 30
+    while printed.count("printed by a callback") < 3 and time.monotonic() < deadline:
+        printed += capsys.readouterr().out
+        time.sleep(0.5)
+    assert [line for line in printed.splitlines() if "printed by a callback" in line] == \
+        [f"printed by a callback: {epoch}" for epoch in range(3)]
 
     # Both workers stopped after the same epoch (else one would wait in an all-reduce), and the run says why.
     assert result["num_replicas"] == 2 and result["epochs_completed"] == 3

@@ -10,6 +10,7 @@ The outputs: history.csv and result.json (Keras's epoch logs as the History has 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,7 +30,7 @@ from app.driver import cluster, outputs
 from app.errors import NonFiniteLoss, RunFailed, UserCodeError, UserError
 from app.training import checkpoint, keras_worker
 from app.training.keras_worker import KerasJob
-from app.ui import console, failures
+from app.ui import console, failures, worker_lines
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +121,13 @@ class RayKerasSession:
 def keras_loop_per_worker(payload: dict[str, Any]) -> None:
     from ray import cloudpickle
 
-    console.mark_worker_console("app")
+    worker_lines.mark_worker_console("app")
     session = RayKerasSession(payload)
     # The job (the model function, the callbacks) may hold TensorFlow objects, a layer adapted in the driver:
     # unpickled only once the collectives and threads are set, which must come before any TensorFlow op.
     session.start()
-    keras_worker.keras_fit_worker(cloudpickle.loads(payload["job"]), session)
+    with worker_lines.marked_stdout() if session.rank == 0 else contextlib.nullcontext():  # the user's prints: shown
+        keras_worker.keras_fit_worker(cloudpickle.loads(payload["job"]), session)
 
 
 class LocalKerasSession:

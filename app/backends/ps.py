@@ -32,7 +32,7 @@ from app.driver import cluster, outputs
 from app.errors import RunFailed, UserError
 from app.training import checkpoint
 from app.training.worker import WorkerJob, train_worker
-from app.ui import console, failures
+from app.ui import console, failures, worker_lines
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Chief:
               checkpoint_dir: str, restore: bool) -> dict[str, Any]:
         from app.training.parameter_server import ParameterServerSession
 
-        console.mark_worker_console("app")
+        worker_lines.mark_worker_console("app")
 
         def alive() -> None:
             self.last_alive = time.time()

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from app import internals
+from app.ui.worker_lines import MARK
 
 LOG_FILE = "train.log"
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune")  # they keep their own handlers
-# ASCII "record separator": starts a worker's line meant for the console; invisible if ever printed raw.
-MARK = "\x1e"
 BAR_PREFIX = "epoch "  # our progress bars' descriptions start so (app.training.worker)
 
 _EARLY_LINES = 20_000  # worker lines kept from before the run's log file exists (its checks), then written in
@@ -50,24 +49,6 @@ _said_log = logging.getLogger("app.said")  # what ``say`` printed, for the file 
 _said_log.propagate = False
 _said_log.setLevel(logging.INFO)
 _current: Optional[Path] = None
-
-
-class MarkedFormatter(logging.Formatter):
-    """Workers' formatter for their console lines: every line of the message starts with ``MARK``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(MARK + line for line in super().format(record).splitlines())
-
-
-def mark_worker_console(logger_name: str = "app") -> None:
-    """In a worker: this package's INFO lines go to stderr marked for the driver's console."""
-    logger = logging.getLogger(logger_name)
-    if not any(isinstance(h.formatter, MarkedFormatter) for h in logger.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(MarkedFormatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def write_trace(title: str, text: str) -> Optional[Path]:
