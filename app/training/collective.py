@@ -10,8 +10,9 @@ ring over gRPC on CPUs, NCCL on GPUs), called here directly:
 
 - in a traced step (``in_graph``, ``sum_gradients``): the gradients, once per
   optimizer step, in packs that start as soon as their gradients exist (the
-  last layers' first), overlapping the rest of the backward pass (sharded
-  optimizers: ``scatter_sum_in_graph`` and ``gather_in_graph``, app.training.zero);
+  last layers' first), overlapping the rest of the backward pass; a sparse
+  gradient's slices gathered instead (``gather_slices_in_graph``); sharded
+  optimizers: ``scatter_sum_in_graph`` and ``gather_in_graph``, app.training.zero;
 - on the host (``host``, ``gather``): metric sums, batch-norm statistics,
   callback decisions, where each worker runs, a few times per epoch.
 
@@ -43,7 +44,7 @@ class Site(IntEnum):
     GRADIENTS = 100  # + the optimizer's index x PACKS + the pack's index
     PACKS = 1000
     PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)
-    SLICES = 300_000  # + (the optimizer's index x 64 + the sparse gradient's index) x SLICE_KEYS: app.training.collective
+    SLICES = 300_000  # + (the optimizer's index x 64 + the sparse gradient's index) x SLICE_KEYS: its slices gathered
 
 
 BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size
