@@ -307,10 +307,11 @@ def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
     return str(max(found, key=_position)) if found else None
 
 
-def _position(directory: Path) -> tuple[int, int]:
-    """Where a checkpoint is: epochs done, and steps done in the next (--checkpoint-every-steps)."""
+def _position(directory: Path) -> tuple[int, int, int]:
+    """Where a checkpoint is: epochs done, and steps done in the next (--checkpoint-every-steps); at the same place,
+    the one written as training ended, its weights set by a callback (app.training.keras_callbacks), last."""
     state = checkpoint.read_state(directory / keras_worker.STATE_FILE)
-    return state["epoch"], state.get("step", 0)
+    return state["epoch"], state.get("step", 0), state.get("settled", 0)
 
 
 def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:

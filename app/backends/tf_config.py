@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import ray
 import ray.util
@@ -131,7 +132,8 @@ def trainer(train_loop_per_worker, train_loop_config=None, **kwargs):
     """
     # Read by the driver when it starts the controller, which passes it on (Ray Train's ENV_VARS_TO_PROPAGATE).
     os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_INTERVAL_S)
-    here = None if os.environ.get(CHDIR_ENV) else os.getcwd()  # the user's own setting wins (see in_drivers_directory)
+    # The driver's directory and node (see in_drivers_directory); the user's own setting wins.
+    here = None if CHDIR_ENV in os.environ else (os.getcwd(), ray.get_runtime_context().get_node_id())
     return ray_train.data_parallel_trainer()(
         train_loop_per_worker=functools.partial(_opened, train_loop_per_worker, here),
         train_loop_config={SHIPPED: ray.put(train_loop_config)},
@@ -143,8 +145,9 @@ SHIPPED = "shipped"  # the one key of the config Ray Train sees: the object stor
 
 # Ray Train moves each worker into a directory of its run (Ray's session's artifacts), where a relative path in the
 # user's code (a callback's file, a file the model function reads) would not mean what it means in the driver; the
-# workers stay where Ray starts them (a job's working_dir) and go to the driver's directory where it is on their node
-# (one machine, shared storage). Read by the driver in trainer.fit(): set around it only (``in_drivers_directory``).
+# workers stay where Ray starts them (a job's working_dir, the same files on every node), and those on the driver's
+# node go to its directory (another node's directory of the same name is not the driver's). Read by the driver in
+# trainer.fit(): set around it only (``in_drivers_directory``).
 CHDIR_ENV = "RAY_CHDIR_TO_TRIAL_DIR"
 
 
@@ -152,7 +155,7 @@ CHDIR_ENV = "RAY_CHDIR_TO_TRIAL_DIR"
 def in_drivers_directory():
     """Around ``trainer.fit()``: the workers are not moved into Ray Train's run directory (unless the user set
     RAY_CHDIR_TO_TRIAL_DIR); Ray Tune's trials in this process are not touched after it."""
-    if os.environ.get(CHDIR_ENV) is not None:
+    if CHDIR_ENV in os.environ:
         yield
         return
     os.environ[CHDIR_ENV] = "0"
@@ -162,9 +165,9 @@ def in_drivers_directory():
         os.environ.pop(CHDIR_ENV, None)
 
 
-def _opened(train_loop_per_worker, here, shipped: dict):
-    """In each worker: the training function called with its config, read from the object store, in the driver's
-    working directory ``here`` where this node has it.
+def _opened(train_loop_per_worker, here: Optional[tuple[str, str]], shipped: dict):
+    """In each worker: the training function called with its config, read from the object store; on the driver's
+    node, in the driver's working directory (``here``: it and the node's id).
 
     Unpickling the config imports what a user's functions import (Keras, TensorFlow): after the import thread's
     own import has ended, as two threads importing TensorFlow at once can see a module half made ("module
@@ -172,6 +175,6 @@ def _opened(train_loop_per_worker, here, shipped: dict):
     """
     for thread in _IMPORTING:
         thread.join(timeout=300)  # an import does not hang; if it did, the unpickling's own import says why
-    if here is not None and os.path.isdir(here):
-        os.chdir(here)
+    if here is not None and here[1] == ray.get_runtime_context().get_node_id() and os.path.isdir(here[0]):
+        os.chdir(here[0])
     return train_loop_per_worker(ray.get(shipped[SHIPPED]))

@@ -60,7 +60,7 @@ def refuse_for_fit(fields: dict[str, Any], model_fn: Any) -> None:
     from app.training.model import BUILTIN_OPTIONS
 
     if unknown := set(fields) - set(TrainConfig.model_fields):
-        build_config(None, {k: fields[k] for k in unknown})  # its line names the key and where the valid ones are
+        build_config(None, dict.fromkeys(unknown, True))  # its line names the key (whatever its value) and the valid
     name = getattr(model_fn, "__name__", model_fn)
     field = sorted(fields)[0]
     if field in ("per_replica_batch", "global_batch"):

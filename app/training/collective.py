@@ -148,7 +148,8 @@ class Collective:
         self._host_calls += 1
         return self.in_graph(tf.constant(values), HOST_KEYS + self._host_calls).numpy()
 
-    def sum_gradients(self, grads: list, site: int = Site.GRADIENTS, bytes_per_pack: int = BYTES_PER_PACK) -> list:
+    def sum_gradients(self, grads: list, site: int = Site.GRADIENTS, bytes_per_pack: int = BYTES_PER_PACK,
+                      gather_slices: bool = True) -> list:
         """Each gradient summed over every worker (inside a traced step), in packs of about ``bytes_per_pack``: the
         last variables' first, as the backward pass makes them, so a pack's all-reduce starts while the rest are
         still being computed. Every worker packs the same list the same way."""
@@ -159,9 +160,10 @@ class Collective:
         # A sparse gradient (an embedding's rows, tf.IndexedSlices) is every worker's slices gathered, as
         # MultiWorkerMirroredStrategy reduces one: the optimizer then sees the slices one process would have (Adam
         # squares each slice before adding a row's, so a dense sum would change its steps). An unused variable's
-        # None stays None.
+        # None stays None. ``gather_slices`` False (a step XLA compiles): summed dense.
         optimizer = (site - Site.GRADIENTS) // Site.PACKS
-        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)][:SPARSE_PER_OPTIMIZER]
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)][:SPARSE_PER_OPTIMIZER] \
+            if gather_slices else []
         grads = [None if g is None else g if i in sparse else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
         out = list(grads)
         for j, i in enumerate(sparse):

@@ -47,6 +47,12 @@ def raised_by_callback(error: BaseException, callbacks: list) -> Optional[Except
     return None
 
 
+def on_every_worker(callbacks: list) -> list:
+    """The user's callbacks that run on every worker, not rank 0 alone: ``SwapEMAWeights`` swaps the weights every
+    worker validates (and trains) with, each worker's EMA being the same; it writes nothing."""
+    return [c for c in callbacks if isinstance(c, keras.callbacks.SwapEMAWeights)]
+
+
 class Decisions(keras.callbacks.Callback):
     """The user's callbacks run on rank 0 only (only rank 0 writes files); what they decide, ``stop_training`` and
     the learning rates, every worker takes at the same point (epoch begin and end, and each batch's end when a
@@ -120,7 +126,7 @@ class Checkpoints(keras.callbacks.Callback):
         super().__init__()
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
         self.own, self.rows, self.finite, self.settle = own or [], rows, finite, settle
-        self.written: Optional[float] = None  # rank 0's weights as its last checkpoint holds them (a fingerprint)
+        self.written: Optional[int] = None  # rank 0's weights as its last checkpoint holds them (a fingerprint)
         self.started = time.perf_counter()
         self.first_step_time: Optional[float] = None  # wall clock (the driver's start is one): this run's first step
         self.told_first_step = False  # in this process's first epoch record (a restart's, a resumed run's too)
@@ -145,6 +151,7 @@ class Checkpoints(keras.callbacks.Callback):
             record["first_step_time"], self.told_first_step = self.first_step_time, True
         self.state["history"].append(record)
         self.state["epoch"] = epoch + 1
+        self.state.pop("settled", None)
         for key in StepCheckpoints.STATE_KEYS:  # the epoch is whole: no step inside it to go on from
             self.state.pop(key, None)
         if self.model.stop_training and epoch + 1 < self.epochs:  # agreed by every worker (Decisions runs first)
@@ -166,17 +173,28 @@ class Checkpoints(keras.callbacks.Callback):
         if self.settle.host(np.array([float(changed)]))[0] == 0:
             return
         log.info("a callback set the weights as training ended: the run's checkpoint holds them")
-        self.settle.broadcast_variables(list(self.model.weights))
+        self.settle.broadcast_variables(_floats(self.model))
         if self.gather is not None:
             self.gather()
+        self.state["settled"] = 1  # a resumed run goes on from this checkpoint, not the epoch's (app.backends.keras_fit)
         self.session.save_and_report(self.state["history"][-1], self.write)
         if self.session.rank == 0:
             self.written = _fingerprint(self.model)
 
 
-def _fingerprint(model) -> float:
-    """A sum over every weight, in float64: what changes when a callback sets the weights."""
-    return float(sum(np.sum(np.abs(np.asarray(w, np.float64))) for w in model.get_weights()))
+def _floats(model) -> list:
+    """The model's float weights (what training and a callback set; a counter of another dtype is not)."""
+    return [v for v in model.weights if "float" in str(v.dtype)]
+
+
+def _fingerprint(model) -> int:
+    """A hash of the float weights' bytes: what changes when a callback sets the weights."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=8)
+    for v in _floats(model):
+        digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 class StepCheckpoints(keras.callbacks.Callback):

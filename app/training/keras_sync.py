@@ -86,12 +86,16 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list
         return []
     rows = _recording_rows(model)
     sharded = []
+    # XLA (Keras's jit_compile, on by default on a GPU outside a strategy) compiles no gather of shapes known only as
+    # the step runs: there a sparse gradient is summed dense (app.training.collective.sum_gradients).
+    slices = not getattr(model, "jit_compile", False)
     for i, optimizer in enumerate(optimizers_of(model)):
         if shard_optimizer:
             sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
         else:
             site = Site.GRADIENTS + i * Site.PACKS
-            _average_by_rows(optimizer, rows, lambda values, site=site: collective.sum_gradients(values, site))
+            _average_by_rows(optimizer, rows,
+                             lambda values, site=site: collective.sum_gradients(values, site, gather_slices=slices))
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
     return sharded
 

@@ -346,7 +346,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         stepped = [keras_callbacks.StepCheckpoints(
             job.checkpoint_every_steps, lambda epoch: train.steps_on(session.world, epoch, job.seed), save_step,
             state, collective, skip)] if job.checkpoint_every_steps else []
-        return [epoch_input, *goes_on, *(own if session.rank == 0 else []), *bar,
+        return [epoch_input, *goes_on, *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)), *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                 *stepped, *audit,
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,

@@ -49,6 +49,9 @@ class _MarkedLines:
     def isatty(self) -> bool:
         return False
 
+    def __getattr__(self, name: str):  # encoding, errors, fileno, buffer: the stream's own (unmarked)
+        return getattr(self.stream, name)
+
 
 @contextlib.contextmanager
 def marked_stdout() -> Iterator[None]:

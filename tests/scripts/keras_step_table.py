@@ -216,12 +216,14 @@ def two_outputs():
 
 def embedding():
     """An Embedding trained by Adam: its gradient is sparse (tf.IndexedSlices, a slice per lookup), and Adam squares
-    each slice before a row's are added, so the workers' slices must reach the optimizer as one process's would."""
+    each slice before a row's are added, so the workers' slices must reach the optimizer as one process's would. Adam
+    keeps an EMA of the weights, which SwapEMAWeights (its input's callback) swaps in to validate, on every worker."""
     keras.utils.set_random_seed(1)
     inputs = keras.Input((3,), dtype="int64")
     h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(8, 4)(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(h))
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.5),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
@@ -268,7 +270,8 @@ INPUTS = {
     "regression": lambda: {"x": X, "y": X[:, :1] - X[:, 2:3], "batch_size": BATCH},
     "list": lambda: {"x": [X[:, :2], X[:, 2:]], "y": Y, "batch_size": 24, "validation_split": 0.25},
     "token ids": lambda: {"x": T, "y": (T[:, 0] < 4).astype("int64"), "batch_size": BATCH,
-                          "validation_data": (TV, (TV[:, 0] < 4).astype("int64"))},
+                          "validation_data": (TV, (TV[:, 0] < 4).astype("int64")),
+                          "callbacks": [keras.callbacks.SwapEMAWeights()]},
 }
 # A path of parquet files as x (and validation_data): the same rows as an in-memory kind, written as columns f0..f3
 # (and label); Keras's fit gets that kind's arrays. On one worker (the local backend) app.fit reads the path into
