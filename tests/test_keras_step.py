@@ -5,7 +5,8 @@ tests/scripts/keras_step_table.py is a user's script: each model written as kera
 functional model, and the same compiled with steps_per_execution; one of two inputs; a VAE-shaped model with its
 own train_step, test_step and three Mean trackers, fit on x alone; a GAN with compile(d_optimizer, g_optimizer); a
 distiller with a frozen teacher in its constructor, compile() of its own and compute_loss overridden; add_loss; two
-named outputs with dict losses and loss_weights; an Embedding trained by Adam, whose gradient is sparse),
+named outputs with dict losses and loss_weights; two inputs, one of token ids into an Embedding trained by Adam,
+whose gradient is sparse, validated with its EMA weights),
 each input as fit() takes it (arrays, a dict of arrays, a list of arrays, tf.data of x, (x, y) and (x, y, w), a
 PyDataset, a generator with steps_per_epoch; validation as tf.data, PyDataset, (x,) arrays, validation_split; and a
 path of parquet files, with and without a label column, read on one worker into the same rows). It
@@ -31,7 +32,7 @@ PAIRS = [("functional", "arrays"), ("functional", "dict"), ("functional", "tf.da
          ("functional", "tf.data x"), ("executions", "arrays"), ("executions", "tf.data x,y"),
          ("own_step", "arrays x"), ("own_step", "tf.data x"), ("gan", "tf.data x"),
          ("distiller", "arrays"), ("distiller", "tf.data x,y"), ("add_loss", "regression"),
-         ("two_outputs", "two targets"), ("two_inputs", "list"), ("embedding", "token ids"),
+         ("two_outputs", "two targets"), ("two_inputs", "list"),
          ("functional", "parquet x,y"), ("own_step", "parquet x"), ("distiller", "parquet x,y")]
 NAMES = [f"{m} | {i}" for m, i in PAIRS]
 # On 2 workers (a Ray run each, ~18 s): every model kind, and every path by which rows reach the workers (not
