@@ -108,10 +108,16 @@ def test_overwrite_replaces_its_own_output_only_after_the_checks_and_a_running_j
     (a bad one first, which deletes nothing); a prediction's directory is replaced by the next prediction, unless
     a file of the user's is in it."""
     busy = tmp_path / "busy"
-    # Epochs enough that it is still training when the refused jobs ask, however loaded the machine (killed below).
+    # Epochs enough that it is still training when the refused jobs ask, however loaded the machine (killed below);
+    # a callback of the user's rests after each one, so that it leaves the CPU to the rest of the suite meanwhile.
+    (tmp_path / "resting.py").write_text(
+        "import time\nimport keras\n\n\nclass Rest(keras.callbacks.Callback):\n"
+        "    def on_epoch_end(self, epoch, logs=None):\n        time.sleep(2)\n\n\n"
+        "def callbacks():\n    return [Rest()]\n")
     writer = subprocess.Popen([sys.executable, "jobs/train.py", "--backend", "local", "--epochs", "100000",
-                               "--output", str(busy)], cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               "--callbacks", f"{tmp_path / 'resting.py'}:callbacks", "--output", str(busy)],
+                              cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (busy / "config.yaml").is_file() and writer.poll() is None and time.monotonic() < deadline:
