@@ -33,7 +33,7 @@ class Backend:
     counts_gpus: bool  # replicas is None because it is the GPUs found (else a TPU's cores or an elastic run's
     # workers: known once started)
     # The product's own training loop trains it, not Keras's fit: parameter servers (Keras 3's fit has no
-    # ParameterServerStrategy) and a pipeline (the model cut into stages, each stage's step the product's).
+    # ParameterServerStrategy). Every other run, a pipeline's too, trains by Keras's fit.
     own_loop: bool = False
 
 
@@ -65,7 +65,7 @@ def backend_of(config: "TrainConfig") -> Backend:
         replicas, why = None, "the devices found"
     return Backend("local", on_ray=False, ray_train=False, parameter_servers=False,
                    pipeline=strategy == "pipeline", replicas=replicas, replicas_why=why,
-                   counts_gpus=replicas is None and strategy != "tpu", own_loop=strategy == "pipeline")
+                   counts_gpus=replicas is None and strategy != "tpu")
 
 
 def several_replicas_asked(config: "TrainConfig") -> bool:

@@ -82,9 +82,6 @@ class TrainConfig(OutputSection, OptimSection, ModelSection, DataSection, RunSec
             problems.append("--devices splits a local CPU: use it with --backend local")
         if self.strategy != "pipeline" and (self.split_at or self.pipeline_microbatches != PIPELINE_MICROBATCHES):
             problems.append("--split-at and --pipeline-microbatches are for --strategy pipeline")
-        if self.strategy == "pipeline" and self.per_replica_batch % self.pipeline_microbatches:
-            problems.append(f"--per-replica-batch {self.per_replica_batch} does not split into "
-                            f"{self.pipeline_microbatches} equal micro-batches (--pipeline-microbatches)")
         problems.extend(_tensor_parallel_problems(self))
         if self.audit_sample_ids and self.steps_per_execution > 1:
             problems.append("audit_sample_ids needs steps_per_execution 1 (ids are gathered per step)")

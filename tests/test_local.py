@@ -62,7 +62,6 @@ def local_set(tmp_path_factory):
             "audit": ["--strategy", "mirrored", "--devices", "2", "--epochs", "2", "--per-replica-batch", "50",
                       "--audit-sample-ids"],
             "cs": ["--strategy", "central-storage", "--devices", "2", "--epochs", "3"],
-            "pipeline": ["--strategy", "pipeline", "--devices", "2", "--epochs", "1"],
             "cnn": ["--strategy", "mirrored", "--devices", "2", "--dataset", "synthetic", "--synthetic-rows", "512",
                     "--synthetic-shape", "8", "8", "3", "--model", "cnn", "--conv-filters", "4", "8", "--epochs", "2",
                     "--per-replica-batch", "16"]}
@@ -90,25 +89,6 @@ def test_mirrored_sees_every_sample_once_per_epoch(local_set):
     for ids in per_epoch:
         assert len(ids) == len(set(ids)) == 1438
     assert per_epoch[0] != per_epoch[1]  # reshuffled
-
-
-def test_a_pipeline_run_goes_on_locally_only_and_ray_says_so_in_one_line(local_set, tmp_path):
-    """A pipeline run (the product's own step) resumed on Ray's workers or under Mirrored, which train by Keras's
-    fit: one line naming where it goes on, before any Ray starts; nothing of the run is touched."""
-    from app.config import build_config
-    from app.errors import UserError
-    from app.run.api import dry_run
-
-    out, _ = local_set["pipeline"]
-    before = sorted(p.name for p in out.iterdir())
-    # on Ray's workers, and under a local strategy Keras's fit trains: neither goes on from the own step's checkpoints
-    for elsewhere in ({"backend": "ray", "strategy": "auto", "devices": None},
-                      {"backend": "local", "strategy": "mirrored", "devices": 2}):
-        with pytest.raises(UserError) as e:
-            dry_run(build_config(None, {"output": str(out), "resume": True, "epochs": 3, **elsewhere}))
-        assert "holds checkpoints of the product's own step" in str(e.value) and "--backend local --strategy " \
-            "pipeline" in str(e.value) and "give a new --output" in str(e.value), (elsewhere, str(e.value))
-    assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_one_replica_with_devices_and_a_resume_of_a_run_stopped_before_its_first_checkpoint_train_by_kerass_fit(
@@ -178,9 +158,8 @@ def test_ray_flags_are_refused_for_local_and_vice_versa(tmp_path):
 
 
 def test_local_backend_never_imports_ray(tmp_path):
-    """Both engines of --backend local, each from a fresh process as app.train runs it: Keras's fit on one replica
-    (the default) and the product's own loop (a pipeline over 2 logical CPUs, which must be made before TensorFlow
-    starts)."""
+    """--backend local, from a fresh process as app.train runs it: one replica (the default) and a pipeline over 2
+    logical CPUs (which must be made before TensorFlow starts)."""
     for name, fields in (("fit", ""), ("pipeline", ', strategy="pipeline", devices=2')):
         code = f"""
 import sys

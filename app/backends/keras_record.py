@@ -76,6 +76,9 @@ def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, mo
             "strategy": local.name if local is not None else ray_strategy_name(world), "backend": backend,
             "strategy_reason": local.reason if local is not None else ray_strategy_reason(world)
             if runs_on_ray(backend) else one_replica_reason(),
+            # --strategy pipeline: one replica, its stages on this process's devices
+            **({"strategy": "pipeline", "strategy_reason": f"requested; {len(job.stages.stages)} stages, one per "
+                "device", "stages": list(job.stages.stages)} if job.stages is not None else {}),
             # a replica's part of a global batch (a batch that does not divide: its largest part)
             "per_replica_batch": -(-features.batch_size // replicas) if features.batch_size else None,
             "grad_accum": features.grad_accum, "mixed_precision": features.mixed_precision,

@@ -17,7 +17,7 @@ class EpochPlan:
     needs the same step count on every worker or its all-reduce waits forever,
     so the rows left over are dropped (a different remainder every epoch: the
     order is reshuffled). The runs this plan trains are the product's own step
-    (a pipeline, parameter servers), whose compiled step takes one static
+    (parameter servers), whose compiled step takes one static
     batch; every other run trains by Keras's fit, which ends each epoch on its
     short last batch itself.
     """

@@ -35,7 +35,7 @@ class Checked:
     source: Union[Source, "Streamed"]
     facts: DataFacts
     objective: "Objective"
-    model: dict[str, Any]  # name, parameters, output shape; with --strategy pipeline, its StagePlan
+    model: dict[str, Any]  # name, parameters, output shape
     resumed: Any = None  # --resume: the checkpoint the run goes on from (app.driver.resume.Start), or None
 
 
@@ -77,13 +77,9 @@ def load_data(config: "TrainConfig", num_workers: int, loc: Optional["Located"] 
     return memory.load_source(config, value)
 
 
-def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence[str] = (),
-                examples: Any = None) -> tuple[DataFacts, "Objective", dict[str, Any]]:
-    """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary.
-
-    With ``stage_devices`` (--strategy pipeline) the summary also holds where the model is cut, one stage per
-    device (a StagePlan).
-    """
+def check_model(config: "TrainConfig", facts: DataFacts, examples: Any = None) -> tuple[DataFacts, "Objective",
+                                                                                       dict[str, Any]]:
+    """Build the model once for the data's shape; its task (auto -> binary for one output), objective, summary."""
     from app.training.measures import settle
     from app.training.model import build_model, check_output, model_name, task_with_model
     from app.training.objective import objective_for
@@ -99,10 +95,6 @@ def check_model(config: "TrainConfig", facts: DataFacts, stage_devices: Sequence
                ("logits" if objective.from_logits else "probabilities"),
                # what a --resume's checkpoint must hold (app.driver.resume), in the optimizer's order
                "weights": [(v.path, tuple(v.shape)) for v in model.trainable_variables]}
-    if stage_devices:
-        from app.training.pipeline import plan_stages
-
-        summary["pipeline"] = plan_stages(model, config.split_at, stage_devices, name)
     return facts, objective, summary
 
 
@@ -117,11 +109,10 @@ def examples(source) -> Any:
 
 
 def check(config: "TrainConfig", num_workers: int, replicas_per_worker: int = 1,
-          source: Union[Source, "Streamed", None] = None, stage_devices: Sequence[str] = (),
-          loc: Optional["Located"] = None) -> Checked:
-    """Data, model (and its pipeline stages) and epoch plan, checked; the streamed path needs Ray connected first."""
+          source: Union[Source, "Streamed", None] = None, loc: Optional["Located"] = None) -> Checked:
+    """Data, model and epoch plan, checked; the streamed path needs Ray connected first."""
     source = source if source is not None else load_data(config, num_workers, loc)
-    facts, objective, summary = check_model(config, source.facts, stage_devices, examples(source))
+    facts, objective, summary = check_model(config, source.facts, examples(source))
     if config.callbacks is not None:  # called here once, as each worker's model function is
         from app.training.callbacks import check as check_callbacks
 
@@ -172,7 +163,7 @@ def batches_line(plan: EpochPlan) -> str:
     if not plan.dropped:
         return "every training row once per epoch (whole batches)"
     return (f"{plan.dropped} training rows dropped per epoch (whole batches on every replica: the product's own "
-            "step, which a pipeline and parameter servers train on, takes one batch size)")
+            "loop, which parameter servers train on, takes one batch size)")
 
 
 def begin(config: "TrainConfig", checked: Checked, num_workers: int, strategy: str) -> tuple[list[str], Path]:
@@ -220,12 +211,6 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
     if m.get("callbacks") is not None:
         lines.append(f"callbacks: {', '.join(m['callbacks']) or 'none'} (on rank 0; a stop or LR change applies to "
                      "every worker)")
-    if (stage_plan := m.get("pipeline")) is not None:  # --strategy pipeline: its StagePlan
-        stages = stage_plan.stages
-        where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
-                          for s in stages)
-        lines.insert(2, f"pipeline: {len(stages)} stages, each batch as {config.pipeline_microbatches} micro-batches: "
-                        f"{where}")
     if config.resume:
         from app.driver import resume
 

@@ -181,6 +181,12 @@ def compile_arguments(model: Any) -> Optional[dict[str, Any]]:
     return dict(model._compile_config.config)
 
 
+def loss_tracker(model: Any) -> Any:
+    """The compiled model's mean of its batches' losses (its History's "loss"), which a step of the product's updates
+    as Keras's own ``train_step`` does."""
+    return model._loss_tracker
+
+
 def learning_rate_schedule(optimizer: Any) -> Any:
     """The optimizer's learning rate as it was given: its schedule object, or its variable for a constant rate
     (``learning_rate`` is the rate at the current step; an unsplit twin of a split run's optimizer needs the object)."""

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from app.backend import backend_of
 from app.config import TrainConfig, build_config
-from app.errors import UserError
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
@@ -39,16 +37,12 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
 
 
 def driver(config: TrainConfig):
-    """The module that runs ``config``'s backend (app.backend): its ``run(config, started_at)`` trains,
-    its ``dry_run_lines(config)`` is the plan. Imported here, not with this module: the Python API stays light."""
-    from app.backends import local, ps
+    """The module that runs the product's own loop (parameter servers; app.run.config_run hands every other run to
+    Keras's fit): its ``run(config, started_at)`` trains, its ``dry_run_lines(config)`` is the plan. Imported
+    here, not with this module: the Python API stays light."""
+    from app.backends import ps
 
-    if config.shard_optimizer:  # the product's own step does not shard
-        raise UserError("shard_optimizer runs inside Keras's fit on Ray's workers: a pipeline trains on the "
-                        "product's own step, which does not shard; leave it out there")
-
-    # A Ray Train run is Keras's fit's (app.run.config_run): it is never handed here.
-    return {"local": local, "parameter-server": ps}[backend_of(config).name]
+    return ps
 
 
 def dry_run(config: TrainConfig) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from app.errors import UserError
 from app.run import keras_step
 from app.run.fit_inputs import overrides_step
-from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_STEP_FIELDS
+from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_STEP_FIELDS, PIPELINE_FIELDS
 from app.training import model as product_model
 
 # What a run from the command line (or app.train) decides as the run does, not as Keras's fit: fields it sets for
@@ -43,23 +43,22 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
     Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
-    own step (parameter servers, a pipeline, and --resume of their runs), never on Ray Train, where what Keras's
+    loop (parameter servers, and --resume of their runs), never on Ray Train, where what Keras's
     fit cannot run is one line. ``dry``: the plan's lines instead, nothing
     trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica, several_replicas_asked
 
-    # Another strategy (parameter servers, a pipeline) is a field set: the product's step; one
-    # asking for local replicas is what Keras's fit in this process is.
+    # Parameter servers are a field set: the product's own loop; one asking for local replicas or a pipeline is what
+    # Keras's fit in this process is.
     backend = backend_of(config)
     if config.resume and not _resumes_keras_run(config):  # no checkpoint of Keras's fit: the own step's, or none
         own = _own_step_checkpoints(config, quiet=backend.own_loop)
-        if backend.own_loop and own is not False:  # a pipeline's or parameter servers' run goes on on the own step
+        if backend.own_loop and own is not False:  # a parameter servers' run goes on on the own loop
             return None  # (or its resume says what is wrong with the checkpoint)
         if own is not False:
-            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own step, "
-                            "which goes on only as the pipeline (--backend local --strategy pipeline) or the parameter "
-                            "servers (--strategy parameter-server) it trains; Keras's fit, which trains every other "
-                            "run, cannot go on from them: give a new --output")
+            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own loop, "
+                            "which goes on only as the parameter servers (--strategy parameter-server) it trains; "
+                            "Keras's fit, which trains every other run, cannot go on from them: give a new --output")
     several = _several_local_replicas(config)
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
         from app.data import files
@@ -71,13 +70,19 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     # strategy of several replicas on one device is the own step's to refuse
     one_device = one_replica and not several_replicas_asked(config)
     chosen = set(config.model_fields_set) - ({"strategy"} if one_replica else set()) \
+        - (PIPELINE_FIELDS if backend.pipeline else set()) \
         - ({"devices"} if one_device else set()) \
         - ({"strategy"} if backend.ray_train else set()) - ({"strategy", "devices"} if several else set())
     if others := chosen - KERAS_STEP_FIELDS - _CONFIG_RUN_FIELDS - DEFAULT_COMPILE_FIELDS - _BUILT_FIELDS:
+        flags = ', '.join('--' + f.replace('_', '-') for f in sorted(others))
         if backend.ray_train:
-            raise UserError(f"{', '.join('--' + f.replace('_', '-') for f in sorted(others))}: for --backend local "
-                            "(several local devices, a pipeline) or --strategy parameter-server, not Ray Train's "
-                            "workers: leave it out")
+            raise UserError(f"{flags}: for --backend local (several local devices, a pipeline) or --strategy "
+                            "parameter-server, not Ray Train's workers: leave it out")
+        if not backend.own_loop:
+            from app.backends.local import make_strategy
+
+            make_strategy(config)  # a strategy this machine cannot make is its own line
+            raise UserError(f"{flags}: not for --backend local --strategy {config.strategy}: leave it out")
         return None
     # Several local replicas (Mirrored over GPUs or --devices CPUs, a TPU's cores): the strategy made before any model
     # is built (TensorFlow's devices are set as it starts; the run builds its model in the strategy's scope).
@@ -86,15 +91,15 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
     model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
     built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
     if model is None:
-        # A built-in on local replicas trains by Keras's fit, as on Ray (files read here into arrays); under central
-        # storage or a pipeline on the product's step. --tensor-parallel N splits its
+        # A built-in on local replicas or a pipeline trains by Keras's fit, as on Ray (files read here into arrays).
+        # --tensor-parallel N splits its
         # layers inside the model Keras's fit runs (app.training.tensor_parallel.SplitInPlace), by the built-in's
         # own layout unless --tensor-layout names one.
-        if not keras_step.built_by_product(config.model) and backend.ray_train:
+        if not keras_step.built_by_product(config.model) and not backend.own_loop:
             raise UserError(f"--model {getattr(config.model, '__name__', config.model)} builds no Keras model: give a "
                             "built-in's name or a function that returns a keras.Model")
         if not keras_step.built_by_product(config.model) or not (
-                backend.on_ray or local is not None or one_local_replica(config)):
+                backend.on_ray or backend.pipeline or local is not None or one_local_replica(config)):
             return None
         if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
             from app.training.strategy import tensor_devices
@@ -143,6 +148,7 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         data.class_weight = given_class_weights(config.class_weight)
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
+              **({k: getattr(config, k) for k in PIPELINE_FIELDS} if backend.pipeline else {}),
               "output": str(config.output_dir())}
     if built_on_files and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
@@ -176,25 +182,32 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
 
 def _several_local_replicas(config) -> bool:
     """Whether ``config`` asks for a strategy of several local replicas that Keras's fit trains under (Mirrored,
-    central storage, or what --strategy auto finds: several GPUs, a TPU's cores). Not a Ray run, and not a pipeline
-    (the product's own step) or --tensor-parallel (one replica, split in place). Read without starting TensorFlow."""
+    central storage, or what --strategy auto finds: several GPUs, a TPU's cores). Not a Ray run, and not parameter
+    servers, a pipeline or --tensor-parallel (one replica, split in place). Read without starting TensorFlow."""
     from app.backend import backend_of, one_local_replica
 
     backend = backend_of(config)
-    return not (backend.on_ray or backend.own_loop or config.tensor_degree or one_local_replica(config))
+    return not (backend.on_ray or backend.own_loop or backend.pipeline or config.tensor_degree
+                or one_local_replica(config))
 
 
 def local_replicas(config) -> Any:
     """The strategy of several local replicas ``config`` asks for, made now (before any model is built: TensorFlow's
     devices are set as it starts), as a LocalReplicas; None where it asks for none, or finds one replica after all.
-    What Keras's fit cannot do over such replicas is one line."""
+    A pipeline's devices, one per stage, are made here too (its one replica needs no strategy). What Keras's fit
+    cannot do over such replicas is one line."""
+    from app.backend import backend_of
+    from app.backends.local import make_strategy
+
+    if backend_of(config).pipeline:
+        make_strategy(config)
+        return None
     if not _several_local_replicas(config):
         return None
     if config.shard_optimizer:
         raise UserError(f"--shard-optimizer {config.shard_optimizer}: the optimizer's state is cut over Ray's workers; "
                         "the replicas of a local strategy in this process each hold it whole: leave it out, or train "
                         "on Ray's workers (--backend ray)")
-    from app.backends.local import make_strategy
     from app.training import strategy as strategy_lib
 
     strategy, reason = make_strategy(config)
@@ -203,25 +216,25 @@ def local_replicas(config) -> Any:
 
 def local_replicas_of(fields: dict[str, Any]) -> Any:
     """``local_replicas`` of app.fit's keywords (its backend, strategy, devices, ...: several GPUs found by
-    ``strategy="auto"`` on the local backend, Mirrored, a TPU's). A pipeline's devices are made here too, before
-    fit's checks build the model (TensorFlow's devices are set as it starts); the own loop trains it."""
-    from app.backend import backend_of
-
+    ``strategy="auto"`` on the local backend, Mirrored, a TPU's, a pipeline's devices)."""
     config = _where_asked(fields)
-    if config is not None and backend_of(config).pipeline:
-        from app.backends.local import make_strategy
-
-        make_strategy(config)
-        return None
     return local_replicas(config) if config is not None else None
 
 
 def own_loop_of(fields: dict[str, Any]) -> bool:
-    """Whether app.fit's keywords ask for a run of the product's own loop (a pipeline, parameter servers)."""
+    """Whether app.fit's keywords ask for a run of the product's own loop (parameter servers)."""
     from app.backend import backend_of
 
     config = _where_asked(fields)
     return config is not None and backend_of(config).own_loop
+
+
+def pipeline_of(fields: dict[str, Any]) -> bool:
+    """Whether app.fit's keywords ask for a pipeline (Keras's fit trains it, stage by stage)."""
+    from app.backend import backend_of
+
+    config = _where_asked(fields)
+    return config is not None and backend_of(config).pipeline
 
 
 def _where_asked(fields: dict[str, Any]) -> Any:

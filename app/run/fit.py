@@ -5,8 +5,8 @@
     history.model                     # the trained model
 
 ``model_fn`` is the function that builds the model (each worker builds its own), a built-in name or a
-``file.py:function``. Every run trains by Keras's fit but a pipeline's and parameter servers'; which way app.fit takes
-there is decided here once:
+``file.py:function``. Every run trains by Keras's fit but parameter servers'; which way app.fit takes there is
+decided here once:
 
 - **Keras's fit as given** (app.run.keras_step), for a model function of no arguments (a model compiled, overriding
   ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, or compiling nothing: the product compiles
@@ -17,12 +17,12 @@ there is decided here once:
   ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument validates nothing); every worker
   runs the model's own fit, made one exact run across workers by app.training.keras_sync. The product's features
   (``grad_accum``, ``mixed_precision``, the learning-rate rule, an elastic range, ``tensor_parallel``,
-  ``shard_optimizer``, ``tensorboard``, ``export``, ...: app.run.keras_step.KERAS_STEP_FIELDS) are Keras's own
-  there (app.training.keras_features); a keyword it does not take (``per_replica_batch``, a built-in model's
+  ``shard_optimizer``, ``tensorboard``, ``export``, a pipeline: app.run.keras_step.KERAS_STEP_FIELDS) are Keras's
+  own there (app.training.keras_features); a keyword it does not take (``per_replica_batch``, a built-in model's
   option) is one line saying what to give instead.
 - **A run of one config** (app.run.api, as app.train): a built-in model on other inputs, a model function that
-  takes the product's arguments, an ``x`` that is a data function (as ``--dataset``), or a pipeline or parameter
-  servers asked for (the product's own loop, which trains the layers of a compiled model, not a model's own step).
+  takes the product's arguments, an ``x`` that is a data function (as ``--dataset``), or parameter servers asked
+  for (the product's own loop, which trains the layers of a compiled model, not a model's own step).
   Here ``batch_size`` must divide over the replicas, ``validation_data`` is ``(x_val, y_val)`` arrays (or a path
   with a path ``x``), no validation argument holds out the seeded ``val_fraction`` (default 0.2: this path reports
   validation numbers every epoch), and ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
@@ -52,7 +52,7 @@ from app.data import keras_stream
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
-from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_BATCH_SIZE, KERAS_STEP_FIELDS
+from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_BATCH_SIZE, KERAS_STEP_FIELDS, PIPELINE_FIELDS
 from app.run.keras_step import given as _given
 
 
@@ -166,7 +166,8 @@ def fit(
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
                                                                  else set())
                               - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
-                                 else set()) - ({"strategy", "devices"} if local is not None else set()))
+                                 else set()) - ({"strategy", "devices"} if local is not None else set())
+                              - (PIPELINE_FIELDS if config_run.pipeline_of(fields) else set()))
         own_loop = bool(product_only) and config_run.own_loop_of(fields)
         if built is not None and product_only and not own_loop:
             # one device or several (Keras's fit trains under their strategy); val_fraction: keras_step.fit says

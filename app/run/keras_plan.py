@@ -12,9 +12,9 @@ from app.run.fit_inputs import overrides_step
 
 def lines(config, model, train, val, world: int, features, shard, tensor, compiled_line: Optional[str],
           class_weight: Any, validation_freq: Any, callbacks: Optional[list], x: Any, validation_data: Any,
-          epochs: int, local: Any = None) -> list[str]:
+          epochs: int, local: Any = None, stages: Any = None) -> list[str]:
     """Every line of the plan, in order (``compiled_line``: what the product compiled a model with, if it did;
-    ``local``: the LocalReplicas the run trains under)."""
+    ``local``: the LocalReplicas the run trains under; ``stages``: a pipeline's StagePlan)."""
     from app.backend import backend_of
 
     on_ray = backend_of(config).on_ray
@@ -31,9 +31,10 @@ def lines(config, model, train, val, world: int, features, shard, tensor, compil
         resizes.append("audit: the ids of the training rows each worker's input hands to fit(), gathered over the "
                        "workers every epoch into audit_sample_ids.json (result.json's audit: per epoch, the ids "
                        "trained and the distinct ones)")
-    return [_run_line(config, world, features.batch_size, train.steps, epochs, local),
-            *([_replicas_line(local.strategy)] if local is not None else [])] \
-        + plan_lines(model, train, val, world, validation_freq, callbacks) + compiled \
+    return [_run_line(config, world, features.batch_size, train.steps, epochs, local, stages),
+            *([_replicas_line(local.strategy)] if local is not None else []),
+            *([stages.line()] if stages is not None else [])] \
+        + plan_lines(model, train, val, world, validation_freq, callbacks, stages is not None) + compiled \
         + features.lines() + shard.lines + (tensor.lines(per_worker=on_ray) if tensor else []) + resizes + [
             line for data, name in ((x, "x"), (validation_data, "validation_data"))
             if (line := _py_dataset_line(data, name))]
@@ -55,7 +56,8 @@ def _elastic_line(config, train, batch: Optional[int]) -> str:
             f"stays at every size, cut over its workers, so the math does not change; at {at}")
 
 
-def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int, local: Any = None) -> str:
+def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int, local: Any = None,
+              stages: Any = None) -> str:
     """The plan's first line, as the product's own step words it: where, how wide, the global batch, how long."""
     from app.training.strategy import ray_strategy_name
 
@@ -65,6 +67,8 @@ def _run_line(config, world: int, batch: int, steps: Optional[int], epochs: int,
         n = local.replicas
         wide = f"{local.name} ({local.reason}), {n} replicas in this process"
         part = f" (= {batch // n} per replica{accumulated})" if batch % n == 0 else ""
+    elif stages is not None:
+        wide, part = f"pipeline (one replica, {len(stages.stages)} stages, one per device), in this process", ""
     else:
         wide = f"{ray_strategy_name(world)}, {world} worker(s)"
         part = f" (= {batch // world} per worker{accumulated})" if world > 1 and batch % world == 0 else ""
@@ -94,10 +98,13 @@ def _py_dataset_line(data: Any, name: str) -> str:
             "read here)")
 
 
-def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list]) -> list[str]:
+def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: Optional[list],
+               pipeline: bool = False) -> list[str]:
     own = overrides_step(model)
-    step = (f"the model's own {', '.join(own)}" if own else "Keras's train_step and test_step for the compiled "
-            "loss and metrics")
+    step = (f"the model's own {', '.join(own)}" if own else "the pipeline's train_step (each batch's micro-batches "
+            "through the stages, then back, one update by the compiled optimizer) and Keras's test_step over the "
+            "stages, for the compiled loss and metrics" if pipeline else "Keras's train_step and test_step for the "
+            "compiled loss and metrics")
     dropped = train.dropped_rows(world)
     lines = [
         f"step: {step}, run by model.fit on each of {world} worker(s)"

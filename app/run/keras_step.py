@@ -28,7 +28,7 @@ KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's
 
 # The config fields a run by the model's own step takes (where and how it runs, and the product's features it
 # carries); every other field is a built-in model's option, the data's (app.fit's x), the batch (batch_size) or the
-# product's own loop's (a pipeline, parameter servers): ``refuse_for_fit`` says which.
+# product's own loop's (parameter servers): ``refuse_for_fit`` says which.
 KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
@@ -49,6 +49,8 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "audit_sample_ids",
                      # the run's records: TensorBoard's scalars, the SavedModel (app.backends.keras_record)
                      "tensorboard", "tensorboard_dir", "export"}
+# ... with --strategy pipeline (backend="local"), its devices and how it cuts and runs a batch
+PIPELINE_FIELDS = {"strategy", "devices", "split_at", "pipeline_microbatches"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
 DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"}
 
@@ -72,8 +74,8 @@ def refuse_for_fit(fields: dict[str, Any], model_fn: Any) -> None:
         raise UserError(f"{field} sizes the built-in models (and functions of the product's arguments: input_shape, "
                         f"num_classes, ...); {name} takes no arguments and builds its own model: leave it out")
     raise UserError(f"{', '.join(sorted(fields))}: for a pipeline (backend='local', strategy='pipeline') or "
-                    "parameter servers (strategy='parameter-server'), the product's own loop; Keras's fit trains "
-                    "this run: leave it out")
+                    "parameter servers (strategy='parameter-server'); Keras's fit trains this run on neither: "
+                    "leave it out")
 
 
 def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
@@ -283,6 +285,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
+    stages = _stages(config, model, model_fn, train)
     if config.checkpoint_every_steps and (train.pipeline is not None or not train.counted):
         raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
                         f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
@@ -290,12 +293,12 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
-                   task=defaults.task if defaults is not None else None, tensor=tensor,
+                   task=defaults.task if defaults is not None else None, tensor=tensor, stages=stages,
                    checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids)
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
                             defaults.line(built_by_product(config.model)) if defaults else
                             recompile.line() if recompile is not None else None, class_weight,
-                            validation_freq, callbacks, x, validation_data, epochs, local)
+                            validation_freq, callbacks, x, validation_data, epochs, local, stages)
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()
     quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
@@ -345,6 +348,16 @@ def _on_ray(config) -> bool:
     from app.backend import backend_of
 
     return backend_of(config).on_ray
+
+
+def _stages(config, model, model_fn: Any, train) -> Any:
+    """--strategy pipeline: where the model is cut, one stage per device (app.training.pipeline), said before the run."""
+    from app.backend import backend_of
+    from app.training.pipeline import plan_for_fit
+    from app.training.strategy import stage_devices
+
+    return backend_of(config).pipeline and plan_for_fit(model, getattr(model_fn, "__name__", model.name), overrides_step(
+        model), config.split_at, stage_devices(), config.pipeline_microbatches, train.first_batch()) or None
 
 
 def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: Any, verbose: Any, num_workers: Any,

@@ -1,4 +1,4 @@
-"""Keras callbacks on the product's own loop (a pipeline, the parameter servers' coordinator).
+"""Keras callbacks on the product's own loop (the parameter servers' coordinator).
 
 ``--callbacks file.py:function`` (or ``app.train(callbacks=[...])``) gives a list of
 ``keras.callbacks.Callback``. The semantics are ``model.fit``'s on one machine:

@@ -255,7 +255,7 @@ class LocalCheckpoints:
 
 MODEL_SUFFIX = ".keras"
 STATE_SUFFIX = ".state.json"
-LOCAL_DIR = "checkpoint"  # <output>/checkpoint: the local and parameter-server backends' LocalCheckpoints
+LOCAL_DIR = "checkpoint"  # <output>/checkpoint: the parameter-server backend's LocalCheckpoints, Keras's fit's local runs'
 
 
 def located(path: str | Path) -> tuple[Path, Path] | None:

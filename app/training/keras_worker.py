@@ -71,6 +71,7 @@ class KerasJob:
     checkpoint_every_steps: Optional[int] = None  # also a checkpoint every N steps inside an epoch (arrays only)
     log_every_steps: int = 0  # TensorBoard's step scalars every N steps (with tensorboard_dir); 0: per epoch only
     audit: bool = False  # --audit-sample-ids: every epoch's training row ids over the workers (app.training.keras_audit)
+    stages: Any = None  # --strategy pipeline: the driver's StagePlan (app.training.pipeline); None: no pipeline
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -278,6 +279,10 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         model = keras_features.build(job.model_fn, job.features)
     if strategy is not None:  # one process, several replicas: their all-reduce is the strategy's
         keras_sync.synchronise_replicas(model)
+    if job.stages is not None:  # --strategy pipeline: fit trains the model placed stage by stage on its devices
+        from app.training.pipeline import for_fit
+
+        model = for_fit(model, job.stages, train.first_batch())
     split = Split(model, job.tensor, train) if job.tensor is not None else None
     if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
         collective.device = split.shards.plan.devices[0]

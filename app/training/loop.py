@@ -1,11 +1,9 @@
 """The epoch driver: ``steps`` train steps from an endless iterator, then evaluation, as one record.
 
 This is the product's own loop, for what Keras's fit does not train (app.backend's
-``own_loop``): how a step runs is a ``StepRunner``'s business: ``ReplicaSteps`` here
-runs ``strategy.run`` on synchronous replicas (the pipeline);
-app.training.parameter_server's ``ScheduledSteps`` schedules numbered steps on parameter-server workers.
-The driver keeps what is the same for both: the host-side step count, the log window, the non-finite check, the
-epoch record.
+``own_loop``: parameter servers): how a step runs is a ``StepRunner``'s business
+(app.training.parameter_server's ``ScheduledSteps`` schedules numbered steps on the workers).
+The driver keeps the host-side step count, the log window, the non-finite check, the epoch record.
 
 The caller passes the same step count on every parameter-server worker;
 counting steps on an endless dataset also avoids TF's per-step "does any
@@ -14,15 +12,13 @@ worker still have data" check that a finite distributed dataset costs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
 from app.errors import NonFiniteLoss
-from app.training.metrics import EpochStats, epoch_metrics, local_sum, peak_rss_mib
-from app.training.step import TrainSteps
+from app.training.metrics import EpochStats, epoch_metrics
 
 if TYPE_CHECKING:
     from app.training.measures import Measures
@@ -46,65 +42,6 @@ class StepRunner(Protocol):
 
     def extra_metrics(self) -> dict[str, Any]:
         """What this kind of run adds to each epoch's record."""
-
-
-def evaluate(strategy, eval_step, dist_dataset, measures: "Measures") -> EpochStats:
-    """Loss and metrics over every replica's batches; padding rows weigh 0."""
-    import tensorflow as tf
-
-    start = time.perf_counter()
-    acc = tf.zeros((measures.size,), tf.float64)
-    for batch in dist_dataset:
-        acc += local_sum(strategy, eval_step(batch))
-    return EpochStats.from_sums(acc.numpy(), time.perf_counter() - start, measures.results)
-
-
-class ReplicaSteps:
-    """Synchronous replicas of one process: ``strategy.run`` of the compiled steps (app.training.step)."""
-
-    def __init__(self, strategy, optimizer, measures: "Measures", train_steps: TrainSteps, eval_step=None, *,
-                 steps_per_execution: int = 1, audit_sample_ids: bool = False):
-        self.strategy, self.optimizer, self.measures = strategy, optimizer, measures
-        self.train_steps, self.eval_step = train_steps, eval_step
-        self.steps_per_execution = steps_per_execution
-        self.audit_sample_ids = audit_sample_ids
-        self._traced = False
-
-    def steps_taken(self) -> int:
-        return int(self.optimizer.iterations.numpy())
-
-    def _first_batch(self, iterator):
-        """The next batch; the first time, trace the train step while that batch is on its way.
-
-        The first batch of a run waits for the input to start and the first step
-        waits for tracing; both are seconds on the path to the first step, and
-        they overlap.
-        """
-        if self._traced:
-            return next(iterator)
-        self._traced = True
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            batch = pool.submit(next, iterator)
-            self.train_steps.one.get_concrete_function(iterator.element_spec)
-            return batch.result()
-
-    def run(self, iterator, first_step: int, remaining: int):
-        import tensorflow as tf
-
-        if self.steps_per_execution == 1:
-            per_replica, ids = self.train_steps.one(self._first_batch(iterator))
-            return local_sum(self.strategy, per_replica), 1, ids.numpy() if self.audit_sample_ids else None
-        k = min(self.steps_per_execution, remaining)
-        return self.train_steps.many(iterator, tf.constant(k)), k, None
-
-    def evaluate(self, val) -> EpochStats:
-        return evaluate(self.strategy, self.eval_step, val, self.measures)
-
-    def learning_rate(self, global_step: int) -> float:
-        return float(self.optimizer.learning_rate.numpy())
-
-    def extra_metrics(self) -> dict[str, Any]:
-        return {"worker_peak_rss_mib": peak_rss_mib()}
 
 
 class EpochDriver:

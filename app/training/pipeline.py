@@ -11,12 +11,13 @@ placement is done here, by hand:
   ``tf.device`` of its stage, then the original weights are copied in. The clone is one ordinary Keras
   model (checkpoints, ``--resume`` and the exported model.keras see no stages); each stage is a Keras
   model over the clone's own layers, so the stages share its variables.
-- The step: the batch is split into M micro-batches; each goes forward through the stages (each under its
-  device, one tape per stage per micro-batch), then backward from the last stage: each stage's gradients,
-  and the gradient of its input that the stage before needs, are computed under that stage's device (one
-  ``tape.gradient`` over every variable would leave the gradient ops unplaced). Gradients are summed over
-  micro-batches and applied once. Each micro-batch's loss is divided by the *global* batch, so the sum is
-  the gradient of the mean, as in app.training.step.
+- The step: Keras's fit trains the clone (compiled as the user's model, the same optimizer object), its
+  ``train_step`` this module's. The batch is split into M micro-batches; each goes forward through the
+  stages (each under its device, one tape per stage per micro-batch), then backward from the last stage:
+  each stage's gradients, and the gradient of its input that the stage before needs, are computed under
+  that stage's device (one ``tape.gradient`` over every variable would leave the gradient ops unplaced).
+  Gradients are summed over micro-batches and applied once by the optimizer, so everything Keras's
+  optimizer does (gradient accumulation, loss scaling, the learning-rate schedule) applies as in fit.
 
 Stages work at the same time through TensorFlow's dataflow: the step is one graph in which stage 2 on
 micro-batch 1 waits only for stage 1 on micro-batch 1, so stage 1 can go on with micro-batch 2.
@@ -35,7 +36,6 @@ from app.errors import UserError
 if TYPE_CHECKING:
     import keras
 
-    from app.training.measures import Measures
 
 
 def functional(model: "keras.Model", name: str) -> "keras.Model":
@@ -139,9 +139,17 @@ class StagePlan:
     # named by Keras gets new names each time it is built in a process (dense, then dense_1).
     starts: tuple[int, ...]
     stages: tuple[dict[str, Any], ...]  # each stage's first and last layer, parameters and device (result.json)
+    microbatches: int = 1  # each batch run as this many micro-batches
+
+    def line(self) -> str:
+        """The plan's line: the stages, where each runs."""
+        where = "; ".join(f"{s['first']} .. {s['last']} ({s['parameters']:,} parameters) on {s['device']}"
+                          for s in self.stages)
+        return f"pipeline: {len(self.stages)} stages, each batch as {self.microbatches} micro-batches: {where}"
 
 
-def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: Sequence[str], name: str) -> StagePlan:
+def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: Sequence[str], name: str,
+                microbatches: int = 1) -> StagePlan:
     """One stage per device: cut at ``split_at`` (the layers that start a stage), or where parameters balance.
 
     A request that cannot be met is one UserError line naming the layers the model can be cut at.
@@ -168,7 +176,7 @@ def plan_stages(model: "keras.Model", split_at: Sequence[str] | None, devices: S
                             f"use fewer --devices")
         cuts = _balanced(graph, len(devices))
     starts = tuple(graph.cuts[c] for c in cuts)
-    return StagePlan(starts, tuple(graph.describe(starts, devices)))
+    return StagePlan(starts, tuple(graph.describe(starts, devices)), microbatches)
 
 
 def _balanced(graph: Graph, stages: int) -> list[str]:
@@ -264,42 +272,36 @@ class Pipeline:
                 h = self._call(k, h, x, training)
         return h
 
-    def train_step(self, optimizer, measures: "Measures", global_batch: int, microbatches: int):
-        """The per-replica step for ``strategy.run``: (x, y, w) -> the same exact sums as app.training.step's."""
-        import keras
+    def keras_train_step(self, microbatches: int):
+        """The placed model's ``train_step`` for Keras's fit: the batch as ``microbatches`` micro-batches (a short
+        batch's parts differ by a row at most, empty ones add nothing), all forward through the stages, then all
+        backward, one update by the model's optimizer. The loss is Keras's compiled one (``compute_loss``: each
+        micro-batch's mean, every stage's penalties), weighed by the micro-batch's part of the batch: the batch's
+        mean, as Keras's default reduction (sum over the batch size) gives it; the compiled metrics take every
+        micro-batch (their states add up to the batch's)."""
         import tensorflow as tf
 
-        from app.training.step import with_penalties
-
+        model, last = self.model, len(self.stages) - 1
         variables = [stage.trainable_variables for stage in self.stages]
-        scale = optimizer.scale_loss if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else (lambda v: v)
-        last = len(self.stages) - 1
+        tracker = internals.loss_tracker(model)
 
-        def regularization(k):
-            losses = self.stages[k].losses
-            return scale(tf.add_n(losses) / microbatches) if losses else None
-
-        def forward(x, y, w):
-            """One micro-batch through every stage: per stage (tape, its input, what to differentiate), and sums."""
-            h, taped, sums = x, [], None
+        def forward(x, y, w, part):
+            """One micro-batch through every stage: per stage (tape, its input, what to differentiate); loss, output."""
+            h, taped, loss = x, [], None
             for k, device in enumerate(self.devices):
                 with tf.device(device), tf.GradientTape() as tape:
                     if k:
                         tape.watch(h)
                     out = self._call(k, h, x, training=True)
-                    targets = [out]
-                    if k == last:
-                        weight = measures.train_weights(y, w)
-                        per_example_loss = measures.loss(y, out, weight)
-                        targets = [scale(tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch))]
-                        # The loss reported, as Keras reports it: each example's plus every stage's penalties.
-                        sums = measures.sums(y, out, with_penalties(self, per_example_loss),
-                                             tf.ones_like(per_example_loss), weight)
-                    if (reg := regularization(k)) is not None:
-                        targets.append(reg)
+                    if k == last:  # every stage's penalties are in Keras's loss; the last stage's are its own
+                        loss = model.compute_loss(x=x, y=y, y_pred=out, sample_weight=w, training=True) * part
+                        targets = [model.optimizer.scale_loss(loss)]
+                    else:  # this stage's penalties' gradients, here, under its device
+                        penalty = self.stages[k].losses
+                        targets = [out] + ([model.optimizer.scale_loss(tf.add_n(penalty) * part)] if penalty else [])
                 taped.append((tape, h, targets))
                 h = out
-            return taped, sums
+            return taped, loss, h
 
         def backward(taped, grads):
             """From the last stage down, each stage's gradients under its device; summed into ``grads``."""
@@ -316,16 +318,61 @@ class Pipeline:
                 upstream = (tf.zeros_like(h) if got[-1] is None else got[-1]) if k else None
 
         @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
-        def step(x, y, w):
-            xs, ys, ws = tf.split(x, microbatches), tf.split(y, microbatches), tf.split(w, microbatches)
-            passes = [forward(*parts) for parts in zip(xs, ys, ws)]  # all forward, then all backward (GPipe)
-            grads = [[None] * len(v) for v in variables]
-            for taped, _ in passes:
-                backward(taped, grads)
-            optimizer.apply_gradients(zip([g for gs in grads for g in gs], [v for vs in variables for v in vs]))
-            return tf.add_n([sums for _, sums in passes])
+        def train_step(data):
+            import keras
 
-        return step
+            x, y, w = keras.utils.unpack_x_y_sample_weight(data)
+            rows = tf.shape(tf.nest.flatten(x)[0])[0]
+            sizes = rows // microbatches + tf.cast(tf.range(microbatches) < rows % microbatches, tf.int32)
+            leaves = [None if t is None else tf.split(t, sizes, num=microbatches) for t in tf.nest.flatten((x, y, w))]
+            parts = [tf.nest.pack_sequence_as((x, y, w), [None if t is None else t[m] for t in leaves])
+                     for m in range(microbatches)]
+            passes = [forward(*part, tf.cast(sizes[m], tf.float32) / tf.cast(rows, tf.float32))
+                      for m, part in enumerate(parts)]  # all forward, then all backward (GPipe)
+            grads = [[None] * len(v) for v in variables]
+            for taped, _, _ in passes:
+                backward(taped, grads)
+            model.optimizer.apply_gradients(zip([g for gs in grads for g in gs], [v for vs in variables for v in vs]))
+            tracker.update_state(tf.add_n([loss for _, loss, _ in passes]), sample_weight=rows)
+            for (x, y, w), (_, _, out) in zip(parts, passes):
+                logs = model.compute_metrics(x, y, out, sample_weight=w)
+            return logs
+
+        return train_step
+
+
+def plan_for_fit(model: "keras.Model", name: str, own_step: Sequence[str], split_at: Sequence[str] | None,
+                 devices: Sequence[str], microbatches: int, first_batch: Any) -> StagePlan:
+    """The driver's plan for a pipeline Keras's fit trains (``model``: compiled, with one optimizer; ``own_step``:
+    the parts of Keras's step it overrides, refused: its step is the pipeline's)."""
+    from app.training.keras_sync import optimizers_of
+    from app.training.tensor_parallel import built_on
+
+    if own_step:
+        raise UserError(f"--strategy pipeline runs each batch's micro-batches through the stages in a train_step of its "
+                        f"own, and {name} trains by its own {', '.join(own_step)}: train it without the pipeline")
+    if len(optimizers_of(model)) != 1:
+        raise UserError(f"--strategy pipeline updates the stages with one optimizer, the model's compiled one, and "
+                        f"{name} holds {len(optimizers_of(model))}: train it without the pipeline")
+    built_on(model, first_batch)
+    return plan_stages(model, split_at, devices, name, microbatches)
+
+
+def for_fit(model: "keras.Model", plan: StagePlan, first_batch: Any) -> "keras.Model":
+    """The model Keras's fit trains for a pipeline: ``model`` (built, compiled) placed stage by stage on its devices
+    (a clone, compiled as ``model`` was, its optimizer the same object), its ``train_step`` the micro-batched one,
+    its ``call`` the stages' (evaluation and prediction run them too)."""
+    import types
+
+    from app.training.tensor_parallel import built_on
+
+    built_on(model, first_batch)  # a Sequential without keras.Input gets its graph on its first call
+    pipe = Pipeline.place(model, plan)
+    placed = pipe.model
+    placed.compile(**{**internals.compile_arguments(model), "optimizer": model.optimizer, "jit_compile": False})
+    placed.train_step = pipe.keras_train_step(plan.microbatches)
+    placed.call = types.MethodType(lambda self, inputs, training=None, mask=None: pipe(inputs, training), placed)
+    return placed
 
 
 def _add(a, b):

@@ -1,21 +1,14 @@
-"""The compiled steps: train (one or several per call) and eval.
+"""The parameter servers' per-replica steps (the product's own loop, app.training.loop; every other run trains by
+Keras's fit): train and eval, each taking a model and optimizer built under the strategy's scope and the run's
+measures (app.training.measures: its loss and metrics).
 
-Each factory takes the strategy, a model and optimizer built under its scope,
-and the run's measures (app.training.measures: its loss and metrics), and
-returns a ``tf.function``. Nothing here knows which strategy it runs under
-(a pipeline's or the parameter servers': the runs of the product's own loop,
-app.training.loop; every other run trains by Keras's fit).
-
-Every step returns this replica's sums [loss, count, every metric's state] as
-float64 (app.training.measures): the caller adds them over replicas once per
-epoch. These runs are one process: what crosses replicas is the strategy's own
-all-reduce (parameter servers: its variables, on the servers).
+Every step returns this replica's sums [loss, count, every metric's state] as float64
+(app.training.measures): the coordinator adds them over the steps it scheduled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import keras
@@ -49,8 +42,7 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
 
     The parameter servers' workers take it (asynchronous: each applies its own batch): one batch a step of the
     plan's size, never a short last one, no fp16 overflow to agree on across replicas (parameter servers refuse
-    fp16 and --grad-accum). A pipeline's step is its own (app.training.pipeline); every other run trains by Keras's
-    fit.
+    fp16 and --grad-accum).
     """
     import keras
     import tensorflow as tf
@@ -81,39 +73,6 @@ def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", gl
     return train_step
 
 
-@dataclass
-class TrainSteps:
-    one: Callable[..., Any]  # (x, y, ids, sample weights) batch -> (per-replica sums, gathered sample ids)
-    many: Callable[..., Any]  # (iterator, k) -> this worker's sums over k steps
-
-
-def make_train_steps(strategy, model, optimizer, measures, replica_step: Callable,
-                     audit_sample_ids: bool = False) -> TrainSteps:
-    """``replica_step``: a per-replica (x, y, w) -> sums step (app.training.pipeline's). ``one`` returns the step's
-    sample ids (every replica's)."""
-    import tensorflow as tf
-
-    build_optimizer_slots(strategy, model, optimizer)
-
-    @tf.function
-    def one(batch):
-        x, y, ids, w = batch
-        per_replica = strategy.run(replica_step, args=(x, y, w))
-        gathered = strategy.gather(ids, axis=0) if audit_sample_ids else tf.zeros((0,), tf.int64)
-        return per_replica, gathered
-
-    @tf.function
-    def many(iterator, k):
-        # Several steps per call (TPUs need it: one host round trip per k steps).
-        acc = tf.zeros((measures.size,), tf.float64)
-        for _ in tf.range(k):
-            x, y, _ids, w = next(iterator)
-            acc += tf.add_n(list(strategy.experimental_local_results(strategy.run(replica_step, args=(x, y, w)))))
-        return acc
-
-    return TrainSteps(one, many)
-
-
 def eval_sums(model, measures: "Measures"):
     """(x, y, weight) -> this replica's sums; weight-0 padding rows count for nothing."""
 
@@ -122,16 +81,3 @@ def eval_sums(model, measures: "Measures"):
         return measures.sums(y, out, with_penalties(model, measures.loss(y, out)), w)
 
     return eval_step
-
-
-def make_eval_step(strategy, model, measures: "Measures"):
-    """(x, y, weight) batch -> per-replica sums."""
-    import tensorflow as tf
-
-    eval_step = eval_sums(model, measures)
-
-    @tf.function
-    def distributed(batch):
-        return strategy.run(eval_step, args=batch)
-
-    return distributed

@@ -1,13 +1,10 @@
-"""The product's own step's per-worker function, ``train_worker``: the runs Keras's fit does not train (a pipeline,
-parameter servers) run it.
+"""The product's own loop's per-worker function, ``train_worker``: the run Keras's fit does not train (parameter
+servers: Keras 3's fit has no ParameterServerStrategy) runs it on the chief.
 
-What differs between them hides behind a small ``Session``: which strategy,
-where the input comes from, where checkpoints go and how an epoch is reported
-(a local ``tf.train.CheckpointManager``). Parameter servers are one more session
-(app.training.parameter_server): its coordinator schedules the steps on remote
-workers, which the epoch driver reaches through a step runner. Everything else
-(model, optimizer, LR plan, the epoch loop, metrics, TensorBoard) is here,
-once, and reads top to bottom.
+The chief's ``Session`` (app.training.parameter_server) says which strategy, where the input comes from, where
+checkpoints go (a local ``tf.train.CheckpointManager``) and how an epoch is reported; its coordinator schedules
+the steps on the remote workers, which the epoch driver reaches through a step runner. Everything else (model,
+optimizer, LR plan, the epoch loop, metrics, TensorBoard) is here, once, and reads top to bottom.
 """
 
 from __future__ import annotations
@@ -21,13 +18,11 @@ from app.data.plan import EpochPlan
 from app.training import callbacks, checkpoint
 from app.training.measures import Measures
 from app.training.objective import Objective
-from app.training.pipeline import StagePlan
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
     from app.config import TrainConfig
-    from app.training.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +35,6 @@ class WorkerJob:
     objective: Objective
     tensorboard_dir: Optional[str]
     progress_bars: bool = False  # the console is a terminal: a bar inside long epochs
-    stages: Optional[StagePlan] = None  # --strategy pipeline: where the model is cut, each stage's device
 
 
 class Session(Protocol):
@@ -83,7 +77,6 @@ class Training:
     measures: Measures
     lr_plan: Any  # app.training.optim.LrPlan
     lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
-    pipe: Optional["Pipeline"]  # --strategy pipeline: the stages that run ``model``
 
 
 def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
@@ -91,7 +84,6 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
     """Model, optimizer and LR plan under ``strategy``, as the driver's objective (``job.objective``) says."""
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
-    from app.training.pipeline import Pipeline
 
     lr_plan = plan_lr(config, plan.update_batch, plan.updates, job.objective)
     with strategy.scope():
@@ -103,10 +95,7 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
                                    compiled=model.optimizer if job.objective.compiled_optimizer else None)
     # Its loss and metrics, as this worker's own call of the model function compiled them.
     measures = Measures(job.objective, model)
-    # --strategy pipeline: the same model, its layers cut into stages, each stage's variables and computation
-    # on its own device; `model` stays one ordinary model (checkpoints, export), `pipe` runs the stages.
-    pipe = Pipeline.place(model, job.stages, job.facts.feature_shape) if job.stages else None
-    return Training(pipe.model if pipe else model, optimizer, measures, lr_plan, lr_factor, pipe)
+    return Training(model, optimizer, measures, lr_plan, lr_factor)
 
 
 def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> None:
@@ -207,32 +196,12 @@ def restore(config: "TrainConfig", session: Session, strategy, training: Trainin
 
 def step_runner(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan, lr_plan,
                 history: list[dict[str, Any]]):
-    """How the epoch driver runs steps: scheduled by the parameter servers' coordinator, or ``strategy.run``.
-    ``lr_plan``: the training's, or where a resumed run's schedule goes on from (app.training.lr_position)."""
+    """How the epoch driver runs steps: scheduled by the parameter servers' coordinator. ``lr_plan``: the
+    training's, or where a resumed run's schedule goes on from (app.training.lr_position)."""
     from app.training import lr_position
+    from app.training.parameter_server import ScheduledSteps
 
-    if session.coordinator is not None:
-        from app.training.parameter_server import ScheduledSteps
-
-        # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
-        done = history[-1]["optimizer_steps"] if history else 0
-        return ScheduledSteps(session.coordinator, strategy, training.model, training.optimizer, training.measures,
-                              plan, lr_position.schedule(config, lr_plan, training.lr_factor), steps_taken=done)
-    return replica_steps(config, strategy, training, plan)
-
-
-def replica_steps(config: "TrainConfig", strategy, training: Training, plan: EpochPlan):
-    """A pipeline's step runner: ``strategy.run`` of its compiled steps (its stages' own train step)."""
-    from app.training.loop import ReplicaSteps
-    from app.training.step import make_eval_step, make_train_steps
-
-    model, optimizer, measures, pipe = training.model, training.optimizer, training.measures, training.pipe
-    return ReplicaSteps(
-        strategy, optimizer, measures,
-        make_train_steps(strategy, model, optimizer, measures,
-                         pipe.train_step(optimizer, measures, plan.global_batch, config.pipeline_microbatches),
-                         config.audit_sample_ids),
-        make_eval_step(strategy, pipe, measures),
-        steps_per_execution=config.steps_per_execution,
-        audit_sample_ids=config.audit_sample_ids,
-    )
+    # Keras's own step count is racy under asynchronous workers: the count goes on from the checkpoint's.
+    done = history[-1]["optimizer_steps"] if history else 0
+    return ScheduledSteps(session.coordinator, strategy, training.model, training.optimizer, training.measures,
+                          plan, lr_position.schedule(config, lr_plan, training.lr_factor), steps_taken=done)
