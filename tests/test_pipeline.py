@@ -141,12 +141,14 @@ def test_users_sequential_model_over_three_stages_cut_where_asked(tmp_path):
 def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(tmp_path):
     """A Keras script imports Keras first and app.fit checks the model before the run: the pipeline's logical
     devices are still made before TensorFlow starts, and the History has Keras's keys (history.csv's names). The
-    pipeline trains by Keras's fit: Keras's gradient accumulation, and --resume from its checkpoint."""
+    pipeline trains by Keras's fit: Keras's gradient accumulation, fp16's loss scaling, --resume from its checkpoint;
+    a model of its own step is one line."""
     code = textwrap.dedent(f"""
         import json
         import keras
         import numpy as np
         import app
+        from app.errors import UserError
 
         def build():
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
@@ -161,7 +163,25 @@ def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(
                     batch_size=32, validation_split=0.2, grad_accum=2)
         history = app.fit(build, x, y, epochs=2, **pipe)
         resumed = app.fit(build, x, y, epochs=3, resume=True, **pipe)
-        print(json.dumps({{"keys": list(history.history), "epoch": history.epoch,
+        fp16 = app.fit(build, x, y, epochs=1, **{{**pipe, "output": {str(tmp_path / "fp16")!r}, "grad_accum": 1,
+                                                   "mixed_precision": "fp16"}})
+
+        class OwnStep(keras.Model):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        def own_step():
+            inputs = keras.Input((5,))
+            model = OwnStep(inputs, keras.layers.Dense(2)(keras.layers.Dense(16)(inputs)))
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            return model
+
+        try:
+            app.fit(own_step, x, y, epochs=1, **{{**pipe, "output": {str(tmp_path / "never")!r}}})
+        except UserError as e:
+            refused = str(e)
+        print(json.dumps({{"fp16": [type(fp16.model.optimizer).__name__, fp16.history["loss"][0]], "refused": refused,
+                           "keys": list(history.history), "epoch": history.epoch,
                            "strategy": history.result["strategy"], "resumed": resumed.epoch,
                            "updates": int(resumed.model.optimizer.iterations.numpy()),
                            "first": [round(v, 6) for v in resumed.history["loss"][:2]],
@@ -178,6 +198,12 @@ def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(
     # (256 rows: 8 steps an epoch, 4 updates), and the epochs before come back as they were.
     assert got["resumed"] == [0, 1, 2] and got["first"] == got["before"], got
     assert got["updates"] == 3 * 4, got
+    # fp16: Keras's compile wraps the optimizer in a LossScaleOptimizer, whose scaled loss the stages' step takes
+    assert got["fp16"][0] == "LossScaleOptimizer" and 0 < got["fp16"][1] < 1, got
+    # A model of its own step: one line, before any training (the pipeline's step would not be its own)
+    assert got["refused"].startswith("--strategy pipeline runs each batch's micro-batches through the stages in a "
+                                     "train_step of its own, and own_step trains by its own train_step"), got
+    assert not (tmp_path / "never").exists()
     header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
     assert header[0] == "epoch" and set(got["keys"]) <= set(header), header
 

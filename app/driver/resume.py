@@ -39,7 +39,7 @@ class Start:
     state: dict[str, Any]  # its state.json
     ray_train: bool  # True: in Ray Train's storage; False: in <output>/checkpoint
     where: str  # for people
-    path: Optional[str]  # what a process on this machine restores from (checkpoint.restore_from); None if remote
+    path: Optional[str]  # what a process on this machine restores from; None if remote
     ray_run: Optional[str] = None  # the Ray Train run it belongs to (ray_train)
 
     @property

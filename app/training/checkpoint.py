@@ -165,21 +165,6 @@ def restore(directory: str | Path, model: "keras.Model", optimizer) -> dict[str,
     return load_state(directory)
 
 
-def restore_from(path: str | Path, model: "keras.Model", optimizer) -> dict[str, Any]:
-    """Restore a checkpoint another backend wrote (a run continued on Ray or locally); return its state.json.
-
-    ``path``: a Ray Train checkpoint directory, or a ``LocalCheckpoints`` prefix (``.../checkpoint/epoch-3``).
-    Both hold the same ``tf.train.Checkpoint`` of model and optimizer, so either restores under any strategy.
-    """
-    import tensorflow as tf
-
-    path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return restore(path, model, optimizer)
-    _read_into(tf.train.Checkpoint(model=model, optimizer=optimizer), str(path))
-    return read_state(str(path) + STATE_SUFFIX)
-
-
 def verify(prefix: str | Path) -> None:
     """Read every tensor of the checkpoint at ``prefix`` (TensorFlow checks each one's length and checksum as it
     reads it): a truncated or damaged file as one line, before anything is restored or written."""
@@ -240,10 +225,6 @@ class LocalCheckpoints:
     @property
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
-
-    def restore_state(self) -> dict[str, Any]:
-        """The latest checkpoint's state.json, without loading weights."""
-        return read_state(self.latest + STATE_SUFFIX)
 
     def restore(self) -> dict[str, Any] | None:
         """Load the latest checkpoint into the model and optimizer; its state, or None when there is none."""

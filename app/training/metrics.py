@@ -36,13 +36,6 @@ class EpochStats:
         return cls(loss_sum / max(count, 1), results(sums[2:]), int(count), seconds, **extra)
 
 
-def local_sum(strategy, per_replica):
-    """This worker's replicas' values, added."""
-    import tensorflow as tf
-
-    return tf.add_n(list(strategy.experimental_local_results(per_replica)))
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, in MiB, on every platform.
 

@@ -116,38 +116,18 @@ def _scaled_class():  # defined on first use: importing this module does not imp
     return Scaled
 
 
-def make_optimizer(config: "TrainConfig", plan: LrPlan, driven_lr: bool = False,
-                   compiled: Any = None, lr_factor: Any = None) -> "keras.optimizers.Optimizer":
-    """The optimizer, its LR following ``plan``'s schedule of ``optimizer.iterations``.
-
-    ``driven_lr``: the LR is a plain variable that the caller sets from its own
-    step count instead (asynchronous parameter-server workers lose increments of
-    ``iterations``, a read-then-write, so the schedule cannot follow it).
-    ``compiled``: the optimizer the model was compiled with: a new one of its
-    class and settings (betas, epsilon, clipping, weight decay, ...), created
-    here under the strategy's scope, with the planned LR. ``lr_factor``: see
-    ``lr_schedule`` (a driven LR takes it from the caller's schedule).
-    """
+def make_optimizer(config: "TrainConfig", plan: LrPlan, compiled: Any = None) -> "keras.optimizers.Optimizer":
+    """The parameter servers' optimizer, its LR a plain variable at ``plan``'s first rate, which each scheduled step
+    sets from its own number (asynchronous workers lose increments of ``iterations``, a read-then-write, so a
+    schedule cannot follow it; parameter servers refuse a compiled schedule, fp16 and --grad-accum).
+    ``compiled``: the optimizer the model was compiled with: a new one of its class and settings (betas, epsilon,
+    clipping, weight decay, ...), created here under the strategy's scope, with the planned LR."""
     import keras
 
-    if compiled is not None and plan.base_lr is None:  # its own schedule, as compiled (times a callback's factor)
-        inner = getattr(compiled, "inner_optimizer", compiled)
-        schedule = keras.optimizers.schedules.deserialize(inner.get_config()["learning_rate"])
-        schedule = schedule if lr_factor is None else _scaled_class()(schedule, lr_factor)
-        if driven_lr:
-            raise ValueError("a compiled LR schedule cannot be driven by the caller")  # refused in preflight
-    else:
-        schedule = float(lr_schedule(config, plan)(0)) if driven_lr else lr_schedule(config, plan, lr_factor)
+    rate = float(lr_schedule(config, plan)(0))
     if compiled is not None:
-        inner = getattr(compiled, "inner_optimizer", compiled)  # compile() wraps it in a LossScaleOptimizer for fp16
-        optimizer = type(inner).from_config({**inner.get_config(), "learning_rate": schedule})
-    elif config.optimizer == "adam":
-        optimizer = keras.optimizers.Adam(learning_rate=schedule)
-    else:
-        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)
-    if config.mixed_precision == "fp16":
-        # float16's range is small: scale the loss up so that small gradients do not
-        # underflow; the scale halves on overflow (that step is skipped) and doubles
-        # after 2,000 finite steps. bfloat16 has float32's range and needs none of it.
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
+        inner = getattr(compiled, "inner_optimizer", compiled)  # a LossScaleOptimizer's own
+        return type(inner).from_config({**inner.get_config(), "learning_rate": rate})
+    if config.optimizer == "adam":
+        return keras.optimizers.Adam(learning_rate=rate)
+    return keras.optimizers.SGD(learning_rate=rate, momentum=config.momentum)

@@ -10,9 +10,9 @@ waiting for any other worker (no all-reduce, no barrier). A slow or lost
 worker slows nobody down; the price is staleness: a step's gradients may be
 computed from weights that other workers have moved since.
 
-The chief runs the one per-worker function, app.training.worker.train_worker,
+The chief runs the own loop's per-worker function, app.training.worker.train_worker,
 with a ``ParameterServerSession``: the epoch loop, the per-replica step
-(app.training.step), the LR plan, the epoch record, TensorBoard and checkpoints
+(``replica_train_step``, below), the LR plan, the epoch record, TensorBoard and checkpoints
 of model + optimizer + state.json (written by the chief only) are those of
 every other path. What the session brings: the strategy and its coordinator,
 the workers' datasets, ``LocalCheckpoints`` and the driver's heartbeat. The
@@ -47,6 +47,8 @@ from app.training import checkpoint
 from app.training.metrics import EpochStats
 
 if TYPE_CHECKING:
+    import keras
+
     from app.config import TrainConfig
     from app.training.measures import Measures
 
@@ -92,10 +94,11 @@ class ParameterServerSession:
         return self._strategy
 
     def restore(self, model, optimizer) -> Optional[dict[str, Any]]:
-        from app.training.step import build_optimizer_slots
-
-        # Every variable, the optimizer's slots too, exists on the servers before it is restored into.
-        build_optimizer_slots(self._strategy, model, optimizer)
+        # Every variable, the optimizer's slots too, exists on the servers before it is restored into (made lazily
+        # inside the first step, they would be made on the workers' side of the scheduled function).
+        if not optimizer.built:
+            with self._strategy.scope():
+                optimizer.build(model.trainable_variables)
         self.model = model
         self.checkpoints = checkpoint.LocalCheckpoints(self.checkpoint_dir, model, optimizer,
                                                        keep=self.config.keep_checkpoints)
@@ -146,8 +149,6 @@ def scheduled_step(strategy, model, optimizer, measures: "Measures", batch: int,
     """The function each scheduled step runs on a worker: set the LR of step ``n``, take a batch, train on it."""
     import tensorflow as tf
 
-    from app.training.step import replica_train_step
-
     replica_step = replica_train_step(model, optimizer, measures, global_batch=batch)
 
     @tf.function
@@ -157,6 +158,52 @@ def scheduled_step(strategy, model, optimizer, measures: "Measures", batch: int,
         return strategy.run(replica_step, args=(x, y, w))
 
     return step
+
+
+def replica_train_step(model: "keras.Model", optimizer, measures: "Measures", global_batch: int):
+    """A worker's step: the gradients of its batch's mean loss (and the model's penalties), applied on the servers.
+    Returns the batch's sums [loss, count, metric states] (app.training.measures). Parameter servers refuse fp16 and
+    --grad-accum: nothing to scale or accumulate here."""
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+
+    def train_step(x, y, sample_weight):
+        weight = measures.train_weights(y, sample_weight)
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            per_example_loss = measures.loss(y, out, weight)
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        grads = tape.gradient(loss, variables)
+        # Before the update: the penalties (model.losses) are read from the weights the loss saw.
+        step_sums = measures.sums(y, out, with_penalties(model, per_example_loss), tf.ones_like(per_example_loss),
+                                  weight)
+        optimizer.apply_gradients(zip(grads, variables))
+        return step_sums
+
+    return train_step
+
+
+def eval_sums(model, measures: "Measures"):
+    """(x, y, weight) -> the batch's sums; weight-0 padding rows count for nothing."""
+
+    def eval_step(x, y, w):
+        out = model(x, training=False)
+        return measures.sums(y, out, with_penalties(model, measures.loss(y, out)), w)
+
+    return eval_step
+
+
+def with_penalties(model: "keras.Model", per_example_loss):
+    """The loss as Keras reports it (``loss``, ``val_loss``): each example's loss plus the model's own penalties
+    (``model.losses``: weight regularisers, ``add_loss``), which are per batch, so once per row of a mean."""
+    import tensorflow as tf
+
+    if not model.losses:
+        return per_example_loss
+    return per_example_loss + tf.cast(tf.add_n(model.losses), per_example_loss.dtype)
 
 
 class ScheduledSteps:
@@ -172,8 +219,6 @@ class ScheduledSteps:
     def __init__(self, coordinator, strategy, model, optimizer, measures: "Measures", plan: EpochPlan, schedule,
                  steps_taken: int):
         import tensorflow as tf
-
-        from app.training.step import eval_sums
 
         self.coordinator, self.schedule, self._steps_taken = coordinator, schedule, steps_taken
         self.measures = measures

@@ -79,8 +79,7 @@ class Training:
     lr_factor: Any  # --callbacks: the factor a callback's LR change scales the planned schedule by
 
 
-def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan,
-                   asynchronous: bool = False) -> Training:
+def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochPlan) -> Training:
     """Model, optimizer and LR plan under ``strategy``, as the driver's objective (``job.objective``) says."""
     from app.training.model import build_model
     from app.training.optim import make_optimizer, plan_lr
@@ -91,8 +90,8 @@ def build_training(config: "TrainConfig", job: WorkerJob, strategy, plan: EpochP
         model = build_model(config, job.facts)
         # --callbacks: an LR a callback sets scales the planned schedule by a factor (app.training.callbacks).
         lr_factor = callbacks.lr_factor() if config.callbacks else None
-        optimizer = make_optimizer(config, lr_plan, driven_lr=asynchronous, lr_factor=lr_factor,
-                                   compiled=model.optimizer if job.objective.compiled_optimizer else None)
+        optimizer = make_optimizer(config, lr_plan, compiled=model.optimizer if job.objective.compiled_optimizer
+                                   else None)
     # Its loss and metrics, as this worker's own call of the model function compiled them.
     measures = Measures(job.objective, model)
     return Training(model, optimizer, measures, lr_plan, lr_factor)
@@ -104,18 +103,15 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
     from app.training.tensorboard import TensorBoard
 
     strategy = session.strategy()
-    replicas_in_sync = strategy.num_replicas_in_sync
-    config = config.at_size(replicas_in_sync)  # --global-batch: this size's equal part of it
-    # Parameter servers: each worker is one replica that applies its own batches, so an epoch is workers x
-    # steps updates of one worker's batch, and the LR follows the coordinator's count of them (driven_lr).
-    asynchronous = session.coordinator is not None
-    replicas = 1 if asynchronous else replicas_in_sync // session.world
-    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, replicas, asynchronous)
-    training = build_training(config, job, strategy, plan, asynchronous)
+    config = config.at_size(strategy.num_replicas_in_sync)  # --global-batch: this size's equal part of it
+    # Each worker is one replica that applies its own batches, so an epoch is workers x steps updates of one
+    # worker's batch, and the LR follows the coordinator's count of them (app.training.optim.make_optimizer).
+    plan = EpochPlan.for_run(config, job.facts.num_train_rows, session.world, 1, asynchronous=True)
+    training = build_training(config, job, strategy, plan)
     model, optimizer = training.model, training.optimizer
 
-    # A restarted worker group (a worker died) or a resumed run starts from the last checkpoint.
-    progress, state, lr_plan = restore(config, session, strategy, training, plan, asynchronous)
+    # A restarted chief or a resumed run starts from the last checkpoint.
+    progress, state, lr_plan = restore(config, session, strategy, training, plan)
 
     # A checkpoint inside an epoch (--checkpoint-every-steps) goes on from its exact step of that epoch's order.
     train_iter, val = session.inputs(strategy, plan, progress.epoch, progress.step)
@@ -166,27 +162,25 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
         tensorboard.close()
 
 
-def restore(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan,
-            asynchronous: bool) -> tuple[checkpoint.Progress, Optional[dict[str, Any]], Any]:
+def restore(config: "TrainConfig", session: Session, strategy, training: Training, plan: EpochPlan
+            ) -> tuple[checkpoint.Progress, Optional[dict[str, Any]], Any]:
     """The last checkpoint, if any, restored into the training: weights, optimizer (hence the LR schedule's
     position), epoch counter and history. Returns the progress, the checkpoint's state and the LR plan."""
     from app.training import lr_position
 
     progress = checkpoint.Progress(worker_nodes=session.placement(strategy))
-    lr_plan, optimizer = training.lr_plan, training.optimizer
-    state = session.restore(training.model, optimizer)
+    lr_plan = training.lr_plan
+    state = session.restore(training.model, training.optimizer)
     if state is None:
         progress.sized(session.world)
         return progress, None, lr_plan
     progress = checkpoint.Progress.resumed_from(state, progress)
     resized = progress.sized(session.world, state.get("worker_nodes"))
     # Another worker count since the checkpoint: the schedule re-planned for this one goes on from the
-    # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored.
-    steps_done = progress.history[-1]["optimizer_steps"] if asynchronous and progress.history \
-        else int(optimizer.iterations.numpy())
+    # restored epoch's boundary (app.training.lr_position); the optimizer's own state is as restored. The steps
+    # are the coordinator's count (Keras's own races under asynchronous workers).
+    steps_done = progress.history[-1]["optimizer_steps"] if progress.history else 0
     lr_plan = lr_position.continued(lr_plan, state, progress.epoch, steps_done, plan.updates)
-    if lr_plan.step_offset and not asynchronous:
-        optimizer.learning_rate = lr_position.schedule(config, lr_plan, training.lr_factor)
     # One line: the resize (if any) and where training goes on.
     log.info("%sresumed at %s from its checkpoint (attempt %d, %d optimizer steps taken%s)",
              f"{resized}; " if resized else "", progress.position(), progress.attempt, steps_done,
