@@ -107,7 +107,7 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
             "compiled loss and metrics")
     dropped = train.dropped_rows(world)
     lines = [
-        f"step: {step}, run by model.fit on each of {world} worker(s)"
+        f"step: {step}, run by model.fit " + ("in this process" if pipeline else f"on each of {world} worker(s)")
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
         *([f"model: {model.name}, {model.count_params():,} parameters"] if model.built else []),
         (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"

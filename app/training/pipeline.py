@@ -12,12 +12,10 @@ placement is done here, by hand:
   model (checkpoints, ``--resume`` and the exported model.keras see no stages); each stage is a Keras
   model over the clone's own layers, so the stages share its variables.
 - The step: Keras's fit trains the clone (compiled as the user's model, the same optimizer object), its
-  ``train_step`` this module's. The batch is split into M micro-batches; each goes forward through the
-  stages (each under its device, one tape per stage per micro-batch), then backward from the last stage:
-  each stage's gradients, and the gradient of its input that the stage before needs, are computed under
-  that stage's device (one ``tape.gradient`` over every variable would leave the gradient ops unplaced).
-  Gradients are summed over micro-batches and applied once by the optimizer, so everything Keras's
-  optimizer does (gradient accumulation, loss scaling, the learning-rate schedule) applies as in fit.
+  ``train_step`` this module's: M micro-batches forward through the stages (one tape per stage per
+  micro-batch), then backward from the last stage, each stage's gradients and its input's under that
+  stage's device (one ``tape.gradient`` over every variable would leave the gradient ops unplaced), summed
+  and applied once by the optimizer (Keras's accumulation, loss scaling and schedule apply as in fit).
 
 Stages work at the same time through TensorFlow's dataflow: the step is one graph in which stage 2 on
 micro-batch 1 waits only for stage 1 on micro-batch 1, so stage 1 can go on with micro-batch 2.
@@ -273,12 +271,11 @@ class Pipeline:
         return h
 
     def keras_train_step(self, microbatches: int):
-        """The placed model's ``train_step`` for Keras's fit: the batch as ``microbatches`` micro-batches (a short
-        batch's parts differ by a row at most, empty ones add nothing), all forward through the stages, then all
-        backward, one update by the model's optimizer. The loss is Keras's compiled one (``compute_loss``: each
-        micro-batch's mean, every stage's penalties), weighed by the micro-batch's part of the batch: the batch's
-        mean, as Keras's default reduction (sum over the batch size) gives it; the compiled metrics take every
-        micro-batch (their states add up to the batch's)."""
+        """The placed model's ``train_step`` for Keras's fit: ``microbatches`` micro-batches (parts a row apart; a
+        batch of fewer rows: whole) all forward through the stages, then all backward, one update by the model's
+        optimizer. Each micro-batch's loss is Keras's compiled one (``compute_loss``, every stage's penalties) weighed
+        by its part of the batch: the batch's mean, as Keras's default reduction (sum over the batch size) gives it;
+        the compiled metrics take the batch's outputs, as in Keras's step."""
         import tensorflow as tf
 
         model, last = self.model, len(self.stages) - 1
@@ -318,25 +315,34 @@ class Pipeline:
                 upstream = (tf.zeros_like(h) if got[-1] is None else got[-1]) if k else None
 
         @tf.autograph.experimental.do_not_convert  # plain Python loops: unrolled into one graph, which is the point
+        def through_stages(x, y, w, rows, parts: int):
+            """The batch as ``parts`` micro-batches (none empty: ``rows`` >= ``parts``): every variable's gradient
+            summed over them, the batch's loss, its outputs."""
+            sizes = rows // parts + tf.cast(tf.range(parts) < rows % parts, tf.int32)
+            leaves = [None if t is None else tf.split(t, sizes, num=parts) for t in tf.nest.flatten((x, y, w))]
+            passes = [forward(*tf.nest.pack_sequence_as((x, y, w), [None if t is None else t[m] for t in leaves]),
+                              tf.cast(sizes[m], tf.float32) / tf.cast(rows, tf.float32))
+                      for m in range(parts)]  # all forward, then all backward (GPipe)
+            grads = [[None] * len(v) for v in variables]
+            for taped, _, _ in passes:
+                backward(taped, grads)
+            out = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *[o for _, _, o in passes])
+            return [g for gs in grads for g in gs], tf.add_n([loss for _, loss, _ in passes]), out
+
         def train_step(data):
             import keras
 
             x, y, w = keras.utils.unpack_x_y_sample_weight(data)
             rows = tf.shape(tf.nest.flatten(x)[0])[0]
-            sizes = rows // microbatches + tf.cast(tf.range(microbatches) < rows % microbatches, tf.int32)
-            leaves = [None if t is None else tf.split(t, sizes, num=microbatches) for t in tf.nest.flatten((x, y, w))]
-            parts = [tf.nest.pack_sequence_as((x, y, w), [None if t is None else t[m] for t in leaves])
-                     for m in range(microbatches)]
-            passes = [forward(*part, tf.cast(sizes[m], tf.float32) / tf.cast(rows, tf.float32))
-                      for m, part in enumerate(parts)]  # all forward, then all backward (GPipe)
-            grads = [[None] * len(v) for v in variables]
-            for taped, _, _ in passes:
-                backward(taped, grads)
-            model.optimizer.apply_gradients(zip([g for gs in grads for g in gs], [v for vs in variables for v in vs]))
-            tracker.update_state(tf.add_n([loss for _, loss, _ in passes]), sample_weight=rows)
-            for (x, y, w), (_, _, out) in zip(parts, passes):
-                logs = model.compute_metrics(x, y, out, sample_weight=w)
-            return logs
+            if microbatches == 1:
+                grads, loss, out = through_stages(x, y, w, rows, 1)
+            else:  # a batch of fewer rows than micro-batches (an epoch's short last one) goes whole: an empty
+                # micro-batch would give batch normalisation's statistics a NaN
+                grads, loss, out = tf.cond(rows >= microbatches, lambda: through_stages(x, y, w, rows, microbatches),
+                                           lambda: through_stages(x, y, w, rows, 1))
+            model.optimizer.apply_gradients(zip(grads, [v for vs in variables for v in vs]))
+            tracker.update_state(loss, sample_weight=rows)
+            return model.compute_metrics(x, y, out, sample_weight=w)
 
         return train_step
 
@@ -364,12 +370,22 @@ def for_fit(model: "keras.Model", plan: StagePlan, first_batch: Any) -> "keras.M
     its ``call`` the stages' (evaluation and prediction run them too)."""
     import types
 
+    import keras
+
     from app.training.tensor_parallel import built_on
 
     built_on(model, first_batch)  # a Sequential without keras.Input gets its graph on its first call
     pipe = Pipeline.place(model, plan)
     placed = pipe.model
     placed.compile(**{**internals.compile_arguments(model), "optimizer": model.optimizer, "jit_compile": False})
+    # What the step's condition must not create inside a branch: the optimizer's state, the compiled loss's and
+    # metrics' (built on the first batch here, their states reset after)
+    x, y, w = keras.utils.unpack_x_y_sample_weight(first_batch)
+    out = pipe(x)
+    placed.compute_loss(x=x, y=y, y_pred=out, sample_weight=w, training=False)
+    placed.compute_metrics(x, y, out, sample_weight=w)
+    placed.reset_metrics()
+    placed.optimizer.build(placed.trainable_variables)
     placed.train_step = pipe.keras_train_step(plan.microbatches)
     placed.call = types.MethodType(lambda self, inputs, training=None, mask=None: pipe(inputs, training), placed)
     return placed

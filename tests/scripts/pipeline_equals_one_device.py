@@ -7,7 +7,9 @@ the same initial weights: Keras's own step on one device, and the pipeline over 
 - a model with a residual block and an L2-regularised layer, on digits, its batch of 1,437 rows split into
   micro-batches of unequal sizes (360, 359, 359, 359);
 - the built-in transformer (small), on token ids with padding: its padding mask crosses the cut and is
-  recomputed by the second stage, and its embedding's gradients are sparse.
+  recomputed by the second stage, and its embedding's gradients are sparse;
+
+and a model with batch normalisation given a batch of 3 rows with 4 micro-batches (it goes whole).
 
 Prints, as JSON per model: the stages; per pipeline, the largest weight difference from the one-device
 run, how far the weights moved, the first step's logs (loss, accuracy; one-device's too), where each layer's
@@ -70,6 +72,18 @@ def compiled(build, lr):
     return model
 
 
+def ops_of(graph):
+    """Every op of a traced step, those of its conditions' branches too (the pipelined one's micro-batches)."""
+    for op in graph.get_operations():
+        yield op
+        for branch in ("then_branch", "else_branch"):
+            try:
+                name = op.get_attr(branch).name
+            except ValueError:
+                continue
+            yield from ops_of(graph._get_function(name).graph)
+
+
 def train(model, x, y):
     first = model.train_on_batch(x, y, return_dict=True)
     for _ in range(STEPS - 1):
@@ -93,7 +107,7 @@ for name, (build, rows, split_at, lr) in CASES.items():
         first = train(placed, x, y)
         spec = (tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int64))
         graph = tf.function(placed.train_step).get_concrete_function(spec).graph
-        grad_devices = [op.device.split("/device:")[-1] for op in graph.get_operations()  # constants run nowhere
+        grad_devices = [op.device.split("/device:")[-1] for op in ops_of(graph)  # constants run nowhere
                         if op.name.startswith("gradient_tape/") and op.type != "Const"]
         evaluation = tf.function(placed.test_step).get_concrete_function(spec).graph  # the stages' call, placed
         eval_devices = sorted({op.device.split("/device:")[-1] for op in evaluation.get_operations()
@@ -111,4 +125,21 @@ for name, (build, rows, split_at, lr) in CASES.items():
             "evaluation_devices": eval_devices,
             "exported_vs_stages": float(np.abs(reloaded(x[:64]).numpy() - placed(x[:64]).numpy()).max()),
         }
+# A batch of fewer rows than micro-batches (an epoch's short last one) goes through the stages whole: a model with
+# batch normalisation takes the one-device step, its moving statistics finite.
+def normalised():
+    x = keras.Input((64,))
+    h = keras.layers.BatchNormalization(name="norm")(keras.layers.Dense(16, name="inner")(x))
+    return keras.Model(x, keras.layers.Dense(10, name="logits")(keras.layers.Dense(16, name="block_2")(h)))
+
+
+x, y = digit_rows()
+reference, model = compiled(normalised, 0.1), compiled(normalised, 0.1)
+placed = for_fit(model, plan_stages(model, ["block_2"], devices, "normalised", 4), (x[:32], y[:32]))
+reference.train_on_batch(x[:3], y[:3])
+placed.train_on_batch(x[:3], y[:3])
+out["short_batch"] = {
+    "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in zip(placed.get_weights(), reference.get_weights())),
+    "finite": bool(all(np.isfinite(w).all() for w in placed.get_weights())),
+}
 print(json.dumps(out))
