@@ -145,7 +145,7 @@ def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(
     """A Keras script imports Keras first and app.fit checks the model before the run: the pipeline's logical
     devices are still made before TensorFlow starts, and the History has Keras's keys (history.csv's names). The
     pipeline trains by Keras's fit: Keras's gradient accumulation, fp16's loss scaling, --resume from its checkpoint;
-    a model of its own step is one line."""
+    a model of its own step, or a loss of another reduction, is one line."""
     code = textwrap.dedent(f"""
         import json
         import keras
@@ -179,10 +179,17 @@ def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
             return model
 
-        try:
-            app.fit(own_step, x, y, epochs=1, **{{**pipe, "output": {str(tmp_path / "never")!r}}})
-        except UserError as e:
-            refused = str(e)
+        def summed():
+            model = build()
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+            return model
+
+        refused = []
+        for refusal in (own_step, summed):
+            try:
+                app.fit(refusal, x, y, epochs=1, **{{**pipe, "output": {str(tmp_path / "never")!r}}})
+            except UserError as e:
+                refused.append(str(e))
         print(json.dumps({{"fp16": [type(fp16.model.optimizer).__name__, fp16.history["loss"][0]], "refused": refused,
                            "keys": list(history.history), "epoch": history.epoch,
                            "strategy": history.result["strategy"], "resumed": resumed.epoch,
@@ -204,8 +211,10 @@ def test_app_fit_of_a_keras_script_trains_a_pipeline_and_returns_kerass_history(
     # fp16: Keras's compile wraps the optimizer in a LossScaleOptimizer, whose scaled loss the stages' step takes
     assert got["fp16"][0] == "LossScaleOptimizer" and 0 < got["fp16"][1] < 1, got
     # A model of its own step: one line, before any training (the pipeline's step would not be its own)
-    assert got["refused"].startswith("--strategy pipeline runs each batch's micro-batches through the stages in a "
-                                     "train_step of its own, and own_step trains by its own train_step"), got
+    assert got["refused"][0].startswith("--strategy pipeline runs each batch's micro-batches through the stages in "
+                                        "a train_step of its own, and own_step trains by its own train_step"), got
+    # A loss of another reduction than Keras's default: the micro-batches' weighed losses would not add up to it
+    assert "summed's SparseCategoricalCrossentropy reduces by 'sum': compile it with the default" in got["refused"][1]
     assert not (tmp_path / "never").exists()
     header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
     assert header[0] == "epoch" and set(got["keys"]) <= set(header), header

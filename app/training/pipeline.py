@@ -252,11 +252,6 @@ class Pipeline:
             internals.set_keras_history(t, h)
         return cls(placed, parts, devices, needs_input)
 
-    @property
-    def losses(self) -> list:
-        """Every stage's own losses (weight regularisers, add_loss): the model's, as its reported loss includes them."""
-        return [loss for stage in self.stages for loss in stage.losses]
-
     def _call(self, k: int, h, x, training: bool):
         return self.stages[k]([h, x] if self.needs_input[k] else h, training=training)
 
@@ -360,6 +355,12 @@ def plan_for_fit(model: "keras.Model", name: str, own_step: Sequence[str], split
     if len(optimizers_of(model)) != 1:
         raise UserError(f"--strategy pipeline updates the stages with one optimizer, the model's compiled one, and "
                         f"{name} holds {len(optimizers_of(model))}: train it without the pipeline")
+    given = (internals.compile_arguments(model) or {}).get("loss")
+    for loss in given.values() if isinstance(given, dict) else given if isinstance(given, (list, tuple)) else [given]:
+        if getattr(loss, "reduction", "sum_over_batch_size") not in ("sum_over_batch_size", "mean"):
+            raise UserError(f"--strategy pipeline weighs each micro-batch's loss by its share of the rows: the batch's "
+                            f"loss for Keras's default reduction (sum_over_batch_size), and {name}'s {type(loss).__name__}"
+                            f" reduces by {loss.reduction!r}: compile it with the default, or train without the pipeline")
     built_on(model, first_batch)
     return plan_stages(model, split_at, devices, name, microbatches)
 
@@ -378,8 +379,7 @@ def for_fit(model: "keras.Model", plan: StagePlan, first_batch: Any) -> "keras.M
     pipe = Pipeline.place(model, plan)
     placed = pipe.model
     placed.compile(**{**internals.compile_arguments(model), "optimizer": model.optimizer, "jit_compile": False})
-    # What the step's condition must not create inside a branch: the optimizer's state, the compiled loss's and
-    # metrics' (built on the first batch here, their states reset after)
+    # Built here, not inside the step's condition: the optimizer's state, the compiled loss's and metrics' (reset)
     x, y, w = keras.utils.unpack_x_y_sample_weight(first_batch)
     out = pipe(x)
     placed.compute_loss(x=x, y=y, y_pred=out, sample_weight=w, training=False)
