@@ -216,7 +216,7 @@ class ChunkedSteps:
         n = min(16, remaining)
         self.numbers += range(first_step, first_step + n)
         loss = np.nan if self.bad_step in self.numbers[-n:] else 0.5 * n
-        return np.array([loss, n, n / 2, n], dtype=np.float64), n, None  # [loss, count, accuracy's total, count]
+        return np.array([loss, n, n / 2, n], dtype=np.float64), n  # [loss, count, accuracy's total, count]
 
     def total(self, local):
         return local

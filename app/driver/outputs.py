@@ -207,8 +207,6 @@ def write_outputs(
     lr_plan = state["lr_plan"]
     num_replicas = state["plan"]["workers"] * state["plan"]["replicas_per_worker"]
     plot_curves(history, out / CURVES_FILE, subtitle=_subtitle(config, state, strategy, num_replicas))
-    if "audit_sample_ids" in state:
-        (out / AUDIT_FILE).write_text(json.dumps(state["audit_sample_ids"]))
 
     train_samples = sum(h["train_samples"] for h in history)
     train_seconds = sum(h["train_seconds"] for h in history)

@@ -221,20 +221,13 @@ def local_replicas_of(fields: dict[str, Any]) -> Any:
     return local_replicas(config) if config is not None else None
 
 
-def own_loop_of(fields: dict[str, Any]) -> bool:
-    """Whether app.fit's keywords ask for a run of the product's own loop (parameter servers)."""
+def backend_asked(fields: dict[str, Any]) -> Any:
+    """The Backend (app.backend) app.fit's keywords ask for (None: they name none): its own loop (parameter servers),
+    a pipeline, ..."""
     from app.backend import backend_of
 
     config = _where_asked(fields)
-    return config is not None and backend_of(config).own_loop
-
-
-def pipeline_of(fields: dict[str, Any]) -> bool:
-    """Whether app.fit's keywords ask for a pipeline (Keras's fit trains it, stage by stage)."""
-    from app.backend import backend_of
-
-    config = _where_asked(fields)
-    return config is not None and backend_of(config).pipeline
+    return backend_of(config) if config is not None else None
 
 
 def _where_asked(fields: dict[str, Any]) -> Any:

@@ -161,14 +161,15 @@ def fit(
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
             model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
         local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
+        asked = config_run.backend_asked(fields)
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))
         # val_fraction: a path's or a Ray Dataset's seeded holdout; the optimizer's: a model compiling nothing's compile
         product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
                                                                  else set())
                               - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
                                  else set()) - ({"strategy", "devices"} if local is not None else set())
-                              - (PIPELINE_FIELDS if config_run.pipeline_of(fields) else set()))
-        own_loop = bool(product_only) and config_run.own_loop_of(fields)
+                              - (PIPELINE_FIELDS if asked is not None and asked.pipeline else set()))
+        own_loop = bool(product_only) and asked is not None and asked.own_loop
         if built is not None and product_only and not own_loop:
             # one device or several (Keras's fit trains under their strategy); val_fraction: keras_step.fit says
             product_only = sorted(set(product_only) - {"strategy", "devices", "val_fraction"})

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from app.backend import backend_of
 from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.errors import UserError
@@ -345,19 +346,18 @@ def given(data: Any, name: str) -> Callable[[], Any]:
 
 
 def _on_ray(config) -> bool:
-    from app.backend import backend_of
-
     return backend_of(config).on_ray
 
 
 def _stages(config, model, model_fn: Any, train) -> Any:
-    """--strategy pipeline: where the model is cut, one stage per device (app.training.pipeline), said before the run."""
-    from app.backend import backend_of
+    """--strategy pipeline's plan (app.training.pipeline): one stage per device, said before the run; else None."""
     from app.training.pipeline import plan_for_fit
     from app.training.strategy import stage_devices
 
-    return backend_of(config).pipeline and plan_for_fit(model, getattr(model_fn, "__name__", model.name), overrides_step(
-        model), config.split_at, stage_devices(), config.pipeline_microbatches, train.first_batch()) or None
+    if not backend_of(config).pipeline:
+        return None
+    return plan_for_fit(model, getattr(model_fn, "__name__", model.name), overrides_step(model), config.split_at,
+                        stage_devices(), config.pipeline_microbatches, train.first_batch())
 
 
 def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: Any, verbose: Any, num_workers: Any,

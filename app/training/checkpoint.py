@@ -46,7 +46,6 @@ class Progress:
     epoch: int = 0  # epochs completed
     attempt: int = 0  # 0 for the first start; +1 for every restart or resume
     history: list[dict[str, Any]] = field(default_factory=list)
-    audit_ids: list[list[int]] = field(default_factory=list)  # per epoch, with --audit-sample-ids
     worker_nodes: list[str] = field(default_factory=list)  # Ray node id of each rank, this attempt
     step: int = 0  # steps done in the epoch after ``epoch`` (a checkpoint inside it: --checkpoint-every-steps)
     # The run's size since each (re)start that changed it: {time, workers, epoch, step[, joined, lost]}.
@@ -59,7 +58,6 @@ class Progress:
             state["epoch"],
             state.get("attempt", 0) + 1,
             state["history"],
-            state.get("audit_sample_ids", []),
             current.worker_nodes if current else [],
             state.get("step", 0),
             state.get("workers_over_time", []),
@@ -84,12 +82,10 @@ class Progress:
         epoch's start, after an end-of-epoch checkpoint of epoch E-1)."""
         return f"epoch {self.epoch + 1} step {self.step}"
 
-    def record(self, metrics: dict[str, Any], sample_ids=None) -> None:
+    def record(self, metrics: dict[str, Any]) -> None:
         metrics["attempt"] = self.attempt
         self.history.append(metrics)
         self.epoch, self.step = metrics["epoch"], 0
-        if sample_ids is not None:
-            self.audit_ids.append(sample_ids.tolist())
 
     def state(self, *, config, lr_plan, plan, task: str = "classification") -> dict[str, Any]:
         state = {
@@ -102,8 +98,6 @@ class Progress:
             "data_seed": config.seed,  # the data order is a function of (seed, epoch)
             "config": config.model_dump(mode="json"),
         }
-        if self.audit_ids:
-            state["audit_sample_ids"] = self.audit_ids
         if self.worker_nodes:
             state["worker_nodes"] = self.worker_nodes
         if self.step:

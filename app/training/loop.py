@@ -30,9 +30,9 @@ class StepRunner(Protocol):
     def steps_taken(self) -> int:
         """Optimizer steps taken before this process's first epoch (a restored run's count)."""
 
-    def run(self, iterator, first_step: int, remaining: int) -> tuple[Any, int, Optional[np.ndarray]]:
-        """Run the next steps (at most ``remaining``, numbered from ``first_step``): (this worker's sums
-        [loss, count, metric states] over them, how many ran, their sample ids or None)."""
+    def run(self, iterator, first_step: int, remaining: int) -> tuple[Any, int]:
+        """Run the next steps (at most ``remaining``, numbered from ``first_step``): (the sums [loss, count, metric
+        states] over them, how many ran)."""
 
     def evaluate(self, val) -> EpochStats:
         """Every validation row once, exact sums."""
@@ -63,11 +63,9 @@ class EpochDriver:
         if self.global_step is None:  # first epoch of this process: continue a restored run's count
             self.global_step = self.runner.steps_taken()
         window = _LogWindow(self, on_log, on_batch, start)
-        first_step_time, id_chunks, step_sums, done = None, [], [], 0
+        first_step_time, step_sums, done = None, [], 0
         while done < steps:
-            local, k, ids = self.runner.run(iterator, self.global_step, steps - done)
-            if ids is not None:
-                id_chunks.append(ids)
+            local, k = self.runner.run(iterator, self.global_step, steps - done)
             done += k
             if on_steps is not None:
                 on_steps(k)
@@ -87,9 +85,7 @@ class EpochDriver:
                 "--base-lr; the last good checkpoint is the one from the epoch before"
             )
         return EpochStats.from_sums(
-            sums, time.perf_counter() - start, self.measures.results, first_step_time=first_step_time,
-            sample_ids=np.concatenate(id_chunks) if id_chunks else None,
-        )
+            sums, time.perf_counter() - start, self.measures.results, first_step_time=first_step_time)
 
     def run_epoch(self, epoch: int, train_iter, steps: int, val, dropped: int, on_log=None, on_steps=None,
                   on_batch=None):

@@ -11,7 +11,7 @@ there); history.csv and the console name them as Keras's History does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,7 +26,6 @@ class EpochStats:
     samples: int
     seconds: float
     first_step_time: Optional[float] = None  # wall clock when the first step finished
-    sample_ids: Optional[np.ndarray] = field(default=None, repr=False)  # all replicas' ids, if audited
 
     @classmethod
     def from_sums(cls, sums: np.ndarray, seconds: float, results: Callable[[np.ndarray], dict[str, float]],
@@ -72,9 +71,6 @@ def epoch_metrics(epoch: int, train: EpochStats, val: EpochStats, learning_rate:
     }
     if train.first_step_time is not None:
         metrics["first_step_time"] = train.first_step_time
-    if train.sample_ids is not None:
-        metrics["audit_ids_seen"] = int(train.sample_ids.size)
-        metrics["audit_ids_unique"] = int(np.unique(train.sample_ids).size)
     return metrics
 
 

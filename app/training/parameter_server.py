@@ -237,7 +237,7 @@ class ScheduledSteps:
         results = [self.coordinator.schedule(self.step, args=(iterator, tf.constant(first_step + i, tf.int64)))
                    for i in range(n)]
         self.coordinator.join()  # raises a step's error, or UnavailableError for a lost parameter server
-        return np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0), n, None
+        return np.sum([np.asarray(r.fetch(), dtype=np.float64) for r in results], axis=0), n
 
     def evaluate(self, val) -> EpochStats:
         """Every validation row once, on the chief: the same sums as the synchronous paths, so the same metrics."""

@@ -143,14 +143,14 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
             hooks.epoch_begin(epoch)
             bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
             try:
-                metrics, train = driver.run_epoch(epoch, train_iter, plan.updates - progress.step, val, plan.dropped,
+                metrics, _ = driver.run_epoch(epoch, train_iter, plan.updates - progress.step, val, plan.dropped,
                                                   tensorboard.step, lambda k, bar=bar: after_steps(k, bar),
                                                   hooks.on_batch)
             finally:
                 bar.close()
             session.alive()
             metrics["workers"] = session.world
-            progress.record(metrics, train.sample_ids)
+            progress.record(metrics)
             tensorboard.epoch(epoch, metrics)
             log.info(epoch_line(epoch, config.epochs, keras_logs(metrics), metrics["epoch_seconds"]))
             stop = hooks.epoch_end(epoch, metrics)
