@@ -67,6 +67,7 @@ LOCAL_LANE_TESTS = {
     "test_keras_stream::test_the_local_backend_reads_a_path_and_trains_as_keras_fit_weight_for_weight",
     "test_keras_stream::test_a_tfrecord_input_larger_than_4_gib_trains_with_the_process_under_2_gib",
     "test_keras_features::test_the_learning_rate_rule_is_kerass_cosine_decay_with_warmup_and_trains_as_model_fit_with_it",
+    "test_keras_features::test_tensor_parallel_on_kerass_fit_is_model_fit_weight_for_weight_and_its_checkpoint_resumes_unsplit",
     "test_keras_stream::test_streamed_inputs_that_cannot_train_are_one_line_before_anything_starts",
     "test_your_own::test_bad_plugins_give_one_line_before_anything_starts",
     "test_your_own::test_users_softmax_convnet_from_a_file_matches_its_logits_twin",

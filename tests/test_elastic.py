@@ -155,26 +155,6 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_trains_as_a_fixed
 
 
 
-def test_a_sweeps_trials_may_be_elastic_and_its_best_config_keeps_the_range(joined, tmp_path):
-    """num_workers: 1:2 in a search space (plain YAML, where 1:2 would be the base-60 number 62 to PyYAML): every
-    trial is an elastic Ray Train run that starts on 1 worker; the sweep finishes and its best config, fed back to
-    jobs/train.py, plans the same range."""
-    space = tmp_path / "space.yaml"
-    space.write_text("epochs: 1\nnum_workers: 1:2\nglobal_batch: 32\nlr_scaling: {grid: [linear, sqrt]}\n")
-    out = tmp_path / "sweep"
-    p = run_job("jobs/tune.py", "--space", str(space), "--scheduler", "fifo", "--cpus-per-worker", "0.5",
-                "--output", str(out), timeout=600, env=joined)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "each trial: a Ray Train run of 1:2 worker(s) x 0.5 CPU" in p.stdout
-    assert p.stdout.count(" finished: val_accuracy ") == 2, p.stdout
-    best = out / "best_config.yaml"
-    dry = run_job("jobs/train.py", "--config", str(best), "--output", str(tmp_path / "again"), "--dry-run",
-                  timeout=300, env=joined)
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    assert "elastic: 1 to 2 workers" in dry.stdout + dry.stderr and "the global batch 32 stays at every size" in \
-        dry.stdout + dry.stderr
-
-
 REFUSED = [
     (["--num-workers", "3:1"], "MIN 3 is larger than MAX 1; give 1:3"),
     (["--num-workers", "0:2"], "MIN 0 must be at least 1"),

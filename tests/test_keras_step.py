@@ -40,11 +40,12 @@ NAMES = [f"{m} | {i}" for m, i in PAIRS]
 # arrays are (app.data.keras_inputs.read), and the workers cut those rows as they cut the arrays'
 # (KerasData.worker_dataset): on 2 workers they run what "functional | arrays" runs (a nested structure is cut in
 # "two_inputs | list" and "two_outputs | two targets"); the distiller's arrays take that path too, its tf.data the
-# pipeline's, as the steps_per_execution model's tf.data does. The one-worker table checks every pair against
+# pipeline's, as the steps_per_execution model's tf.data does, and the own step's arrays of x alone. A tf.data of
+# (x, y) is the pipeline "tf.data x,y,w" runs, with its weights. The one-worker table checks every pair against
 # Keras's fit.
 TWO_WORKER_PAIRS = [pair for pair in PAIRS if pair not in {
     ("functional", "dict"), ("functional", "PyDataset"), ("functional", "generator"), ("distiller", "arrays"),
-    ("executions", "tf.data x,y"),
+    ("executions", "tf.data x,y"), ("functional", "tf.data x,y"), ("own_step", "arrays x"),
     # a path on Ray workers streams each worker its own share (not Keras's batches): tests/test_keras_stream.py
     ("functional", "parquet x,y"), ("own_step", "parquet x"), ("distiller", "parquet x,y")}]
 TWO_WORKER_NAMES = [f"{m} | {i}" for m, i in TWO_WORKER_PAIRS]

@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from app.bench.node import DRAIN_TIMEOUT_ENV
 from conftest import (
     REPO,
     SSH_TOOLS_MISSING,
@@ -113,8 +114,10 @@ def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboar
     user = os.environ.get("USER") or subprocess.check_output(["id", "-un"], text=True).strip()
     config = yaml.safe_load((REPO / "cluster_ssh.yaml").read_text())
     ray_temp = root / "ray"  # short: Ray's socket paths must stay under 107 characters
+    # Stopped (the shim's `ray stop`), the head goes at once, as app.bench.node's nodes do: Ray's own SIGTERM
+    # drain would wait out its 30 s on this head, whose GCS is signalled with it.
     start = (
-        f"RAY_AUTH_MODE=token exec ray start --head --block --port={gcs_port} --num-cpus=1 "
+        f"RAY_AUTH_MODE=token {DRAIN_TIMEOUT_ENV}=0 exec ray start --head --block --port={gcs_port} --num-cpus=1 "
         f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --temp-dir={ray_temp} "
         f"--ray-client-server-port={free_port()} --dashboard-agent-listen-port={free_port()} "
         "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"

@@ -128,21 +128,24 @@ def build():
 def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_cluster, tmp_path):
     """A model function of no arguments (its own optimizer, loss and metric), named relative to the user's directory
     (each trial runs in a directory of Tune's): each trial is the run jobs/train.py makes of it, Keras's fit on the
-    trial's workers, its every epoch reported to Tune (the trial lines, the table)."""
+    trial's workers, its every epoch reported to Tune (the trial lines, the table). The trials are elastic
+    (num_workers: 1:2 in the space, plain YAML, where 1:2 would be the base-60 number 62 to PyYAML), and the best
+    config, fed back to jobs/train.py, plans the same range."""
     from app.training.keras_callbacks import RECORD_KEYS  # an epoch record's keys besides Keras's logs
 
     models = tmp_path / "my_model.py"
     models.write_text(USER_MODEL)
     space = tmp_path / "space.yaml"
-    space.write_text("per_replica_batch: {grid: [16, 64]}\n")
+    space.write_text("num_workers: 1:2\nglobal_batch: {grid: [16, 64]}\n")
     out = tmp_path / "sweep"
     env = clean_env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, RAY_AUTH_MODE="token")
     p = run_job(str(REPO / "jobs" / "tune.py"), "--space", "space.yaml", "--model", "my_model.py:build",
-                "--num-workers", "1", "--epochs", "2", "--scheduler", "fifo", "--max-concurrent", "1", "--output",
-                "sweep", timeout=400, env=env, cwd=tmp_path)
+                "--cpus-per-worker", "0.5", "--epochs", "2", "--scheduler", "fifo", "--max-concurrent", "1",
+                "--output", "sweep", timeout=400, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "each trial: a Ray Train run of 1:2 worker(s) x 0.5 CPU" in p.stdout
     table = pd.read_csv(out / tune.RESULTS_FILE)
-    assert list(table["config/per_replica_batch"]) == [16, 64] and (table["epochs_run"] == 2).all()
+    assert list(table["config/global_batch"]) == [16, 64] and (table["epochs_run"] == 2).all()
     assert "trial 2  epoch 2/2  val_accuracy " in p.stdout
     runs = sorted(out.glob("*/run/result.json"))
     assert len(runs) == 2
@@ -151,11 +154,18 @@ def test_a_sweep_of_a_users_compiled_model_trains_each_trial_by_kerass_fit(ray_c
         # Keras's fit's record: each epoch's logs under Keras's names, the run's own Adam at the rate it compiled
         assert [sorted(set(r) - set(RECORD_KEYS)) for r in result["history"]] == \
             [["accuracy", "loss", "val_accuracy", "val_loss"]] * 2
-        assert all(r["samples_per_second"] > 0 and r["workers"] == 1 for r in result["history"])
+        assert all(r["samples_per_second"] > 0 and r["workers"] in (1, 2) for r in result["history"])
         assert result["time_to_first_step_seconds"] > 0
         assert result["global_batch_size"] in (16, 64) and result["base_lr"] == pytest.approx(3e-3)
-        row = table[table["config/per_replica_batch"] == result["global_batch_size"]]
+        row = table[table["config/global_batch"] == result["global_batch_size"]]
         assert float(row["val_accuracy"].iloc[0]) == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
+    dry = run_job(str(REPO / "jobs" / "train.py"), "--config", str(out / tune.BEST_CONFIG_FILE), "--output",
+                  str(tmp_path / "again"), "--dry-run", timeout=300, env=env, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    best = yaml.safe_load((out / tune.BEST_CONFIG_FILE).read_text())
+    assert best["num_workers"] == "1:2" and best["global_batch"] in (16, 64), best
+    said = dry.stdout + dry.stderr
+    assert "elastic: 1 to 2 workers" in said and f"the global batch {best['global_batch']} stays at every size" in said
 
 
 @pytest.mark.parametrize(

@@ -64,15 +64,16 @@ def worker_loop(p: dict[str, Any]) -> None:
         with ray.train.get_checkpoint().as_directory() as d:
             state = json.loads((Path(d) / "state.json").read_text())
         start, largest = state["step"], max(size, state.get("largest", size))
-    # Once the group has shrunk, both resizes are behind it: the steps left only end the run, so they do not sleep
+    # Once the group has shrunk, both resizes are behind it: it ends at its next checkpoint, without sleeping
     # (``steps`` is a budget for slow resizes, not a duration).
-    pause = p["step_seconds"] if size >= largest else 0.0
-    for step in range(start, p["steps"]):
+    every = p["checkpoint_every"]
+    pause, end = (p["step_seconds"], p["steps"]) if size >= largest else (0.0, (start // every + 1) * every)
+    for step in range(start, min(end, p["steps"])):
         total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
         with open(p["events"], "a") as f:
             f.write(json.dumps({"t": time.time(), "step": step, "size": size, "rank": rank, "sum": float(total)}) + "\n")
         time.sleep(pause)
-        if (step + 1) % p["checkpoint_every"] == 0:
+        if (step + 1) % every == 0:
             with tempfile.TemporaryDirectory() as d:
                 (Path(d) / "state.json").write_text(json.dumps({"step": step + 1, "largest": largest}))
                 checkpoint = ray.train.Checkpoint.from_directory(d) if rank == 0 else None
@@ -133,7 +134,8 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         print(f"{what}: {r['seconds_to_first_step']:.1f} s from the node {'joining' if what == 'grow' else 'stopping'} "
               f"to the first step on {r['to']} worker(s); {r['steps_redone']} step(s) done again", flush=True)
     print(f"sizes (from step, workers): {result['sizes']}; every all-reduce whole: {result['all_reduce_whole']}; "
-          f"{result['steps_completed']}/{p['steps']} steps", flush=True)
+          f"ended at step {result['steps_completed']}, the first checkpoint after the shrink (a budget of {p['steps']})",
+          flush=True)
     return [path]
 
 
