@@ -130,6 +130,10 @@ class LargestOutput(keras.metrics.Metric):
 
 def non_additive_metric_model(input_shape):
     return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[LargestOutput()])
+
+
+def auc_on_class_ids_model(input_shape):  # AUC takes labels of the outputs' shape, not class ids
+    return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[keras.metrics.AUC()])
 '''
 
 
@@ -283,6 +287,9 @@ BAD_COMPILE = [
     # The workers sum every metric's state: a running maximum's would be wrong on 2, so it is refused there.
     ("non_additive_metric_model", "digits_ids", ("--num-workers", "2"), "metric largest_output (LargestOutput) keeps "
      "a state that does not add up over batches, so it cannot be combined exactly over workers"),
+    # What Keras's fit raises at its first step, said before any worker starts, with the shapes given.
+    ("auc_on_class_ids_model", "digits_ids", ("--num-workers", "2"), "the model's compiled loss and metrics fail on "
+     "a batch as Keras's fit would: ValueError: "),
 ]
 
 

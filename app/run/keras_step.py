@@ -282,7 +282,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     features.check()
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
-        keras_sync.check_additive(model, train.first_batch())
+        keras_sync.check_additive(model, train.first_batch(), keras_steps=not overrides_step(model))
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None

@@ -282,13 +282,15 @@ def _average_state(model, collective: Collective) -> None:
     collective.average_variables([v for v in model.non_trainable_variables if "float" in str(v.dtype)])
 
 
-def check_additive(model, batch: Any) -> None:
+def check_additive(model, batch: Any, keras_steps: bool) -> None:
     """Refuse, in one line, a metric whose state does not add up over batches (a running maximum): ``epoch_logs``
     sums every metric's state over the workers, which gives one process's value only for states of sums and
     counts. Checked in the driver on the two halves of one batch through the model's own ``test_step`` (its
     compiled metrics and any it tracks itself), before any worker starts; a subclassed model is built by it here, as
-    its first call builds it (so the plan can size its optimizer's state). A ``test_step`` that cannot run here (a
-    model whose evaluation needs what only its workers set up) is not checked: its workers say why it fails."""
+    its first call builds it (so the plan can size its optimizer's state). A ``test_step`` of the model's own that
+    cannot run here (its evaluation may need what only its workers set up) is not checked: its workers say why it
+    fails. Keras's own (``keras_steps``: nothing of the step overridden) fails on every worker as it fails here, as
+    Keras's fit would fail: that is one line now, with the shapes its compiled loss and metrics were given."""
     import tensorflow as tf
 
     def state(parts: list) -> list[list[np.ndarray]]:
@@ -303,8 +305,17 @@ def check_additive(model, batch: Any) -> None:
         if n < 2:
             return
         halves = [tf.nest.map_structure(lambda a, s=s: a[s], batch) for s in (slice(0, n // 2), slice(n // 2, n))]
-        a, b, both = state(halves[:1]), state(halves[1:]), state(halves)
     except Exception:
+        return
+    try:
+        a, b, both = state(halves[:1]), state(halves[1:]), state(halves)
+    except Exception as e:
+        if keras_steps and isinstance(batch, (tuple, list)) and len(batch) > 1:
+            said = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(f"the model's compiled loss and metrics fail on a batch as Keras's fit would: "
+                            f"{type(e).__name__}: {said} (labels of shape {_shapes(lambda: batch[1])}, outputs of "
+                            f"shape {_shapes(lambda: model(batch[0]))}): compile with a loss and metrics that take "
+                            "these labels") from e
         return
     finally:
         model.reset_metrics()
@@ -315,6 +326,15 @@ def check_additive(model, batch: Any) -> None:
                 "so it cannot be combined exactly over workers: drop it from compile(metrics=...) (or from the model), "
                 "use a metric whose state is sums or counts (keras.metrics.Mean, AUC, Precision, ...), or train on "
                 "one worker (num_workers=1), where it is model.fit's own")
+
+
+def _shapes(tree: Callable[[], Any]) -> str:
+    import tensorflow as tf
+
+    try:
+        return ", ".join(str(tuple(np.shape(leaf))) for leaf in tf.nest.flatten(tree()))
+    except Exception:  # the model's call fails too: the error above says why
+        return "?"
 
 
 def _leaf_metrics(metrics: list) -> list:
