@@ -4,6 +4,17 @@ Entry scripts print these as one line and exit with status 2, without a
 traceback: the message itself must name the problem and the fix.
 """
 
+import re
+
+# A traceback's frame line, as Python, autograph and TensorFlow write it.
+FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+# TensorFlow's framing of an error in a graph, and Keras's of one a layer's call raised (the layer named, then its
+# arguments dumped after the words; the words in bold).
+_NOISE = ("Graph execution error", "Detected at node", "<stack traces", "[[", "in user code",
+          "Exception encountered when calling")
+_ARGUMENTS = "Arguments received by"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
 
 class UserError(Exception):
     """A problem with the user's input (flags, config file, data, cluster size)."""
@@ -50,3 +61,14 @@ def users_file(filename: str) -> bool:
     path = Path(filename).resolve()
     return not any(path.is_relative_to(d) for d in (Path(__file__).resolve().parent,
                                                      Path(sysconfig.get_paths()["stdlib"]).resolve()))
+
+
+def words_of(error: BaseException) -> str:
+    """The error's own words, in one line: the last line that is neither a frame, nor source, nor TensorFlow's or
+    Keras's framing, without its type's name."""
+    text = _ANSI.sub("", str(error)).split(_ARGUMENTS, 1)[0]
+    lines = [line.strip() for line in text.splitlines()]
+    kept = [line for line in lines if line and not FRAME.search(line) and not line.startswith(_NOISE)]
+    text = kept[-1] if kept else type(error).__name__
+    prefix = f"{type(error).__name__}: "
+    return " ".join((text[len(prefix):] if text.startswith(prefix) else text).split())[:300]

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from app.errors import UserCodeError, UserError
+from app.errors import UserCodeError, UserError, words_of
 
 MODELS = {
     "mlp": "app.models:build_mlp",
@@ -157,7 +157,7 @@ def _import_file(path: str, value: str):
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise UserCodeError(f"{value}: importing {path} raised {type(e).__name__}: {e}", e) from e
+        raise UserCodeError(f"{value}: importing {path} raised {type(e).__name__}: {words_of(e)}", e) from e
     return module
 
 
@@ -197,4 +197,4 @@ def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: 
     except UserError:
         raise
     except Exception as e:
-        raise UserCodeError(f"{what} raised {type(e).__name__}: {e}", e) from e
+        raise UserCodeError(f"{what} raised {type(e).__name__}: {words_of(e)}", e) from e

@@ -134,6 +134,17 @@ def non_additive_metric_model(input_shape):
 
 def auc_on_class_ids_model(input_shape):  # AUC takes labels of the outputs' shape, not class ids
     return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[keras.metrics.AUC()])
+
+
+class Unfinished(keras.layers.Layer):
+    def call(self, inputs):
+        raise ValueError("this layer is not written yet")
+
+
+def unfinished_layer_model(input_shape):
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), Unfinished(), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
 '''
 
 
@@ -290,6 +301,10 @@ BAD_COMPILE = [
     # What Keras's fit raises at its first step, said before any worker starts, with the shapes given.
     ("auc_on_class_ids_model", "digits_ids", ("--num-workers", "2"), "the model's compiled loss and metrics fail on "
      "a batch as Keras's fit would: ValueError: "),
+    # A layer of the user's own that raises as the model function builds it: its words, not Keras's framing of them
+    # (the layer named, its arguments dumped) over several lines.
+    ("unfinished_layer_model", "digits_ids", (), "keras_script.py:unfinished_layer_model raised ValueError: this "
+     "layer is not written yet (traceback in "),
 ]
 
 

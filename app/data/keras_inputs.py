@@ -40,7 +40,7 @@ import numpy as np
 from app import internals
 from app.data.tf_datasets import MAX_BYTES, is_tf_dataset
 from app.data.tf_pipeline import Pipeline, serialise
-from app.errors import UserError, users_file
+from app.errors import UserError, users_file, words_of
 
 
 def keras_passes_before(epoch: int, counted: bool) -> int:
@@ -342,7 +342,7 @@ def _users_error(e: Exception, x: Any, what: str) -> UserError:
 
 def raised(e: Exception, code: str) -> str:
     """"<code> raised <Error>: <its first line> (file.py line N)": an error of the user's own code, in one line."""
-    return f"{code} raised {type(e).__name__}: {_first_line(e)}{_raised_at(e)}"
+    return f"{code} raised {type(e).__name__}: {words_of(e)}{_raised_at(e)}"
 
 
 def _raised_at(error: BaseException) -> str:

@@ -34,14 +34,14 @@ With one worker each of these is the identity: the run is ``model.fit``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from app import internals
 from app.errors import UserError
 from app.internals import replicas as replica_internals
-from app.training import zero
+from app.training import user_code, zero
 from app.training.collective import Collective, Site
 
 
@@ -290,7 +290,8 @@ def check_additive(model, batch: Any, keras_steps: bool) -> None:
     its first call builds it (so the plan can size its optimizer's state). A ``test_step`` of the model's own that
     cannot run here (its evaluation may need what only its workers set up) is not checked: its workers say why it
     fails. Keras's own (``keras_steps``: nothing of the step overridden) fails on every worker as it fails here, as
-    Keras's fit would fail: that is one line now, with the shapes its compiled loss and metrics were given."""
+    Keras's fit would fail, unless the user's own code raised: that is one line now, with the shapes its compiled
+    loss and metrics were given."""
     import tensorflow as tf
 
     def state(parts: list) -> list[list[np.ndarray]]:
@@ -310,12 +311,17 @@ def check_additive(model, batch: Any, keras_steps: bool) -> None:
     try:
         a, b, both = state(halves[:1]), state(halves[1:]), state(halves)
     except Exception as e:
-        if keras_steps and isinstance(batch, (tuple, list)) and len(batch) > 1:
-            said = (str(e).strip().splitlines() or [""])[0]
-            raise UserError(f"the model's compiled loss and metrics fail on a batch as Keras's fit would: "
-                            f"{type(e).__name__}: {said} (labels of shape {_shapes(lambda: batch[1])}, outputs of "
-                            f"shape {_shapes(lambda: model(batch[0]))}): compile with a loss and metrics that take "
-                            "these labels") from e
+        # The user's own code (a layer's call) may branch on what only this eager call sees (a batch's size): in
+        # the workers' traced step it may run, as in Keras's fit. Keras's own compiled loss and metrics do not.
+        if keras_steps and isinstance(batch, (tuple, list)) and len(batch) > 1 and \
+                user_code.raised_by_model(e, model) is None:
+            said = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            outputs = _shapes(lambda: model(batch[0]))
+            if outputs is None:  # its call fails, before any loss or metric
+                raise UserError(f"the model fails on a batch of x as Keras's fit would: {said}") from e
+            raise UserError(f"the model's compiled loss and metrics fail on a batch as Keras's fit would: {said} "
+                            f"(labels of shape {_shapes(lambda: batch[1])}, outputs of shape {outputs}): compile "
+                            "with a loss and metrics that take these labels") from e
         return
     finally:
         model.reset_metrics()
@@ -328,13 +334,14 @@ def check_additive(model, batch: Any, keras_steps: bool) -> None:
                 "one worker (num_workers=1), where it is model.fit's own")
 
 
-def _shapes(tree: Callable[[], Any]) -> str:
+def _shapes(tree: Callable[[], Any]) -> Optional[str]:
+    """The shapes of what ``tree()`` returns, or None if it raises."""
     import tensorflow as tf
 
     try:
         return ", ".join(str(tuple(np.shape(leaf))) for leaf in tf.nest.flatten(tree()))
-    except Exception:  # the model's call fails too: the error above says why
-        return "?"
+    except Exception:
+        return None
 
 
 def _leaf_metrics(metrics: list) -> list:

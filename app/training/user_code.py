@@ -15,12 +15,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from app.errors import UserCodeError, UserError, users_file
+from app.errors import FRAME, UserCodeError, UserError, users_file, words_of
 
 # What a model may bring of its own, in the order that names it when the error does not say which one ran.
 METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics", "call")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
-_NOISE = ("Graph execution error", "Detected at node", "<stack traces", "[[", "in user code")
+# Keras's framing of an error a layer's call raised names the layer.
+_LAYER = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
 
 
 @contextlib.contextmanager
@@ -49,14 +49,15 @@ def raised_by_model(error: BaseException, model: Any) -> Optional[UserCodeError]
     frames = _users_frames(error)
     if frames:
         file, line, fn = frames[-1]
-        code = f"{cls}.{fn}" if fn in METHODS else fn
+        layer = _LAYER.search(str(error))
+        code = f"{layer.group(1)}.call" if layer and fn == "call" else f"{cls}.{fn}" if fn in METHODS else fn
         where = f" ({Path(file).name} line {line})"
     elif isinstance(error, tf.errors.OpError) and own:
         code = f"{cls}.{own[0]}" + (f" (or its {', '.join(own[1:])})" if own[1:] else "")
         where = ""
     else:
         return None
-    return UserCodeError(f"{code} raised {type(error).__name__}: {_message(error)}{where}", error)
+    return UserCodeError(f"{code} raised {type(error).__name__}: {words_of(error)}{where}", error)
 
 
 def own_methods(model: Any) -> list[str]:
@@ -72,15 +73,6 @@ def _users_frames(error: BaseException) -> list[tuple[str, int, str]]:
     """(file, line, function) of the user's own code: from the error's text (autograph's and TensorFlow's frames)
     and its Python traceback, outside Python's own library, the installed ones, this product, generated code and
     a script's top."""
-    found = [(f, int(n), fn) for f, n, fn in _FRAME.findall(str(error))]
+    found = [(f, int(n), fn) for f, n, fn in FRAME.findall(str(error))]
     found += [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(error.__traceback__)]
     return [(f, n, fn) for f, n, fn in found if fn != "<module>" and users_file(f)]
-
-
-def _message(error: BaseException) -> str:
-    """The error's own words: the last line that is neither a frame, nor source, nor TensorFlow's framing."""
-    lines = [line.strip() for line in str(error).splitlines()]
-    kept = [line for line in lines if line and not _FRAME.search(line) and not line.startswith(_NOISE)]
-    text = kept[-1] if kept else type(error).__name__
-    prefix = f"{type(error).__name__}: "
-    return " ".join((text[len(prefix):] if text.startswith(prefix) else text).split())[:300]
