@@ -341,7 +341,7 @@ def _users_error(e: Exception, x: Any, what: str) -> UserError:
 
 
 def raised(e: Exception, code: str) -> str:
-    """"<code> raised <Error>: <its first line> (file.py line N)": an error of the user's own code, in one line."""
+    """"<code> raised <Error>: <its words> (file.py line N)": an error of the user's own code, in one line."""
     return f"{code} raised {type(e).__name__}: {words_of(e)}{_raised_at(e)}"
 
 
