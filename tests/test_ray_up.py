@@ -115,7 +115,7 @@ def cluster_config(root: Path, key: Path, ssh_port: int, gcs_port: int, dashboar
     config = yaml.safe_load((REPO / "cluster_ssh.yaml").read_text())
     ray_temp = root / "ray"  # short: Ray's socket paths must stay under 107 characters
     # Stopped (the shim's `ray stop`), the head goes at once, as app.bench.node's nodes do: Ray's own SIGTERM
-    # drain would wait out its 30 s on this head, whose GCS is signalled with it.
+    # drain waited out all of its 30 s here.
     start = (
         f"RAY_AUTH_MODE=token {DRAIN_TIMEOUT_ENV}=0 exec ray start --head --block --port={gcs_port} --num-cpus=1 "
         f"--dashboard-host=127.0.0.1 --dashboard-port={dashboard_port} --temp-dir={ray_temp} "
