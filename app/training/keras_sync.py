@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from app import internals
-from app.errors import UserError
+from app.errors import UserError, words_of
 from app.internals import replicas as replica_internals
 from app.training import user_code, zero
 from app.training.collective import Collective, Site
@@ -315,7 +315,7 @@ def check_additive(model, batch: Any, keras_steps: bool) -> None:
         # the workers' traced step it may run, as in Keras's fit. Keras's own compiled loss and metrics do not.
         if keras_steps and isinstance(batch, (tuple, list)) and len(batch) > 1 and \
                 user_code.raised_by_model(e, model) is None:
-            said = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            said = f"{type(e).__name__}: {words_of(e)}"
             outputs = _shapes(lambda: model(batch[0]))
             if outputs is None:  # its call fails, before any loss or metric
                 raise UserError(f"the model fails on a batch of x as Keras's fit would: {said}") from e

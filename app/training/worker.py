@@ -144,8 +144,8 @@ def train_worker(config: "TrainConfig", job: WorkerJob, session: Session) -> Non
             bar = EpochBar(make_bar, plan.updates, f"epoch {epoch}/{config.epochs}")
             try:
                 metrics, _ = driver.run_epoch(epoch, train_iter, plan.updates - progress.step, val, plan.dropped,
-                                                  tensorboard.step, lambda k, bar=bar: after_steps(k, bar),
-                                                  hooks.on_batch)
+                                              tensorboard.step, lambda k, bar=bar: after_steps(k, bar),
+                                              hooks.on_batch)
             finally:
                 bar.close()
             session.alive()
