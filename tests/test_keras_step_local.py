@@ -392,7 +392,8 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
                       optimizer="adam", base_lr=0.01, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
                       output=str(tmp_path / "run"), verbose=2)  # History.params has it, as Keras's
     keras.utils.set_random_seed(0)  # the run's seed, set before each worker builds the model
-    model = build_mlp((4,), 3, hidden_units=[8])
+    # The run gives the built-in its training rows' moments (validation_split=0: every row is a training row).
+    model = build_mlp((4,), 3, hidden_units=[8], feature_mean=X.mean(0), feature_variance=X.var(0))
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=2)
@@ -715,7 +716,8 @@ def test_a_built_in_model_plans_kerass_fit_on_ray_compiled_with_the_defaults_and
     plan = dry_run(build_config(None, {"class_weight": "balanced", "epochs": 1, "output": str(tmp_path / "out")}))
     assert plan[0].startswith("run: backend ray, collective all-reduce") and plan[1].startswith(
         "step: Keras's train_step and test_step for the compiled loss and metrics, run by model.fit on each of 2")
-    assert "model: mlp, 50,826 parameters" in plan  # 64x256+256 + 256x128+128 + 128x10+10
+    # 64x256+256 + 256x128+128 + 128x10+10; the digits' 64 pixels standardised first (constants, not parameters)
+    assert "model: mlp, 50,826 parameters, its inputs standardised by the training rows' mean and variance" in plan
     assert any(line.startswith("compile: the product builds the model, and compiles it with the classification "
                                "defaults") and line.endswith("(--optimizer, --base-lr, --momentum, --task, --loss, "
                                                              "--from-logits choose them)")

@@ -55,6 +55,46 @@ def concatenated(a: Arrays, b: Arrays) -> Arrays:
 
 
 @dataclass(frozen=True)
+class Moments:
+    """Each feature's mean and variance over the training rows, flattened, from their count, sum and sum of
+    squares (float64): the same from one array as from the sums of its blocks."""
+
+    count: int
+    total: np.ndarray
+    squares: np.ndarray
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> Optional["Moments"]:
+        flat = np.asarray(x, np.float64).reshape(len(x), -1)
+        return cls(len(flat), flat.sum(axis=0), np.square(flat).sum(axis=0)) if len(flat) else None
+
+    @classmethod
+    def of_fit_rows(cls, x: Any, validation_split: float) -> Optional["Moments"]:
+        """Of the rows Keras's fit trains on, those its ``validation_split`` leaves; None for x not of numbers."""
+        from app import internals
+
+        rows = np.asarray(x)
+        if rows.dtype.kind not in "biuf":
+            return None
+        return cls.of(internals.keras_validation_split((rows,), validation_split)[0][0] if validation_split else rows)
+
+    def __add__(self, other: "Moments") -> "Moments":
+        return Moments(self.count + other.count, self.total + other.total, self.squares + other.squares)
+
+    @property
+    def mean(self) -> list[float]:
+        return (self.total / self.count).tolist()
+
+    @property
+    def variance(self) -> list[float]:
+        """A feature that never changes in the training rows keeps its scale (variance 1), as scikit-learn's
+        StandardScaler keeps it: a later value is not divided by Keras's epsilon."""
+        mean = self.total / self.count
+        variance = np.maximum(self.squares / self.count - np.square(mean), 0.0)
+        return np.where(variance > 1e-12 * np.maximum(np.square(mean), 1.0), variance, 1.0).tolist()
+
+
+@dataclass(frozen=True)
 class Split:
     x: Arrays  # float32, (n, *feature_shape); or {input name: (n, *shape)}
     y: Arrays  # int64 class ids (n,); float32 one-hot rows (n, k); float32 targets (n,) or (n, *label_shape)
@@ -93,6 +133,9 @@ class DataFacts:
     # Streamed files (Ray Data deals each worker its shard of whole batches): never a short last batch. How the rows
     # arrive, not what they are: two sources of the same rows have equal facts.
     streamed: bool = field(default=False, compare=False)
+    # Each feature's mean and variance over the training rows (one input of numbers read before training; else
+    # None): what the built-in mlp standardises its inputs with. Sums in another order give other last bits.
+    feature_moments: Optional["Moments"] = field(default=None, compare=False, repr=False)
 
     @property
     def example_shape(self) -> Any:

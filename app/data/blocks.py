@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from app.data import images
-from app.data.arrays import ID, W, Y, nest_map, x_columns
-from app.data.schema import Spec, class_of
+from app.data.arrays import ID, Moments, W, Y, nest_map, x_columns
+from app.data.schema import NUMBERS, Spec, class_of
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -258,11 +258,17 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     ok = not stats["label_nulls"] and not stats["nulls"] and all(low == high for low, high in lengths.values())
     if spec.kind == "encoded" and ok and spec.val_fraction is None:
         _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
-    if n and ok and spec.val_fraction is not None:
+    stats["moments"] = ""
+    if n and ok and (spec.val_fraction is not None or spec.kind in NUMBERS):
         spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
-        y = _labels(table, spec)
-        ids = _row_ids(table, spec, features(table, spec), y)
-        stats["val_rows"] = int(in_validation(ids, spec.seed, spec.val_fraction).sum())
+        x = features(table, spec)
+        training = np.ones(n, bool)
+        if spec.val_fraction is not None:
+            held = in_validation(_row_ids(table, spec, x, _labels(table, spec)), spec.seed, spec.val_fraction)
+            stats["val_rows"], training = int(held.sum()), ~held
+        moments = Moments.of(x[training]) if spec.kind in NUMBERS else None
+        if moments is not None:  # exact float64 sums, as text: every block's table has the same columns
+            stats["moments"] = json.dumps([moments.count, moments.total.tolist(), moments.squares.tolist()])
     return pa.table({k: [v] for k, v in stats.items()})
 
 

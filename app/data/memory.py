@@ -22,7 +22,7 @@ import numpy as np
 
 from app import registry
 from app.data import builtin
-from app.data.arrays import Arrays, DataFacts, Source, Split, first, nest_map, split_holdout
+from app.data.arrays import Arrays, DataFacts, Moments, Source, Split, first, nest_map, split_holdout
 from app.data.checks import check_finite, check_labels, task_of
 from app.data.numpy_files import reshape
 from app.errors import UserError
@@ -198,6 +198,7 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
         input_shapes={k: tuple(a.shape[1:]) for k, a in x.items()} if isinstance(x, dict) else None,
         outputs=outputs if isinstance(y, dict) else None,
         sample_weights=w is not None,
+        feature_moments=None if isinstance(x, dict) else Moments.of(train.x),
     )
     return Source(train=train, val=val, facts=facts)
 

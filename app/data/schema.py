@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
+
+from app.data.arrays import Moments
 from app.data.checks import NONFINITE_FIX, check_labels, missing
 from app.data.files import Located
 from app.errors import UserError
@@ -15,6 +18,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from app.config import TrainConfig
+
+
+# The kinds whose features are the data's own numbers, at the data's own scale (images are read into [0, 1], text into
+# token ids): the built-in mlp standardises them (DataFacts.feature_moments).
+NUMBERS = ("scalars", "list", "tensor")
 
 
 @dataclass(frozen=True)
@@ -186,10 +194,11 @@ def class_of(path: str, root: str) -> str:
     return os.path.relpath(path, root).split(os.sep)[0]
 
 
-def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -> tuple[Spec, dict[str, int]]:
+def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -> tuple[Spec, dict[str, Any]]:
     """The checks over every block's statistics (app.data.blocks.block_stats), and the spec they complete
     (a list column's length, --feature-shape): the same for Ray Data's blocks and the local backend's batches."""
-    total = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
+    total: dict[str, Any] = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
+    total["moments"] = _moments(stats) if spec.kind in NUMBERS else None
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
     if total["label_nulls"]:
@@ -209,6 +218,17 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
                        for (name, shape), column in zip(spec.inputs, spec.features))
         return replace(spec, inputs=inputs), _label_totals(config, spec, stats, total)
     return with_feature_shape(spec, config), _label_totals(config, spec, stats, total)
+
+
+def _moments(stats: list[dict]) -> Optional[Moments]:
+    """The training rows' moments (DataFacts.feature_moments): the sums of every block that has some."""
+    import json
+
+    found = None
+    for count, sums, squares in (json.loads(s["moments"]) for s in stats if s.get("moments")):
+        block = Moments(count, np.asarray(sums), np.asarray(squares))
+        found = block if found is None else found + block
+    return found
 
 
 def with_feature_shape(spec: Spec, config: "TrainConfig") -> Spec:

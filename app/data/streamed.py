@@ -217,7 +217,7 @@ def built_in_facts(config: "TrainConfig", given: Optional[Located] = None) -> Da
         check_val_spec(spec, val_spec)
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
     return DataFacts(spec.feature_shape, spec.task, num_classes_of(config, spec, stats["label_max"]), stats["rows"], 0,
-                     input_shapes=spec.input_shapes, streamed=True)
+                     input_shapes=spec.input_shapes, streamed=True, feature_moments=stats["moments"])
 
 
 def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = None) -> Streamed:
@@ -272,7 +272,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     if cached["val"]:
         val = val.materialize()
     facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, input_shapes=spec.input_shapes,
-                      streamed=True)
+                      streamed=True, feature_moments=stats["moments"])
     val = padded(val, n_val, num_workers, facts)
     log.info(
         "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",

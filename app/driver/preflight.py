@@ -20,6 +20,7 @@ from app.backend import backend_of
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
 from app.errors import UserError
+from app.models import STANDARDIZED, standardized
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
@@ -89,7 +90,7 @@ def check_model(config: "TrainConfig", facts: DataFacts, examples: Any = None) -
     facts = task_with_model(facts, model, config.task)
     shape = check_output(model, facts, name)
     objective = settle(objective_for(config, facts, model, shape), model, facts, examples)
-    summary = {"name": name, "parameters": int(model.count_params()),
+    summary = {"name": name, "parameters": int(model.count_params()), "standardized": bool(standardized(model)),
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities"),
@@ -201,7 +202,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
         f"{facts.example_shape}, {facts.task} ({target}); {batches_line(plan)}",
         f"model: {m['name']}, {m['parameters']:,} parameters, output shape {_shape(m['output_shape'])} "
-        f"({m['outputs']})",
+        f"({m['outputs']}){STANDARDIZED if m.get('standardized') else ''}",
         objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
         f"{run}, {config.epochs} epochs",

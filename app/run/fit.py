@@ -4,14 +4,13 @@
     history.history["val_accuracy"]   # one value per epoch, keyed as Keras's History
     history.model                     # the trained model
 
-``model_fn`` is the function that builds the model (each worker builds its own), a built-in name or a
-``file.py:function``. Every run trains by Keras's fit but parameter servers'; which way app.fit takes there is
-decided here once:
+``model_fn`` builds the model (each worker builds its own): a function, a built-in name or a ``file.py:function``.
+Every run trains by Keras's fit but parameter servers'; which way app.fit takes there is decided here once:
 
 - **Keras's fit as given** (app.run.keras_step), for a model function of no arguments (a model compiled, overriding
   ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, or compiling nothing: the product compiles
   it with the task's defaults, app.training.default_compile; a built-in name with arrays ``x`` and ``y`` too, sized
-  by them: app.run.keras_step.builtin_for_arrays), with an ``x`` that Keras's fit reads itself (arrays, dicts or
+  by them: app.training.model.builtin_for_arrays), with an ``x`` that Keras's fit reads itself (arrays, dicts or
   lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a path of files or a
   ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every argument means what it means in
   ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument validates nothing); every worker
@@ -157,9 +156,10 @@ def fit(
     if keras_step_input(x) and not _is_keras_model(model_fn):
         from app import registry
         from app.run import config_run, keras_step
+        from app.training.model import builtin_for_arrays
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
-            model_fn = keras_step.builtin_for_arrays(model_fn, x, y, fields)  # sized by the arrays
+            model_fn = builtin_for_arrays(model_fn, x, y, fields, validation_split)  # sized by the arrays
         local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
         asked = config_run.backend_asked(fields)
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))

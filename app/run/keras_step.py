@@ -85,36 +85,6 @@ def model_that_brings_its_step(model_fn: Any) -> Optional[Any]:
     return model if model is not None and brings_its_step(model) else None
 
 
-def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any]) -> Callable[[], Any]:
-    """A built-in model (``mlp``, ``cnn``, ``transformer``) as a function of no arguments, for arrays ``x``, ``y``:
-    its input shape x's, its outputs one per class of integer labels (their largest id + 1, at least 2), else one per
-    target; the model's options (``hidden_units``, ...) taken out of ``fields``, and its own optimizer default
-    (registry.MODEL_OPTIMIZERS) put in where none is given."""
-    import functools
-    import inspect
-
-    import numpy as np
-
-    from app import registry
-    from app.training.model import BUILTIN_OPTIONS
-
-    fn = registry.resolve(name, registry.MODELS)
-    labels = np.asarray(y)
-    if labels.dtype.kind in "iub" and labels.shape[1:] in ((), (1,)):
-        outputs = max(2, int(labels.max()) + 1) if labels.size else 2
-    else:
-        outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
-    takes = inspect.signature(fn).parameters
-    options = {k: fields.pop(k) for k in BUILTIN_OPTIONS if k in fields}
-    refused = [k for k in options if k not in takes]
-    if refused:
-        raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
-                        f"{', '.join(k for k in takes if k in BUILTIN_OPTIONS)})")
-    for k, v in registry.MODEL_OPTIMIZERS.get(name, {}).items():
-        fields.setdefault(k, v)
-    return functools.partial(fn, input_shape=tuple(np.shape(x)[1:]), num_outputs=outputs, **options)
-
-
 def brings_its_step(model) -> bool:
     """Compiled, or overriding a part of Keras's step: what Keras's fit trains as it is (else the product compiles
     it: app.training.default_compile)."""
