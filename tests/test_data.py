@@ -142,6 +142,11 @@ def test_csv_trains_with_a_separate_validation_file(ray_cluster, tmp_path):
     val_csv = write_csv(tmp_path / "val.csv", header, [[*map(float, r), int(c)] for r, c in zip(x[250:], y[250:])])
     out, result = train(tmp_path, "run", dataset=str(train_csv), val_dataset=str(val_csv), per_replica_batch=16)
     check_one_epoch(out, result, 250, 70)
+    # The mlp standardises its inputs with the training file's moments, added up from the statistics pass's blocks.
+    import keras
+    standardize = keras.saving.load_model(out / "model.keras", compile=False).get_layer("standardize").get_config()
+    np.testing.assert_allclose(standardize["mean"], x[:250].astype(np.float64).mean(0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(standardize["variance"], x[:250].astype(np.float64).var(0), rtol=1e-5)
 
 
 def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluate_agrees(ray_cluster, tmp_path):

@@ -56,8 +56,8 @@ def concatenated(a: Arrays, b: Arrays) -> Arrays:
 
 @dataclass(frozen=True)
 class Moments:
-    """Each feature's mean and variance over the training rows, flattened, from their count, sum and sum of
-    squares (float64): the same from one array as from the sums of its blocks."""
+    """Each feature's mean and variance over the training rows, from their count, sum and sum of squares (float64):
+    the same from one array as from the sums of its blocks."""
 
     count: int
     total: np.ndarray
@@ -65,8 +65,9 @@ class Moments:
 
     @classmethod
     def of(cls, x: np.ndarray) -> Optional["Moments"]:
-        flat = np.asarray(x, np.float64).reshape(len(x), -1)
-        return cls(len(flat), flat.sum(axis=0), np.square(flat).sum(axis=0)) if len(flat) else None
+        """Of rows of numbers, each feature on a scale of its own (tabular: 2-D); None for images (more axes)."""
+        rows = np.asarray(x, np.float64)
+        return cls(len(rows), rows.sum(axis=0), np.square(rows).sum(axis=0)) if rows.ndim == 2 and len(rows) else None
 
     @classmethod
     def of_fit_rows(cls, x: Any, validation_split: float) -> Optional["Moments"]:
@@ -133,8 +134,8 @@ class DataFacts:
     # Streamed files (Ray Data deals each worker its shard of whole batches): never a short last batch. How the rows
     # arrive, not what they are: two sources of the same rows have equal facts.
     streamed: bool = field(default=False, compare=False)
-    # Each feature's mean and variance over the training rows (one input of numbers read before training; else
-    # None): what the built-in mlp standardises its inputs with. Sums in another order give other last bits.
+    # Each feature's mean and variance over the training rows (tabular data read before training; else None): what
+    # the built-in mlp standardises its inputs with. Sums in another order give other last bits.
     feature_moments: Optional["Moments"] = field(default=None, compare=False, repr=False)
 
     @property

@@ -44,7 +44,7 @@ import numpy as np
 
 from app.data import images
 from app.data.arrays import ID, Moments, W, Y, nest_map, x_columns
-from app.data.schema import NUMBERS, Spec, class_of
+from app.data.schema import TABULAR, Spec, class_of
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -259,14 +259,14 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     if spec.kind == "encoded" and ok and spec.val_fraction is None:
         _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
     stats["moments"] = ""
-    if n and ok and (spec.val_fraction is not None or spec.kind in NUMBERS):
+    if n and ok and (spec.val_fraction is not None or spec.kind in TABULAR):
         spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
         x = features(table, spec)
         training = np.ones(n, bool)
         if spec.val_fraction is not None:
             held = in_validation(_row_ids(table, spec, x, _labels(table, spec)), spec.seed, spec.val_fraction)
             stats["val_rows"], training = int(held.sum()), ~held
-        moments = Moments.of(x[training]) if spec.kind in NUMBERS else None
+        moments = Moments.of(x[training]) if spec.kind in TABULAR else None
         if moments is not None:  # exact float64 sums, as text: every block's table has the same columns
             stats["moments"] = json.dumps([moments.count, moments.total.tolist(), moments.squares.tolist()])
     return pa.table({k: [v] for k, v in stats.items()})

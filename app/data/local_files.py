@@ -26,7 +26,7 @@ from app.data import images, tfrecord
 from app.data.arrays import DataFacts, Moments, Source, Split, concatenated
 from app.data.blocks import batch_rows, block_stats, in_validation, rows
 from app.data.files import Located, locate
-from app.data.schema import NUMBERS, Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
+from app.data.schema import TABULAR, Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def load(config: "TrainConfig", loc: Located) -> Source:
     )
     return Source(train, val, DataFacts(spec.feature_shape, spec.task, num_classes, len(train), len(val),
                                         input_shapes=spec.input_shapes,
-                                        feature_moments=Moments.of(train.x) if spec.kind in NUMBERS else None))
+                                        feature_moments=Moments.of(train.x) if spec.kind in TABULAR else None))
 
 
 def _read_checked(loc: Located, config: "TrainConfig"):

@@ -145,7 +145,9 @@ def load_source(config: "TrainConfig", returned: Any = None) -> Source:
     source = source_from_arrays(config, train_xy, val_xy, what, labels)
     image_shape = builtin.IMAGE_SHAPES.get(config.dataset) if isinstance(config.dataset, str) else None
     if image_shape and not config.feature_shape:  # carried with the data: a cnn takes the digits as they come
-        source = replace(source, facts=replace(source.facts, image_shape=image_shape))
+        # Pixels share one scale: the mlp takes them as they are (standardised, the rare ink of an edge pixel is
+        # blown up: the default run's val accuracy 0.972 where it is 0.986).
+        source = replace(source, facts=replace(source.facts, image_shape=image_shape, feature_moments=None))
     return source
 
 

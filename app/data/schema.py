@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from app.config import TrainConfig
 
 
-# The kinds whose features are the data's own numbers, at the data's own scale (images are read into [0, 1], text into
-# token ids): the built-in mlp standardises them (DataFacts.feature_moments).
-NUMBERS = ("scalars", "list", "tensor")
+# Columns of one number each (tabular data), each on a scale of its own: the built-in mlp standardises them
+# (DataFacts.feature_moments). A list or tensor column (an image's pixels, an embedding) is one scale: left as it is.
+TABULAR = ("scalars",)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     """The checks over every block's statistics (app.data.blocks.block_stats), and the spec they complete
     (a list column's length, --feature-shape): the same for Ray Data's blocks and the local backend's batches."""
     total: dict[str, Any] = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
-    total["moments"] = _moments(stats) if spec.kind in NUMBERS else None
+    total["moments"] = _moments(stats) if spec.kind in TABULAR else None
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
     if total["label_nulls"]:
