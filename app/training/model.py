@@ -2,7 +2,9 @@
 
 A model function may declare any of ``input_shape`` (one example's shape),
 ``num_classes`` (classification; 2 for binary), ``num_outputs`` (what the
-last layer must produce: classes, or 1 for binary and regression) and the
+last layer must produce: classes, or 1 for binary and regression),
+``feature_mean`` and ``feature_variance`` (tabular data: each column's over
+the training rows, DataFacts.feature_moments) and the
 entries of ``--model-args``; built-in models also take their config fields
 (``hidden_units``, ``conv_filters``, ...). It returns a Keras 3 model:
 functional, Sequential or subclassed.
