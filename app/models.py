@@ -15,16 +15,14 @@ if TYPE_CHECKING:
     import keras
 
 
-# The built-in mlp's first layer when the run gives it the training rows' moments (app.training.model).
+# The built-in mlp's first layer when the run gives it the training rows' moments (app.training.model), and what
+# the plan says of it.
 STANDARDIZE = "standardize"
-
-
-def standardized(model: "keras.Model") -> str:
-    """What the plan says of a model that standardises its inputs with the run's moments ("" if it does not)."""
-    return STANDARDIZED if any(layer.name == STANDARDIZE for layer in model.layers) else ""
-
-
 STANDARDIZED = ", its inputs standardised by the training rows' mean and variance"
+
+
+def standardized(model: "keras.Model") -> bool:
+    return any(layer.name == STANDARDIZE for layer in model.layers)
 
 
 def build_mlp(

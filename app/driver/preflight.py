@@ -90,7 +90,7 @@ def check_model(config: "TrainConfig", facts: DataFacts, examples: Any = None) -
     facts = task_with_model(facts, model, config.task)
     shape = check_output(model, facts, name)
     objective = settle(objective_for(config, facts, model, shape), model, facts, examples)
-    summary = {"name": name, "parameters": int(model.count_params()), "standardized": bool(standardized(model)),
+    summary = {"name": name, "parameters": int(model.count_params()), "standardized": standardized(model),
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities"),
