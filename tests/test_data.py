@@ -331,6 +331,28 @@ def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_p
     assert sorted(local.val.ids.tolist()) == sorted(r["id"] for r in on_ray.val.take_all() if r["w"] > 0)
     by_id = {r["id"]: r["x"] for r in on_ray.val.take_all() if r["w"] > 0}
     assert all(np.array_equal(by_id[i], x) for i, x in zip(local.val.ids.tolist(), local.val.x))
+    assert local.facts.feature_moments is None is on_ray.facts.feature_moments  # a list column: one scale
+
+    # Columns of one number each, on scales of their own: the mlp's moments are those of the training rows only,
+    # added up over Ray Data's blocks (each block's held-out rows left out) as over the local read. A column that
+    # never changes keeps its scale (variance 1): a later value is not divided by Keras's epsilon.
+    x, y = learnable(length=4)
+    x = x * np.array([0.1, 30.0, 1600.0, 0.0], np.float32) + np.array([0, 0, 0, 7], np.float32)
+    table = tmp_path / "columns"
+    table.mkdir()
+    for i, part in enumerate(np.array_split(np.arange(len(y)), 3)):
+        pq.write_table(pa.table({**{name: x[part, j] for j, name in enumerate("abcd")}, "label": y[part]}),
+                       table / f"part-{i}.parquet")
+    source = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
+                                                     "dataset": str(table)}), 1)
+    local, train = source.facts.feature_moments, source.train.x.astype(np.float64)
+    on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY, "dataset": str(table)}),
+                              2).facts.feature_moments
+    assert local.count == on_ray.count == len(train) < len(y)
+    for moments in (local, on_ray):
+        np.testing.assert_allclose(moments.mean, train.mean(0), rtol=1e-9)
+        np.testing.assert_allclose(moments.variance[:3], train.var(0)[:3], rtol=1e-7)
+        assert moments.mean[3] == 7 and moments.variance[3] == 1
 
 
 def test_validation_split_is_seeded_and_stable():
