@@ -30,9 +30,9 @@ def build_mlp(
     feature_mean: Optional[Sequence[float]] = None, feature_variance: Optional[Sequence[float]] = None,
 ) -> "keras.Model":
     """Dense layers over the flattened features, standardised first with the training rows' mean and variance
-    (given by the run when it read the data's numbers before training): features on scales from 0.1 to 1,000s
-    train at the default learning rate, and the exported model takes raw features. In float32 under mixed
-    precision: a raw value past 65,504 is no float16."""
+    (which the run gives for tabular columns it read before training): columns on scales from 0.1 to 1,000s train
+    at the default learning rate, and the exported model takes them as they are. In float32 under mixed precision:
+    a raw value past 65,504 is no float16."""
     import keras
 
     inputs = keras.Input(shape=input_shape, name="x")
