@@ -10,7 +10,7 @@ Every run trains by Keras's fit but parameter servers'; which way app.fit takes 
 - **Keras's fit as given** (app.run.keras_step), for a model function of no arguments (a model compiled, overriding
   ``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, or compiling nothing: the product compiles
   it with the task's defaults, app.training.default_compile; a built-in name with arrays ``x`` and ``y`` too, sized
-  by them: app.training.model.builtin_for_arrays), with an ``x`` that Keras's fit reads itself (arrays, dicts or
+  by them: app.run.fit_inputs.builtin_for_arrays), with an ``x`` that Keras's fit reads itself (arrays, dicts or
   lists of them, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator) or a path of files or a
   ``ray.data.Dataset``, streamed to the workers (app.data.keras_stream). Every argument means what it means in
   ``keras.Model.fit`` (``batch_size`` is the global batch; no validation argument validates nothing); every worker
@@ -155,11 +155,10 @@ def fit(
         raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")
     if keras_step_input(x) and not _is_keras_model(model_fn):
         from app import registry
-        from app.run import config_run, keras_step
-        from app.training.model import builtin_for_arrays
+        from app.run import config_run, fit_inputs, keras_step
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
-            model_fn = builtin_for_arrays(model_fn, x, y, fields, validation_split)  # sized by the arrays
+            model_fn = fit_inputs.builtin_for_arrays(model_fn, x, y, fields, validation_split)  # sized by the arrays
         local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
         asked = config_run.backend_asked(fields)
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))

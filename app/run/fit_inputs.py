@@ -1,16 +1,18 @@
-"""app.fit's inputs for a model's own fit, on the driver: what Keras's fit would refuse or pass into the graph,
-refused in one line before any worker starts (labels, the model's input shape, validation of another structure or
-shape), validation data read as fit reads it, and a path of files or a ``ray.data.Dataset`` checked and described
-for the workers (app.data.keras_stream) or, on the local backend, read into arrays."""
+"""app.fit's inputs for a model's own fit, on the driver: a built-in model sized by the arrays; what Keras's fit would
+refuse or pass into the graph, refused in one line before any worker starts (labels, the model's input shape,
+validation of another structure or shape), validation data read as fit reads it, and a path of files or a
+``ray.data.Dataset`` checked and described for the workers (app.data.keras_stream) or, on the local backend, read
+into arrays."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from app.backend import backend_of
 from app.data import keras_inputs, keras_stream
+from app.data.arrays import Moments
 from app.errors import UserError
 from app.training import default_compile
 
@@ -21,6 +23,37 @@ def overrides_step(model) -> list[str]:
     import keras
 
     return [n for n in STEPS if getattr(type(model), n) is not getattr(keras.Model, n)]
+
+
+def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], validation_split: float) -> Callable[[], Any]:
+    """A built-in model (``mlp``, ``cnn``, ``transformer``) as a function of no arguments, for arrays ``x``, ``y``:
+    its input shape x's, its outputs one per class of integer labels (their largest id + 1, at least 2), else one per
+    target, the mlp's standardisation the moments of x's training rows (those ``validation_split`` leaves, as Keras
+    cuts it); the model's options (``hidden_units``, ...) taken out of ``fields``, and its own optimizer default
+    (registry.MODEL_OPTIMIZERS) put in where none is given."""
+    import functools
+    import inspect
+
+    from app import registry
+    from app.training.model import BUILTIN_OPTIONS
+
+    fn = registry.resolve(name, registry.MODELS)
+    labels = np.asarray(y)
+    if labels.dtype.kind in "iub" and labels.shape[1:] in ((), (1,)):
+        outputs = max(2, int(labels.max()) + 1) if labels.size else 2
+    else:
+        outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
+    takes = inspect.signature(fn).parameters
+    options = {k: fields.pop(k) for k in BUILTIN_OPTIONS if k in fields}
+    refused = [k for k in options if k not in takes]
+    if refused:
+        raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
+                        f"{', '.join(k for k in takes if k in BUILTIN_OPTIONS)})")
+    for k, v in registry.MODEL_OPTIMIZERS.get(name, {}).items():
+        fields.setdefault(k, v)
+    if "feature_mean" in takes and (moments := Moments.of_fit_rows(x, validation_split)) is not None:
+        options.update(feature_mean=moments.mean, feature_variance=moments.variance)
+    return functools.partial(fn, input_shape=tuple(np.shape(x)[1:]), num_outputs=outputs, **options)
 
 
 def check_labels(model, train, function: str = "") -> None:

@@ -13,10 +13,10 @@ functional, Sequential or subclassed.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from app import registry
-from app.data.arrays import DataFacts, Moments
+from app.data.arrays import DataFacts
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -69,36 +69,6 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
     if not isinstance(model, keras.Model):
         raise UserError(f"{name} returned a {type(model).__name__}; expected a keras.Model")
     return model
-
-
-def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], validation_split: float) -> Callable[[], Any]:
-    """A built-in model (``mlp``, ``cnn``, ``transformer``) as a function of no arguments, for arrays ``x``, ``y``:
-    its input shape x's, its outputs one per class of integer labels (their largest id + 1, at least 2), else one per
-    target, the mlp's standardisation the moments of x's training rows (those ``validation_split`` leaves, as Keras
-    cuts it); the model's options (``hidden_units``, ...) taken out of ``fields``, and its own optimizer default
-    (registry.MODEL_OPTIMIZERS) put in where none is given."""
-    import functools
-    import inspect
-
-    import numpy as np
-
-    fn = registry.resolve(name, registry.MODELS)
-    labels = np.asarray(y)
-    if labels.dtype.kind in "iub" and labels.shape[1:] in ((), (1,)):
-        outputs = max(2, int(labels.max()) + 1) if labels.size else 2
-    else:
-        outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
-    takes = inspect.signature(fn).parameters
-    options = {k: fields.pop(k) for k in BUILTIN_OPTIONS if k in fields}
-    refused = [k for k in options if k not in takes]
-    if refused:
-        raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
-                        f"{', '.join(k for k in takes if k in BUILTIN_OPTIONS)})")
-    for k, v in registry.MODEL_OPTIMIZERS.get(name, {}).items():
-        fields.setdefault(k, v)
-    if "feature_mean" in takes and (moments := Moments.of_fit_rows(x, validation_split)) is not None:
-        options.update(feature_mean=moments.mean, feature_variance=moments.variance)
-    return functools.partial(fn, input_shape=tuple(np.shape(x)[1:]), num_outputs=outputs, **options)
 
 
 def task_with_model(facts: DataFacts, model: "keras.Model", requested: str = "auto") -> DataFacts:
