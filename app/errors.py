@@ -14,6 +14,9 @@ _NOISE = ("Graph execution error", "Detected at node", "<stack traces", "[[", "i
           "Exception encountered when calling")
 _ARGUMENTS = "Arguments received by"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# TensorFlow's name of the function an op failed in, before the words ("{{function_node __wrapped__LogicalAnd_device_
+# /job:localhost/...}} Incompatible shapes: ..."), and the op's empty name after them ("[Op:LogicalAnd] name: ").
+_TF_FRAMING = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s+name:\s*$", re.M)
 
 
 class UserError(Exception):
@@ -66,7 +69,7 @@ def users_file(filename: str) -> bool:
 def words_of(error: BaseException) -> str:
     """The error's own words, in one line: the last line that is neither a frame, nor source, nor TensorFlow's or
     Keras's framing, without its type's name."""
-    text = _ANSI.sub("", str(error)).split(_ARGUMENTS, 1)[0]
+    text = _TF_FRAMING.sub("", _ANSI.sub("", str(error))).split(_ARGUMENTS, 1)[0]
     lines = [line.strip() for line in text.splitlines()]
     kept = [line for line in lines if line and not FRAME.search(line) and not line.startswith(_NOISE)]
     text = kept[-1] if kept else type(error).__name__

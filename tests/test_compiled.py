@@ -136,6 +136,10 @@ def auc_on_class_ids_model(input_shape):  # AUC takes labels of the outputs' sha
     return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[keras.metrics.AUC()])
 
 
+def precision_on_class_ids_model(input_shape):  # so does Precision; TensorFlow's op says it
+    return compiled(input_shape, "sparse_categorical_crossentropy", metrics=[keras.metrics.Precision()])
+
+
 class Unfinished(keras.layers.Layer):
     def call(self, inputs):
         raise ValueError("this layer is not written yet")
@@ -301,6 +305,9 @@ BAD_COMPILE = [
     # What Keras's fit raises at its first step, said before any worker starts, with the shapes given.
     ("auc_on_class_ids_model", "digits_ids", ("--num-workers", "2"), "the model's compiled loss and metrics fail on "
      "a batch as Keras's fit would: ValueError: "),
+    # ... in TensorFlow's words, without its framing ("{{function_node __wrapped__LogicalAnd_device_/job:...}}").
+    ("precision_on_class_ids_model", "digits_ids", ("--num-workers", "2"), "fail on a batch as Keras's fit would: "
+     "InvalidArgumentError: Incompatible shapes: [1,"),
     # A layer of the user's own that raises as the model function builds it: its words, not Keras's framing of them
     # (the layer named, its arguments dumped) over several lines.
     ("unfinished_layer_model", "digits_ids", (), "keras_script.py:unfinished_layer_model raised ValueError: this "
