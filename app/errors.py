@@ -16,7 +16,7 @@ _ARGUMENTS = "Arguments received by"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # TensorFlow's name of the function an op failed in, before the words ("{{function_node __wrapped__LogicalAnd_device_
 # /job:localhost/...}} Incompatible shapes: ..."), and the op's empty name after them ("[Op:LogicalAnd] name: ").
-_TF_FRAMING = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s+name:\s*$", re.M)
+_TF_FRAMING = re.compile(r"\{\{function_node [^}]*\}\}\s*|(?<=\])\s+name:\s*$", re.M)
 
 
 class UserError(Exception):
