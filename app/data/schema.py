@@ -198,7 +198,7 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     """The checks over every block's statistics (app.data.blocks.block_stats), and the spec they complete
     (a list column's length, --feature-shape): the same for Ray Data's blocks and the local backend's batches."""
     total: dict[str, Any] = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
-    total["moments"] = _moments(stats) if spec.kind in TABULAR else None
+    total["moments"] = None
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
     if total["label_nulls"]:
@@ -217,7 +217,10 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
         inputs = tuple((name, (length[column],) if column in length else shape)
                        for (name, shape), column in zip(spec.inputs, spec.features))
         return replace(spec, inputs=inputs), _label_totals(config, spec, stats, total)
-    return with_feature_shape(spec, config), _label_totals(config, spec, stats, total)
+    spec = with_feature_shape(spec, config)
+    if spec.kind in TABULAR and len(spec.feature_shape) == 1:  # not columns that --feature-shape makes an image
+        total["moments"] = _moments(stats)
+    return spec, _label_totals(config, spec, stats, total)
 
 
 def _moments(stats: list[dict]) -> Optional[Moments]:
