@@ -79,6 +79,19 @@ class Moments:
             return None
         return cls.of(internals.keras_validation_split((rows,), validation_split)[0][0] if validation_split else rows)
 
+    def as_text(self) -> str:
+        """Exact float64 sums as JSON text (a block's statistics table holds one string column for them)."""
+        import json
+
+        return json.dumps([self.count, self.total.tolist(), self.squares.tolist()])
+
+    @classmethod
+    def from_text(cls, text: str) -> "Moments":
+        import json
+
+        count, total, squares = json.loads(text)
+        return cls(count, np.asarray(total), np.asarray(squares))
+
     def __add__(self, other: "Moments") -> "Moments":
         return Moments(self.count + other.count, self.total + other.total, self.squares + other.squares)
 

@@ -267,8 +267,8 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
             held = in_validation(_row_ids(table, spec, x, _labels(table, spec)), spec.seed, spec.val_fraction)
             stats["val_rows"], training = int(held.sum()), ~held
         moments = Moments.of(x[training]) if spec.kind in TABULAR else None
-        if moments is not None:  # exact float64 sums, as text: every block's table has the same columns
-            stats["moments"] = json.dumps([moments.count, moments.total.tolist(), moments.squares.tolist()])
+        if moments is not None:  # as text: every block's table has the same columns
+            stats["moments"] = moments.as_text()
     return pa.table({k: [v] for k, v in stats.items()})
 
 

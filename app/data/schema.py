@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
-
 from app.data.arrays import Moments
 from app.data.checks import NONFINITE_FIX, check_labels, missing
 from app.data.files import Located
@@ -225,11 +223,8 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
 
 def _moments(stats: list[dict]) -> Optional[Moments]:
     """The training rows' moments (DataFacts.feature_moments): the sums of every block that has some."""
-    import json
-
     found = None
-    for count, sums, squares in (json.loads(s["moments"]) for s in stats if s.get("moments")):
-        block = Moments(count, np.asarray(sums), np.asarray(squares))
+    for block in (Moments.from_text(s["moments"]) for s in stats if s.get("moments")):
         found = block if found is None else found + block
     return found
 
