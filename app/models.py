@@ -2,8 +2,10 @@
 
 Each returns an uncompiled Keras 3 model whose last layer outputs float32
 logits (one per class, or one for binary and regression), so that mixed
-precision never reaches the loss. app.training.model calls them exactly as it
-calls a user's ``file.py:function``: with the arguments they declare.
+precision never reaches the loss; a regression's one output is in the
+targets' units when the run gives their mean and variance (``in_target_units``).
+app.training.model calls them exactly as it calls a user's ``file.py:function``:
+with the arguments they declare.
 """
 
 from __future__ import annotations
@@ -19,15 +21,40 @@ if TYPE_CHECKING:
 # the plan says of it.
 STANDARDIZE = "standardize"
 STANDARDIZED = ", its inputs standardised by the training rows' mean and variance"
+# A built-in's last layer in a regression whose targets the run read before training, and what the plan says of it.
+IN_TARGET_UNITS = "in_target_units"
+RESCALED = ", its output in the targets' units (the training rows' mean and standard deviation)"
 
 
-def standardized(model: "keras.Model") -> bool:
-    return any(layer.name == STANDARDIZE for layer in model.layers)
+def scaled(model: "keras.Model") -> str:
+    """What the plan's model line adds for a built-in's constants (``STANDARDIZED``, ``RESCALED``), "" for none."""
+    names = {layer.name for layer in model.layers}
+    return (STANDARDIZED if STANDARDIZE in names else "") + (RESCALED if IN_TARGET_UNITS in names else "")
+
+
+def in_target_units(logits, target_mean: Optional[float], target_variance: Optional[float]):
+    """A regression's output in the targets' units: the Dense layer below predicts them standardised (mean 0,
+    variance 1), so a target of 300,000 starts near its mean rather than 0, and with the loss weighted by
+    1 / variance (app.training.default_compile) its gradients are those of a target of scale 1 at any scale. A
+    constant of the model, as the inputs' standardisation is: the exported model predicts raw targets."""
+    import keras
+
+    if target_mean is None or target_variance is None:
+        return logits
+    return keras.layers.Rescaling(scale=math.sqrt(target_variance), offset=target_mean, dtype="float32",
+                                  name=IN_TARGET_UNITS)(logits)
+
+
+def target_variance(model: "keras.Model") -> Optional[float]:
+    """The targets' variance a built-in's output is scaled by (``in_target_units``); None for other models."""
+    layer = next((layer for layer in model.layers if layer.name == IN_TARGET_UNITS), None)
+    return None if layer is None else float(layer.scale) ** 2
 
 
 def build_mlp(
     input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequence[int] = (256, 128),
     feature_mean: Optional[Sequence[float]] = None, feature_variance: Optional[Sequence[float]] = None,
+    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
 ) -> "keras.Model":
     """Dense layers over the flattened features, standardised first with the training rows' mean and variance
     (which the run gives for tabular columns it read before training): columns on scales from 0.1 to 1,000s train
@@ -43,12 +70,13 @@ def build_mlp(
     for i, units in enumerate(hidden_units):
         h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
     logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(h)
-    return keras.Model(inputs, logits, name="mlp")
+    return keras.Model(inputs, in_target_units(logits, target_mean, target_variance), name="mlp")
 
 
 def build_cnn(
     input_shape: tuple[int, ...], num_outputs: int, conv_filters: Sequence[int] = (32, 64, 128),
     sync_batch_norm: bool = False, image_shape: Optional[tuple[int, ...]] = None,
+    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
 ) -> "keras.Model":
     """The seeds' CIFAR-style conv net: stages of two 3x3 conv + batch norm + ReLU, 2x2 max pooling between.
 
@@ -85,12 +113,13 @@ def build_cnn(
             h = keras.layers.ReLU(name=f"relu_{stage}_{j}")(h)
     h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
     logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(h)
-    return keras.Model(inputs, logits, name="cnn")
+    return keras.Model(inputs, in_target_units(logits, target_mean, target_variance), name="cnn")
 
 
 def build_transformer(
     input_shape: tuple[int, ...], num_outputs: int, vocab_size: int = 8192, embed_dim: int = 64, num_heads: int = 4,
     ff_dim: int = 128, num_blocks: int = 2, embedding_shards: int = 1,
+    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
 ) -> "keras.Model":
     """The seeds' text classifier: token + position embeddings, N post-norm encoder blocks, mean pooling, head.
 
@@ -124,4 +153,4 @@ def build_transformer(
         h = keras.layers.LayerNormalization(name=f"norm_ff_{i}")(h + ff)
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h, mask=mask)
     logits = keras.layers.Dense(num_outputs, dtype="float32", name="logits")(pooled)
-    return keras.Model(inputs, logits, name="transformer")
+    return keras.Model(inputs, in_target_units(logits, target_mean, target_variance), name="transformer")

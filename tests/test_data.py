@@ -165,7 +165,7 @@ def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluat
         cli = pool.submit(
             run_job, "jobs/train.py", "--output", str(out), "--dataset", str(table), "--label-column", "target",
             "--task", "regression", "--data-cache", "stream", "--num-workers", "2", "--epochs", "1",
-            "--per-replica-batch", "16", "--warmup-epochs", "0", "--cpus-per-worker", "0.5", "--base-lr", "0.005",
+            "--per-replica-batch", "16", "--warmup-epochs", "0", "--cpus-per-worker", "0.5",
             env=env, timeout=300)
         bin_out, bin_result = train(tmp_path, "bin-run", dataset=str(binary), task="binary", model="mlp",
                                     cpus_per_worker=0.5)
@@ -173,6 +173,7 @@ def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluat
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["task"] == "regression" and "val_mae" in result["metrics"]
+    assert "its output in the targets' units" in p.stdout + p.stderr
     assert np.isfinite(history(out, "val_mae")).all()
     # Scored again from the exported model, reading the same CSV (the Python twin of jobs/evaluate.py --run).
     scored = evaluate(str(out / "model.keras"))
@@ -333,26 +334,33 @@ def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_p
     assert all(np.array_equal(by_id[i], x) for i, x in zip(local.val.ids.tolist(), local.val.x))
     assert local.facts.feature_moments is None is on_ray.facts.feature_moments  # a list column: one scale
 
-    # Columns of one number each, on scales of their own: the mlp's moments are those of the training rows only,
-    # added up over Ray Data's blocks (each block's held-out rows left out) as over the local read. A column that
-    # never changes keeps its scale (variance 1): a later value is not divided by Keras's epsilon.
-    x, y = learnable(length=4)
+    # Columns of one number each, on scales of their own, and a float target (a regression): the mlp's moments and
+    # its targets' are those of the training rows only, added up over Ray Data's blocks (each block's held-out rows
+    # left out) as over the local read. A column that never changes keeps its scale (variance 1): a later value is
+    # not divided by Keras's epsilon.
+    x, _ = learnable(length=4)
     x = x * np.array([0.1, 30.0, 1600.0, 0.0], np.float32) + np.array([0, 0, 0, 7], np.float32)
+    price = (3e5 + 400 * x[:, 1] - 20 * x[:, 2]).astype(np.float32)
     table = tmp_path / "columns"
     table.mkdir()
-    for i, part in enumerate(np.array_split(np.arange(len(y)), 3)):
-        pq.write_table(pa.table({**{name: x[part, j] for j, name in enumerate("abcd")}, "label": y[part]}),
+    for i, part in enumerate(np.array_split(np.arange(len(price)), 3)):
+        pq.write_table(pa.table({**{name: x[part, j] for j, name in enumerate("abcd")}, "price": price[part]}),
                        table / f"part-{i}.parquet")
+    regression = {"dataset": str(table), "label_column": "price", "task": "regression"}
     source = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
-                                                     "dataset": str(table)}), 1)
-    local, train = source.facts.feature_moments, source.train.x.astype(np.float64)
-    on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY, "dataset": str(table)}),
-                              2).facts.feature_moments
-    assert local.count == on_ray.count == len(train) < len(y)
-    for moments in (local, on_ray):
+                                                     **regression}), 1)
+    train, targets = source.train.x.astype(np.float64), source.train.y.astype(np.float64)
+    on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY, **regression}), 2).facts
+    assert source.facts.task == on_ray.task == "regression"
+    assert source.facts.feature_moments.count == on_ray.feature_moments.count == len(train) < len(price)
+    for facts in (source.facts, on_ray):
+        moments = facts.feature_moments
         np.testing.assert_allclose(moments.mean, train.mean(0), rtol=1e-9)
         np.testing.assert_allclose(moments.variance[:3], train.var(0)[:3], rtol=1e-7)
         assert moments.mean[3] == 7 and moments.variance[3] == 1
+        assert facts.label_moments.count == len(targets)
+        np.testing.assert_allclose(facts.label_moments.mean, [targets.mean()], rtol=1e-12)
+        np.testing.assert_allclose(facts.label_moments.variance, [targets.var()], rtol=1e-7)
 
 
 def test_validation_split_is_seeded_and_stable():

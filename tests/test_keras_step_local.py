@@ -321,10 +321,11 @@ def _logits(loss, units, metric):
 
 
 def _as_model_fit(history, keras_history, model) -> None:
-    """app.fit's History and trained weights are model.fit's (``keras_history``, ``model``), within 1e-6."""
+    """app.fit's History and trained weights are model.fit's (``keras_history``, ``model``), within 1e-6 (of the
+    value: a float32 mean of 1e4 differs in its last bit when summed in another order)."""
     assert list(history.history) == list(keras_history.history) and history.params == keras_history.params
     for key, values in keras_history.history.items():
-        assert history.history[key] == pytest.approx(values, abs=1e-6), key
+        assert history.history[key] == pytest.approx(values, rel=1e-6, abs=1e-6), key
     for a, b in zip(history.model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
@@ -398,6 +399,22 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=2)
     _as_model_fit(history, keras_history, model)
+    # Float targets far from 0: the mlp predicts in their units (its output scaled by their standard deviation,
+    # shifted by their mean), compiled with its mean squared error weighted by 1 / their variance. All three are the
+    # rows validation_split leaves for training, as Keras cuts them (the first 45 of 60).
+    t = (5e4 + 1e4 * X @ np.array([1.0, -2.0, 0.5, 0.0])).astype("float32")
+    history = app.fit("mlp", X, t, hidden_units=[8], batch_size=16, epochs=2, shuffle=False, backend="local",
+                      validation_split=0.25, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
+                      output=str(tmp_path / "targets"), verbose=2)
+    keras.utils.set_random_seed(0)
+    model = build_mlp((4,), 1, hidden_units=[8], feature_mean=X[:45].mean(0), feature_variance=X[:45].var(0),
+                      target_mean=float(t[:45].astype("float64").mean()),
+                      target_variance=float(t[:45].astype("float64").var()))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mean_squared_error",
+                  loss_weights=1 / float(t[:45].astype("float64").var()), metrics=["mae"])
+    keras_history = model.fit(X, t, batch_size=16, epochs=2, shuffle=False, validation_split=0.25, verbose=2)
+    _as_model_fit(history, keras_history, model)
+    assert history.history["val_loss"][-1] < 0.5 and history.history["val_mae"][-1] < 0.5 * t.std()
     with pytest.raises(UserError, match="the built-in cnn does not take hidden_units"):
         app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)
 

@@ -79,6 +79,12 @@ class Moments:
             return None
         return cls.of(internals.keras_validation_split((rows,), validation_split)[0][0] if validation_split else rows)
 
+    @classmethod
+    def of_targets(cls, y: Any) -> Optional["Moments"]:
+        """Of a regression's targets (one per example, or several), over the rows given; None for no rows."""
+        rows = np.asarray(y, np.float64)
+        return cls.of(rows.reshape(len(rows), -1)) if rows.size else None
+
     def as_text(self) -> str:
         """Exact float64 sums as JSON text (a block's statistics table holds one string column for them)."""
         import json
@@ -150,6 +156,9 @@ class DataFacts:
     # Each feature's mean and variance over the training rows (tabular data read before training; else None): what
     # the built-in mlp standardises its inputs with. Sums in another order give other last bits.
     feature_moments: Optional["Moments"] = field(default=None, compare=False, repr=False)
+    # A regression's targets' mean and variance over the training rows, where read before training (else None): the
+    # built-ins predict in their units (app.models.in_target_units).
+    label_moments: Optional["Moments"] = field(default=None, compare=False, repr=False)
 
     @property
     def example_shape(self) -> Any:

@@ -258,17 +258,19 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     ok = not stats["label_nulls"] and not stats["nulls"] and all(low == high for low, high in lengths.values())
     if spec.kind == "encoded" and ok and spec.val_fraction is None:
         _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
-    stats["moments"] = ""
-    if n and ok and (spec.val_fraction is not None or spec.kind in TABULAR):
+    stats["moments"] = stats["label_moments"] = ""
+    regression = spec.task == "regression" and spec.kind != "images"
+    if n and ok and (spec.val_fraction is not None or spec.kind in TABULAR or regression):
         spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
-        x = features(table, spec)
+        x, y = features(table, spec), _labels(table, spec)
         training = np.ones(n, bool)
         if spec.val_fraction is not None:
-            held = in_validation(_row_ids(table, spec, x, _labels(table, spec)), spec.seed, spec.val_fraction)
+            held = in_validation(_row_ids(table, spec, x, y), spec.seed, spec.val_fraction)
             stats["val_rows"], training = int(held.sum()), ~held
-        moments = Moments.of(x[training]) if spec.kind in TABULAR else None
-        if moments is not None:  # as text: every block's table has the same columns
-            stats["moments"] = moments.as_text()
+        for key, moments in (("moments", Moments.of(x[training]) if spec.kind in TABULAR else None),
+                             ("label_moments", Moments.of_targets(y[training]) if regression else None)):
+            if moments is not None:  # as text: every block's table has the same columns
+                stats[key] = moments.as_text()
     return pa.table({k: [v] for k, v in stats.items()})
 
 

@@ -70,7 +70,9 @@ def load(config: "TrainConfig", loc: Located) -> Source:
     )
     return Source(train, val, DataFacts(spec.feature_shape, spec.task, num_classes, len(train), len(val),
                                         input_shapes=spec.input_shapes,
-                                        feature_moments=Moments.of(train.x) if spec.kind in TABULAR else None))
+                                        feature_moments=Moments.of(train.x) if spec.kind in TABULAR else None,
+                                        label_moments=Moments.of_targets(train.y) if spec.task == "regression"
+                                        else None))
 
 
 def _read_checked(loc: Located, config: "TrainConfig"):

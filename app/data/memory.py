@@ -201,6 +201,7 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
         outputs=outputs if isinstance(y, dict) else None,
         sample_weights=w is not None,
         feature_moments=None if isinstance(x, dict) else Moments.of(train.x),
+        label_moments=Moments.of_targets(ty) if task == "regression" and not isinstance(y, dict) else None,
     )
     return Source(train=train, val=val, facts=facts)
 

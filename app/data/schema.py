@@ -197,6 +197,7 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     (a list column's length, --feature-shape): the same for Ray Data's blocks and the local backend's batches."""
     total: dict[str, Any] = {k: sum(s[k] for s in stats) for k in ("rows", "val_rows", "label_nulls", "nulls")}
     total["moments"] = None
+    total["label_moments"] = _moments(stats, "label_moments") if spec.task == "regression" else None
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
     if total["label_nulls"]:
@@ -217,14 +218,15 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
         return replace(spec, inputs=inputs), _label_totals(config, spec, stats, total)
     spec = with_feature_shape(spec, config)
     if spec.kind in TABULAR and len(spec.feature_shape) == 1:  # not columns that --feature-shape makes an image
-        total["moments"] = _moments(stats)
+        total["moments"] = _moments(stats, "moments")
     return spec, _label_totals(config, spec, stats, total)
 
 
-def _moments(stats: list[dict]) -> Optional[Moments]:
-    """The training rows' moments (DataFacts.feature_moments): the sums of every block that has some."""
+def _moments(stats: list[dict], key: str) -> Optional[Moments]:
+    """The training rows' moments (DataFacts.feature_moments, label_moments): the sums of every block that has
+    some."""
     found = None
-    for block in (Moments.from_text(s["moments"]) for s in stats if s.get("moments")):
+    for block in (Moments.from_text(s[key]) for s in stats if s.get(key)):
         found = block if found is None else found + block
     return found
 

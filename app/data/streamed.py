@@ -217,7 +217,8 @@ def built_in_facts(config: "TrainConfig", given: Optional[Located] = None) -> Da
         check_val_spec(spec, val_spec)
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
     return DataFacts(spec.feature_shape, spec.task, num_classes_of(config, spec, stats["label_max"]), stats["rows"], 0,
-                     input_shapes=spec.input_shapes, streamed=True, feature_moments=stats["moments"])
+                     input_shapes=spec.input_shapes, streamed=True, feature_moments=stats["moments"],
+                     label_moments=stats["label_moments"])
 
 
 def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = None) -> Streamed:
@@ -272,7 +273,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     if cached["val"]:
         val = val.materialize()
     facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, input_shapes=spec.input_shapes,
-                      streamed=True, feature_moments=stats["moments"])
+                      streamed=True, feature_moments=stats["moments"], label_moments=stats["label_moments"])
     val = padded(val, n_val, num_workers, facts)
     log.info(
         "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",

@@ -20,7 +20,7 @@ from app.backend import backend_of
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
 from app.errors import UserError
-from app.models import STANDARDIZED, standardized
+from app.models import scaled
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
@@ -90,7 +90,7 @@ def check_model(config: "TrainConfig", facts: DataFacts, examples: Any = None) -
     facts = task_with_model(facts, model, config.task)
     shape = check_output(model, facts, name)
     objective = settle(objective_for(config, facts, model, shape), model, facts, examples)
-    summary = {"name": name, "parameters": int(model.count_params()), "standardized": standardized(model),
+    summary = {"name": name, "parameters": int(model.count_params()), "scaled": scaled(model),
                "output_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
                "outputs": "values" if facts.task == "regression" else
                ("logits" if objective.from_logits else "probabilities"),
@@ -202,7 +202,7 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         f"data: {facts.num_train_rows:,} training rows, {facts.num_val_rows:,} validation rows, examples of shape "
         f"{facts.example_shape}, {facts.task} ({target}); {batches_line(plan)}",
         f"model: {m['name']}, {m['parameters']:,} parameters, output shape {_shape(m['output_shape'])} "
-        f"({m['outputs']}){STANDARDIZED if m.get('standardized') else ''}",
+        f"({m['outputs']}){m.get('scaled', '')}",
         objective_line(config, objective),
         f"run: backend {config.backend}, {strategy}, {num_workers} worker(s) x {replicas_per_worker} replica(s), "
         f"{run}, {config.epochs} epochs",
@@ -234,7 +234,10 @@ def objective_line(config: "TrainConfig", objective: "Objective") -> str:
     optimizer = objective.compiled_optimizer or config.optimizer
     metrics = ", ".join(objective.metric_names)
     weights = f"; class weights {config.class_weight}" if objective.class_weights else ""
-    return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name} ({where['loss']}), "
+    weighted = f" weighted by 1 / the targets' variance ({1 / objective.loss_weight:.4g})" if objective.loss_weight \
+        else ""
+    return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name}{weighted} "
+            f"({where['loss']}), "
             f"metrics {metrics} ({where['metrics']}; the run's metric: val_{objective.metric}){weights}")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from app.data import keras_inputs
-from app.models import STANDARDIZED, standardized
+from app.models import scaled
 from app.run import fit_inputs
 from app.run.fit_inputs import overrides_step
 
@@ -110,7 +110,7 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
     lines = [
         f"step: {step}, run by model.fit " + ("in this process" if pipeline else f"on each of {world} worker(s)")
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
-        *([f"model: {model.name}, {model.count_params():,} parameters" + (STANDARDIZED if standardized(model) else "")]
+        *([f"model: {model.name}, {model.count_params():,} parameters{scaled(model)}"]
           if model.built else []),
         (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"
          if train.num_rows is not None else

@@ -14,7 +14,9 @@ returns (``CompiledWithDefaults``):
 Whole, non-negative floats with several outputs are class ids too (labels read from a table often are floats);
 labels that fit none of these (a width other than the output's) are refused in one line.
 
-The loss takes logits unless the model's last layer applies softmax or sigmoid. The optimizer is the run's
+The loss takes logits unless the model's last layer applies softmax or sigmoid. A built-in that predicts a
+regression's targets in their units (app.models.in_target_units) has its mean squared error weighted by 1 / their
+variance: targets of any scale train at the default rate, and a loss of 1 is predicting their mean. The optimizer is the run's
 ``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
 global batch, warmup, cosine decay) is app.training.keras_features's, with the config's defaults. Models with
 several outputs or labels in a structure are refused: a loss per output is the user's to choose.
@@ -199,6 +201,9 @@ class Defaults:
     learning_rate: float
     momentum: float
     steps_per_execution: int = 1  # train steps per call of Keras's train function (--steps-per-execution)
+    # 1 / the targets' variance, for a built-in that predicts in their units (app.models.in_target_units): the
+    # loss of predicting their mean is 1, and its gradients those of targets of scale 1. None: not weighted.
+    loss_weight: Optional[float] = None
 
     def compile(self, model) -> Any:
         import keras
@@ -209,7 +214,7 @@ class Defaults:
         else:
             metric = DEFAULT_METRIC[self.task]
         model.compile(optimizer=product_optimizer(self.optimizer, self.learning_rate, self.momentum), loss=loss,
-                      metrics=[metric], steps_per_execution=self.steps_per_execution)
+                      loss_weights=self.loss_weight, metrics=[metric], steps_per_execution=self.steps_per_execution)
         return model
 
     def line(self, built_by_product: bool = False) -> str:
@@ -221,7 +226,9 @@ class Defaults:
         choose = "--optimizer, --base-lr, --momentum, --task, --loss, --from-logits choose them" if built_by_product else \
             "compile() it in the model function to choose them"
         return (f"compile: {what} with the {self.task} defaults: loss "
-                f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}, metric "
+                f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}"
+                + (f" weighted by 1 / the targets' variance ({1 / self.loss_weight:.4g})" if self.loss_weight else "")
+                + ", metric "
                 f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g}"
                 + (f", {self.steps_per_execution} steps per execution" if self.steps_per_execution > 1 else "")
                 + f" ({choose})")
@@ -244,6 +251,7 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     width, ``labels`` every label the driver holds (or the first batch's)."""
     import keras
 
+    from app.models import target_variance
     from app.training.model import ends_in_probabilities
 
     x, y, _ = keras.utils.unpack_x_y_sample_weight(first_batch)
@@ -277,12 +285,13 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     from_logits = task != "regression" and not ends_in_probabilities(model)
+    variance = target_variance(model) if task == "regression" and not config.loss else None
     if config.loss:
         check_loss_name(config.loss)
     return Defaults(task=task, loss=config.loss or loss,
                     from_logits=from_logits if config.from_logits is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,
-                    steps_per_execution=config.steps_per_execution)
+                    steps_per_execution=config.steps_per_execution, loss_weight=1 / variance if variance else None)
 
 
 def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,

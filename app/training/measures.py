@@ -65,7 +65,7 @@ def default_loss(objective: Objective) -> Callable:
             out = tf.reshape(out, (tf.shape(out)[0], -1))
         elif one_hot or task == "regression":
             y = tf.cast(y, tf.float32)
-        return fn(y, out)
+        return fn(y, out) if objective.loss_weight is None else fn(y, out) * objective.loss_weight
 
     return per_example
 

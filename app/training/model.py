@@ -4,7 +4,9 @@ A model function may declare any of ``input_shape`` (one example's shape),
 ``num_classes`` (classification; 2 for binary), ``num_outputs`` (what the
 last layer must produce: classes, or 1 for binary and regression),
 ``feature_mean`` and ``feature_variance`` (tabular data: each column's over
-the training rows, DataFacts.feature_moments) and the
+the training rows, DataFacts.feature_moments), ``target_mean`` and
+``target_variance`` (a regression of one target: its over the training rows,
+DataFacts.label_moments) and the
 entries of ``--model-args``; built-in models also take their config fields
 (``hidden_units``, ``conv_filters``, ...). It returns a Keras 3 model:
 functional, Sequential or subclassed.
@@ -62,6 +64,10 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
         # standardises its inputs with them (a constant of the model, the same on every worker).
         **({"feature_mean": facts.feature_moments.mean, "feature_variance": facts.feature_moments.variance}
            if facts.feature_moments is not None else {}),
+        # A regression's one target's, likewise: the built-ins predict in its units (app.models.in_target_units).
+        **({"target_mean": facts.label_moments.mean[0], "target_variance": facts.label_moments.variance[0]}
+           if facts.task == "regression" and facts.label_moments is not None and len(facts.label_moments.total) == 1
+           else {}),
         **config.model_args,
     }
     name = model_name(config)
