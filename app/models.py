@@ -11,7 +11,7 @@ with the arguments they declare.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
     import keras
@@ -32,29 +32,34 @@ def scaled(model: "keras.Model") -> str:
     return (STANDARDIZED if STANDARDIZE in names else "") + (RESCALED if IN_TARGET_UNITS in names else "")
 
 
-def in_target_units(logits, target_mean: Optional[float], target_variance: Optional[float]):
+def in_target_units(logits, target_mean: Any, target_variance: Any):
     """A regression's output in the targets' units: the Dense layer below predicts them standardised (mean 0,
     variance 1), so a target of 300,000 starts near its mean rather than 0, and with the loss weighted by
     1 / variance (app.training.default_compile) its gradients are those of a target of scale 1 at any scale. A
-    constant of the model, as the inputs' standardisation is: the exported model predicts raw targets."""
+    constant of the model, as the inputs' standardisation is: the exported model predicts raw targets. A float
+    each for one target, a list (one per target) for several."""
     import keras
+    import numpy as np
 
     if target_mean is None or target_variance is None:
         return logits
-    return keras.layers.Rescaling(scale=math.sqrt(target_variance), offset=target_mean, dtype="float32",
+    return keras.layers.Rescaling(scale=np.sqrt(target_variance).tolist(), offset=target_mean, dtype="float32",
                                   name=IN_TARGET_UNITS)(logits)
 
 
 def target_variance(model: "keras.Model") -> Optional[float]:
-    """The targets' variance a built-in's output is scaled by (``in_target_units``); None for other models."""
+    """The targets' variance a built-in's output is scaled by (``in_target_units``; several targets: the mean of
+    theirs); None for other models."""
+    import numpy as np
+
     layer = next((layer for layer in model.layers if layer.name == IN_TARGET_UNITS), None)
-    return None if layer is None else float(layer.scale) ** 2
+    return None if layer is None else float(np.mean(np.square(layer.scale)))
 
 
 def build_mlp(
     input_shape: tuple[int, ...], num_outputs: int, hidden_units: Sequence[int] = (256, 128),
     feature_mean: Optional[Sequence[float]] = None, feature_variance: Optional[Sequence[float]] = None,
-    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
+    target_mean: Any = None, target_variance: Any = None,
 ) -> "keras.Model":
     """Dense layers over the flattened features, standardised first with the training rows' mean and variance
     (which the run gives for tabular columns it read before training): columns on scales from 0.1 to 1,000s train
@@ -76,7 +81,7 @@ def build_mlp(
 def build_cnn(
     input_shape: tuple[int, ...], num_outputs: int, conv_filters: Sequence[int] = (32, 64, 128),
     sync_batch_norm: bool = False, image_shape: Optional[tuple[int, ...]] = None,
-    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
+    target_mean: Any = None, target_variance: Any = None,
 ) -> "keras.Model":
     """The seeds' CIFAR-style conv net: stages of two 3x3 conv + batch norm + ReLU, 2x2 max pooling between.
 
@@ -119,7 +124,7 @@ def build_cnn(
 def build_transformer(
     input_shape: tuple[int, ...], num_outputs: int, vocab_size: int = 8192, embed_dim: int = 64, num_heads: int = 4,
     ff_dim: int = 128, num_blocks: int = 2, embedding_shards: int = 1,
-    target_mean: Optional[float] = None, target_variance: Optional[float] = None,
+    target_mean: Any = None, target_variance: Any = None,
 ) -> "keras.Model":
     """The seeds' text classifier: token + position embeddings, N post-norm encoder blocks, mean pooling, head.
 

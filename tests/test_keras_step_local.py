@@ -419,6 +419,31 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
         app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)
 
 
+ROWS = np.random.default_rng(1).normal(size=(400, 4)).astype("float32")
+TARGETS = np.stack([ROWS @ np.array([1.0, 2.0, 0.0, 1.0]), 1e3 + 300 * ROWS[:, 2]], axis=1).astype("float32")
+
+
+def _two_targets():
+    """A data function of two float targets on scales far apart (near 0 and near 1,000), its validation rows its
+    own."""
+    return {"train": (ROWS[:320], TARGETS[:320]), "val": (ROWS[320:], TARGETS[320:])}
+
+
+def test_the_built_in_mlp_predicts_several_targets_each_in_its_units(tmp_path):
+    """The command line's route with a data function of two targets (app.train, as jobs/train.py --dataset
+    data.py:fn): an output per target, each scaled by its own training rows' mean and standard deviation, the
+    default loss weighted by 1 / the mean of their variances."""
+    result = app.train(model="mlp", data=_two_targets, backend="local", epochs=5, hidden_units=[16],
+                       output=str(tmp_path / "run"))
+    model = keras.saving.load_model(tmp_path / "run" / "model.keras", compile=False)
+    assert model.output_shape == (None, 2) and result["task"] == "regression"
+    layer = model.get_layer("in_target_units")
+    y = TARGETS[:320].astype("float64")
+    np.testing.assert_allclose(layer.offset, y.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(np.square(layer.scale), y.var(0), rtol=1e-5)
+    assert result["metrics"]["val_loss"] < 0.2  # a loss of 1 is predicting the targets' means
+
+
 def test_a_model_that_compiles_nothing_and_that_no_default_fits_is_one_line(tmp_path):
     a = keras.Input((4,))
 

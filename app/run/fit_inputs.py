@@ -29,14 +29,14 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
     """A built-in model (``mlp``, ``cnn``, ``transformer``) as a function of no arguments, for arrays ``x``, ``y``:
     its input shape x's, its outputs one per class of integer labels (their largest id + 1, at least 2), else one per
     target, the mlp's standardisation the moments of x's training rows (those ``validation_split`` leaves, as Keras
-    cuts it), and one float target's moments over those rows its output's units; the model's options
+    cuts it), and float targets' moments over those rows its output's units; the model's options
     (``hidden_units``, ...) taken out of ``fields``, and its own optimizer default (registry.MODEL_OPTIMIZERS) put in
     where none is given."""
     import functools
     import inspect
 
     from app import registry
-    from app.training.model import BUILTIN_OPTIONS
+    from app.training.model import BUILTIN_OPTIONS, target_moments
 
     fn = registry.resolve(name, registry.MODELS)
     labels = np.asarray(y)
@@ -54,9 +54,9 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
         fields.setdefault(k, v)
     if "feature_mean" in takes and (moments := Moments.of_fit_rows(x, validation_split)) is not None:
         options.update(feature_mean=moments.mean, feature_variance=moments.variance)
-    if "target_mean" in takes and labels.dtype.kind == "f" and outputs == 1 and labels.size and (
-            targets := Moments.of_fit_rows(labels.reshape(len(labels), 1), validation_split)) is not None:
-        options.update(target_mean=targets.mean[0], target_variance=targets.variance[0])
+    if "target_mean" in takes and labels.dtype.kind == "f" and labels.ndim <= 2 and labels.size and (
+            targets := Moments.of_fit_rows(labels.reshape(len(labels), -1), validation_split)) is not None:
+        options.update(target_moments(targets))
     return functools.partial(fn, input_shape=tuple(np.shape(x)[1:]), num_outputs=outputs, **options)
 
 

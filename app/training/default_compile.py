@@ -16,7 +16,8 @@ labels that fit none of these (a width other than the output's) are refused in o
 
 The loss takes logits unless the model's last layer applies softmax or sigmoid. A built-in that predicts a
 regression's targets in their units (app.models.in_target_units) has its mean squared error weighted by 1 / their
-variance: targets of any scale train at the default rate, and a loss of 1 is predicting their mean. The optimizer is the run's
+variance (several targets: the mean of theirs): targets of any scale train at the default rate, and a loss of 1 is
+predicting their mean. The optimizer is the run's
 ``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
 global batch, warmup, cosine decay) is app.training.keras_features's, with the config's defaults. Models with
 several outputs or labels in a structure are refused: a loss per output is the user's to choose.

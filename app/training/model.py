@@ -5,8 +5,8 @@ A model function may declare any of ``input_shape`` (one example's shape),
 last layer must produce: classes, or 1 for binary and regression),
 ``feature_mean`` and ``feature_variance`` (tabular data: each column's over
 the training rows, DataFacts.feature_moments), ``target_mean`` and
-``target_variance`` (a regression of one target: its over the training rows,
-DataFacts.label_moments) and the
+``target_variance`` (a regression's targets: theirs over the training rows,
+DataFacts.label_moments; floats for one target, lists for several) and the
 entries of ``--model-args``; built-in models also take their config fields
 (``hidden_units``, ``conv_filters``, ...). It returns a Keras 3 model:
 functional, Sequential or subclassed.
@@ -14,11 +14,12 @@ functional, Sequential or subclassed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from app import registry
-from app.data.arrays import DataFacts
+from app.data.arrays import DataFacts, Moments
 from app.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,7 +34,19 @@ BUILTIN_OPTIONS = ("hidden_units", "conv_filters", "sync_batch_norm", "vocab_siz
 
 
 def num_outputs(facts: DataFacts) -> int:
-    return facts.num_classes if facts.task == "classification" else 1
+    """What the last layer produces per example: a value per class, per target (several: the label's size), or
+    one (binary, one target)."""
+    if facts.task == "classification":
+        return facts.num_classes
+    return math.prod(facts.label_shape) if facts.task == "regression" and facts.label_shape else 1
+
+
+def target_moments(moments: "Moments") -> dict[str, Any]:
+    """``target_mean`` and ``target_variance`` as a model function takes them: floats for one target, lists (one
+    per target) for several."""
+    one = len(moments.mean) == 1
+    return {"target_mean": moments.mean[0] if one else moments.mean,
+            "target_variance": moments.variance[0] if one else moments.variance}
 
 
 def model_name(config: "TrainConfig") -> str:
@@ -64,10 +77,8 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
         # standardises its inputs with them (a constant of the model, the same on every worker).
         **({"feature_mean": facts.feature_moments.mean, "feature_variance": facts.feature_moments.variance}
            if facts.feature_moments is not None else {}),
-        # A regression's one target's, likewise: the built-ins predict in its units (app.models.in_target_units).
-        **({"target_mean": facts.label_moments.mean[0], "target_variance": facts.label_moments.variance[0]}
-           if facts.task == "regression" and facts.label_moments is not None and len(facts.label_moments.total) == 1
-           else {}),
+        # A regression's targets', likewise: the built-ins predict in their units (app.models.in_target_units).
+        **(target_moments(facts.label_moments) if facts.task == "regression" and facts.label_moments else {}),
         **config.model_args,
     }
     name = model_name(config)
@@ -131,8 +142,6 @@ def check_output(model: "keras.Model", facts: DataFacts, name: str) -> Any:
         return _named_outputs(model, out, facts, name)
     shape = tuple(out.shape[1:])
     want = num_outputs(facts)
-    if facts.label_shape and facts.task == "regression":  # several targets: the output has the label's shape
-        want = int(np.prod(facts.label_shape))
     got = int(np.prod(shape)) if shape else 1
     if got != want:
         what = {"classification": f"{facts.num_classes} classes", "binary": "a binary task",
