@@ -388,7 +388,9 @@ def bad_data_cases(d):
     return [
         (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
         (["--dataset", str(d / "nan.npz"), "--feature-columns", "x"], "2 of 200 rows hold NaN or infinite values"),
-        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected numbers"),
+        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected numbers (class ids "
+         "0..K-1, or float targets with --task regression): map each class name to an id 0..K-1 first (pandas: "
+         "df[column] = df[column].astype('category').cat.codes)"),
         (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
         (["--num-classes", "5"], "labels go up to 9, but --num-classes is 5"),
         (["--model", "cnn", "--dataset", str(d / "tabular.npz"), "--feature-columns", "x"], "cnn needs images"),

@@ -37,6 +37,12 @@ def parts_batched_differently():
     xs = tf.data.Dataset.from_tensor_slices(rng.normal(size=(200, 4)).astype("float32")).batch(16)
     ys = tf.data.Dataset.from_tensor_slices(rng.integers(0, 3, 200)).batch(10)
     return tf.data.Dataset.zip((xs, ys))
+
+
+def named_classes():
+    import pandas as pd
+
+    return pd.DataFrame({"petal": [1.4, 4.7, 6.0, 1.3], "species": ["setosa", "versicolor", "virginica", "setosa"]})
 """
 
 
@@ -56,6 +62,8 @@ CASES = [
     ("unknown --loss", "error: unknown loss 'nope': give a Keras loss name such as"),
     ("tf.data batched differently", "parts_batched_differently's tf.data.Dataset failed when read: Input element "
                                     "must have the same batch size in each component"),
+    ("class names in a DataFrame", "named_classes: label column 'species' holds 'setosa', not a number: map each "
+                                   "class name to an id 0..K-1 first"),
     ("resume, truncated index", "train_state' cannot be read (not an sstable"),
     ("resume, truncated weights", "train_state' cannot be read (Read less bytes than requested)"),
     ("resume, truncated state", "state.json' cannot be read (JSONDecodeError"),
@@ -77,6 +85,7 @@ def runs(tmp_path_factory, local_digits_run):
         [*local, "--model", f"{user}:unknown_loss"],
         [*local, "--loss", "nope"],  # the built-in, compiled by the product on Keras's fit
         [*local, "--dataset", f"{user}:parts_batched_differently"],
+        [*local, "--dataset", f"{user}:named_classes", "--label-column", "species"],
         [*local, "--resume", "--output", str(index)],
         [*local, "--resume", "--output", str(weights)],
         [*local, "--resume", "--output", str(state)],

@@ -28,6 +28,9 @@ def missing(kind: str, name: str, uri: str, existing: list[str], flag: Optional[
 
 # How a NaN/inf refusal ends, for every source.
 NONFINITE_FIX = "(a NaN poisons every weight it reaches): drop or fill those rows first"
+# A label column of class names (strings) is refused: its fix.
+LABEL_NAMES_FIX = ("map each class name to an id 0..K-1 first (pandas: df[column] = "
+                   "df[column].astype('category').cat.codes)")
 
 
 def check_finite(values: np.ndarray, what: str) -> None:

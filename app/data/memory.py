@@ -23,7 +23,7 @@ import numpy as np
 from app import registry
 from app.data import builtin
 from app.data.arrays import Arrays, DataFacts, Moments, Source, Split, first, nest_map, split_holdout
-from app.data.checks import check_finite, check_labels, task_of
+from app.data.checks import LABEL_NAMES_FIX, check_finite, check_labels, task_of
 from app.data.numpy_files import reshape
 from app.errors import UserError
 
@@ -94,7 +94,11 @@ def _frame(df, config: "TrainConfig", what: str) -> tuple[np.ndarray, np.ndarray
     if text:
         raise UserError(f"{what}: feature column {text[0]!r} has dtype {df[text[0]].dtype}, expected numbers: "
                         "pick numeric columns with --feature-columns")
-    return df[features].to_numpy(dtype=np.float32), df[config.label_column].to_numpy()
+    label = df[config.label_column]
+    if label.dtype.kind not in "fiub":
+        raise UserError(f"{what}: label column {config.label_column!r} holds {str(label.iloc[0])!r}, not a number: "
+                        f"{LABEL_NAMES_FIX}")
+    return df[features].to_numpy(dtype=np.float32), label.to_numpy()
 
 
 def arrays_from(value: Any, config: "TrainConfig", what: str) -> tuple[tuple, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.data.arrays import Moments
-from app.data.checks import NONFINITE_FIX, check_labels, missing
+from app.data.checks import LABEL_NAMES_FIX, NONFINITE_FIX, check_labels, missing
 from app.data.files import Located
 from app.errors import UserError
 
@@ -158,8 +158,8 @@ def _task(config: "TrainConfig", label_type: "pa.DataType") -> str:
 
     integral = pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)
     if not integral and not pa.types.is_floating(label_type):
-        raise UserError(f"label column {config.label_column!r} has type {label_type}, expected numbers "
-                        "(class ids 0..K-1, or float targets with --task regression)")
+        raise UserError(f"label column {config.label_column!r} has type {label_type}, expected numbers (class ids "
+                        f"0..K-1, or float targets with --task regression): {LABEL_NAMES_FIX}")
     if config.task == "auto":
         return "classification" if integral else "regression"
     if config.task in ("classification", "binary") and not integral:
