@@ -384,6 +384,7 @@ def bad_data_cases(d):
     strings = [[float(a), "cat" if b else "dog"] for a, b in zip(x[:, 0], y)]
     write_csv(d / "strings.csv", ["a", "label"], strings)
     (d / "broken.csv").write_text("a,b,label\n1,2,0\n3,4\n5,6,1\n")
+    write_csv(d / "prices.csv", ["rooms", "price"], [[int(r), int(1e5 + 5e4 * r)] for r in rng.integers(1, 8, 200)])
     (d / "broken.tfrecord").write_bytes(b"PAR1 not a TFRecord file" * 4)  # tests/test_tfrecord.py: the other cases
     return [
         (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
@@ -392,6 +393,9 @@ def bad_data_cases(d):
          "0..K-1, or float targets with --task regression): map each class name to an id 0..K-1 first (pandas: "
          "df[column] = df[column].astype('category').cat.codes)"),
         (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
+        (["--dataset", str(d / "prices.csv"), "--label-column", "price"], "label column 'price': integer labels up "
+         "to 450,000 make 450,001 classes, more than the 200 rows: give --task regression if they are numbers to "
+         "predict"),
         (["--num-classes", "5"], "labels go up to 9, but --num-classes is 5"),
         (["--model", "cnn", "--dataset", str(d / "tabular.npz"), "--feature-columns", "x"], "cnn needs images"),
         (["--dataset", str(d / "broken.tfrecord")], "broken.tfrecord is not a TFRecord file (its framing breaks"),

@@ -417,6 +417,11 @@ def test_a_built_in_model_on_arrays_is_sized_by_them_and_trains_as_model_fit(tmp
     assert history.history["val_loss"][-1] < 0.5 and history.history["val_mae"][-1] < 0.5 * t.std()
     with pytest.raises(UserError, match="the built-in cnn does not take hidden_units"):
         app.fit("cnn", X, y, hidden_units=[8], backend="local", output=str(tmp_path / "cnn"), verbose=0)
+    # Prices stored as integers are no class ids: 50,001 classes for 60 rows is one line, with the fix.
+    with pytest.raises(UserError, match=r"y: integer labels up to 50,000 make 50,001 classes for the mlp, more than "
+                                        r"the 60 rows: give y as floats \(y.astype\('float32'\)\)"):
+        app.fit("mlp", X, np.where(X[:, 0] > 0, 50_000, 20_000), backend="local", output=str(tmp_path / "p"))
+    assert not (tmp_path / "p").exists()
 
 
 ROWS = np.random.default_rng(1).normal(size=(400, 4)).astype("float32")

@@ -162,8 +162,10 @@ def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):
     from app.config import build_config
     from app.driver import preflight
     from app.errors import UserError
-    for args, words in bad_data_cases(tmp_path)[:4]:  # the file cases
-        config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1]})
+    for args, words in bad_data_cases(tmp_path)[:5]:  # the file cases
+        flags = dict(zip(args[::2], args[1::2]))
+        config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1],
+                                     "label_column": flags.get("--label-column", "label")})
         with pytest.raises(UserError) as info:
             preflight.load_data(config, 1)
         assert words in str(info.value) and "\n" not in str(info.value), (args, str(info.value))

@@ -195,7 +195,7 @@ def source_from_arrays(config: "TrainConfig", train_xy, val_xy, what: str, label
         counts = tuple(int(c) for c in ty.sum(axis=0))
     elif task != "regression":
         every = np.concatenate([ty, vy])
-        check_labels(labels, int(every.min()), int(every.max()), config.num_classes)
+        check_labels(labels, int(every.min()), int(every.max()), config.num_classes, len(every))
         num_classes = 2 if task == "binary" else (config.num_classes or int(every.max()) + 1)
         counts = tuple(int(c) for c in np.bincount(ty, minlength=num_classes))
     facts = DataFacts(

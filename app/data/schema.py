@@ -269,7 +269,8 @@ def _label_totals(config: "TrainConfig", spec: Spec, stats: list[dict], total: d
         total["label_min"] = min(s["label_min"] for s in real)
         total["label_max"] = max(s["label_max"] for s in real)
     if spec.task != "regression":
-        check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes)
+        check_labels(f"label column {spec.label!r}", total["label_min"], total["label_max"], config.num_classes,
+                     total["rows"])
     if spec.task == "binary" and total["label_max"] > 1:
         raise UserError(f"label column {spec.label!r} has values {total['label_min']}..{total['label_max']}, "
                         "but --task binary needs labels 0 or 1")

@@ -42,6 +42,10 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
     labels = np.asarray(y)
     if labels.dtype.kind in "iub" and labels.shape[1:] in ((), (1,)):
         outputs = max(2, int(labels.max()) + 1) if labels.size else 2
+        if outputs > len(labels):  # app.data.checks.check_labels: numbers to predict, stored as integers
+            raise UserError(f"y: integer labels up to {outputs - 1:,} make {outputs:,} classes for the {name}, more "
+                            f"than the {len(labels):,} rows: give y as floats (y.astype('float32')) if they are "
+                            "numbers to predict (a price, a count)")
     else:
         outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
     takes = inspect.signature(fn).parameters
