@@ -174,6 +174,20 @@ def test_float_targets_in_files_are_a_regression_streamed_and_cached_and_evaluat
     result = json.loads((out / "result.json").read_text())
     assert result["task"] == "regression" and "val_mae" in result["metrics"]
     assert "its output in the targets' units" in p.stdout + p.stderr
+    # The mlp's constants are its training rows' moments, the seeded holdout left out: the rows the local backend
+    # trains on (test_local_backend_holds_out_the_rows_a_ray_run_holds_out: the same rows).
+    import keras
+
+    from app.driver import preflight
+    local = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
+                                                    "dataset": str(table), "label_column": "target",
+                                                    "task": "regression"}), 1).train
+    assert 0 < len(local) < len(target)
+    saved = keras.saving.load_model(out / "model.keras", compile=False)
+    rescale, standardize = saved.get_layer("in_target_units"), saved.get_layer("standardize").get_config()
+    np.testing.assert_allclose(rescale.offset, local.y.astype(np.float64).mean(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rescale.scale ** 2, local.y.astype(np.float64).var(), rtol=1e-5)
+    np.testing.assert_allclose(standardize["mean"], local.x.astype(np.float64).mean(0), rtol=1e-6, atol=1e-7)
     assert np.isfinite(history(out, "val_mae")).all()
     # Scored again from the exported model, reading the same CSV (the Python twin of jobs/evaluate.py --run).
     scored = evaluate(str(out / "model.keras"))
@@ -350,10 +364,14 @@ def test_local_backend_holds_out_the_rows_a_ray_run_holds_out(ray_cluster, tmp_p
     source = preflight.load_data(build_config(None, {"output": str(tmp_path / "l"), "backend": "local",
                                                      **regression}), 1)
     train, targets = source.train.x.astype(np.float64), source.train.y.astype(np.float64)
-    on_ray = streamed.prepare(build_config(None, {"output": str(tmp_path / "r"), **TINY, **regression}), 2).facts
-    assert source.facts.task == on_ray.task == "regression"
-    assert source.facts.feature_moments.count == on_ray.feature_moments.count == len(train) < len(price)
-    for facts in (source.facts, on_ray):
+    on_ray = build_config(None, {"output": str(tmp_path / "r"), **TINY, **regression})
+    # What a Ray run's built-in is built for (streamed.built_in_facts, the statistics pass alone), and the facts of
+    # its prepared datasets (streamed.prepare).
+    built_for, prepared = streamed.built_in_facts(on_ray), streamed.prepare(on_ray, 2).facts
+    assert source.facts.task == built_for.task == prepared.task == "regression"
+    assert built_for.num_train_rows == prepared.num_train_rows == len(train) < len(price)
+    for facts in (source.facts, built_for, prepared):
+        assert facts.feature_moments.count == len(train)
         moments = facts.feature_moments
         np.testing.assert_allclose(moments.mean, train.mean(0), rtol=1e-9)
         np.testing.assert_allclose(moments.variance[:3], train.var(0)[:3], rtol=1e-7)

@@ -206,9 +206,11 @@ def _fits_in_memory(config: "TrainConfig", rows: int, spec: Spec, what: str) -> 
 def built_in_facts(config: "TrainConfig", given: Optional[Located] = None) -> DataFacts:
     """What a built-in model is built for, of a streamed ``--dataset`` (or a given Ray Dataset) and ``--val-dataset``:
     the schema checks and the one statistics pass ``prepare`` makes (Ray Data's tasks read the rows; the driver gets
-    a few numbers per block), the classes from the largest label of both. Ray must be connected."""
+    a few numbers per block), the classes from the largest label of both. Without ``--val-dataset`` the run holds
+    out the seeded ``val_fraction`` (app.run.config_run), so the training rows' moments leave those rows out, as
+    ``prepare``'s do. Ray must be connected."""
     loc = given or locate(config.dataset, config.data_format)
-    spec, stats = _inspect(loc, config, None)
+    spec, stats = _inspect(loc, config, None if config.val_dataset else config.val_fraction)
     if config.val_dataset:
         val_loc = locate(config.val_dataset, config.data_format)
         if val_loc.format != loc.format:
@@ -216,7 +218,8 @@ def built_in_facts(config: "TrainConfig", given: Optional[Located] = None) -> Da
         val_spec, val_stats = _inspect(val_loc, config, None)
         check_val_spec(spec, val_spec)
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
-    return DataFacts(spec.feature_shape, spec.task, num_classes_of(config, spec, stats["label_max"]), stats["rows"], 0,
+    return DataFacts(spec.feature_shape, spec.task, num_classes_of(config, spec, stats["label_max"]),
+                     stats["rows"] - stats["val_rows"], stats["val_rows"],
                      input_shapes=spec.input_shapes, streamed=True, feature_moments=stats["moments"],
                      label_moments=stats["label_moments"])
 
