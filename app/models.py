@@ -2,8 +2,8 @@
 
 Each returns an uncompiled Keras 3 model whose last layer outputs float32
 logits (one per class, or one for binary and regression), so that mixed
-precision never reaches the loss; a regression's one output is in the
-targets' units when the run gives their mean and variance (``in_target_units``).
+precision never reaches the loss; a regression's outputs are in the targets'
+units when the run gives their mean and variance (``in_target_units``).
 app.training.model calls them exactly as it calls a user's ``file.py:function``:
 with the arguments they declare.
 """
@@ -47,7 +47,7 @@ def in_target_units(logits, target_mean: Any, target_variance: Any):
                                   name=IN_TARGET_UNITS)(logits)
 
 
-def target_variance(model: "keras.Model") -> Optional[float]:
+def variance_of_targets(model: "keras.Model") -> Optional[float]:
     """The targets' variance a built-in's output is scaled by (``in_target_units``; several targets: the mean of
     theirs); None for other models."""
     import numpy as np

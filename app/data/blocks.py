@@ -260,9 +260,10 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         _decoded(table, spec)  # every image decodes: checked before training, as the split below checks it
     stats["moments"] = stats["label_moments"] = ""
     regression = spec.task == "regression" and spec.kind != "images"
-    if n and ok and (spec.val_fraction is not None or spec.kind in TABULAR or regression):
+    rows_read = spec.val_fraction is not None or spec.kind in TABULAR  # the features, not only the labels
+    if n and ok and (rows_read or regression):
         spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
-        x, y = features(table, spec), _labels(table, spec)
+        x, y = features(table, spec) if rows_read else None, _labels(table, spec)
         training = np.ones(n, bool)
         if spec.val_fraction is not None:
             held = in_validation(_row_ids(table, spec, x, y), spec.seed, spec.val_fraction)

@@ -252,7 +252,7 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     width, ``labels`` every label the driver holds (or the first batch's)."""
     import keras
 
-    from app.models import target_variance
+    from app.models import variance_of_targets
     from app.training.model import ends_in_probabilities
 
     x, y, _ = keras.utils.unpack_x_y_sample_weight(first_batch)
@@ -286,7 +286,7 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     from_logits = task != "regression" and not ends_in_probabilities(model)
-    variance = target_variance(model) if task == "regression" and not config.loss else None
+    variance = variance_of_targets(model) if task == "regression" and not config.loss else None
     if config.loss:
         check_loss_name(config.loss)
     return Defaults(task=task, loss=config.loss or loss,

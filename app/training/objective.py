@@ -133,7 +133,7 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
 
     ``output_shape``: one example's output shape, or {output name: shape} (app.training.model.check_output).
     """
-    from app.models import target_variance
+    from app.models import variance_of_targets
     from app.training.model import ends_in_probabilities
 
     args = internals.compile_arguments(model) or {}
@@ -160,7 +160,7 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
     optimizer, base_lr = _compiled_lr(config, model, as_compiled, sources) if compiled else (None, None)
     sources.insert(0, ("optimizer", "compile()" if compiled else "--optimizer" if "optimizer" in typed else "default"))
 
-    variance = target_variance(model) if facts.task == "regression" and not compiled_loss and not config.loss else None
+    variance = variance_of_targets(model) if facts.task == "regression" and not compiled_loss and not config.loss else None
     objective = Objective(
         task=facts.task, loss_name=loss, loss_weight=1 / variance if variance else None,
         from_logits=from_logits if facts.task != "regression" else False,
