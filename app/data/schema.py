@@ -201,10 +201,13 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     if total["rows"] == 0:
         raise UserError(f"dataset {loc.uri!r} is empty: 0 rows")
     if total["label_nulls"]:
-        raise UserError(f"label column {spec.label!r} has {total['label_nulls']} missing values")
+        raise UserError(f"label column {spec.label!r} has {_values(total['label_nulls'])} missing: drop those rows "
+                        f"first (pandas: df.dropna(subset=[{spec.label!r}]))")
     if total["nulls"]:
         column = next(s["nulls_column"] for s in stats if s["nulls"])
-        raise UserError(f"feature column {column!r} has {total['nulls']} missing values")
+        count = sum(s["nulls"] for s in stats if s["nulls_column"] == column)
+        raise UserError(f"feature column {column!r} has {_values(count)} missing: drop or fill those rows first "
+                        f"(pandas: df.dropna() or df.fillna(...)), or leave the column out with --feature-columns")
     if any(s["nonfinite"] for s in stats):
         column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
         count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
@@ -220,6 +223,10 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
     if spec.kind in TABULAR and len(spec.feature_shape) == 1:  # not columns that --feature-shape makes an image
         total["moments"] = _moments(stats, "moments")
     return spec, _label_totals(config, spec, stats, total)
+
+
+def _values(count: int) -> str:
+    return f"{count:,} value{'' if count == 1 else 's'}"
 
 
 def _moments(stats: list[dict], key: str) -> Optional[Moments]:
