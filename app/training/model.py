@@ -2,7 +2,7 @@
 
 A model function may declare any of ``input_shape`` (one example's shape),
 ``num_classes`` (classification; 2 for binary), ``num_outputs`` (what the
-last layer must produce: classes, or 1 for binary and regression),
+last layer must produce: classes, 1 for binary, one per regression target),
 ``feature_mean`` and ``feature_variance`` (tabular data: each column's over
 the training rows, DataFacts.feature_moments), ``target_mean`` and
 ``target_variance`` (a regression's targets: theirs over the training rows,
