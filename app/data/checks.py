@@ -11,19 +11,26 @@ from app.errors import UserError
 
 def check_labels(what: str, low: int, high: int, num_classes: Optional[int], rows: Optional[int] = None) -> None:
     """Class ids must be 0..K-1; ``what`` names them ("label column 'y'"). Counted from the labels (no
-    --num-classes), more classes than ``rows`` are numbers to predict stored as integers (a price, a year): a
-    classifier with an output per value up to the largest would not learn them."""
+    --num-classes), no more classes than ``rows`` (``check_class_count``)."""
     if low < 0:
         raise UserError(f"{what}: a label is negative ({low}); class ids must be 0..K-1")
-    if num_classes is None and rows is not None and high + 1 > rows:
-        raise UserError(f"{what}: integer labels up to {high:,} make {high + 1:,} classes, more than the {rows:,} rows: "
-                        "give --task regression if they are numbers to predict (a price, a count), or --num-classes "
-                        "if they are class ids")
+    if num_classes is None and rows is not None:
+        check_class_count(what, high, rows, "give --task regression if they are numbers to predict (a price, a "
+                          "count), or --num-classes if they are class ids")
     if num_classes is not None and high >= num_classes:
         raise UserError(
             f"{what}: labels go up to {high}, but --num-classes is {num_classes} (class ids must be "
             f"0..{num_classes - 1}): raise --num-classes to {high + 1}, or leave it out to count the classes"
         )
+
+
+def check_class_count(what: str, high: int, rows: int, fix: str, model: str = "") -> None:
+    """Class ids counted from the labels (the largest + 1) may not outnumber the ``rows``: such integers are numbers
+    to predict (a price, a year), and a classifier with an output per value up to the largest would not learn them.
+    ``fix`` ends the line; ``model`` names the built-in sized by them."""
+    if high + 1 > rows:
+        raise UserError(f"{what}: integer labels up to {high:,} make {high + 1:,} classes"
+                        f"{f' for the {model}' if model else ''}, more than the {rows:,} rows: {fix}")
 
 
 def missing(kind: str, name: str, uri: str, existing: list[str], flag: Optional[str] = None) -> UserError:

@@ -13,6 +13,7 @@ import numpy as np
 from app.backend import backend_of
 from app.data import keras_inputs, keras_stream
 from app.data.arrays import Moments
+from app.data.checks import check_class_count
 from app.errors import UserError
 from app.training import default_compile
 
@@ -42,10 +43,8 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
     labels = np.asarray(y)
     if labels.dtype.kind in "iub" and labels.shape[1:] in ((), (1,)):
         outputs = max(2, int(labels.max()) + 1) if labels.size else 2
-        if outputs > len(labels):  # app.data.checks.check_labels: numbers to predict, stored as integers
-            raise UserError(f"y: integer labels up to {outputs - 1:,} make {outputs:,} classes for the {name}, more "
-                            f"than the {len(labels):,} rows: give y as floats (y.astype('float32')) if they are "
-                            "numbers to predict (a price, a count)")
+        check_class_count("y", outputs - 1, len(labels), "give y as floats (y.astype('float32')) if they are numbers "
+                          "to predict (a price, a count)", model=name)
     else:
         outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
     takes = inspect.signature(fn).parameters
