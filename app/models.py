@@ -47,13 +47,20 @@ def in_target_units(logits, target_mean: Any, target_variance: Any):
                                   name=IN_TARGET_UNITS)(logits)
 
 
-def variance_of_targets(model: "keras.Model") -> Optional[float]:
-    """The targets' variance a built-in's output is scaled by (``in_target_units``; several targets: the mean of
-    theirs); None for other models."""
+def default_loss_weight(model: "keras.Model", task: str) -> Optional[float]:
+    """The weight of the task's default loss for ``model``: 1 / the targets' variance (several targets: the mean of
+    theirs) for a regression's built-in that predicts in their units (``in_target_units``), so that the loss of
+    predicting their mean is 1 and its gradients those of targets of scale 1; None (unweighted) otherwise. Keras's
+    fit (app.training.default_compile) and the parameter servers' own loop (app.training.objective) both ask here."""
     import numpy as np
 
     layer = next((layer for layer in model.layers if layer.name == IN_TARGET_UNITS), None)
-    return None if layer is None else float(np.mean(np.square(layer.scale)))
+    return 1 / float(np.mean(np.square(layer.scale))) if task == "regression" and layer is not None else None
+
+
+def weighted(loss_weight: Optional[float]) -> str:
+    """What the plan adds to the loss's name for ``default_loss_weight``'s weight ("" for none)."""
+    return f" weighted by 1 / the targets' variance ({1 / loss_weight:.4g})" if loss_weight else ""
 
 
 def build_mlp(

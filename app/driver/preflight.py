@@ -20,7 +20,7 @@ from app.backend import backend_of
 from app.data.arrays import DataFacts, Source
 from app.data.plan import EpochPlan
 from app.errors import UserError
-from app.models import scaled
+from app.models import scaled, weighted
 
 if TYPE_CHECKING:
     from app.config import TrainConfig
@@ -234,9 +234,8 @@ def objective_line(config: "TrainConfig", objective: "Objective") -> str:
     optimizer = objective.compiled_optimizer or config.optimizer
     metrics = ", ".join(objective.metric_names)
     weights = f"; class weights {config.class_weight}" if objective.class_weights else ""
-    weighted = f" weighted by 1 / the targets' variance ({1 / objective.loss_weight:.4g})" if objective.loss_weight \
-        else ""
-    return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name}{weighted} "
+    return (f"objective: optimizer {optimizer} ({where['optimizer']}), loss {objective.loss_name}"
+            f"{weighted(objective.loss_weight)} "
             f"({where['loss']}), "
             f"metrics {metrics} ({where['metrics']}; the run's metric: val_{objective.metric}){weights}")
 

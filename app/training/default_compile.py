@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from app.errors import UserError
+from app.models import default_loss_weight, weighted
 
 DEFAULT_LOSS = {
     "classification": "sparse_categorical_crossentropy",
@@ -202,8 +203,7 @@ class Defaults:
     learning_rate: float
     momentum: float
     steps_per_execution: int = 1  # train steps per call of Keras's train function (--steps-per-execution)
-    # 1 / the targets' variance, for a built-in that predicts in their units (app.models.in_target_units): the
-    # loss of predicting their mean is 1, and its gradients those of targets of scale 1. None: not weighted.
+    # The default loss's weight (app.models.default_loss_weight); None: not weighted.
     loss_weight: Optional[float] = None
 
     def compile(self, model) -> Any:
@@ -228,7 +228,7 @@ class Defaults:
             "compile() it in the model function to choose them"
         return (f"compile: {what} with the {self.task} defaults: loss "
                 f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}"
-                + (f" weighted by 1 / the targets' variance ({1 / self.loss_weight:.4g})" if self.loss_weight else "")
+                + weighted(self.loss_weight)
                 + ", metric "
                 f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g}"
                 + (f", {self.steps_per_execution} steps per execution" if self.steps_per_execution > 1 else "")
@@ -252,7 +252,6 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     width, ``labels`` every label the driver holds (or the first batch's)."""
     import keras
 
-    from app.models import variance_of_targets
     from app.training.model import ends_in_probabilities
 
     x, y, _ = keras.utils.unpack_x_y_sample_weight(first_batch)
@@ -286,13 +285,13 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     loss = "categorical_crossentropy" if task == "classification" and per_example == (width,) and width > 1 \
         else DEFAULT_LOSS[task]
     from_logits = task != "regression" and not ends_in_probabilities(model)
-    variance = variance_of_targets(model) if task == "regression" and not config.loss else None
     if config.loss:
         check_loss_name(config.loss)
     return Defaults(task=task, loss=config.loss or loss,
                     from_logits=from_logits if config.from_logits is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,
-                    steps_per_execution=config.steps_per_execution, loss_weight=1 / variance if variance else None)
+                    steps_per_execution=config.steps_per_execution,
+                    loss_weight=None if config.loss else default_loss_weight(model, task))
 
 
 def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,

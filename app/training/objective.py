@@ -86,8 +86,7 @@ class Objective:
     # rule, warm-up or decay, because the run typed none of LR_FLAGS (app.training.optim.plan_lr).
     lr_as_compiled: bool = False
     class_weights: Optional[tuple[float, ...]] = None  # --class-weight, per class id
-    # The task's default loss of a built-in that predicts in the targets' units: 1 / their variance, as
-    # app.training.default_compile weights it on Keras's fit. None: not weighted.
+    # The default loss's weight (app.models.default_loss_weight); None: not weighted.
     loss_weight: Optional[float] = None
     # A model with several outputs: per output (name, label shape, output shape, label dtype, task); else ().
     outputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...], str, str], ...] = ()
@@ -133,7 +132,7 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
 
     ``output_shape``: one example's output shape, or {output name: shape} (app.training.model.check_output).
     """
-    from app.models import variance_of_targets
+    from app.models import default_loss_weight
     from app.training.model import ends_in_probabilities
 
     args = internals.compile_arguments(model) or {}
@@ -160,9 +159,9 @@ def objective_for(config, facts, model, output_shape: Any) -> Objective:
     optimizer, base_lr = _compiled_lr(config, model, as_compiled, sources) if compiled else (None, None)
     sources.insert(0, ("optimizer", "compile()" if compiled else "--optimizer" if "optimizer" in typed else "default"))
 
-    variance = variance_of_targets(model) if facts.task == "regression" and not compiled_loss and not config.loss else None
     objective = Objective(
-        task=facts.task, loss_name=loss, loss_weight=1 / variance if variance else None,
+        task=facts.task, loss_name=loss,
+        loss_weight=None if compiled_loss or config.loss else default_loss_weight(model, facts.task),
         from_logits=from_logits if facts.task != "regression" else False,
         label_shape=tuple(facts.label_shape), output_shape=tuple(output_shape),
         compiled_loss=compiled_loss, compiled_metrics=compiled_metrics,
