@@ -152,6 +152,12 @@ def _ragged():
     (dict(x=X, y=np.array(["no", "yes"])[Y]), "y holds strings (<U3, e.g. 'yes'), and Keras's fit takes numbers"),
     (dict(x=X, y=Y, validation_data=(X, np.array(["no", "yes"], dtype=object)[Y])),
      "validation_data's y holds strings (object, e.g. 'yes')"),
+    # Text for a model that vectorizes it itself: Keras's array adapter (and its split) takes no strings; a
+    # tf.data.Dataset carries them (tests/test_fit.py trains one).
+    (dict(x=np.array(["a b", "c"])[Y], y=Y, validation_split=0.25),
+     "x holds strings (<U3, e.g. 'c'), and Keras's fit takes numbers from arrays: map them to token ids first (a "
+     "keras.layers.TextVectorization adapted to them), or, for a model that takes strings itself, give a "
+     "tf.data.Dataset instead: tf.data.Dataset.from_tensor_slices((x, y)).batch(32)"),
 ])
 def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     kwargs = {"epochs": 1, **kwargs}
@@ -254,6 +260,32 @@ def test_a_reshuffling_tf_data_pipeline_trains_as_keras_fit_weight_for_weight_wh
             np.testing.assert_allclose(got.history[key], values, atol=1e-6, err_msg=key)
         for a, b in zip(model.get_weights(), got.model.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _reads_text():
+    """keras.io's text classification: the model takes strings and vectorizes them itself."""
+    keras.utils.set_random_seed(1)
+    vectorize = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=3)
+    vectorize.adapt(["good fine film", "bad dull film", "fine", "dull"])
+    text = keras.Input((1,), dtype="string")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(vectorize(text)))
+    model = keras.Model(text, keras.layers.Dense(1, activation="sigmoid")(pooled))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_model_that_reads_strings_trains_on_a_tf_data_of_them_as_model_fit(tmp_path):
+    """Keras's fit takes strings from a tf.data.Dataset (not from arrays, refused above with this fix)."""
+    words = np.array([["bad dull film"], ["good fine film"]])[Y]
+
+    def text():
+        return tf.data.Dataset.from_tensor_slices((words, Y.astype("float32"))).batch(16)
+
+    history = app.fit(_reads_text, text(), epochs=3, validation_data=text(), backend="local",
+                      output=str(tmp_path / "run"), verbose=0)
+    model = _reads_text()
+    _as_model_fit(history, model.fit(text(), epochs=3, validation_data=text(), verbose=0), model)
+    assert history.history["val_accuracy"][-1] == 1.0
 
 
 def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tmp_path):

@@ -250,7 +250,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
         if rerun == "files" and pipeline is not None and not pipeline.files:
             pipeline = None  # validation data in memory: read here, as before
     if arrays:
-        _refuse_strings(x, y, what)
+        refuse_strings(x, y, what)
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")
@@ -301,19 +301,23 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
                      pipeline=pipeline, read_once=read_once, counted=not lazy)
 
 
-def _refuse_strings(x: Any, y: Any, what: str) -> None:
-    """Arrays of strings, which Keras's array adapter refuses deep in its slicing ("Invalid dtype: str128")."""
+def refuse_strings(x: Any, y: Any, what: str) -> None:
+    """Arrays of strings, which Keras's array adapter refuses deep in its slicing ("Invalid dtype: str128"), as its
+    validation_split does. A tf.data.Dataset carries strings into a model that takes them (a TextVectorization
+    inside it), so the fix names it."""
     import tensorflow as tf
 
     for part, value in (("y", y), ("x", x)):
         for a in tf.nest.flatten(value):
             if isinstance(a, np.ndarray) and a.size and (a.dtype.kind in "US" or a.dtype.kind == "O" and
                                                          isinstance(a.flat[0], (str, bytes))):
-                fix = "labels to class ids: np.unique(y, return_inverse=True)[1]" if part == "y" else \
-                    "text to token ids: keras.layers.TextVectorization, adapted to it"
+                fix = "map them to class ids first: np.unique(y, return_inverse=True)[1]" if part == "y" else \
+                    ("map them to token ids first (a keras.layers.TextVectorization adapted to them), or, for a model "
+                     "that takes strings itself, give a tf.data.Dataset instead: "
+                     "tf.data.Dataset.from_tensor_slices((x, y)).batch(32)")
                 name = part if what == "x" else f"{what}'s {part}"
                 raise UserError(f"{name} holds strings ({a.dtype}, e.g. {str(a.flat[0])!r}), and Keras's fit takes "
-                                f"numbers from arrays: map them to numbers first ({fix})")
+                                f"numbers from arrays: {fix}")
 
 
 def _users_code(batches: Iterator[Any], x: Any, what: str) -> Iterator[Any]:

@@ -201,6 +201,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if arrays and validation_split and validation_data is None:
         from app import internals
 
+        keras_inputs.refuse_strings(x, y, "x")  # before Keras's split, which refuses them in its own words
         try:
             (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
                                                                                         validation_split)
