@@ -165,7 +165,11 @@ def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):
     (tmp_path / "gaps.csv").write_text("age,fare,survived\n22,7.25,0\n,71.3,1\n26,7.9,1\n35,53.1,1\n")
     gaps = (["--dataset", str(tmp_path / "gaps.csv"), "--label-column", "survived"], "feature column 'age' has 1 value "
             "missing: drop or fill those rows first (pandas: df.dropna() or df.fillna(...)), or leave the column out")
-    for args, words in [*bad_data_cases(tmp_path)[:5], gaps]:  # the file cases
+    (tmp_path / "dates.csv").write_text("when,size,label\n2020-01-01 00:00:00,1.5,0\n2020-01-01 01:00:00,0.2,1\n")
+    dates = (["--dataset", str(tmp_path / "dates.csv")], "feature column 'when' has type timestamp[s], expected "
+             "numbers, lists of numbers or encoded images: convert it to numbers first (a date or time, pandas: "
+             "pd.to_datetime(df[column]).astype('int64')), or leave it out with --feature-columns")
+    for args, words in [*bad_data_cases(tmp_path)[:5], gaps, dates]:  # the file cases
         flags = dict(zip(args[::2], args[1::2]))
         config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1],
                                      "label_column": flags.get("--label-column", "label")})

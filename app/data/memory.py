@@ -63,7 +63,8 @@ def _pair(value: Any, what: str) -> tuple[Arrays, Arrays, Optional[np.ndarray]]:
             if a.dtype.kind not in "fiub":
                 raise UserError(f"{what} returned {where} of dtype {a.dtype}; expected numbers" + (
                     " (integer class ids or float targets; encode string labels as integers 0..K-1)"
-                    if part == "y" else ""))
+                    if part == "y" else ": map it to numbers first (categories, pandas: "
+                    "df[column].astype('category').cat.codes; a date: pd.to_datetime(df[column]).astype('int64'))"))
     if n == 0:
         raise UserError(f"{what} returned 0 rows")
     if w is not None and w.shape != (n,):

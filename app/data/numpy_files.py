@@ -88,7 +88,8 @@ def load_numpy(config: "TrainConfig", uri: str, need_labels: bool = True) -> tup
             f"label array {config.label_column!r} has dtype {y.dtype}, expected integers (class ids 0..K-1)"
         )
     if x.dtype.kind not in "fiub":
-        raise UserError(f"feature array {features[0]!r} has dtype {x.dtype}, expected numbers")
+        raise UserError(f"feature array {features[0]!r} has dtype {x.dtype}, expected numbers: save it as numbers "
+                        "(np.save with the array mapped to numbers first: class names to ids, text to token ids)")
     if y.ndim != 1:
         raise UserError(f"label array {config.label_column!r} has shape {y.shape}, expected one label per row")
     if len(y) == 0:

@@ -116,7 +116,8 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
             )
         if kind == "other":
             raise UserError(f"feature column {name!r} has type {types[name]}, expected numbers, lists of numbers "
-                            "or encoded images")
+                            "or encoded images: convert it to numbers first (a date or time, pandas: "
+                            "pd.to_datetime(df[column]).astype('int64')), or leave it out with --feature-columns")
     if set(kinds.values()) == {"scalar"}:
         return Spec(kind="scalars", features=tuple(features), stored_shape=(len(features),), **common)
     if len(features) > 1:
