@@ -498,6 +498,32 @@ def test_the_replica_internals_turn_off_kerass_division_and_sum_and_build_as_fit
     assert callable(variable._direct_assign) and isinstance(variable._value, tf.Variable)
 
 
+def test_a_batch_norm_layers_moments_are_replaceable_over_its_reduction_axes():
+    """Keras's BatchNormalization computes a training call's moments by ``_moments`` over ``_reduction_axes`` (every
+    axis but the features'), and its call uses what replace_moments gives (tests/test_keras_features.py trains a
+    synchronized one on 2 workers against model.fit)."""
+    import keras
+    import numpy as np
+
+    from app.internals import batch_norm
+
+    layer = keras.layers.BatchNormalization(synchronized=True)
+    x = np.random.default_rng(0).normal(size=(4, 3, 3, 2)).astype("float32")
+    layer(x, training=True)
+    assert batch_norm.reduction_axes(layer) == [0, 1, 2]
+    seen = []
+
+    def moments(own, inputs, mask):
+        seen.append(mask)
+        return own(inputs, mask)
+
+    batch_norm.replace_moments(layer, moments)
+    out = layer(x, training=True)
+    assert seen == [None]
+    mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
+    np.testing.assert_allclose(out, (x - mean) / np.sqrt(var + layer.epsilon), atol=1e-5)
+
+
 def test_one_call_of_rays_gcs_client_answers_for_the_cluster(ray_cluster):
     """app.internals.ray_auth's call: None from the session's Ray (this process holds its token) and from an address
     nothing answers at within the wait; a refused token is its error (tests/test_start_faults.py, in 5 s, not 25)."""

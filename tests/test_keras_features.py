@@ -53,6 +53,19 @@ def test_a_worker_killed_inside_an_epoch_goes_on_from_its_step_checkpoint_as_mod
     assert "checkpoints: every epoch, and every 3 steps inside one" in run["log"]
 
 
+def test_a_synchronized_batch_norm_normalizes_over_the_global_batch_on_two_workers_as_model_fit(runs):
+    """BatchNormalization(synchronized=True) on 2 workers (conv features; called twice in the model's own
+    train_step; a last batch cut 3 + 2): each call normalizes over the whole global batch and its gradient flows back
+    to both workers' rows, so the weights and moving statistics are model.fit's in one process (seen: 2e-7; each
+    worker's own part: 3e-2)."""
+    run = runs["batch_norm"]
+    for ours, kerass in zip(run["weights"], run["keras_weights"], strict=True):
+        np.testing.assert_allclose(ours, kerass, atol=2e-6)
+    # The model's own loss tracker takes one value per worker and step: the short batch's two parts weigh alike.
+    np.testing.assert_allclose(run["history"]["loss"], run["keras_history"]["loss"], rtol=1e-2)
+    assert "batch normalization: 1 synchronized layer(s) normalize over the global batch" in run["plan"]
+
+
 def test_tensor_parallel_on_kerass_fit_is_model_fit_weight_for_weight_and_its_checkpoint_resumes_unsplit(
         tmp_path_factory):
     """A user's script splits its CPU into 2 devices and trains its own-train_step model with tensor_parallel=2 (no

@@ -56,13 +56,16 @@ def test_a_tf_data_pipeline_trains_on_two_workers_every_element_once(user_file, 
     once per epoch across the 2 workers, and it learns the digits."""
     out = tmp_path / "run"
     p = run_job("jobs/train.py", "--model", "cnn", "--dataset", f"{user_file}:batched", "--num-workers", "2",
-                "--per-replica-batch", "16", "--epochs", "4", "--audit-sample-ids", "--output", str(out),
-                timeout=400, env=joined)
+                "--per-replica-batch", "16", "--epochs", "4", "--audit-sample-ids", "--sync-batch-norm", "--output",
+                str(out), timeout=400, env=joined)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["num_replicas"] == 2 and result["global_batch_size"] == 32
     assert result["steps_per_epoch"] == -(-1438 // 32)  # the pipeline's batches of 50 do not count: its elements do
     assert result["metrics"]["val_accuracy"] >= 0.9
+    # The cnn's batch norms, synchronized (tests/test_keras_features.py: as model.fit over the global batch)
+    assert "batch normalization: 6 synchronized layer(s) normalize over the global batch" in \
+        (out / "train.log").read_text()
     audit = json.loads((out / "audit_sample_ids.json").read_text())
     assert len(audit) == len(result["audit"]) == result["epochs_completed"] == 4
     for ids, counts in zip(audit, result["audit"]):  # every training element once an epoch, over both workers

@@ -45,6 +45,7 @@ class Site(IntEnum):
     PACKS = 1000
     PARTS = 200_000  # + the optimizer's index x PACKS + the bucket's index: its parts gathered (app.training.zero)
     SLICES = 300_000  # + (the optimizer's index x 64 + the sparse gradient's index) x SLICE_KEYS: its slices gathered
+    BATCH_NORM = 400_000  # + 2 x (layer x CALLS + call) (+ 1: its gradient): app.training.sync_batch_norm
 
 
 BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size

@@ -26,7 +26,8 @@ process over the global batch:
    flattened first, as fit() flattens them (their leaves, by key).
 3. **State that is not trained.** Batch-norm moving statistics (float
    non-trainable variables) are averaged over the workers at the same point,
-   so every worker evaluates and saves the same model.
+   so every worker evaluates and saves the same model. A synchronized batch
+   norm normalises over the global batch (app.training.sync_batch_norm).
 
 With one worker each of these is the identity: the run is ``model.fit``.
 """
@@ -41,7 +42,7 @@ import numpy as np
 from app import internals
 from app.errors import UserError, words_of
 from app.internals import replicas as replica_internals
-from app.training import user_code, zero
+from app.training import sync_batch_norm, user_code, zero
 from app.training.collective import Collective, Site
 
 
@@ -85,6 +86,7 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list
     if collective.world == 1:
         return []
     rows = _recording_rows(model)
+    sync_batch_norm.synchronise(model, collective)
     sharded = []
     # XLA (Keras's jit_compile, on by default on a GPU outside a strategy) compiles no gather of shapes known only as
     # the step runs: there a sparse gradient is summed dense (app.training.collective.sum_gradients).

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import tensorflow as tf
 from autoencoder import Autoencoder
 
 import app
@@ -73,6 +74,54 @@ runs["steps"] = {"history": history.history, "weights": [w.tolist() for w in his
 reference = build()
 runs["steps_keras_fit"] = {"history": reference.fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0).history,
                            "weights": [w.tolist() for w in reference.get_weights()]}
+
+
+
+class TwoViews(keras.Model):
+    """Images through a synchronized batch norm, called twice in its own train_step (the rows, then mirrored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = keras.layers.Conv2D(3, 3), keras.layers.BatchNormalization(synchronized=True)
+        self.head = keras.Sequential([keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, images, training=False):
+        return self.head(self.norm(self.conv(images), training=training))
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        images, targets = data
+        with tf.GradientTape() as tape:
+            loss = (tf.reduce_mean(tf.square(self(images, training=True) - targets))
+                    + tf.reduce_mean(tf.square(self(tf.reverse(images, [2]), training=True) - targets)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def two_views():
+    keras.utils.set_random_seed(4)
+    model = TwoViews()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5))
+    return model
+
+
+# 69 images, batches of 16: the last of 5 rows is cut 3 + 2 over the workers.
+images = np.random.default_rng(1).normal(size=(69, 6, 6, 1)).astype("float32")
+targets = images.mean(axis=(1, 2, 3))[:, None] * 3
+history = app.fit(two_views, images, targets, batch_size=16, epochs=2, shuffle=False, num_workers=2,
+                  output=str(out / "batch_norm"), verbose=0)
+reference = two_views()
+runs["batch_norm"] = {"history": history.history, "weights": [w.tolist() for w in history.model.get_weights()],
+                      "plan": (out / "batch_norm" / "train.log").read_text(),
+                      "keras_history": reference.fit(images, targets, batch_size=16, epochs=2, shuffle=False,
+                                                     verbose=0).history,
+                      "keras_weights": [w.tolist() for w in reference.get_weights()]}
 
 keras.config.set_dtype_policy("mixed_bfloat16")
 reference = build(2).fit(x, batch_size=32, epochs=3, shuffle=False, verbose=0)
