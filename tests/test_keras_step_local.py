@@ -141,6 +141,8 @@ def _ragged():
     (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).repeat()), "with no end (repeat())"),
     (dict(x=X, y=Y, validation_data=(X,)), "give both the same x (and y) structure"),
     (dict(x=X, y=Y, validation_freq=0), "validation_freq must be a positive integer"),
+    (dict(x=X, y=Y, batch_size=-1), "batch_size must be a positive integer, or None for Keras's default (got -1)"),
+    (dict(x=X, y=Y, steps_per_epoch=0), "steps_per_epoch must be a positive integer, or None for Keras's default"),
     (dict(x=_ragged()), "change structure or shape from one batch to the next (batch 2)"),
     (dict(x=X, y=Y, initial_epoch=3, epochs=3), "initial_epoch must be an integer from 0 to epochs - 1 = 2"),
     (dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), validation_split=0.2),
@@ -286,6 +288,16 @@ def test_a_model_that_reads_strings_trains_on_a_tf_data_of_them_as_model_fit(tmp
     model = _reads_text()
     _as_model_fit(history, model.fit(text(), epochs=3, validation_data=text(), verbose=0), model)
     assert history.history["val_accuracy"][-1] == 1.0
+
+
+def test_a_nan_in_x_is_not_taken_for_a_metric_whose_state_does_not_add_up():
+    """Keras's fit trains a model the user compiled on a NaN feature (its loss NaN, as model.fit's): the driver's
+    check of the metrics' states over a batch's halves (run before 2 workers start) takes NaN as equal to NaN."""
+    from app.training.keras_sync import check_additive
+
+    x = X.copy()
+    x[3, 1] = np.nan
+    check_additive(compiled(), (x[:16], Y[:16]), keras_steps=True)
 
 
 def test_the_plan_says_over_which_rows_each_batch_norm_normalizes():

@@ -163,7 +163,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     from app.training.keras_worker import KerasJob
     from app.ui import console
 
-    _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x)
+    _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x,
+                     counts={"batch_size": batch_size, "validation_batch_size": validation_batch_size,
+                             "steps_per_epoch": steps_per_epoch, "validation_steps": validation_steps})
     if (problem := registry.callbacks_problem(list(callbacks or []))) is not None:
         raise UserError(problem)
     if isinstance(model_fn, str):
@@ -332,7 +334,10 @@ def _stages(config, model, model_fn: Any, train) -> Any:
 
 
 def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: Any, verbose: Any, num_workers: Any,
-                     validation_split: float, x: Any) -> None:
+                     validation_split: float, x: Any, counts: dict[str, Any]) -> None:
+    for name, value in counts.items():  # None: Keras's default
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise UserError(f"{name} must be a positive integer, or None for Keras's default (got {value!r})")
     if verbose not in (0, 1, 2, "auto") or isinstance(verbose, bool):
         raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r})")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:

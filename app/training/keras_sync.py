@@ -328,7 +328,7 @@ def check_additive(model, batch: Any, keras_steps: bool) -> None:
     finally:
         model.reset_metrics()
     for metric, sa, sb, s in zip(_leaf_metrics(model.metrics), a, b, both):
-        if not all(np.allclose(x, y + z, rtol=1e-5, atol=1e-6) for x, y, z in zip(s, sa, sb)):
+        if not all(np.allclose(x, y + z, rtol=1e-5, atol=1e-6, equal_nan=True) for x, y, z in zip(s, sa, sb)):
             raise UserError(
                 f"metric {metric.name} ({type(metric).__name__}) keeps a state that does not add up over batches, "
                 "so it cannot be combined exactly over workers: drop it from compile(metrics=...) (or from the model), "
