@@ -89,9 +89,10 @@ class RunSection(_Section):
     )
     stall_timeout_s: float = Field(
         300.0, gt=0,
-        description="Ray workers: a collective (the gradient all-reduce, a metric sum) that a peer does not join "
-        "within this many seconds fails the run (or restarts it under --max-failures) instead of waiting forever "
-        "for a frozen or cut-off worker.",
+        description="Ray workers: a training step or a sum over the workers (the gradient all-reduce, a metric "
+        "sum) that waits longer than this many seconds fails the run (or restarts it under --max-failures) instead "
+        "of waiting forever for a frozen or cut-off worker; a step's time counts from its start (its first trace "
+        "too): raise it for a step that takes minutes.",
     )
     seed: int = Field(0, description="Seed for weights, the validation split and the per-epoch shuffle.")
 

@@ -23,7 +23,7 @@ from app import internals
 from app.backends import tf_config
 from app.cluster_config import load_cluster_config
 from app.ui import console
-from conftest import REPO
+from conftest import REPO, clean_env
 
 # --- Ray Train: the TF_CONFIG backend ----------------------------------------------------------------------
 
@@ -387,7 +387,6 @@ def test_the_keras_step_internals_read_inputs_and_reduce_logs_as_fit_does():
     with (its name and what it returns); a collective all-reduce outside any strategy (one worker: the value)."""
     import keras
     import numpy as np
-    import tensorflow as tf
 
     from app import internals
 
@@ -406,7 +405,48 @@ def test_the_keras_step_internals_read_inputs_and_reduce_logs_as_fit_does():
     model.fit(x, y.astype("float32"), epochs=1, verbose=0)  # fit() calls it once at the epoch's end
     assert model.history.history == {"replaced": [True]}
 
-    assert internals.collective_sum(tf.constant([1.0, 2.0]), 1, 7, 1, 0).numpy().tolist() == [1.0, 2.0]
+
+
+def test_the_collectives_run_without_a_timeout_and_an_abort_ends_every_one_after_it():
+    """One worker's group: the sum and the gather are the tensor itself, and start no thread that outlives them (a
+    timeout would: app.internals.collectives); a traced function's collective that waits is cancelled from another
+    thread (app.training.stall_watch); abort_eager makes the next eager one fail in the words app.ui.failures reads
+    as a stall. In a fresh process: an abort is for good."""
+    import subprocess
+    import sys
+
+    script = '''
+import threading
+import tensorflow as tf
+from app.internals import collectives
+x = tf.constant([1.0, 2.0])
+assert collectives.all_reduce(x, 1, 7, 1).numpy().tolist() == [1.0, 2.0]
+assert collectives.all_gather(x, 1, 7, 2).numpy().tolist() == [1.0, 2.0]
+before = threading.active_count()
+for i in range(50):
+    collectives.all_reduce(x, 1, 7, 1)
+import psutil
+threads = psutil.Process().num_threads()
+for i in range(200):
+    collectives.all_reduce(x, 1, 7, 1)
+assert psutil.Process().num_threads() < threads + 20, (threads, psutil.Process().num_threads())
+scope, cancel = collectives.cancellable()
+threading.Timer(1, cancel).start()
+try:
+    with scope:  # a step's all-reduce that no peer joins, inside a traced function
+        tf.function(lambda t: collectives.all_reduce(t, 2, 8, 3))(x)
+except tf.errors.CancelledError:
+    print("cancelled")
+collectives.abort_eager("a test's abort")
+try:
+    collectives.all_reduce(x, 2, 9, 4)
+except tf.errors.UnavailableError as e:
+    assert "Collective ops is aborted by: a test's abort" in str(e), str(e)
+    print("aborted")
+'''
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["cancelled", "aborted"], p.stderr[-3000:]
 
 
 def test_a_split_layer_computes_inside_the_users_model_and_the_step_counter_is_assignable():

@@ -284,34 +284,6 @@ def step_counter(optimizer: Any) -> Any:
     return optimizer._iterations
 
 
-# --- TensorFlow: collectives across workers outside a tf.distribute scope (app.training.collective) ---------------
-# MultiWorkerMirroredStrategy's own all-reduce is ``collective_ops.all_reduce_v2`` (tensorflow/python/distribute/
-# cross_device_utils.py, CollectiveReplicaLauncher). TensorFlow publishes no collective op outside a strategy;
-# ``tf.raw_ops.CollectiveReduceV2`` is the same kernel with every argument spelled out; these fill them as MWMS does.
-
-
-def collective_sum(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
-    """Sum of ``tensor`` over the ``group_size`` workers whose op has the same group and instance key."""
-    from tensorflow.python.ops import collective_ops as ops
-
-    return ops.all_reduce_v2(tensor, group_size, group_key, instance_key, "Add", "Id", timeout=timeout_s)
-
-
-def collective_gather(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
-    """Every worker's ``tensor`` concatenated along its first axis, in rank order (CPUs: ring; GPUs: NCCL)."""
-    from tensorflow.python.ops import collective_ops as ops
-
-    return ops.all_gather_v2(tensor, group_size, group_key, instance_key, timeout=timeout_s)
-
-
-def collective_all_to_all(tensor: Any, group_size: int, group_key: int, instance_key: int, timeout_s: float) -> Any:
-    """Row ``j`` of every worker's ``tensor`` (``group_size`` rows) to worker ``j``: a reduce-scatter, once summed
-    (``CollectiveReduceScatterV2`` is NCCL's only in TensorFlow 2.21; its all-to-all runs on CPUs too)."""
-    from tensorflow.python.ops import collective_ops as ops
-
-    return ops.all_to_all_v2(tensor, group_size, group_key, instance_key, timeout=timeout_s)
-
-
 # --- Keras: an optimizer's clipping and weight-decay exclusions (app.training.zero) --------------------------------
 #
 # ``BaseOptimizer._backend_apply_gradients`` clips the (accumulated) gradients with ``self._clip_gradients`` just

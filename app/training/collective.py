@@ -27,10 +27,13 @@ bound to its first shape).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from enum import IntEnum
 from typing import Optional, Sequence
 
 import numpy as np
+
+from app.training.stall_watch import StallWatch
 
 GROUP_KEY = 4242  # one group: every worker's device; MWMS's own groups count up from 1
 
@@ -63,7 +66,8 @@ class Collective:
 
     def __init__(self, world: int, timeout_s: Optional[float] = None, rank: int = 0):
         self.world, self.rank = world, rank
-        self.timeout_s = timeout_s or 0  # 0: wait as long as it takes (--stall-timeout-s bounds it)
+        # --stall-timeout-s: a step or a host sum that waits longer on a peer aborts every collective (None: waits)
+        self.watch = StallWatch(timeout_s) if world > 1 and timeout_s else None
         self._host_calls = 0
         # --tensor-parallel: a worker's variables live on several devices; its sums all run on one of them (the
         # group has one member per worker). None: where the placer puts them (the worker's one device).
@@ -73,20 +77,19 @@ class Collective:
         """Sum of a tensor over every worker, inside a traced function."""
         if self.world == 1:
             return tensor
-        from app import internals
+        from app.internals import collectives
 
-        with self._placed():
-            return internals.collective_sum(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
+        return self._run(lambda: collectives.all_reduce(tensor, self.world, GROUP_KEY, int(site)))
 
     def gather_in_graph(self, tensor, site: int):
         """Every worker's ``tensor`` concatenated along the first axis in rank order, inside a traced function."""
         if self.world == 1:
             return tensor
-        from app import internals
+        from app.internals import collectives
 
-        with self._placed():  # ``site``: a number, or a tensor (a key chosen in the graph: gather_slices_in_graph)
-            return internals.collective_gather(tensor, self.world, GROUP_KEY, site if hasattr(site, "dtype")
-                                               else int(site), self.timeout_s)
+        # ``site``: a number, or a tensor (a key chosen in the graph: gather_slices_in_graph)
+        key = site if hasattr(site, "dtype") else int(site)
+        return self._run(lambda: collectives.all_gather(tensor, self.world, GROUP_KEY, key))
 
     def scatter_sum_in_graph(self, tensor, site: int):
         """This worker's part of the sum over every worker of ``tensor`` (first axis: one row per worker, row ``r``
@@ -95,10 +98,10 @@ class Collective:
             return tensor[0]
         import tensorflow as tf
 
-        from app import internals
+        from app.internals import collectives
 
+        rows = self._run(lambda: collectives.all_to_all(tensor, self.world, GROUP_KEY, int(site)))
         with self._placed():
-            rows = internals.collective_all_to_all(tensor, self.world, GROUP_KEY, int(site), self.timeout_s)
             return tf.reduce_sum(rows, 0)
 
     def gather_slices_in_graph(self, slices, site: int):
@@ -130,11 +133,17 @@ class Collective:
         self._host_calls += 1
         return self.gather_in_graph(tensor, HOST_KEYS + self._host_calls)
 
-    def _placed(self):
-        import contextlib
+    def _run(self, op):
+        """``op()`` on this worker's collective device; run eagerly (a host sum), inside the stall watch's bound
+        (a traced step's are inside it by the step: app.training.keras_callbacks.StepWatch)."""
+        import tensorflow as tf
 
+        with self._placed(), self.watch.waiting() if self.watch and tf.executing_eagerly() else nullcontext():
+            return op()
+
+    def _placed(self):
         if self.device is None:
-            return contextlib.nullcontext()
+            return nullcontext()
         import tensorflow as tf
 
         return tf.device(self.device)

@@ -89,6 +89,21 @@ class Decisions(keras.callbacks.Callback):
         self._agree()
 
 
+class StepWatch(keras.callbacks.Callback):
+    """Each training step inside the stall watch's bound (app.training.stall_watch): its all-reduces run in the
+    traced step, where no host code sees them wait."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.watch.begin()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.watch.end()
+
+
 class Bar(keras.callbacks.Callback):
     """verbose=1 for a person at a terminal: rank 0's bar inside each epoch (app.training.loop.EpochBar: drawn
     only once an epoch has run a few seconds), closed before the epoch's line."""

@@ -351,7 +351,9 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         stepped = [keras_callbacks.StepCheckpoints(
             job.checkpoint_every_steps, lambda epoch: train.steps_on(session.world, epoch, job.seed), save_step,
             state, collective, skip)] if job.checkpoint_every_steps else []
-        return [epoch_input, *goes_on, *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)), *bar,
+        watch = [keras_callbacks.StepWatch(collective.watch)] if collective.watch is not None else []
+        return [*watch, epoch_input, *goes_on, *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)),
+                *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                 *stepped, *audit,
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
@@ -368,8 +370,13 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     try:
         with user_code.named(model, lambda e: keras_callbacks.raised_by_callback(e, own)), \
-                replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
+                replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext(), \
+                collective.watch.cancellable() if collective.watch else contextlib.nullcontext():
             _fit_parts(model, parts, first, skip, train, val_ds, job, session, ids, callbacks)
+    except Exception as e:
+        if collective.watch is not None and collective.watch.aborted:  # the step's error is the cancellation's
+            raise collective.watch.error() from e
+        raise
     finally:
         if board is not None:
             board.close()
