@@ -98,10 +98,10 @@ class StepWatch(keras.callbacks.Callback):
         self.watch = watch
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.watch.begin()
+        self.watch.begin(step=True)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.watch.end()
+        self.watch.end(step=True)
 
 
 class Bar(keras.callbacks.Callback):

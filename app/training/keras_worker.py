@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import shutil
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,19 +365,25 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
 
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
                                                          training=False)[0]
+    if getattr(val, "streamed", False):
+        # Each worker scores a part of a streamed validation set whose size only its end tells: Keras's evaluate
+        # then warns at the end of its first pass that the input "ran out of data; interrupting training". It did
+        # not: every row was scored.
+        warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
     # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
     # pipeline every worker runs again). A run that goes on inside an epoch fits that epoch's steps left first, on
     # their own (fit() counts an epoch's steps from the first one it iterates, and holds every epoch to it).
     parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     try:
         with user_code.named(model, lambda e: keras_callbacks.raised_by_callback(e, own)), \
-                replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext(), \
-                collective.watch.cancellable() if collective.watch else contextlib.nullcontext():
+                replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
             _fit_parts(model, parts, first, skip, train, val_ds, job, session, ids, callbacks)
     except Exception as e:
         if collective.watch is not None and collective.watch.aborted:  # the step's error is the cancellation's
             raise collective.watch.error() from e
         raise
     finally:
+        if collective.watch is not None:
+            collective.watch.close()
         if board is not None:
             board.close()

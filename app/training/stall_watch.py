@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 class StallWatch:
@@ -34,23 +34,11 @@ class StallWatch:
         self._depth = 0
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
-        self._cancel: Optional[Callable[[], None]] = None
+        self._step: Optional[tuple[Any, Callable[[], None]]] = None  # the step's cancellation scope, and its cancel
+        self._closed = False
         self.aborted = False
         self.message = (f"this worker waited {self.timeout_s:g} s for a step or a sum that needs every worker: a peer "
                         "froze, was lost or was cut off")
-
-    @contextmanager
-    def cancellable(self) -> Iterator[None]:
-        """Inside it, the traced functions this process calls (fit()'s steps) are cancelled at a stall."""
-        from app.internals import collectives
-
-        scope, self._cancel = collectives.cancellable()
-        with scope:
-            yield
-
-    def error(self) -> Exception:
-        """What the worker raises once the watch ended a wait: in the words app.ui.failures tells a stall by."""
-        return RuntimeError(f"Collective ops is aborted by: {self.message}")
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -60,7 +48,10 @@ class StallWatch:
         finally:
             self.end()
 
-    def begin(self) -> None:
+    def begin(self, step: bool = False) -> None:
+        """A wait begins; ``step``: a training step, whose traced function is cancelled at a stall. Each step has a
+        cancellation manager of its own: TensorFlow cancels a function's manager when the function fails, as a
+        validation pass ends on an input of unknown size."""
         with self._lock:
             self._depth += 1
             if self._depth == 1:
@@ -68,24 +59,44 @@ class StallWatch:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
                 self._thread.start()
+        if step:
+            from app.internals import collectives
 
-    def end(self) -> None:
+            scope, cancel = collectives.cancellable()
+            scope.__enter__()
+            self._step = (scope, cancel)
+
+    def end(self, step: bool = False) -> None:
+        if step and self._step is not None:
+            self._step[0].__exit__(None, None, None)
+            self._step = None
         with self._lock:
             self._depth = max(0, self._depth - 1)
             if self._depth == 0:
                 self._since = None
 
+    def close(self) -> None:
+        """Training is over (or failed inside a step): nothing waits any more."""
+        if self._step is not None:
+            self.end(step=True)
+        with self._lock:
+            self._depth, self._since, self._closed = 0, None, True
+
+    def error(self) -> Exception:
+        """What the worker raises once the watch ended a wait: in the words app.ui.failures tells a stall by."""
+        return RuntimeError(f"Collective ops is aborted by: {self.message}")
+
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
-        while True:
+        while not self._closed:
             time.sleep(poll)
             with self._lock:
-                since = self._since
+                since, step = self._since, self._step
             if since is not None and time.monotonic() - since > self.timeout_s:
                 from app.internals import collectives
 
                 self.aborted = True
                 collectives.abort_eager(self.message)
-                if self._cancel is not None:
-                    self._cancel()
+                if step is not None:
+                    step[1]()
                 return
