@@ -64,6 +64,9 @@ def test_a_synchronized_batch_norm_normalizes_over_the_global_batch_on_two_worke
     # The model's own loss tracker takes one value per worker and step: the short batch's two parts weigh alike.
     np.testing.assert_allclose(run["history"]["loss"], run["keras_history"]["loss"], rtol=1e-2)
     assert "batch normalization: 1 synchronized layer(s) normalize over the global batch" in run["plan"]
+    # 10 steps of a dozen all-reduces each (gradients, two calls' sums and their gradients): rank 0's threads do not
+    # grow with them (a collective's own timeout starts a thread per op: app.training.stall_watch)
+    assert len(run["threads"]) >= 10 and max(run["threads"]) - min(run["threads"]) < 10, run["threads"]
 
 
 def test_tensor_parallel_on_kerass_fit_is_model_fit_weight_for_weight_and_its_checkpoint_resumes_unsplit(

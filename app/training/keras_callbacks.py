@@ -103,6 +103,14 @@ class StepWatch(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.watch.end(step=True)
 
+    # An input of unknown size ends inside a step (its last call finds no batch), whose batch end never comes: it
+    # ends before the validation or the epoch's end, which must not wait under it.
+    def on_test_begin(self, logs=None):
+        self.watch.end_open_step()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.watch.end_open_step()
+
 
 class Bar(keras.callbacks.Callback):
     """verbose=1 for a person at a terminal: rank 0's bar inside each epoch (app.training.loop.EpochBar: drawn

@@ -75,10 +75,14 @@ class StallWatch:
             if self._depth == 0:
                 self._since = None
 
-    def close(self) -> None:
-        """Training is over (or failed inside a step): nothing waits any more."""
+    def end_open_step(self) -> None:
+        """End the step begun and not ended, if any."""
         if self._step is not None:
             self.end(step=True)
+
+    def close(self) -> None:
+        """Training is over (or failed inside a step): nothing waits any more."""
+        self.end_open_step()
         with self._lock:
             self._depth, self._since, self._closed = 0, None, True
 

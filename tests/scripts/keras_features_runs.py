@@ -114,11 +114,25 @@ def two_views():
 # 69 images, batches of 16: the last of 5 rows is cut 3 + 2 over the workers.
 images = np.random.default_rng(1).normal(size=(69, 6, 6, 1)).astype("float32")
 targets = images.mean(axis=(1, 2, 3))[:, None] * 3
+
+
+class Threads(keras.callbacks.Callback):
+    """Rank 0's threads after each step, in its log (a collective that started a thread per op would add several a
+    step)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        import psutil
+
+        print(f"THREADS {psutil.Process().num_threads()}", flush=True)
+
+
 history = app.fit(two_views, images, targets, batch_size=16, epochs=2, shuffle=False, num_workers=2,
-                  output=str(out / "batch_norm"), verbose=0)
+                  callbacks=[Threads()], output=str(out / "batch_norm"), verbose=0)
 reference = two_views()
 runs["batch_norm"] = {"history": history.history, "weights": [w.tolist() for w in history.model.get_weights()],
                       "plan": (out / "batch_norm" / "train.log").read_text(),
+                      "threads": [int(line.split("THREADS ")[1]) for line in
+                                  (out / "batch_norm" / "train.log").read_text().splitlines() if "THREADS " in line],
                       "keras_history": reference.fit(images, targets, batch_size=16, epochs=2, shuffle=False,
                                                      verbose=0).history,
                       "keras_weights": [w.tolist() for w in reference.get_weights()]}
