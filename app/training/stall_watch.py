@@ -4,10 +4,11 @@ A worker that froze (a stuck device, a partition, a SIGSTOP) leaves its peers
 waiting in their next collective, which TensorFlow would wait on forever. The
 watch bounds that wait: while this worker is inside a training step (whose
 all-reduces run in the traced step) or a host sum, a thread of its own looks at
-the clock, and once the wait passes the bound it aborts every collective of the
-process, as MultiWorkerMirroredStrategy's health check does. The step fails with
-"Collective ops is aborted by: ..."; the run ends in one line, or Ray Train
-restarts its workers under --max-failures.
+the clock, and once the wait passes the bound it aborts the collectives run
+eagerly (as MultiWorkerMirroredStrategy's health check does) and cancels the
+step's traced function (each step runs under a cancellation manager of its
+own). The worker then raises ``StallWatch.error()``: the run ends in one line,
+or Ray Train restarts its workers under --max-failures.
 
 Not the collective ops' own timeout: each op with one starts a thread that sleeps
 the whole timeout after the op is done (measured: 4 threads a step, +800 every
