@@ -56,8 +56,8 @@ def test_a_worker_killed_inside_an_epoch_goes_on_from_its_step_checkpoint_as_mod
 def test_a_synchronized_batch_norm_normalizes_over_the_global_batch_on_two_workers_as_model_fit(runs):
     """BatchNormalization(synchronized=True) on 2 workers (conv features; called twice in the model's own
     train_step; a last batch cut 3 + 2): each call normalizes over the whole global batch and its gradient flows back
-    to both workers' rows, so the weights and moving statistics are model.fit's in one process (seen: 2e-7; each
-    worker's own part: 3e-2)."""
+    to both workers' rows, so the weights and moving statistics are model.fit's in one process (normalizing over each
+    worker's own part instead: 3e-2)."""
     run = runs["batch_norm"]
     for ours, kerass in zip(run["weights"], run["keras_weights"], strict=True):
         np.testing.assert_allclose(ours, kerass, atol=2e-6)
