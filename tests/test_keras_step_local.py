@@ -301,15 +301,15 @@ def test_a_nan_in_x_is_not_taken_for_a_metric_whose_state_does_not_add_up():
 
 
 def test_the_plan_says_over_which_rows_each_batch_norm_normalizes():
-    from app.training.sync_batch_norm import plan_line
+    from app.training.sync_batch_norm import plan_lines
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(synchronized=True),
                               keras.layers.Dense(3), keras.layers.BatchNormalization()])
-    assert plan_line(model, 2, 16) == (
+    assert plan_lines(model, 2, 16) == [
         "batch normalization: 1 synchronized layer(s) normalize over the global batch (their sums all-reduced over "
         "the workers at each call); 1 layer(s) normalize over each worker's part of the global batch (16 rows), as "
-        "Keras does under a strategy: BatchNormalization(synchronized=True) normalizes over the global batch")
-    assert plan_line(model, 1, 16) == "" and plan_line(compiled(), 2, 16) == ""
+        "Keras does under a strategy: BatchNormalization(synchronized=True) normalizes over the global batch"]
+    assert plan_lines(model, 1, 16) == [] and plan_lines(compiled(), 2, 16) == []
 
 
 def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tmp_path):

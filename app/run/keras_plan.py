@@ -113,9 +113,7 @@ def plan_lines(model, train, val, world: int, validation_freq: Any, callbacks: O
         + (", gradients averaged over every global batch by one all-reduce per optimizer step" if world > 1 else ""),
         *([f"model: {model.name}, {model.count_params():,} parameters{scaled(model)}"]
           if model.built else []),
-        *[line for line in [sync_batch_norm.plan_line(model, world, getattr(train, "batch_size", None) and
-                                                      train.batch_size // world)]
-          if line],
+        *sync_batch_norm.plan_lines(model, world, getattr(train, "batch_size", None) and train.batch_size // world),
         (f"data: {train.num_rows} rows{fit_inputs.example_shapes(train)}, {train.steps} steps per epoch"
          if train.num_rows is not None else
          "data: rows and steps counted as the workers read the files (the driver read the first batch only)")

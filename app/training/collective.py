@@ -66,7 +66,7 @@ class Collective:
 
     def __init__(self, world: int, timeout_s: Optional[float] = None, rank: int = 0):
         self.world, self.rank = world, rank
-        # --stall-timeout-s: a step or a host sum that waits longer on a peer aborts every collective (None: waits)
+        # --stall-timeout-s: a step or a host sum that waits longer on a peer is cancelled or aborted (None: waits)
         self.watch = StallWatch(timeout_s) if world > 1 and timeout_s else None
         self._host_calls = 0
         # --tensor-parallel: a worker's variables live on several devices; its sums all run on one of them (the

@@ -131,8 +131,9 @@ def ray_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None,
 def multi_worker_strategy(cpus_per_worker: float, stall_timeout_s: float | None = None) -> "tf.distribute.Strategy":
     """MWMS for a Ray Train worker: TF_CONFIG read, this worker's server started, collectives configured. Call it
     before any other TensorFlow op ("Collective ops must be configured at program startup"). With
-    ``stall_timeout_s`` a collective of MWMS's own fails when a peer does not join it in time (app.training.collective
-    passes the same bound to its all-reduces)."""
+    ``stall_timeout_s`` a collective of MWMS's own (its few at start-up) fails when a peer does not join it in time;
+    the steps' and host sums' all-reduces are bounded by app.training.stall_watch instead (a timeout per op starts a
+    thread per op)."""
     import tensorflow as tf
 
     threads = set_thread_counts(cpus_per_worker)

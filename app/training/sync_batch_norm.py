@@ -39,11 +39,11 @@ def layers_of(model) -> tuple[list, list]:
     return [b for b in found if b.synchronized], [b for b in found if not b.synchronized]
 
 
-def plan_line(model, world: int, per_worker: Any) -> str:
-    """The plan's words for the model's batch norm on ``world`` workers ("" for none, or one worker)."""
+def plan_lines(model, world: int, per_worker: Any) -> list[str]:
+    """The plan's line for the model's batch norm on ``world`` workers (none for no batch norm, or one worker)."""
     synchronized, each = layers_of(model)
     if world == 1 or not (synchronized or each):
-        return ""
+        return []
     parts = []
     if synchronized:
         parts.append(f"{len(synchronized)} synchronized layer(s) normalize over the global batch (their sums "
@@ -52,7 +52,7 @@ def plan_line(model, world: int, per_worker: Any) -> str:
         rows = f" ({per_worker} rows)" if per_worker else ""
         parts.append(f"{len(each)} layer(s) normalize over each worker's part of the global batch{rows}, as Keras "
                      "does under a strategy: BatchNormalization(synchronized=True) normalizes over the global batch")
-    return "batch normalization: " + "; ".join(parts)
+    return ["batch normalization: " + "; ".join(parts)]
 
 
 class _Calls(threading.local):
