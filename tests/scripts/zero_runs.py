@@ -115,16 +115,23 @@ def weights(model) -> list:
 
 runs = {}
 fit = dict(batch_size=32, shuffle=False, verbose=0)
-for name, own_step in (("adam", True), ("sgd_momentum_clipnorm", False), ("adamw_global_clipnorm", True)):
-    build = builder(name, own_step)
-    sharded = app.fit(build, x, y, epochs=3, num_workers=2, shard_optimizer=2 if name == "adam" else 1,
-                      output=str(out / f"{name}-sharded"), **fit)
+
+
+def sharded_run(name: str, build, epochs: int, stage: int, output: str):
+    """app.fit sharded on 2 workers for ``epochs``, and model.fit's run of as many epochs in this process."""
+    sharded = app.fit(build, x, y, epochs=epochs, num_workers=2, shard_optimizer=stage, output=str(out / output),
+                      **fit)
     reference = build()
-    reference_history = reference.fit(x, y, epochs=3, **fit)
+    reference_history = reference.fit(x, y, epochs=epochs, **fit)
     runs[name] = {"sharded": weights(sharded.model), "keras_fit": weights(reference),
                   "history": sharded.history, "keras_history": reference_history.history,
                   "result": {k: sharded.result[k] for k in ("optimizer_state_bytes", "optimizer_parts_bytes")},
-                  "plan": (out / f"{name}-sharded" / "train.log").read_text()}
+                  "plan": (out / output / "train.log").read_text()}
+    return sharded
+
+
+for name, own_step in (("sgd_momentum_clipnorm", False), ("adamw_global_clipnorm", True)):
+    sharded_run(name, builder(name, own_step), 3, 1, f"{name}-sharded")
 
 # Two optimizers, each sharded (their parts and checkpoints apart).
 gan = app.fit(two_optimizers, x, y, epochs=2, num_workers=2, shard_optimizer=2, output=str(out / "gan"), **fit)
@@ -135,11 +142,14 @@ runs["two_optimizers"] = {"sharded": weights(gan.model), "keras_fit": weights(re
                           "iterations": [int(o.iterations.numpy()) for o in (gan.model.d_optimizer,
                                                                              gan.model.g_optimizer)]}
 
-# Sharded on 2 workers for 2 epochs, then resumed on 1 worker (unsharded) to the third: the checkpoint holds the
-# whole state, put together from both workers' parts.
+# Adam (stage 2) sharded on 2 workers for 2 epochs, then resumed on 1 worker (unsharded) to the third: the
+# checkpoint holds the whole state, put together from both workers' parts.
 build = builder("adam", True)
-first = app.fit(build, x, y, epochs=2, num_workers=2, shard_optimizer=2, output=str(out / "resumed"), **fit)
+first = sharded_run("adam", build, 2, 2, "resumed")
 resumed = app.fit(build, x, y, epochs=3, num_workers=1, resume=True, output=str(out / "resumed"), **fit)
+reference = build()
+reference.fit(x, y, epochs=3, **fit)
+runs["adam"]["keras_fit_3_epochs"] = weights(reference)
 runs["adam"]["resumed"] = weights(resumed.model)
 runs["adam"]["resumed_history"] = resumed.history
 # The other way: 2 epochs unsharded on 2 workers (the state every worker holds whole; the same weights as the
