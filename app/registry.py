@@ -181,7 +181,8 @@ def call_with_declared(fn: Callable[..., Any], available: dict[str, Any], what: 
     refused = [k for k in required if k not in kwargs]
     if refused:
         takes = [n for n in params if n not in ("self",)]
-        raise UserError(f"{what} does not take argument(s) {', '.join(refused)} (it takes {', '.join(takes)})")
+        raise UserError(f"{what} does not take argument(s) {', '.join(refused)} (it takes {', '.join(takes)}): "
+                        "leave them out")
     missing = [
         n for n, p in params.items()
         if p.default is inspect.Parameter.empty and n not in kwargs

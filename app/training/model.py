@@ -49,6 +49,13 @@ def target_moments(moments: "Moments") -> dict[str, Any]:
             "target_variance": moments.variance[0] if one else moments.variance}
 
 
+def options_given(config: "TrainConfig") -> tuple[str, ...]:
+    """The built-in models' options this run sets (to other than their defaults): the model function must take each,
+    or the option would size nothing (--sync-batch-norm with the mlp, which has no batch norm)."""
+    defaults = type(config).model_fields
+    return tuple(k for k in BUILTIN_OPTIONS if k in config.model_fields_set and getattr(config, k) != defaults[k].default)
+
+
 def model_name(config: "TrainConfig") -> str:
     return config.model if isinstance(config.model, str) else registry.describe(config.model)
 
@@ -82,7 +89,7 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
         **config.model_args,
     }
     name = model_name(config)
-    model = registry.call_with_declared(fn, available, name, required=tuple(config.model_args))
+    model = registry.call_with_declared(fn, available, name, required=(*config.model_args, *options_given(config)))
     if not isinstance(model, keras.Model):
         raise UserError(f"{name} returned a {type(model).__name__}; expected a keras.Model")
     return model
