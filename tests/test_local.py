@@ -311,31 +311,66 @@ def data():
     return {"train": (x, (x[:, 0] > 0).astype("int64") + (x[:, 1] > 1)), "val": (x[:41], np.zeros(41, "int64"))}
 
 
-if __name__ == "__main__":  # the same model by model.fit on one device (or app.fit's: "app"), in a process of its own
+if __name__ == "__main__":  # each kind's model by model.fit on one device (or app.fit's: "app"), in one process
     import json
     import sys
 
     (x, y), val = data()["train"], data()["val"]
-    build = {"own": own, "compiled": compiled, "accumulated": own, "central": compiled}[sys.argv[1]]
-    steps = 2 if sys.argv[1] == "accumulated" else 1
-    strategy = "central-storage" if sys.argv[1] == "central" else "mirrored"
-    if sys.argv[2] == "app":
-        import app
+    mode, kinds, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    last = {}
+    for kind in kinds:
+        build = {"own": own, "compiled": compiled, "accumulated": own, "central": compiled}[kind]
+        steps = 2 if kind == "accumulated" else 1
+        strategy = "central-storage" if kind == "central" else "mirrored"
+        if mode == "app":
+            import app
 
-        history = app.fit(build, x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0,
-                          backend="local", strategy=strategy, devices=2, grad_accum=steps, output=sys.argv[3]).history
-    else:
-        model = build()
-        if steps > 1:
-            model.optimizer.gradient_accumulation_steps = steps
-        history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0).history
-        model.save_weights(sys.argv[2])
-    print(json.dumps({key: values[-1] for key, values in history.items()}))
+            history = app.fit(build, x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0,
+                              backend="local", strategy=strategy, devices=2, grad_accum=steps,
+                              output=f"{out}/app_{kind}").history
+        else:
+            model = build()
+            if steps > 1:
+                model.optimizer.gradient_accumulation_steps = steps
+            history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_data=val, verbose=0).history
+            model.save_weights(f"{out}/{kind}.weights.h5")
+        last[kind] = {key: values[-1] for key, values in history.items()}
+    print(json.dumps(last))
 '''
 
 
-@pytest.mark.parametrize("kind", ["own", "compiled", "accumulated", "central"])
-def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_device(tmp_path, kind):
+KINDS = ["own", "compiled", "accumulated", "central"]
+
+
+@pytest.fixture(scope="module")
+def mirrored_runs(tmp_path_factory):
+    """Each kind from jobs/train.py, and model.fit's references and app.fit's runs each in one script process (a
+    "central" run's reference is the compiled model's model.fit): {"cli": {kind: process}, "keras": process, "app":
+    process, "root": the directory}. The script's app.fit calls one after another make a strategy each in one
+    process, each all-reducing other shapes under keys of its own (TensorFlow's MirroredStrategy alone reuses the
+    first's: "Shape mismatch in the collective instance 100")."""
+    root = tmp_path_factory.mktemp("mirrored")
+    (root / "models.py").write_text(OWN_STEP_MODELS)
+
+    def cli(kind):
+        model = {"accumulated": "own", "central": "compiled"}.get(kind, kind)
+        strategy = "central-storage" if kind == "central" else "mirrored"
+        return [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", strategy, "--devices", "2",
+                "--model", f"models.py:{model}", "--dataset", "models.py:data", "--epochs", "3", "--no-shuffle",
+                # the global batch is the rows of an update: model.fit's 64 a step, accumulated over 2 steps
+                *(["--global-batch", "128", "--grad-accum", "2"] if kind == "accumulated" else ["--global-batch", "64"]),
+                "--output", str(root / f"run_{kind}")]
+
+    *runs, keras_fit, from_script = run_jobs_at_once(
+        *(cli(kind) for kind in KINDS), [str(root / "models.py"), "keras", "own,compiled,accumulated", str(root)],
+        [str(root / "models.py"), "app", ",".join(KINDS), str(root)], cwd=root, timeout=600, at_once=3)
+    for p in (*runs, keras_fit, from_script):
+        assert p.returncode == 0, p.stderr[-3000:]
+    return {"cli": dict(zip(KINDS, runs)), "keras": keras_fit, "app": from_script, "root": root}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_device(mirrored_runs, kind):
     """A model with its own train_step (a plain loss function, global-norm clipping) and a compiled one (a Loss object,
     per-variable clipping, an Embedding whose sparse gradient Adam takes slice by slice), each on MirroredStrategy over
     2 logical CPUs with a short last batch cut 6 + 5: the weights and History of model.fit on one device with the same
@@ -344,39 +379,30 @@ def test_a_users_model_on_two_mirrored_replicas_trains_as_model_fit_on_one_devic
     train_step with grad_accum 2, which is Keras's gradient_accumulation_steps=2 (Keras's fit alone refuses it over
     several local replicas: its update is a merge_call inside a condition). "central": the compiled model under central
     storage (one copy of each variable, where Keras's fit alone counts a metric's state once per replica)."""
-
-    (tmp_path / "models.py").write_text(OWN_STEP_MODELS)
+    root, ours = mirrored_runs["root"], mirrored_runs["cli"][kind]
     model = {"accumulated": "own", "central": "compiled"}.get(kind, kind)
-    strategy = "central-storage" if kind == "central" else "mirrored"
-    ours, keras_fit, from_script = run_jobs_at_once(
-        [str(REPO / "jobs" / "train.py"), "--backend", "local", "--strategy", strategy, "--devices", "2", "--model",
-         f"models.py:{model}", "--dataset", "models.py:data", "--epochs", "3", "--no-shuffle",
-         # the global batch is the rows of an update: model.fit's 64 a step, accumulated over 2 steps
-         *(["--global-batch", "128", "--grad-accum", "2"] if kind == "accumulated" else ["--global-batch", "64"]),
-         "--output", str(tmp_path / "run")],
-        [str(tmp_path / "models.py"), kind, str(tmp_path / "keras.weights.h5")],
-        [str(tmp_path / "models.py"), kind, "app", str(tmp_path / "app_fit")], cwd=tmp_path, timeout=300)
-    for p in (ours, keras_fit, from_script):
-        assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    reference_kind = "compiled" if kind == "central" else kind
+    result = json.loads((root / f"run_{kind}" / "result.json").read_text())
     assert result["strategy"] == ("CentralStorageStrategy" if kind == "central" else "MirroredStrategy")
     assert result["num_replicas"] == 2
     assert result["global_batch_size"] == 64 * (2 if kind == "accumulated" else 1)  # the rows of an update
     assert "replicas in this process" in ours.stdout + ours.stderr
-    last = json.loads(keras_fit.stdout.strip().splitlines()[-1])  # model.fit's History, its last epoch
+    # model.fit's History, its last epoch
+    last = json.loads(mirrored_runs["keras"].stdout.strip().splitlines()[-1])[reference_kind]
     assert sorted(last) == (["loss", "val_loss"] if model == "own" else ["accuracy", "loss", "val_accuracy", "val_loss"])
     assert {key: result["history"][-1][key] for key in last} == pytest.approx(last, rel=1e-5)
-    assert json.loads(from_script.stdout.strip().splitlines()[-1]) == pytest.approx(last, rel=1e-5)
+    from_script = mirrored_runs["app"]
+    assert json.loads(from_script.stdout.strip().splitlines()[-1])[kind] == pytest.approx(last, rel=1e-5)
     assert "INFO" not in from_script.stderr  # the strategy's own lines go to the run's log
-    assert json.loads((tmp_path / "app_fit" / "result.json").read_text())["num_replicas"] == 2
+    assert json.loads((root / f"app_{kind}" / "result.json").read_text())["num_replicas"] == 2
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"models_{kind}", tmp_path / "models.py")
+    spec = importlib.util.spec_from_file_location(f"models_{kind}", root / "models.py")
     models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(models)
     reference = getattr(models, model)()
-    reference.load_weights(tmp_path / "keras.weights.h5")
+    reference.load_weights(root / f"{reference_kind}.weights.h5")
     trained = getattr(models, model)()
-    trained.load_weights(tmp_path / "run" / "weights.weights.h5")  # (a subclass of __main__: no model.keras)
+    trained.load_weights(root / f"run_{kind}" / "weights.weights.h5")  # (a subclass of __main__: no model.keras)
     for a, b in zip(reference.get_weights(), trained.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

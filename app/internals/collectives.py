@@ -55,3 +55,20 @@ def cancellable() -> tuple[Any, Callable[[], None]]:
 
     manager = cancellation.CancellationManager()
     return cancellation.CancellationManagerContext(manager), manager.start_cancel
+
+
+# A MirroredStrategy's all-reduces (CollectiveAllReduce over CPUs or GPUs) take group keys counted up from
+# ``1 + MirroredStrategy._collective_key_base`` and instance keys from 100 within a group: a second strategy in one
+# process (app.fit called twice) reuses the first's keys, and TensorFlow binds a key to the shape it first reduced
+# ("Shape mismatch in the collective instance 100"). Each strategy made through here takes a base of its own, as
+# TensorFlow's own tests do (tensorflow/python/distribute/strategy_combinations.py).
+KEY_BASE_STEP = 100_000
+
+
+def mirrored_strategy(devices: Any) -> Any:
+    """``tf.distribute.MirroredStrategy(devices)`` whose collective keys no other strategy of this process uses."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import mirrored_strategy as mirrored_lib
+
+    mirrored_lib.MirroredStrategy._collective_key_base += KEY_BASE_STEP
+    return tf.distribute.MirroredStrategy(devices)

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.internals import collectives
+
 if TYPE_CHECKING:
     import tensorflow as tf
 
@@ -245,20 +247,18 @@ def _auto(found: _Devices):
     if resolver is not None:
         return tf.distribute.TPUStrategy(resolver), f"a TPU resolved ({resolver.master()})"
     if len(found.gpu) >= 2:
-        return tf.distribute.MirroredStrategy(found.gpu), f"no TPU; {len(found.gpu)} GPUs -> MirroredStrategy"
+        return collectives.mirrored_strategy(found.gpu), f"no TPU; {len(found.gpu)} GPUs -> MirroredStrategy"
     if len(found.gpu) == 1:
         return one_replica(), "no TPU; 1 GPU -> one replica on it"
     if len(found.cpu) >= 2:
-        return (tf.distribute.MirroredStrategy(found.cpu),
+        return (collectives.mirrored_strategy(found.cpu),
                 f"no TPU, no GPU; --devices {len(found.cpu)} logical CPUs -> MirroredStrategy")
     return one_replica(), "no TPU, no GPU -> one replica on the CPU"
 
 
 def _mirrored(found: _Devices):
-    import tensorflow as tf
-
     compute = found.at_least_two("mirrored", other=", or --strategy one-device")
-    return tf.distribute.MirroredStrategy(compute), f"requested; {len(compute)} devices"
+    return collectives.mirrored_strategy(compute), f"requested; {len(compute)} devices"
 
 
 def _central_storage(found: _Devices):
