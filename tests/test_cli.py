@@ -20,8 +20,6 @@ from conftest import no_new_raylet, raylets, run_job
         # step of every row trains, as model.fit does with a batch_size above the rows.)
         (["--per-replica-batch", "5000", "--grad-accum", "2"], "larger than the 1438 training rows"),
         (["--export", "savedmodel"], "--export savedmodel alone leaves no model.keras"),
-        # An option of another built-in would size nothing: the mlp has no batch norm.
-        (["--model", "mlp", "--sync-batch-norm"], "mlp does not take argument(s) sync_batch_norm (it takes "),
     ],
 )
 def test_bad_flags(tmp_path, args, message):

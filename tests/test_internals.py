@@ -411,7 +411,9 @@ def test_the_collectives_run_without_a_timeout_and_an_abort_ends_every_one_after
     """One worker's group: the sum and the gather are the tensor itself, and start no thread that outlives them (a
     timeout would: app.internals.collectives); a traced function's collective that waits is cancelled from another
     thread (app.training.stall_watch); abort_eager makes the next eager one fail in the words app.ui.failures reads
-    as a stall. In a fresh process: an abort is for good."""
+    as a stall. Two MirroredStrategy objects in one process (app.fit called twice) all-reduce other shapes under
+    keys of their own (TensorFlow's alone: "Shape mismatch in the collective instance 100"). In a fresh process: an
+    abort is for good."""
     import subprocess
     import sys
 
@@ -419,6 +421,13 @@ def test_the_collectives_run_without_a_timeout_and_an_abort_ends_every_one_after
 import threading
 import tensorflow as tf
 from app.internals import collectives
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+for n in (3, 5):
+    strategy = collectives.mirrored_strategy(["/cpu:0", "/cpu:1"])
+    summed = tf.function(lambda: strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.ones([n]))))()
+    assert strategy.experimental_local_results(summed)[0].numpy().tolist() == [2.0] * n
 x = tf.constant([1.0, 2.0])
 assert collectives.all_reduce(x, 1, 7, 1).numpy().tolist() == [1.0, 2.0]
 assert collectives.all_gather(x, 1, 7, 2).numpy().tolist() == [1.0, 2.0]

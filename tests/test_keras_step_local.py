@@ -312,6 +312,21 @@ def test_the_plan_says_over_which_rows_each_batch_norm_normalizes():
     assert plan_lines(model, 1, 16) == [] and plan_lines(compiled(), 2, 16) == []
 
 
+def test_the_plan_names_the_built_in_options_the_model_does_not_take(tmp_path):
+    """--sync-batch-norm with the mlp (which has no batch norm) sizes nothing: the plan says so, and trains on (a
+    config file may hold several models' options); options its model takes, or left at their defaults, say nothing."""
+    from app.config import build_config
+    from app.run.api import dry_run
+
+    def plan(**fields):
+        return dry_run(build_config(None, {"backend": "local", "epochs": 1, "output": str(tmp_path / "p"), **fields}))
+
+    assert ("options: --sync-batch-norm, --num-heads size nothing here: mlp does not take them (it takes "
+            "hidden_units)") in plan(model="mlp", sync_batch_norm=True, num_heads=2, hidden_units=[8])
+    assert not [line for line in plan(model="cnn", sync_batch_norm=True, hidden_units=[256, 128])  # mlp's default
+                if line.startswith("options:")]
+
+
 def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tmp_path):
     from app.data import tf_pipeline
 

@@ -267,13 +267,17 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
     for p in [without_ray(str(REPO / "jobs" / "train.py"), "--backend", "local", "--output", name,
                           "--model", f"scored.py:{name}", *data, cwd=tmp_path) for name in names]:
         finished(p)
-    for p in [without_ray("jobs/evaluate.py", "--run", str(tmp_path / name)) for name in names]:
-        finished(p)
-    finished(without_ray("jobs/predict.py", "--run", str(tmp_path / "own_test_step"), "--backend", "local",
-                         "--output", str(tmp_path / "predicted")))
     np.savez(tmp_path / "unlabelled.npz", x=x[:50])  # prediction needs no labels
-    finished(without_ray("jobs/predict.py", "--run", str(tmp_path / "metrics"), "--backend", "local",
-                         "--dataset", str(tmp_path / "unlabelled.npz"), "--output", str(tmp_path / "unlabelled")))
+    # What reads the two runs, side by side: each evaluation, two predictions, and a refused evaluation (below).
+    reading = [*(without_ray("jobs/evaluate.py", "--run", str(tmp_path / name)) for name in names),
+               without_ray("jobs/predict.py", "--run", str(tmp_path / "own_test_step"), "--backend", "local",
+                           "--output", str(tmp_path / "predicted")),
+               without_ray("jobs/predict.py", "--run", str(tmp_path / "metrics"), "--backend", "local",
+                           "--dataset", str(tmp_path / "unlabelled.npz"), "--output", str(tmp_path / "unlabelled"))]
+    # A --loss the labels do not fit: one line before the evaluation's graph runs.
+    refused = without_ray("jobs/evaluate.py", "--run", str(tmp_path / "metrics"), "--loss", "categorical_crossentropy")
+    for p in reading:
+        finished(p)
     scored = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in names}
     trained = {name: json.loads((tmp_path / name / "result.json").read_text())["metrics"] for name in names}
     # An unnamed metric object is named as the run's History names it (a second of its class in one process would
@@ -292,8 +296,6 @@ def test_evaluate_scores_as_kerass_evaluate(tmp_path):
         assert scored["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5), key
     assert json.loads((tmp_path / "predicted" / "_predict.json").read_text())["rows"] == 300
     assert json.loads((tmp_path / "unlabelled" / "_predict.json").read_text())["rows"] == 50
-    # A --loss the labels do not fit: one line before the evaluation's graph runs.
-    refused = without_ray("jobs/evaluate.py", "--run", str(tmp_path / "metrics"), "--loss", "categorical_crossentropy")
     _, err = refused.communicate(timeout=300)
     assert refused.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "error: the model's loss categorical_crossentropy does not take these labels and its outputs" in err

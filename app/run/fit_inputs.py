@@ -37,7 +37,7 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
     import inspect
 
     from app import registry
-    from app.training.model import BUILTIN_OPTIONS, target_moments
+    from app.training.model import BUILTIN_OPTIONS, check_options, target_moments
 
     fn = registry.resolve(name, registry.MODELS)
     labels = np.asarray(y)
@@ -49,10 +49,7 @@ def builtin_for_arrays(name: str, x: Any, y: Any, fields: dict[str, Any], valida
         outputs = int(np.prod(labels.shape[1:])) if labels.ndim > 1 else 1
     takes = inspect.signature(fn).parameters
     options = {k: fields.pop(k) for k in BUILTIN_OPTIONS if k in fields}
-    refused = [k for k in options if k not in takes]
-    if refused:
-        raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
-                        f"{', '.join(k for k in takes if k in BUILTIN_OPTIONS)})")
+    check_options(fn, name, list(options))
     for k, v in registry.MODEL_OPTIMIZERS.get(name, {}).items():
         fields.setdefault(k, v)
     if "feature_mean" in takes and (moments := Moments.of_fit_rows(x, validation_split)) is not None:

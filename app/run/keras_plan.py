@@ -9,6 +9,7 @@ from app.data import keras_inputs
 from app.models import scaled
 from app.run import fit_inputs
 from app.run.fit_inputs import overrides_step
+from app.training import model as product_model
 from app.training import sync_batch_norm
 
 
@@ -21,6 +22,8 @@ def lines(config, model, train, val, world: int, features, shard, tensor, compil
 
     on_ray = backend_of(config).on_ray
     compiled = [compiled_line] if compiled_line else []
+    if unused := product_model.unused_options_line(config):
+        compiled.append(unused)
     if isinstance(class_weight, dict):  # as Keras's fit takes it: each row's loss weighed by its class's
         compiled.append("class_weight: " + ", ".join(f"{c}: {w:.3g}" for c, w in sorted(class_weight.items()))
                         + " (each row's loss weighed by its class's, as in Keras's fit)")

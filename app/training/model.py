@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from app import registry
 from app.data.arrays import DataFacts, Moments
@@ -49,11 +49,40 @@ def target_moments(moments: "Moments") -> dict[str, Any]:
             "target_variance": moments.variance[0] if one else moments.variance}
 
 
-def options_given(config: "TrainConfig") -> tuple[str, ...]:
-    """The built-in models' options this run sets (to other than their defaults): the model function must take each,
-    or the option would size nothing (--sync-batch-norm with the mlp, which has no batch norm)."""
-    defaults = type(config).model_fields
-    return tuple(k for k in BUILTIN_OPTIONS if k in config.model_fields_set and getattr(config, k) != defaults[k].default)
+def _not_taken(fn: Any, given: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Of the built-in options ``given``, those the model function ``fn`` does not take; and the ones it takes."""
+    import inspect
+
+    takes = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):
+        return [], list(BUILTIN_OPTIONS)
+    return [k for k in given if k not in takes], [k for k in takes if k in BUILTIN_OPTIONS]
+
+
+def check_options(fn: Any, name: str, given: Sequence[str]) -> None:
+    """app.fit's keywords: the built-in model ``fn`` must take every option ``given`` (one line naming what it
+    takes), or the option would size nothing (``sync_batch_norm`` with the mlp, which has no batch norm)."""
+    refused, options = _not_taken(fn, given)
+    if refused:
+        raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
+                        f"{', '.join(options) or 'none of the built-in options'}): leave it out")
+
+
+def unused_options_line(config: "TrainConfig") -> Optional[str]:
+    """The plan's line for the built-in options a run's config sets (to other than their defaults) that its model
+    function does not take (--sync-batch-norm with the mlp): they size nothing. A line, not a refusal: a config
+    file or a sweep may hold the options of several models and pick one."""
+    fields = type(config).model_fields
+    given = [k for k in BUILTIN_OPTIONS if k in config.model_fields_set
+             and getattr(config, k) != fields[k].get_default(call_default_factory=True)]
+    if not given:
+        return None
+    unused, options = _not_taken(registry.resolve(config.model, registry.MODELS), given)
+    if not unused:
+        return None
+    flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+    return (f"options: {flags} size nothing here: {model_name(config)} does not take "
+            f"{'it' if len(unused) == 1 else 'them'} (it takes {', '.join(options) or 'none of them'})")
 
 
 def model_name(config: "TrainConfig") -> str:
@@ -89,7 +118,7 @@ def build_model(config: "TrainConfig", facts: DataFacts) -> "keras.Model":
         **config.model_args,
     }
     name = model_name(config)
-    model = registry.call_with_declared(fn, available, name, required=(*config.model_args, *options_given(config)))
+    model = registry.call_with_declared(fn, available, name, required=tuple(config.model_args))
     if not isinstance(model, keras.Model):
         raise UserError(f"{name} returned a {type(model).__name__}; expected a keras.Model")
     return model
