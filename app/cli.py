@@ -59,7 +59,7 @@ def train_args(description: str, argv: list[str] | None = None) -> TrainArgs:
     """Every TrainConfig field as a flag, plus --config FILE and --dry-run."""
     own, typed = cli_errors.guarded(lambda: _parse(description, argv, "train", _train_flags(), set(TrainConfig.model_fields)))
     config = cli_errors.guarded(lambda: build_config(_base_file(own["config"], typed), typed))
-    _parsed["show_logs"] = config.show_logs
+    cli_errors.parsed["show_logs"] = config.show_logs
     return TrainArgs(config, own["dry_run"])
 
 
@@ -135,9 +135,10 @@ def main(body: Callable[[], Any]) -> None:
     logging.getLogger("app").setLevel(logging.INFO)
     try:
         body()
+        cli_errors.leave_ray()
     except UserError as e:
         trace = getattr(e, "trace", None)  # app.errors.UserCodeError: the user's own code raised
-        print(f"error: {e}{_kept(trace) if trace else ''}", file=sys.stderr)
+        print(f"error: {e}{cli_errors.kept(trace) if trace else ''}", file=sys.stderr)
         sys.exit(2)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
@@ -152,24 +153,10 @@ def main(body: Callable[[], Any]) -> None:
 
         trace = "".join(traceback.format_exception(e))
         kept = console.write_trace(f"unexpected {type(e).__name__}", trace)
-        where = f" (traceback in {kept})" if kept else _kept(trace)
+        where = f" (traceback in {kept})" if kept else cli_errors.kept(trace)
         message = " ".join(str(e).split())[:400] or "(no message)"
         print(f"error: {type(e).__name__}: {message}{where}", file=sys.stderr)
         sys.exit(1)
-
-
-_parsed = {"show_logs": False}  # the parsed config's --show-logs (it may come from a --config file)
-
-
-def _kept(trace: str) -> str:
-    """Keep the user's traceback where the one line says (no run directory exists yet); --show-logs prints it."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", prefix="ray-tf-train-error-", suffix=".txt", delete=False) as f:
-        f.write(trace)
-    if "--show-logs" in sys.argv[1:] or _parsed["show_logs"]:
-        print(trace, file=sys.stderr, end="")
-    return f" (traceback in {f.name})"
 
 
 # --- each script's own flags (tyro is imported on first use: `import app.cli` stays light) -------------------

@@ -1,9 +1,12 @@
-"""A bad command line as one line: tyro's parse errors worded by their hook, or its box folded (app.cli)."""
+"""A bad command line as one line: tyro's parse errors worded by their hook, or its box folded (app.cli); and how an
+entry script ends (app.cli.main): a traceback kept in a file, Ray left before the exit."""
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -108,3 +111,30 @@ def guarded(parse: Callable[[], Any]) -> Any:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+# --- an entry script's exit (app.cli.main) -----------------------------------------------------------------
+
+def leave_ray() -> None:
+    """Leave Ray, then exit at once, status 0: Ray Data's executor threads can outlive a dataset's last read and call
+    Ray's core worker after the exit-time ray.shutdown(), which Ray answers by exiting 1 (ray-project/ray#19115)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        logging.shutdown()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+
+
+parsed = {"show_logs": False}  # the parsed config's --show-logs (it may come from a --config file)
+
+
+def kept(trace: str) -> str:
+    """Keep the user's traceback where the one line says (no run directory exists yet); --show-logs prints it."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="ray-tf-train-error-", suffix=".txt", delete=False) as f:
+        f.write(trace)
+    if "--show-logs" in sys.argv[1:] or parsed["show_logs"]:
+        print(trace, file=sys.stderr, end="")
+    return f" (traceback in {f.name})"

@@ -314,7 +314,8 @@ def test_the_plan_says_over_which_rows_each_batch_norm_normalizes():
 
 def test_the_plan_names_the_built_in_options_the_model_does_not_take(tmp_path):
     """--sync-batch-norm with the mlp (which has no batch norm) sizes nothing: the plan says so, and trains on (a
-    config file may hold several models' options); options its model takes, or left at their defaults, say nothing."""
+    config file may hold several models' options), on Keras's fit or the parameter servers' loop; options its model
+    takes, or left at their defaults, say nothing."""
     from app.config import build_config
     from app.run.api import dry_run
 
@@ -325,6 +326,9 @@ def test_the_plan_names_the_built_in_options_the_model_does_not_take(tmp_path):
             "hidden_units)") in plan(model="mlp", sync_batch_norm=True, num_heads=2, hidden_units=[8])
     assert not [line for line in plan(model="cnn", sync_batch_norm=True, hidden_units=[256, 128])  # mlp's default
                 if line.startswith("options:")]
+    # The parameter servers' own loop plans it too (a dry run: no Ray starts).
+    assert "options: --conv-filters size nothing here: mlp does not take it (it takes hidden_units)" in plan(
+        model="mlp", backend="ray", strategy="parameter-server", conv_filters=[4, 8])
 
 
 def test_a_pipeline_that_cannot_run_on_every_worker_is_read_once_and_says_why(tmp_path):

@@ -209,6 +209,10 @@ def plan_lines(config: "TrainConfig", checked: Checked, num_workers: int, replic
         own_loop_line(asynchronous),
         lr_line(lr, objective, config),
     ]
+    from app.training.model import unused_options_line
+
+    if unused := unused_options_line(config):
+        lines.append(unused)
     if m.get("callbacks") is not None:
         lines.append(f"callbacks: {', '.join(m['callbacks']) or 'none'} (on rank 0; a stop or LR change applies to "
                      "every worker)")
