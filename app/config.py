@@ -308,13 +308,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def new_output(kind: str) -> str:
+    """Where a job writes when not told: runs/<kind>-<time> under the working directory; -2, -3, ... after it when
+    that name is taken (a script's second app.fit in the same second)."""
+    name, taken = f"runs/{kind}-{_dt.datetime.now():%Y%m%d-%H%M%S}", 1
+    while Path(name if taken == 1 else f"{name}-{taken}").exists():
+        taken += 1
+    return name if taken == 1 else f"{name}-{taken}"
+
+
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """YAML file (optional) < explicit overrides, validated once."""
     values: dict[str, Any] = read_yaml(file) if file else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if not values.get("output"):
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        values["output"] = f"runs/train-{stamp}"
+        values["output"] = new_output("train")
     try:
         return TrainConfig(**values)
     except ValidationError as e:

@@ -58,9 +58,10 @@ def default_loss_weight(model: "keras.Model", task: str) -> Optional[float]:
     return 1 / float(np.mean(np.square(layer.scale))) if task == "regression" and layer is not None else None
 
 
-def weighted(loss_weight: Optional[float]) -> str:
-    """What the plan adds to the loss's name for ``default_loss_weight``'s weight ("" for none)."""
-    return f" weighted by 1 / the targets' variance ({1 / loss_weight:.4g})" if loss_weight else ""
+def weighted(loss_weight: Optional[float], of: str = "variance") -> str:
+    """What the plan adds to the loss's name for ``default_loss_weight``'s weight ("" for none); ``of``: what the
+    weight is 1 over (app.training.default_compile weighs a user's model by the targets' mean square)."""
+    return f" weighted by 1 / the targets' {of} ({1 / loss_weight:.4g})" if loss_weight else ""
 
 
 def build_mlp(

@@ -16,6 +16,28 @@ def test_defaults_are_valid_and_global_batch_is_per_replica_times_replicas():
     assert c.output.startswith("runs/train-")
 
 
+def test_a_run_started_in_the_same_second_as_another_writes_a_directory_of_its_own(tmp_path, monkeypatch):
+    """Two app.fit calls of a script within one second: the second's default output is runs/train-<time>-2, not the
+    first's directory (which it would refuse as existing)."""
+    import datetime
+
+    import app.config
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 6, 4, 5, 6)
+
+    monkeypatch.setattr(app.config._dt, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    first = build_config(None, {}).output
+    (tmp_path / first).mkdir(parents=True)
+    second = build_config(None, {}).output
+    (tmp_path / second).mkdir()
+    assert (first, second, build_config(None, {}).output) == (
+        "runs/train-20261206-040506", "runs/train-20261206-040506-2", "runs/train-20261206-040506-3")
+
+
 def test_yaml_then_flags_override(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("epochs: 3\nbase_lr: 0.2\n")

@@ -847,3 +847,29 @@ def test_a_built_in_model_plans_kerass_fit_on_ray_compiled_with_the_defaults_and
     weights = next(line for line in plan if line.startswith("class_weight: "))
     assert weights.count(": ") == 11 and "9: 0.978" in weights, weights  # balanced: rows / (classes x class's rows)
     assert not (tmp_path / "out").exists()
+
+
+def _predicts_in_target_units():
+    """Compiles nothing: the product compiles it with the regression defaults."""
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+
+
+def test_a_model_that_compiles_nothing_trains_on_targets_of_any_scale_and_the_plan_says_how_to_reach_far_ones(
+        tmp_path):
+    """Unweighted, the default mean squared error of targets of mean 10 overflows at the default rate (NaN in the
+    first or second epoch); weighted by 1 / their mean square it trains. Targets of mean 200,000 train finite too;
+    the plan says how to reach targets far from 0 (a Rescaling at the model's end), and nothing for those near it."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(256, 6).astype("float32")
+    direction = x @ rng.randn(6, 1).astype("float32")
+    for mean, std, epochs in ((10.0, 4.0, 4), (3.0, 1.0, 1), (2e5, 5e4, 1)):
+        y = (direction / direction.std() * std + mean).astype("float32")
+        out = tmp_path / f"mean{mean:g}"
+        history = app.fit(_predicts_in_target_units, x, y, batch_size=64, epochs=epochs, validation_split=0.25,
+                          backend="local", output=str(out), verbose=0).history
+        assert np.isfinite(history["loss"]).all() and np.isfinite(history["val_loss"]).all(), history
+        square = float(np.mean(np.square(y[:192].astype(np.float64))))  # the training rows (the last quarter validates)
+        plan = (out / "train.log").read_text()
+        assert f"loss mean_squared_error weighted by 1 / the targets' mean square ({square:.4g})" in plan, plan
+        assert ("end the model in keras.layers.Rescaling(" in plan) == (square > 100), plan  # default_compile.FAR_TARGETS
+    assert history["loss"][-1] <= 1.01  # predicting 0 is a loss of 1

@@ -44,8 +44,10 @@ _found: dict[Path, set[str]] = {}  # ... -> the names in it when this process to
 
 
 def default_output(kind: str) -> str:
-    """Where a job writes when not told: runs/<kind>-<time>, under the working directory."""
-    return f"runs/{kind}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    """Where a job writes when not told (app.config.new_output)."""
+    from app.config import new_output
+
+    return new_output(kind)
 
 
 # What a job reads, by the flag that names it; a dataset's directory may not hold an output either.

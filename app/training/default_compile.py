@@ -17,7 +17,8 @@ labels that fit none of these (a width other than the output's) are refused in o
 The loss takes logits unless the model's last layer applies softmax or sigmoid. A built-in that predicts a
 regression's targets in their units (app.models.in_target_units) has its mean squared error weighted by 1 / their
 variance (several targets: the mean of theirs): targets of any scale train at the default rate, and a loss of 1 is
-predicting their mean. The optimizer is the run's
+predicting their mean. A model of the user's, by 1 / their mean square when above 1 (``in_their_units``): finite at
+any scale, and the plan says how to reach targets far from 0. The optimizer is the run's
 ``optimizer`` (SGD with ``momentum``, or Adam) at ``base_lr``; the learning-rate rule around it (scaling by the
 global batch, warmup, cosine decay) is app.training.keras_features's, with the config's defaults. Models with
 several outputs or labels in a structure are refused: a loss per output is the user's to choose.
@@ -203,8 +204,10 @@ class Defaults:
     learning_rate: float
     momentum: float
     steps_per_execution: int = 1  # train steps per call of Keras's train function (--steps-per-execution)
-    # The default loss's weight (app.models.default_loss_weight); None: not weighted.
+    # The default loss's weight (app.models.default_loss_weight, or ``in_their_units``); None: not weighted.
     loss_weight: Optional[float] = None
+    weight_of: str = "variance"  # what the weight is 1 over, for the plan
+    advice: str = ""  # what the plan adds (targets far from 0 for a model that predicts them in their units)
 
     def compile(self, model) -> Any:
         import keras
@@ -228,11 +231,11 @@ class Defaults:
             "compile() it in the model function to choose them"
         return (f"compile: {what} with the {self.task} defaults: loss "
                 f"{self.loss}{' (from logits)' if self.from_logits and self.task != 'regression' else ''}"
-                + weighted(self.loss_weight)
+                + weighted(self.loss_weight, self.weight_of)
                 + ", metric "
                 f"{DEFAULT_METRIC[self.task]}, optimizer {optimizer} at base_lr {self.learning_rate:g}"
                 + (f", {self.steps_per_execution} steps per execution" if self.steps_per_execution > 1 else "")
-                + f" ({choose})")
+                + f" ({choose}){self.advice}")
 
 
 @dataclass(frozen=True)
@@ -287,11 +290,38 @@ def decide(model, first_batch: Any, labels: Any, config) -> Defaults:
     from_logits = task != "regression" and not ends_in_probabilities(model)
     if config.loss:
         check_loss_name(config.loss)
+    weight = None if config.loss else default_loss_weight(model, task)
+    own = task == "regression" and not config.loss and weight is None  # the model predicts in the targets' units
     return Defaults(task=task, loss=config.loss or loss,
                     from_logits=from_logits if config.from_logits is None else config.from_logits,
                     optimizer=config.optimizer, learning_rate=config.base_lr, momentum=config.momentum,
                     steps_per_execution=config.steps_per_execution,
-                    loss_weight=None if config.loss else default_loss_weight(model, task))
+                    **(in_their_units(labels) if own else {"loss_weight": weight}))
+
+
+# Targets whose mean square passes this are slow to reach from weights near 0 (measured: a Dense model that
+# compiles nothing predicts targets of mean 100 no better than 0 after 10 epochs): the plan says what to do.
+FAR_TARGETS = 100.0
+
+
+def in_their_units(labels: np.ndarray) -> dict[str, Any]:
+    """The mean squared error's weight for a model of the user's predicting regression targets in their units.
+
+    Targets of scale s give that error gradients of scale s, which the default SGD rate turns into an overflow from
+    s = 10 on (measured: the loss is NaN in the first or second epoch). Weighted by 1 / their mean square (when
+    above 1), predicting 0 is a loss of 1 and the gradients are those of targets of scale 1: training stays finite
+    at any scale. Targets far from 0 stay slow to reach for such a model, and the plan says how to help it."""
+    y = labels.astype(np.float64)
+    square = float(np.mean(np.square(y))) if y.size and np.isfinite(y).all() else 0.0
+    if square <= 1:
+        return {}
+    advice = ""
+    if square > FAR_TARGETS:
+        mean, std = float(y.mean()), float(y.std()) or 1.0
+        advice = (f"; targets of mean {mean:.4g} and std {std:.4g} are slow to reach from weights near 0: end the "
+                  f"model in keras.layers.Rescaling(scale={std:.4g}, offset={mean:.4g}), as the built-in models do, "
+                  "or standardise them")
+    return {"loss_weight": 1 / square, "weight_of": "mean square", "advice": advice}
 
 
 def _as_requested(requested: str, found: str, labels: np.ndarray, ids: bool, width: int, per_example: tuple,
