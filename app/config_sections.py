@@ -154,7 +154,13 @@ class DataSection(_Section):
         "input, NAME (the column of that name) or NAME=COLUMN. Each column holds numbers or lists of numbers. "
         "Default: a model whose input names are all columns reads each from its own.",
     )
-    label_column: str = Field("label", description="Column of integer class ids 0..K-1.")
+    label_column: str = Field("label", description="Column of the labels: integer class ids 0..K-1, class names "
+                              "(strings), or float targets.")
+    class_names: Optional[Annotated[list[str], Field(min_length=1)]] = Field(
+        None, description="A label column of class names (strings): the names in class-id order (id 0 "
+        "first). Default: every name in the training data, sorted. The run's config.yaml records them: evaluation "
+        "and prediction map names to ids as training did.",
+    )
     text_column: Optional[str] = Field(
         None, description="A string column to tokenize into --sequence-length token ids (the features, for text)."
     )

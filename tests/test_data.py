@@ -281,10 +281,13 @@ def test_missing_columns_are_named_with_the_columns_that_exist(ray_cluster, tmp_
 
 def test_wrong_dtypes_are_refused(ray_cluster, tmp_path):
     strings = write_csv(tmp_path / "s.csv", ["a", "label"], [[1.0, "cat"], [2.0, "dog"]] * 20)
-    refused(tmp_path, r"label column 'label' has type string, expected numbers", dataset=str(strings))
+    refused(tmp_path, r"label column 'label' holds strings \(class names\), but --task regression needs numbers",
+            dataset=str(strings), task="regression")
     floats = write_csv(tmp_path / "f.csv", ["a", "label"], [[1.0, 0.5], [2.0, 1.5]] * 20)
     refused(tmp_path, r"label column 'label' has type double, but --task classification needs integer class ids",
             dataset=str(floats), task="classification")
+    refused(tmp_path, r"--class-names names the classes of a label column of names \(strings\), and column 'label' "
+            "holds double", dataset=str(floats), class_names=["a", "b"])
     text_features = write_csv(tmp_path / "t.csv", ["name", "label"], [["x y", 0], ["z", 1]] * 20)
     refused(tmp_path, r"feature column 'name' has type string, expected numbers", dataset=str(text_features))
 
@@ -410,9 +413,8 @@ def bad_data_cases(d):
     return [
         (["--dataset", str(d / "nan-pq")], "column 'x' has 2 NaN or infinite values"),
         (["--dataset", str(d / "nan.npz"), "--feature-columns", "x"], "2 of 200 rows hold NaN or infinite values"),
-        (["--dataset", str(d / "strings.csv")], "label column 'label' has type string, expected numbers (class ids "
-         "0..K-1, or float targets with --task regression): map each class name to an id 0..K-1 first (pandas: "
-         "df[column] = df[column].astype('category').cat.codes)"),
+        (["--dataset", str(d / "strings.csv"), "--class-names", "cat"], "label column 'label' of "
+         f"'{d / 'strings.csv'}' holds class names the run's classes (cat) lack: 'dog'; add them to --class-names"),
         (["--dataset", str(d / "broken.csv")], "CSV parse error: Expected 3 columns, got 2: 3,4"),
         (["--dataset", str(d / "prices.csv"), "--label-column", "price"], "label column 'price': integer labels up "
          "to 450,000 make 450,001 classes, more than the 200 rows: give --task regression if they are numbers to "

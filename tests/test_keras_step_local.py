@@ -443,17 +443,21 @@ def _binary_accuracy(threshold):
     (_uncompiled(2, "softmax"), np.eye(2, dtype="float32")[Y], keras.losses.CategoricalCrossentropy(),
      lambda: "accuracy"),
     (_uncompiled(1), X[:, 0] * 2.0, keras.losses.MeanSquaredError(), lambda: "mae"),
+    (_uncompiled(1), X[:, 0] * 0.5, keras.losses.MeanSquaredError(), lambda: "mae"),
 ], ids=["class ids, logits", "float class ids, softmax", "0/1, sigmoid", "booleans, one logit", "one-hot, softmax",
-        "float targets"])
+        "float targets", "float targets near 0"])
 def test_a_model_that_compiles_nothing_is_compiled_with_the_tasks_defaults_and_trains_as_model_fit(
         tmp_path, build, y, loss, metric):
     """The product's compile() for a model that compiles nothing, per label kind (app.training.default_compile):
-    Keras's fit with that compile, weight for weight; optimizer and base_lr as asked, the rate as it is."""
+    Keras's fit with that compile, weight for weight; optimizer and base_lr as asked, the rate as it is. Float
+    targets of a mean square above 1 weigh the loss by 1 / it; those near 0 leave it unweighted."""
+    square = float(np.mean(np.square(y.astype("float64")))) if y.dtype.kind == "f" and y.ndim == 1 else 0.0
+    weight = 1 / square if isinstance(loss, keras.losses.MeanSquaredError) and square > 1 else None
     history = app.fit(build, X, y, batch_size=16, epochs=2, shuffle=False, backend="local", optimizer="adam",
                       base_lr=0.01, lr_scaling="none", warmup_epochs=0, lr_decay="constant",
                       output=str(tmp_path / "run"), verbose=0)
     model = build()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[metric()])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, loss_weights=weight, metrics=[metric()])
     keras_history = model.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     _as_model_fit(history, keras_history, model)
 

@@ -66,6 +66,18 @@ def test_streamed_workers_train_as_keras_fit_on_the_same_rows(runs):
     assert abs(two["accuracy"][-1] - one["accuracy"][-1]) < 0.05
 
 
+def test_a_label_column_of_class_names_trains_on_their_sorted_ids_as_keras_fit(runs):
+    """Parquet files whose label column holds class names (a pandas category column): the driver reads the names
+    (one pass over the column), their sorted order makes the ids, the worker maps its rows' names to them, and the
+    validation files' names map to the same ids. One worker, shuffle=False: model.fit's History on those ids; the
+    run's config.yaml records the names."""
+    got, keras_fit = runs["names"]["history"], runs["names_keras_fit"]["history"]
+    assert list(got) == list(keras_fit) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for key, values in keras_fit.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+    assert "class_names:\n- apple\n- zebra\n" in runs["names"]["config"]
+
+
 def test_a_tfrecord_pipeline_is_read_by_every_worker_and_trains_as_keras_fit(runs):
     """The driver reads its first batch only; each worker runs the pipeline (its seeded shuffle reshuffling every
     epoch, as Keras's fit runs it) and trains on its part of every batch: the History of model.fit itself."""

@@ -82,12 +82,21 @@ def write_data(d):
             pixels = rng.normal(60, 20, size=(10, 10, 3))
             pixels[..., c] += 140
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(d / "img" / name / f"{i}.png")
+    # Class names in the label column (ids in the order --class-names gives them: eel 0, cat 1, dog 2); the
+    # validation file holds two of the three classes, so its own sorted names (dog, eel) would map them otherwise.
+    names = np.array(["eel", "cat", "dog"])
+    for path, rows in (("n.csv", slice(0, 240)), ("nv.csv", slice(240, ROWS))):
+        keep = np.arange(ROWS)[rows][y[rows] != 1] if path == "nv.csv" else np.arange(ROWS)[rows]
+        with open(d / path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([*(f"f{i}" for i in range(LENGTH)), "species"])
+            w.writerows([*map(float, x[i]), names[y[i]]] for i in keep)
     return {"mean": float(np.mean(target)), "std": float(np.std(target))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The four local runs side by side, as a user types them: {name: (output dir, result.json)}."""
+    """The five local runs side by side, as a user types them: {name: (output dir, result.json)}."""
     d = tmp_path_factory.mktemp("local-files")
     targets = write_data(d)
     flags = {
@@ -95,13 +104,15 @@ def runs(tmp_path_factory):
         "csv": ["--dataset", str(d / "c.csv"), "--epochs", "3"],
         "images": ["--dataset", str(d / "img"), "--image-size", "8", "8", "--epochs", "3"],
         "regression": ["--dataset", str(d / "r.csv"), "--label-column", "target", "--epochs", "5"],
+        "names": ["--dataset", str(d / "n.csv"), "--val-dataset", str(d / "nv.csv"), "--label-column", "species",
+                  "--class-names", "eel", "cat", "dog", "--epochs", "3"],
     }
     started = {name: without_ray("jobs/train.py", "--backend", "local", "--output", str(d / name), *FAST, *args)
                for name, args in flags.items()}
     for p in started.values():
         finished(p)
     return {name: (d / name, json.loads((d / name / "result.json").read_text())) for name in flags} | \
-        targets
+        targets | {"data": d}
 
 
 def history(out, column):
@@ -133,6 +144,36 @@ def test_image_folder_trains_locally_without_ray(runs):
     assert result["task"] == "classification" and result["config"]["image_size"] == [8, 8]
     every_row_once(result, 120)
     assert result["metrics"]["val_accuracy"] > 0.8
+
+
+def test_a_label_column_of_class_names_trains_evaluates_and_predicts_by_name(runs):
+    """A CSV whose label column holds class names, ids in the order --class-names gives them (not sorted), and a
+    validation CSV of two of the three names: trained, then scored again by jobs/evaluate.py (the same numbers: the
+    run's config.yaml maps the names as training did, where the file's own sorted names would not), and predicted by
+    name, each row's most probable output the id its true name has."""
+    import pyarrow.parquet as pq
+
+    out, result = runs["names"]
+    assert result["config"]["class_names"] == ["eel", "cat", "dog"] and result["task"] == "classification"
+    assert result["metrics"]["val_accuracy"] > 0.8
+    d = runs["data"]
+    reading = [without_ray("jobs/evaluate.py", "--run", str(out)),
+               without_ray("jobs/predict.py", "--run", str(out), "--backend", "local", "--dataset", str(d / "nv.csv"),
+                           "--keep-columns", "species", "--output", str(d / "named")),
+               without_ray("jobs/train.py", "--backend", "local", "--dataset", str(d / "n.csv"), "--label-column",
+                           "species", "--task", "regression", "--dry-run")]
+    for p in reading[:2]:
+        finished(p)
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["val_accuracy"] == pytest.approx(result["metrics"]["val_accuracy"], abs=1e-6)
+    assert scored["val_loss"] == pytest.approx(result["metrics"]["val_loss"], rel=1e-5)
+    predicted = pq.read_table(d / "named").to_pandas()
+    assert set(predicted["species"]) == {"eel", "dog"} and (predicted["prediction"] == predicted["species"]).mean() > 0.8
+    ids = np.stack(predicted["probabilities"]).argmax(axis=1)
+    assert (ids == predicted["species"].map({"eel": 0, "cat": 1, "dog": 2})).mean() > 0.8
+    _, err = reading[2].communicate(timeout=300)
+    assert reading[2].returncode != 0 and "label column 'species' holds strings (class names), but --task " \
+        "regression needs numbers to predict" in err, err[-2000:]
 
 
 def test_float_target_csv_is_a_local_regression(runs):
@@ -172,7 +213,8 @@ def test_bad_files_are_refused_locally_with_the_ray_paths_words(tmp_path):
     for args, words in [*bad_data_cases(tmp_path)[:5], gaps, dates]:  # the file cases
         flags = dict(zip(args[::2], args[1::2]))
         config = build_config(None, {"backend": "local", "output": str(tmp_path / "o"), "dataset": args[1],
-                                     "label_column": flags.get("--label-column", "label")})
+                                     "label_column": flags.get("--label-column", "label"),
+                                     "class_names": [flags["--class-names"]] if "--class-names" in flags else None})
         with pytest.raises(UserError) as info:
             preflight.load_data(config, 1)
         assert words in str(info.value) and "\n" not in str(info.value), (args, str(info.value))

@@ -44,6 +44,7 @@ import numpy as np
 
 from app.data import images
 from app.data.arrays import ID, Moments, W, Y, nest_map, x_columns
+from app.data.class_names import class_ids, names
 from app.data.schema import TABULAR, Spec, class_of
 from app.errors import UserError
 
@@ -153,7 +154,8 @@ def _conformed(table: "pa.Table", spec: Spec) -> "pa.Table":
     import pyarrow.compute as pc
 
     numeric = [*spec.features] if spec.kind == "scalars" else []
-    if spec.kind != "images" and spec.label in table.column_names:  # an image folder's labels are its class folders
+    # an image folder's labels are its class folders; class names are strings
+    if spec.kind != "images" and not spec.label_names and spec.label in table.column_names:
         numeric.append(spec.label)
     if spec.kind == "list":
         column = _column(table, spec.features[0])
@@ -180,14 +182,17 @@ def _labels(table: "pa.Table", spec: Spec) -> np.ndarray:
         index = {name: i for i, name in enumerate(spec.classes)}
         paths = _column(table, "path").to_pylist()
         return np.array([index[class_of(p, spec.root)] for p in paths], dtype=np.int64)
+    if spec.label_names:
+        return class_ids(table, spec)
     return _column(table, spec.label).to_numpy(zero_copy_only=False).astype(
         np.float32 if spec.task == "regression" else np.int64)
-
 
 
 def _row_ids(table: "pa.Table", spec: Spec, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """A 63-bit content hash per row (see the module docstring for why and what it costs)."""
     n = len(y)
+    if spec.label_names:  # by name, not by id: the statistics pass splits rows before the ids are decided
+        y = np.fromiter((_hash63(str(v).encode()) for v in names(table, spec.label).to_pylist()), np.int64, count=n)
     if spec.kind == "images":  # the path names an image; hashing it is cheaper than hashing pixels
         rows = [p.encode() for p in _column(table, "path").to_pylist()]
     elif spec.kind == "text":
@@ -236,14 +241,16 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     table = _conformed(table, spec)
     n = table.num_rows
     stats: dict[str, Any] = {"rows": n, "val_rows": 0, "label_min": 0, "label_max": 0, "label_nulls": 0}
-    stats.update({"nulls_column": "", "nulls": 0, "nonfinite_column": "", "nonfinite": 0})
+    stats.update({"nulls_column": "", "nulls": 0, "nonfinite_column": "", "nonfinite": 0, "label_names": ""})
     if spec.kind != "images":
         label = _column(table, spec.label)
         stats["label_nulls"] = label.null_count
         bad = _nonfinite(label)  # float targets (regression)
         if bad:
             stats["nonfinite_column"], stats["nonfinite"] = spec.label, bad
-        if n and label.null_count < n:
+        if spec.label_names:  # the names this block holds; the driver decides their ids from every block's
+            stats["label_names"] = json.dumps(sorted(pc.unique(names(table, spec.label)).drop_null().to_pylist()))
+        elif n and label.null_count < n:
             mm = pc.min_max(label)
             stats["label_min"], stats["label_max"] = mm["min"].as_py(), mm["max"].as_py()
     for name in spec.features:
@@ -263,7 +270,8 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
     rows_read = spec.val_fraction is not None or spec.kind in TABULAR  # the features, not only the labels
     if n and ok and (rows_read or regression):
         spec = _with_lengths(spec, {column: low for column, (low, _) in lengths.items()})  # ids hash the flat row
-        x, y = features(table, spec) if rows_read else None, _labels(table, spec)
+        x = features(table, spec) if rows_read else None
+        y = np.zeros(n, np.int64) if spec.label_names else _labels(table, spec)  # names: no ids yet (ids hash names)
         training = np.ones(n, bool)
         if spec.val_fraction is not None:
             held = in_validation(_row_ids(table, spec, x, y), spec.seed, spec.val_fraction)

@@ -196,6 +196,7 @@ def inspect(loc, config: "TrainConfig", what: str) -> tuple[Spec, bool, int, Any
     """Schema -> (spec, labelled, row count, the first rows as a pyarrow Table): the driver's whole read."""
     from app.data import streamed
     from app.data.blocks import _lengths, _with_lengths
+    from app.data.class_names import with_class_names
     from app.data.schema import image_spec, schema_spec, with_feature_shape
 
     if loc.format == "numpy":
@@ -214,6 +215,8 @@ def inspect(loc, config: "TrainConfig", what: str) -> tuple[Spec, bool, int, Any
         spec = schema_spec(loc, config, schema, labelled=labelled)
     raw = _projected(raw, loc, spec, labelled)
     try:
+        if spec.label_names:  # one pass over the label column: the names' ids decided (or checked) before any worker
+            spec = with_class_names(spec, raw.unique(spec.label), f"{what} {loc.uri!r}")
         rows = raw.count()
         first = raw.take_batch(EXAMPLE_ROWS, batch_format="pyarrow") if rows else None
     except Exception as e:
@@ -329,6 +332,7 @@ def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[
 
     from app.data import local_files
     from app.data.blocks import _lengths, _with_lengths, keras_rows
+    from app.data.class_names import names, with_class_names
     from app.data.schema import image_spec, schema_spec
 
     if is_ray_dataset(x):
@@ -348,6 +352,10 @@ def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[
         raise UserError(f"{what} {loc.uri!r} is empty: 0 rows")
     table = pa.concat_tables(tables)
     spec = _with_lengths(spec, {k: low for k, (low, high) in _lengths(table, spec).items()})
+    if spec.label_names:
+        import pyarrow.compute as pc
+
+        spec = with_class_names(spec, pc.unique(names(table, spec.label)).drop_null().to_pylist(), f"{what} {loc.uri!r}")
     return (*keras_rows(table, spec, labelled), spec)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from app.data import images, tfrecord
 from app.data.arrays import DataFacts, Moments, Source, Split, concatenated
 from app.data.blocks import batch_rows, block_stats, in_validation, rows
+from app.data.class_names import decided, labels_text
 from app.data.files import Located, locate
 from app.data.schema import TABULAR, Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
 from app.errors import UserError
@@ -58,7 +59,7 @@ def load(config: "TrainConfig", loc: Located) -> Source:
         label_max = total["label_max"]
     else:
         train = Split(x, y, ids)
-        val_spec, (vx, vy, vids), val_total = _read_checked(val_loc, config)
+        val_spec, (vx, vy, vids), val_total = _read_checked(val_loc, decided(config, spec))
         check_val_spec(spec, val_spec)
         val = Split(vx, vy, vids)
         label_max = max(total["label_max"], val_total["label_max"])
@@ -66,13 +67,13 @@ def load(config: "TrainConfig", loc: Located) -> Source:
     log.info(
         "dataset %s (%s, read in this process): %d training rows, %d validation rows, examples of shape %s, %s",
         loc.uri, loc.format, len(train), len(val), spec.input_shapes or spec.feature_shape,
-        f"{num_classes} classes" if num_classes else "float targets",
+        labels_text(num_classes, spec),
     )
     return Source(train, val, DataFacts(spec.feature_shape, spec.task, num_classes, len(train), len(val),
                                         input_shapes=spec.input_shapes,
                                         feature_moments=Moments.of(train.x) if spec.kind in TABULAR else None,
                                         label_moments=Moments.of_targets(train.y) if spec.task == "regression"
-                                        else None))
+                                        else None, class_names=spec.classes if spec.label_names else ()))
 
 
 def _read_checked(loc: Located, config: "TrainConfig"):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.data.arrays import Moments
-from app.data.checks import LABEL_NAMES_FIX, NONFINITE_FIX, check_labels, missing
+from app.data.checks import NONFINITE_FIX, check_labels, missing
+from app.data.class_names import with_class_names
 from app.data.files import Located
 from app.errors import UserError
 
@@ -34,7 +35,8 @@ class Spec:
     feature_shape: tuple[int, ...] = ()  # one example as the model sees it
     vocab_size: int = 0
     sequence_length: int = 0
-    classes: tuple[str, ...] = ()  # image folders: class names, index = label
+    classes: tuple[str, ...] = ()  # image folders, a label column of class names: the names, index = class id
+    label_names: bool = False  # the label column holds class names (strings), mapped to ids by ``classes``
     root: str = ""  # image folders: the root the class folders sit under
     val_fraction: Optional[float] = None  # None: no split (a separate validation source)
     seed: int = 0
@@ -68,8 +70,9 @@ def _type_kind(t: "pa.DataType") -> str:
         return "list" if pa.types.is_integer(value) or pa.types.is_floating(value) else "other"
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return "scalar"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or (
+            pa.types.is_dictionary(t) and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))):
+        return "string"  # a pandas category column of strings is a dictionary of them
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):  # TFRecord's bytes features are binary
         return "binary"
     return "other"
@@ -91,6 +94,11 @@ def schema_spec(loc: Located, config: "TrainConfig", schema, labelled: bool = Tr
     if labelled and config.label_column not in types:
         raise missing("label column", config.label_column, loc.uri, names, "--label-column")
     common["task"] = _task(config, types[config.label_column]) if labelled else config.task
+    if labelled and _type_kind(types[config.label_column]) == "string":  # class names, each mapped to its id
+        common.update(label_names=True, classes=tuple(config.class_names or ()))
+    elif labelled and config.class_names:
+        raise UserError(f"--class-names names the classes of a label column of names (strings), and column "
+                        f"{config.label_column!r} holds {types[config.label_column]}: leave --class-names out")
     if config.text_column:
         if config.text_column not in types:
             raise missing("text column", config.text_column, loc.uri, names, "--text-column")
@@ -158,9 +166,14 @@ def _task(config: "TrainConfig", label_type: "pa.DataType") -> str:
     import pyarrow as pa
 
     integral = pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)
+    if _type_kind(label_type) == "string":  # class names
+        if config.task == "regression":
+            raise UserError(f"label column {config.label_column!r} holds strings (class names), but --task regression "
+                            "needs numbers to predict: leave --task out to classify by the names")
+        return "classification" if config.task == "auto" else config.task
     if not integral and not pa.types.is_floating(label_type):
         raise UserError(f"label column {config.label_column!r} has type {label_type}, expected numbers (class ids "
-                        f"0..K-1, or float targets with --task regression): {LABEL_NAMES_FIX}")
+                        f"0..K-1, or float targets with --task regression) or class names (strings)")
     if config.task == "auto":
         return "classification" if integral else "regression"
     if config.task in ("classification", "binary") and not integral:
@@ -213,6 +226,11 @@ def totals(loc: Located, config: "TrainConfig", spec: Spec, stats: list[dict]) -
         column = next(s["nonfinite_column"] for s in stats if s["nonfinite"])
         count = sum(s["nonfinite"] for s in stats if s["nonfinite_column"] == column)
         raise UserError(f"column {column!r} has {count} NaN or infinite values {NONFINITE_FIX}")
+    if spec.label_names:  # the names every block holds
+        import json
+
+        spec = with_class_names(spec, (n for s in stats if s["label_names"] for n in json.loads(s["label_names"])),
+                                repr(loc.uri))
     length = _list_lengths(stats)
     if spec.kind == "list":
         spec = replace(spec, stored_shape=(length[spec.features[0]],))
@@ -270,7 +288,7 @@ def _list_lengths(stats: list[dict]) -> dict[str, int]:
 
 def _label_totals(config: "TrainConfig", spec: Spec, stats: list[dict], total: dict[str, int]) -> dict[str, int]:
     """The label range over every block, checked against the task."""
-    if spec.kind == "images":
+    if spec.kind == "images" or spec.label_names:
         total["label_min"], total["label_max"] = 0, len(spec.classes) - 1
     else:
         real = [s for s in stats if s["rows"]]

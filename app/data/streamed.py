@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from app.data import tfrecord
 from app.data.arrays import DataFacts
 from app.data.blocks import batch_rows, block_stats, preprocess
+from app.data.class_names import decided, labels_text
 from app.data.files import Located, locate
 from app.data.ray_input import padded, shuffled_each_epoch
 from app.data.schema import Spec, check_val_spec, image_spec, num_classes_of, schema_spec, totals
@@ -215,13 +216,13 @@ def built_in_facts(config: "TrainConfig", given: Optional[Located] = None) -> Da
         val_loc = locate(config.val_dataset, config.data_format)
         if val_loc.format != loc.format:
             raise UserError(f"--val-dataset is {val_loc.format} data but --dataset is {loc.format}: use one format")
-        val_spec, val_stats = _inspect(val_loc, config, None)
+        val_spec, val_stats = _inspect(val_loc, decided(config, spec), None)
         check_val_spec(spec, val_spec)
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
     return DataFacts(spec.feature_shape, spec.task, num_classes_of(config, spec, stats["label_max"]),
                      stats["rows"] - stats["val_rows"], stats["val_rows"],
                      input_shapes=spec.input_shapes, streamed=True, feature_moments=stats["moments"],
-                     label_moments=stats["label_moments"])
+                     label_moments=stats["label_moments"], class_names=spec.classes if spec.label_names else ())
 
 
 def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = None) -> Streamed:
@@ -243,7 +244,7 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
                 f"val_fraction={config.val_fraction} leaves an empty train or val set for {stats['rows']} rows"
             )
     else:
-        val_spec, val_stats = _inspect(val_loc, config, None)
+        val_spec, val_stats = _inspect(val_loc, decided(config, spec), None)
         check_val_spec(spec, val_spec)
         n_train, n_val = stats["rows"], val_stats["rows"]
         stats["label_max"] = max(stats["label_max"], val_stats["label_max"])
@@ -276,12 +277,13 @@ def prepare(config: "TrainConfig", num_workers: int, given: Optional[Located] = 
     if cached["val"]:
         val = val.materialize()
     facts = DataFacts(spec.feature_shape, spec.task, num_classes, n_train, n_val, input_shapes=spec.input_shapes,
-                      streamed=True, feature_moments=stats["moments"], label_moments=stats["label_moments"])
+                      streamed=True, feature_moments=stats["moments"], label_moments=stats["label_moments"],
+                      class_names=spec.classes if spec.label_names else ())
     val = padded(val, n_val, num_workers, facts)
     log.info(
         "dataset %s (%s): %d training rows, %d validation rows, examples of shape %s, %s",
         loc.uri, loc.format, n_train, n_val, spec.input_shapes or spec.feature_shape,
-        f"{num_classes} classes" if num_classes else "float targets",
+        labels_text(num_classes, spec),
     )
     return Streamed(train, val, facts, shuffle_buffer, cached)
 

@@ -152,6 +152,11 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
               "output": str(config.output_dir())}
     if built_on_files and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
+    known = data.facts if data.facts is not None else facts if built_on_files else None
+    if known is not None and known.class_names:
+        # the ids of a label column's class names, decided reading the training rows: the workers map the names
+        # with them, and config.yaml records them for evaluation and prediction
+        fields["class_names"] = list(known.class_names)
     if config.tensor_degree and not config.tensor_layout and isinstance(config.model, str):
         from app.training.tensor_parallel import BUILTIN_LAYOUTS  # a built-in's own layout, named
 

@@ -14,6 +14,7 @@ from app.backend import backend_of
 from app.data import keras_inputs, keras_stream
 from app.data.arrays import Moments
 from app.data.checks import check_class_count
+from app.data.class_names import decided
 from app.errors import UserError
 from app.training import default_compile
 
@@ -189,7 +190,8 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
     """Paths and ray.data.Datasets (app.data.keras_stream): on Ray, each one's description and its Ray Dataset
     (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
     ``holdout``: ``val_fraction`` was given, a seeded part of x held out for validation (the command line's
-    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets, x's columns)."""
+    --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets, x's columns,
+    the config with the class names a label column of names was read with: app.data.schema.decided)."""
     if holdout and validation_data is not None:
         raise UserError("val_fraction holds out a part of x for validation, and validation_data is given: pass one "
                         "or the other")
@@ -213,9 +215,10 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
                             "validation_split (its last rows) or validation_data")
         x, y, spec = keras_stream.read_local(x, config, "x")
         keras_stream.check_weighed(class_weight, y is not None, config)
+        config = decided(config, spec)
         val = None if validation_data is None else keras_stream.read_local(validation_data, config,
                                                                             "validation_data")[:2]
-        return x, y, val, {}, spec.features
+        return x, y, val, {}, spec.features, config
     from app.driver import cluster
 
     # What is known without Ray first: the files exist, the batch cuts over the workers.
@@ -232,11 +235,12 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
                                            class_weight=class_weight)  # weighed on the workers, as fit() weighs tf.data
     datasets = {"train": train_ds}
     val = None
+    config = decided(config, train.spec)
     if val_loc is not None or holdout:
         val, datasets["val"] = keras_stream.prepare(val_loc or train_loc, config, name="val", what="validation_data",
                                                     batch_size=val_batch, world=world, shuffle=False, training=False,
                                                     holdout=split("val"))
-    return train, None, val, datasets, train.spec.features
+    return train, None, val, datasets, train.spec.features, config
 
 
 def same_structure(train, val) -> None:

@@ -34,7 +34,7 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
                      # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
-                     "label_column", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
+                     "label_column", "class_names", "feature_columns", "inputs", "data_format", "feature_shape", "image_size",
                      "image_channels", "text_column", "vocab_size", "sequence_length", "shuffle_buffer",
                      "stream_buffer_mib", "data_cache",
                      # the product's features that Keras provides itself (app.training.keras_features)
@@ -192,7 +192,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     columns: tuple[str, ...] = ()  # a path's or a Dataset's columns that are x (the refusals name them)
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
         with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
-            x, y, validation_data, datasets, columns = fit_inputs.streamed_inputs(
+            x, y, validation_data, datasets, columns, config = fit_inputs.streamed_inputs(
                 config, world, x, y, validation_data, validation_split, sample_weight, class_weight, steps_per_epoch,
                 validation_steps, batch_size, validation_batch_size, shuffle, holdout="val_fraction" in fields,
                 default_batch=KERAS_BATCH_SIZE)

@@ -101,7 +101,8 @@ def _predict(found: Trained, options: PredictOptions, given: Any) -> dict[str, A
     from app.training.predictor import Recipe
 
     # An actor gives TensorFlow its CPUs' threads; this process (local) has TensorFlow initialised already.
-    recipe = Recipe(spec, task, from_logits, keep, options.batch_size, config.cpus_per_worker if on_ray else 0)
+    recipe = Recipe(spec, task, from_logits, keep, options.batch_size, config.cpus_per_worker if on_ray else 0,
+                    tuple(config.class_names or ()) if task == "classification" else ())
     log.info("predicting with %s on %s: %s, examples of shape %s, %s", found.model_file, rows.what, task,
              spec.feature_shape, f"{options.num_workers} Ray actor(s)" if on_ray else "this process")
     output_guard.take(out, "predict", replace=options.overwrite)  # every check above passed

@@ -8,6 +8,8 @@ the model in inference mode -> the output columns, with the columns kept from th
 | classification | ``prediction`` (the class id), ``probabilities`` (one per class; softmax of logits)   |
 | binary         | ``prediction`` (0/1), ``probabilities`` ([1 - p, p]; sigmoid of a logit)              |
 | regression     | ``prediction`` (the value; a list for several outputs)                              |
+
+A run whose labels were class names (its config's ``class_names``) predicts the name, not the id.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Recipe:
     keep: tuple[str, ...]  # input columns written beside the predictions
     batch_size: int  # rows per model call
     cpus: float = 0  # an actor's CPUs: TensorFlow's compute threads (0: leave TensorFlow's own, as in the driver)
+    class_names: tuple[str, ...] = ()  # the run's labels were these names (its config's class_names): predict names
 
 
 class Predictor:
@@ -71,12 +74,15 @@ class Predictor:
             else x[i : i + r.batch_size]  # noqa: E731
         # predict_on_batch: one traced function for every batch of a size (the last, smaller one traces once more).
         out = [np.asarray(self.model.predict_on_batch(rows(i))) for i in range(0, table.num_rows, r.batch_size)]
-        outputs = output_columns(np.concatenate(out) if out else np.zeros((0, 1), np.float32), r.task, r.from_logits)
+        outputs = output_columns(np.concatenate(out) if out else np.zeros((0, 1), np.float32), r.task, r.from_logits,
+                                 r.class_names)
         return pa.table({**outputs, **{name: table.column(name) for name in r.keep}})
 
 
-def output_columns(out: np.ndarray, task: str, from_logits: bool) -> dict[str, "pa.Array"]:
-    """The model's outputs (n, k) as columns: class and probabilities, or the value(s)."""
+def output_columns(out: np.ndarray, task: str, from_logits: bool, class_names: tuple[str, ...] = ()
+                   ) -> dict[str, "pa.Array"]:
+    """The model's outputs (n, k) as columns: class (by name, given the classes' names) and probabilities, or the
+    value(s)."""
     import pyarrow as pa
 
     out = out.astype(np.float32, copy=False).reshape(len(out), -1)
@@ -88,7 +94,10 @@ def output_columns(out: np.ndarray, task: str, from_logits: bool) -> dict[str, "
         probabilities = np.stack([1 - p, p], axis=1)
     else:
         probabilities = _softmax(out) if from_logits else out
-    return {PREDICTION: pa.array(probabilities.argmax(axis=1).astype(np.int64)), PROBABILITIES: _column(probabilities)}
+    ids = probabilities.argmax(axis=1).astype(np.int64)
+    named = len(class_names) == probabilities.shape[1]  # a run's recorded names, one per output
+    predicted = pa.array(np.asarray(class_names, dtype=object)[ids]) if named else pa.array(ids)
+    return {PREDICTION: predicted, PROBABILITIES: _column(probabilities)}
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """A user's script: Keras models trained by app.fit on files, on a ray.data.Dataset and on a tf.data pipeline of
 TFRecord files, on 2 Ray workers (a model with its own train_step from a path and from a Dataset; a compiled one
-from a path and from TFRecord files).
+from a path, from a path whose label column holds class names, and from TFRecord files).
 
     python keras_stream_runs.py OUT      (joined to a running Ray: RAY_ADDRESS)
 
@@ -109,6 +109,17 @@ for workers in (1, 2):
                                                       output=str(out / f"r3_{workers}"), verbose=0))
 keras_fit = classifier().fit(X, labels, batch_size=30, epochs=4, shuffle=False, class_weight=CLASS_WEIGHT, verbose=0)
 runs["keras_fit"] = {"history": keras_fit.history}
+
+# A label column of class names (a pandas category column: parquet stores it as a dictionary of strings). Sorted,
+# "apple" is class 0 and "zebra" class 1: the ids are 1 - labels, as model.fit is given them below.
+named = features.assign(label=pd.Categorical(np.where(labels == 1, "apple", "zebra")))
+history = app.fit(classifier, str(write_parts(out / "named", named, 3)), batch_size=30, epochs=3, shuffle=False,
+                  validation_data=str(write_parts(out / "named_val", named.iloc[:30], 1)), num_workers=1,
+                  output=str(out / "r5"), verbose=0)
+runs["names"] = {"history": history.history, "config": (out / "r5" / "config.yaml").read_text()}
+keras_fit = classifier().fit(X, 1 - labels, batch_size=30, epochs=3, shuffle=False,
+                             validation_data=(X[:30], 1 - labels[:30]), verbose=0)
+runs["names_keras_fit"] = {"history": keras_fit.history}
 
 # A tf.data pipeline that reads TFRecord files (3 files, 301 rows): every worker reads them, every epoch.
 records = out / "records"
