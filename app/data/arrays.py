@@ -159,7 +159,7 @@ class DataFacts:
     # A regression's targets' mean and variance over the training rows, where read before training (else None): the
     # built-ins predict in their units (app.models.in_target_units).
     label_moments: Optional["Moments"] = field(default=None, compare=False, repr=False)
-    # A label column of class names: the names, in class-id order (app.data.schema.with_class_names); else ().
+    # A label column of class names: the names, in class-id order (app.data.class_names); else ().
     class_names: tuple[str, ...] = ()
 
     @property

@@ -191,7 +191,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
     (by the name the workers ask for); on the local backend (one process), a path read here into arrays.
     ``holdout``: ``val_fraction`` was given, a seeded part of x held out for validation (the command line's
     --val-fraction, for a data set with no validation part). Returns (x, y, validation_data, datasets, x's columns,
-    the config with the class names a label column of names was read with: app.data.schema.decided)."""
+    the config with the class names a label column of names was read with: app.data.class_names.decided)."""
     if holdout and validation_data is not None:
         raise UserError("val_fraction holds out a part of x for validation, and validation_data is given: pass one "
                         "or the other")

@@ -24,7 +24,7 @@ def lines(config, model, train, val, world: int, features, shard, tensor, compil
     compiled = [compiled_line] if compiled_line else []
     if unused := product_model.unused_options_line(config):
         compiled.append(unused)
-    if config.class_names:  # a label column of class names, each mapped to its id (app.data.schema.with_class_names)
+    if config.class_names:  # a label column of class names, each mapped to its id (app.data.class_names)
         compiled.append(f"labels: class names, ids {', '.join(f'{n}={i}' for i, n in enumerate(config.class_names[:10]))}"
                         f"{', ...' if len(config.class_names) > 10 else ''} (config.yaml records them; predictions "
                         "name the class)")
