@@ -133,9 +133,11 @@ def main(body: Callable[[], Any]) -> None:
     # Our INFO lines; other libraries' only from WARNING on (a run's log file gets their INFO: app.ui.console).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("app").setLevel(logging.INFO)
+    joined = cli_errors.ray_joined()  # a Ray this process had before the script ran is not the script's to leave
     try:
         body()
-        cli_errors.leave_ray()
+        if not joined:
+            cli_errors.leave_ray()
     except UserError as e:
         trace = getattr(e, "trace", None)  # app.errors.UserCodeError: the user's own code raised
         print(f"error: {e}{cli_errors.kept(trace) if trace else ''}", file=sys.stderr)

@@ -115,11 +115,19 @@ def guarded(parse: Callable[[], Any]) -> Any:
 
 # --- an entry script's exit (app.cli.main) -----------------------------------------------------------------
 
-def leave_ray() -> None:
-    """Leave Ray, then exit at once, status 0: Ray Data's executor threads can outlive a dataset's last read and call
-    Ray's core worker after the exit-time ray.shutdown(), which Ray answers by exiting 1 (ray-project/ray#19115)."""
+def ray_joined() -> bool:
+    """Whether this process is connected to a Ray (importing Ray to ask would cost a script without it seconds)."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    return ray is not None and ray.is_initialized()
+
+
+def leave_ray() -> None:
+    """A script that connected to Ray and succeeded leaves it, then exits at once, status 0: Ray Data's executor
+    threads can outlive a dataset's last read and call Ray's core worker after the exit-time ray.shutdown(), which
+    Ray answers by exiting 1 (ray-project/ray#19115). Only for a Ray the script connected: one this process held
+    before it (a script run inside another program) stays."""
+    if ray_joined():
+        ray = sys.modules["ray"]
         ray.shutdown()
         logging.shutdown()
         sys.stdout.flush(), sys.stderr.flush()
