@@ -44,7 +44,7 @@ import numpy as np
 
 from app.data import images
 from app.data.arrays import ID, Moments, W, Y, nest_map, x_columns
-from app.data.class_names import class_ids, names
+from app.data.class_names import class_ids, distinct, names
 from app.data.schema import TABULAR, Spec, class_of
 from app.errors import UserError
 
@@ -249,7 +249,7 @@ def block_stats(table: "pa.Table", spec: Spec) -> "pa.Table":
         if bad:
             stats["nonfinite_column"], stats["nonfinite"] = spec.label, bad
         if spec.label_names:  # the names this block holds; the driver decides their ids from every block's
-            stats["label_names"] = json.dumps(sorted(pc.unique(names(table, spec.label)).drop_null().to_pylist()))
+            stats["label_names"] = json.dumps(sorted(distinct(table, spec.label)))
         elif n and label.null_count < n:
             mm = pc.min_max(label)
             stats["label_min"], stats["label_max"] = mm["min"].as_py(), mm["max"].as_py()

@@ -68,6 +68,13 @@ def names(table: "pa.Table", column: str) -> "pa.Array":
     return values.cast(values.type.value_type) if pa.types.is_dictionary(values.type) else values
 
 
+def distinct(table: "pa.Table", column: str) -> list[str]:
+    """The class names a table's column holds, each once (missing ones left out: they are refused apart)."""
+    import pyarrow.compute as pc
+
+    return pc.unique(names(table, column)).drop_null().to_pylist()
+
+
 def class_ids(table: "pa.Table", spec: Spec) -> np.ndarray:
     """A block's class names -> their ids (their places in ``spec.classes``). A name the run's classes lack is one
     line (the driver's checks find such names first, where they read the rows)."""
@@ -82,5 +89,5 @@ def class_ids(table: "pa.Table", spec: Spec) -> np.ndarray:
                         f"first (pandas: df.dropna(subset=[{spec.label!r}]))")
     ids = pc.index_in(given, value_set=pa.array(spec.classes, given.type))
     if ids.null_count:
-        with_class_names(spec, pc.unique(given).to_pylist(), "these rows")
+        with_class_names(spec, distinct(table, spec.label), "these rows")
     return ids.to_numpy(zero_copy_only=False).astype(np.int64)

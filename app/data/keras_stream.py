@@ -332,7 +332,7 @@ def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[
 
     from app.data import local_files
     from app.data.blocks import _lengths, _with_lengths, keras_rows
-    from app.data.class_names import names, with_class_names
+    from app.data.class_names import distinct, with_class_names
     from app.data.schema import image_spec, schema_spec
 
     if is_ray_dataset(x):
@@ -353,9 +353,7 @@ def read_local(x: Any, config: "TrainConfig", what: str) -> tuple[Any, Optional[
     table = pa.concat_tables(tables)
     spec = _with_lengths(spec, {k: low for k, (low, high) in _lengths(table, spec).items()})
     if spec.label_names:
-        import pyarrow.compute as pc
-
-        spec = with_class_names(spec, pc.unique(names(table, spec.label)).drop_null().to_pylist(), f"{what} {loc.uri!r}")
+        spec = with_class_names(spec, distinct(table, spec.label), f"{what} {loc.uri!r}")
     return (*keras_rows(table, spec, labelled), spec)
 
 
