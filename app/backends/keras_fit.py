@@ -26,7 +26,7 @@ from app import internals
 from app.backends.keras_record import export, summary, trained_model
 from app.config import TrainConfig
 from app.data.keras_inputs import KerasData
-from app.driver import cluster, outputs
+from app.driver import cluster, outputs, time_report
 from app.errors import NonFiniteLoss, RunFailed, UserCodeError, UserError
 from app.training import checkpoint, keras_worker
 from app.training.keras_worker import KerasJob
@@ -123,6 +123,7 @@ def keras_loop_per_worker(payload: dict[str, Any]) -> None:
 
     worker_lines.mark_worker_console("app")
     session = RayKerasSession(payload)
+    session.entered = time.time()  # the start-up marks begin here (app.training.step_clock)
     # The job (the model function, the callbacks) may hold TensorFlow objects, a layer adapted in the driver:
     # unpickled only once the collectives and threads are set, which must come before any TensorFlow op.
     session.start()
@@ -208,11 +209,13 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
     from app.backend import backend_of
 
     started = time.time()
+    time_report.mark("plan")
     for line in plan:  # a warning reaches the console even under app.fit(verbose=0)
         (log.warning if line.startswith(WARNING) else log.info)(line.removeprefix(WARNING))
     on_ray = backend_of(config).on_ray
     if on_ray:
         cluster.connect(config)
+        time_report.mark("ray")
     out = outputs.prepare_output_dir(config)
     log.info("output: %s (%s own lines: %s)", out, "Ray's and TensorFlow's" if on_ray else "TensorFlow's",
              out / console.LOG_FILE)
@@ -227,6 +230,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
                 directory = _ray_fit(config, job, out, datasets or {}, dataclasses.replace(ray_run, name=name))
             else:
                 names = internals.keep_keras_names()  # as this process's worker builds its model
+                time_report.mark("fit")
                 try:
                     keras_worker.keras_fit_worker(job, LocalKerasSession(job.train, job.val, out / "checkpoint",
                                                                          local and local.strategy))
@@ -235,6 +239,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
                 except UserCodeError as e:  # as a Ray run's: the user's traceback in the run's log
                     raise UserCodeError(f"{e} (full traceback in {console.write_trace(str(e), e.trace)})") from None
                 directory = str(out / "checkpoint")
+            time_report.mark("fit returned")
         return _outputs(config, job, out, directory, started, local, None if on_ray else names)
     finally:
         outputs.release_output_dir(config)
@@ -281,6 +286,7 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
             worker_runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}},
         ),
     )
+    time_report.mark("fit")
     try:
         with tf_config.in_drivers_directory():
             result = trainer.fit()
@@ -387,6 +393,12 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),
               "optimizer_parts_bytes": state.get("optimizer_parts_bytes"),
               "seconds": round(time.time() - started, 2)}
+    took = state.get("time") or {}
+    if took.get("epochs") and "at" in took["epochs"][-1]:
+        time_report.DRIVER_MARKS["last epoch"] = took["epochs"][-1]["at"]
+    time_report.mark("outputs")
+    result["time"] = time_report.report(took, getattr(job.train, "streamed", False), world)
+    log.info(result["time"]["line"])
     if keras_audit.STATE_KEY in state:  # --audit-sample-ids: every epoch's ids, and result.json's counts of them
         audited = state[keras_audit.STATE_KEY]
         (out / outputs.AUDIT_FILE).write_text(json.dumps(audited))

@@ -137,7 +137,8 @@ class Checkpoints(keras.callbacks.Callback):
 
     def __init__(self, session, write: Callable[[str], None], state: dict[str, Any], epochs: int,
                  gather: Optional[Callable[[], None]] = None, own: Optional[list] = None, rows: Optional[int] = None,
-                 finite: bool = False, settle: Optional[Collective] = None):
+                 finite: bool = False, settle: Optional[Collective] = None, clock: Any = None,
+                 collective: Optional[Collective] = None, sync_timed: bool = False):
         """``state``: what ``write`` saves beside the weights: the epoch reached, the history and why the run stopped
         early, kept here; ``gather``: what every worker does before rank 0 writes (a sharded optimizer's parts put
         together); ``own``: the user's callbacks this worker runs (which may stop the run); ``rows``: the rows an
@@ -145,8 +146,11 @@ class Checkpoints(keras.callbacks.Callback):
         ``finite``: a non-finite epoch loss ends the run before its checkpoint (a model the product compiled: one
         the user compiled trains on, as Keras's fit does); ``settle``: the user gave callbacks, which may set the
         weights as training ends (EarlyStopping's ``restore_best_weights``) on rank 0, where they run: every worker
-        then takes rank 0's weights over this collective and the run's last checkpoint holds them."""
+        then takes rank 0's weights over this collective and the run's last checkpoint holds them; ``clock``: the
+        worker's StepClock (app.training.step_clock), whose epoch split every worker gathers to the checkpoint's
+        state over ``collective`` (``sync_timed``: its steps time their all-reduce)."""
         super().__init__()
+        self.clock, self.collective, self.sync_timed = clock, collective, sync_timed
         self.session, self.write, self.state, self.epochs, self.gather = session, write, state, epochs, gather
         self.own, self.rows, self.finite, self.settle = own or [], rows, finite, settle
         self.written: Optional[int] = None  # rank 0's weights as its last checkpoint holds them (a fingerprint)
@@ -183,11 +187,29 @@ class Checkpoints(keras.callbacks.Callback):
                 "a callback set model.stop_training")}
         if self.session.rank == 0:
             log.info(epoch_line(record, self.epochs))
+        if self.clock is not None:
+            self._time(epoch)
         if self.gather is not None:
             self.gather()
+        saving = time.perf_counter()
         self.session.save_and_report(record, self.write)
+        if self.clock is not None:
+            self.clock.checkpoint = time.perf_counter() - saving
         if self.settle is not None and self.session.rank == 0:
             self.written = _fingerprint(self.model)
+
+    def _time(self, epoch: int) -> None:
+        """Every worker's split of the epoch (and its start-up marks), gathered into the checkpoint's state: where
+        the run's time went (app.driver.time_report reads it)."""
+        from app.training.step_clock import MARKS
+
+        marks = [self.clock.marks.at.get(name, 0.0) for name in MARKS]
+        row = np.concatenate([self.clock.row(), marks])
+        rows = self.collective.gather(row) if self.collective is not None else row[None]
+        took = self.state.setdefault("time", {"epochs": [], "sync_timed": self.sync_timed})
+        split = rows[:, :-len(MARKS)]
+        took["epochs"].append({"epoch": epoch + 1, "at": time.time(), "workers": np.round(split, 4).tolist()})
+        took["marks"] = [dict(zip(MARKS, r)) for r in rows[:, -len(MARKS):].tolist()]
 
     def on_train_end(self, logs=None):
         if self.settle is None or not self.state["history"]:

@@ -80,9 +80,10 @@ def _recording_rows(model) -> _Rows:
     return rows
 
 
-def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list:
+def synchronise(model, collective: Collective, shard_optimizer: int = 0, clock: Any = None) -> list:
     """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows; with
-    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns."""
+    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns.
+    ``clock``: the step clock's InGraph (app.training.step_clock), which times the gradients' all-reduce."""
     if collective.world == 1:
         return []
     rows = _recording_rows(model)
@@ -96,8 +97,11 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0) -> list
             sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
         else:
             site = Site.GRADIENTS + i * Site.PACKS
-            _average_by_rows(optimizer, rows,
-                             lambda values, site=site: collective.sum_gradients(values, site, gather_slices=slices))
+            def summed(values, site=site):
+                return collective.sum_gradients(values, site, gather_slices=slices)
+
+            _average_by_rows(optimizer, rows, summed if clock is None else
+                             lambda values, summed=summed: clock.timed_sync(values, summed))
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
     return sharded
 

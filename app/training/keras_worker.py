@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import shutil
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class KerasJob:
     log_every_steps: int = 0  # TensorBoard's step scalars every N steps (with tensorboard_dir); 0: per epoch only
     audit: bool = False  # --audit-sample-ids: every epoch's training row ids over the workers (app.training.keras_audit)
     stages: Any = None  # --strategy pipeline: the driver's StagePlan (app.training.pipeline); None: no pipeline
+    profile_steps: Optional[tuple[int, int]] = None  # --profile-steps A:B: TensorFlow's profiler over those steps
+    profile_dir: Optional[str] = None  # where each worker's profile goes (a TensorBoard run per worker)
 
 
 def trained_rows(data, world: int) -> Optional[int]:
@@ -265,19 +268,32 @@ def _fit_parts(model, parts: list, first: int, skip: int, train: KerasData, val_
                   callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0, shuffle=False)
 
 
+def _steps_before(first: int, skip: int, steps: Optional[int]) -> int:
+    """The run's steps before this fit's first (--profile-steps counts them over the run)."""
+    return first * (steps or 0) + skip
+
+
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     """One worker's part of ``app.fit`` for a model trained by its own step."""
+    entered = getattr(session, "entered", None) or time.time()  # a Ray worker's: before it set its threads up
     session.start()
     import keras
 
-    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, zero
+    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, step_clock, zero
+
+    marks = step_clock.Marks()
+    marks.mark("worker process", step_clock.worker_started())
+    marks.mark("worker entered", entered)
+    marks.mark("tensorflow")
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
     train, val = session.inputs()
+    marks.mark("inputs")
     strategy = session.strategy
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = keras_features.build(job.model_fn, job.features)
+    marks.mark("model")
     if strategy is not None:  # one process, several replicas: their all-reduce is the strategy's
         keras_sync.synchronise_replicas(model)
     if job.stages is not None:  # --strategy pipeline: fit trains the model placed stage by stage on its devices
@@ -287,13 +303,20 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     split = Split(model, job.tensor, train) if job.tensor is not None else None
     if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
         collective.device = split.shards.plan.devices[0]
-    sharded = keras_sync.synchronise(model, collective, job.shard_optimizer)
+    # The step's body and sync timed inside it: a worker of one replica (a local strategy's replicas run the step
+    # in a replica context, where the clock's variables are not theirs to add to).
+    in_graph = step_clock.InGraph() if strategy is None else None
+    sharded = keras_sync.synchronise(model, collective, job.shard_optimizer, in_graph)
+    if in_graph is not None:
+        in_graph.wrap_step(model, keras_sync.optimizers_of(model))
     with user_code.named(model):  # the model's steps are traced here first
         if strategy is None:
             build(model, train, val, sharded)
         else:  # its variables are the strategy's, made in its scope (a step traced outside a replica cannot read them)
             replica_internals.symbolic_build(model, train.first_batch())
             replica_internals.updates_exact_on_one_copy(model)  # central storage's one copy of each variable
+    marks.mark("traced")
+    clock = step_clock.StepClock(in_graph, marks)
 
     state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
@@ -353,14 +376,17 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
             job.checkpoint_every_steps, lambda epoch: train.steps_on(session.world, epoch, job.seed), save_step,
             state, collective, skip)] if job.checkpoint_every_steps else []
         watch = [keras_callbacks.StepWatch(collective.watch)] if collective.watch is not None else []
-        return [*watch, epoch_input, *goes_on, *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)),
-                *bar,
+        profile = [step_clock.Profile(*job.profile_steps, f"{job.profile_dir}/worker-{session.rank}",
+                                      _steps_before(first, skip, steps))] if job.profile_steps and job.profile_dir else []
+        return [clock, *watch, *profile, epoch_input, *goes_on,
+                *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)), *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                 *stepped, *audit,
                 keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
                                             own=own if session.rank == 0 else [],
                                             rows=trained_rows(train, session.world), finite=job.task is not None,
-                                            settle=collective if own else None),
+                                            settle=collective if own else None, clock=clock,
+                                            collective=collective, sync_timed=in_graph is not None and not sharded),
                 *([board] if board is not None else []), *step_scalars]
 
     val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,

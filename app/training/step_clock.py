@@ -1,0 +1,245 @@
+"""Where a worker's time goes: its start-up links, and each epoch's steps split into input, compute, sync and hooks.
+
+Keras's fit runs every step as one call of its ``train_function`` (``next(iterator)`` then the model's
+``train_step``, traced into one function), with the callbacks' batch hooks between two calls. The clock times:
+
+- on the host, each ``train_function`` call (``StepClock`` wraps it as fit starts): the whole step, its input
+  included; the epoch's training loop from its begin to its validation (or its end); the validation pass;
+- inside the traced step (``InGraph``, a worker of one replica: a Ray worker, or a local run on one device), with
+  ``tf.timestamp`` ops ordered by the tensors they wait for: the step's body from its batch in hand to its outputs
+  and its optimizers' updates, and the gradients' all-reduce from its last gradient to its last sum (the sync the
+  backward pass did not hide, the wait for the slowest worker included).
+
+So per epoch: **input** = step calls - bodies (the wait for the batch, and the call's dispatch); **sync** = the
+all-reduces; **compute** = bodies - sync; **hooks** = loop - step calls (callbacks, Keras's loop). Each fit's first
+step traces the function: it is a start-up link of its own ("first step"), not in the split. On a GPU a call may
+return before its kernels end: the wait then shows in the hooks that read the step's logs.
+
+``Profile`` is --profile-steps A:B: TensorFlow's profiler over those steps of the run, on every worker, into a
+TensorBoard run of each worker's own (TensorBoard's profile tab opens them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import keras
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# One epoch of one worker, in this order (app.driver.time_report reads it): the steps timed (each fit's first step
+# is not), their calls, their bodies and syncs (0 where not timed in the step), the hooks, the validation, the
+# previous epoch's checkpoint and report, and the first step's seconds (0 in an epoch that did not start a fit).
+EPOCH_FIELDS = ("steps", "calls", "body", "sync", "hooks", "validation", "checkpoint", "first_step")
+# A worker's start-up marks, in the order they end (wall clock; 0: not reached in this process).
+MARKS = ("worker process", "worker entered", "tensorflow", "inputs", "model", "traced", "first step")
+
+
+def worker_started() -> float:
+    """When this worker's process started (wall clock): Ray may start it before the run asks for it."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class Marks:
+    """The start-up links of one worker: the wall clock when each ended, in order."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def mark(self, name: str, at: Optional[float] = None) -> None:
+        self.at.setdefault(name, time.time() if at is None else at)
+
+
+class InGraph:
+    """The step's body and its gradients' sync, summed inside the traced step (a worker of one replica)."""
+
+    def __init__(self) -> None:
+        import tensorflow as tf
+
+        self.body = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_body")
+        self.sync = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_sync")
+
+    def wrap_step(self, model, optimizers: list) -> None:
+        """``model.train_step`` timed from its batch in hand to its outputs and its optimizers' step counts (read
+        after their updates)."""
+        own_step = model.train_step
+
+        def train_step(data):
+            import tensorflow as tf
+
+            with tf.control_dependencies(tf.nest.flatten(data)):
+                start = tf.timestamp()
+            outputs = own_step(data)
+            done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
+            done += [tf.convert_to_tensor(o.iterations) for o in optimizers]
+            with tf.control_dependencies(done):
+                self.body.assign_add(tf.timestamp() - start)
+            return outputs
+
+        model.train_step = train_step
+
+    def timed_sync(self, values: list, summed: Callable[[list], list]) -> list:
+        """``summed(values)`` (the gradients' all-reduce), its exposed time added to the sync."""
+        import tensorflow as tf
+
+        with tf.control_dependencies([v for v in tf.nest.flatten(values, expand_composites=True) if v is not None]):
+            start = tf.timestamp()
+        out = summed(values)
+        with tf.control_dependencies([v for v in tf.nest.flatten(out, expand_composites=True) if v is not None]):
+            self.sync.assign_add(tf.timestamp() - start)
+        return out
+
+    def read(self) -> tuple[float, float]:
+        return float(self.body.numpy()), float(self.sync.numpy())
+
+
+class StepClock(keras.callbacks.Callback):
+    """The epoch's split on this worker (first in fit's callbacks: its epoch begin is the epoch's, its epoch end
+    runs before the checkpoint's). Its hooks are epoch and test begins and ends: Keras may still run the batch hooks
+    off the training thread."""
+
+    async_safe = True
+
+    def __init__(self, in_graph: Optional[InGraph], marks: Marks):
+        super().__init__()
+        self.in_graph, self.marks = in_graph, marks
+        self.checkpoint = 0.0  # the last epoch's checkpoint and report (Checkpoints adds it)
+        self._reset()
+        self._graph_at = (0.0, 0.0)
+        self._fit_calls = 0
+
+    def _reset(self) -> None:
+        self.calls = self.first = 0.0
+        self.steps = 0
+        self.loop_start: Optional[float] = None
+        self.loop = self.validation = 0.0
+        self._test_start: Optional[float] = None
+
+    def on_train_begin(self, logs=None):
+        self._fit_calls = 0
+        fn = self.model.train_function
+        if getattr(fn, "_clocked", None) is self:  # a later fit of this worker: the function is wrapped already
+            return
+        clock = self
+
+        def timed(iterator):
+            started = time.perf_counter()
+            out = fn(iterator)
+            seconds = time.perf_counter() - started
+            if clock._fit_calls == 0:  # a fit's first call traces the function: a start-up link
+                clock.first += seconds
+                clock._graph_at = clock.in_graph.read() if clock.in_graph is not None else (0.0, 0.0)
+                clock.marks.mark("first step")
+            else:
+                clock.calls += seconds
+                clock.steps += 1
+            clock._fit_calls += 1
+            return out
+
+        timed._clocked = self
+        self.model.train_function = timed
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._reset()
+        self.loop_start = time.perf_counter()
+        if self.in_graph is not None and self._fit_calls:
+            self._graph_at = self.in_graph.read()
+
+    def _end_loop(self) -> None:
+        if self.loop_start is not None:
+            self.loop, self.loop_start = time.perf_counter() - self.loop_start, None
+
+    def on_test_begin(self, logs=None):
+        self._end_loop()
+        self._test_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        if self._test_start is not None:
+            self.validation += time.perf_counter() - self._test_start
+            self._test_start = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end_loop()
+
+    def row(self) -> np.ndarray:
+        """This epoch's split (EPOCH_FIELDS), after its on_epoch_end."""
+        body = sync = 0.0
+        if self.in_graph is not None and self.steps:
+            now = self.in_graph.read()
+            body, sync = now[0] - self._graph_at[0], now[1] - self._graph_at[1]
+            self._graph_at = now
+        hooks = max(0.0, self.loop - self.calls - self.first)
+        return np.array([self.steps, self.calls, body, sync, hooks, self.validation, self.checkpoint, self.first])
+
+
+class Profile(keras.callbacks.Callback):
+    """--profile-steps A:B: TensorFlow's profiler from step A's begin to step B's end (steps of the run, counted
+    from 1 over its epochs), written under ``logdir`` (a TensorBoard run of this worker's own)."""
+
+    def __init__(self, first: int, last: int, logdir: str, steps_before: int):
+        super().__init__()
+        self.first, self.last, self.logdir = first, last, logdir
+        self.done = steps_before  # the run's steps before this fit (a resumed run's)
+        self.on = False
+        self._epoch_start = steps_before
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self.done
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self._epoch_start + batch + 1
+        if self.on and step > self.last:
+            self._stop()
+        elif not self.on and self.first <= step <= self.last:
+            import tensorflow as tf
+
+            tf.profiler.experimental.start(self.logdir)
+            self.on = True
+        self.done = step
+
+    def _stop(self) -> None:
+        import tensorflow as tf
+
+        tf.profiler.experimental.stop()
+        self.on = False
+        log.info("profile of steps %d-%d written to %s", self.first, self.last, self.logdir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.on and self.done >= self.last:
+            self._stop()
+
+    def on_train_end(self, logs=None):
+        if self.on:
+            self._stop()
+
+
+SHARES = ("input", "compute", "sync", "hooks")  # a step's parts, in the order the run-end line names them
+
+
+def split(rows: list) -> dict[str, float]:
+    """Seconds of each part of the timed steps (SHARES), the validation, checkpoint and first-step seconds and the
+    steps timed, over epoch rows (EPOCH_FIELDS) of one worker or several (then each worker's mean)."""
+    a = np.asarray(rows, dtype=np.float64).reshape(-1, len(EPOCH_FIELDS))
+    f = dict(zip(EPOCH_FIELDS, a.T))
+    body = f["body"]
+    timed = body > 0  # rows whose steps were timed inside (else the whole call counts as compute)
+    parts = {
+        "input": np.where(timed, np.maximum(f["calls"] - body, 0.0), 0.0),
+        "compute": np.where(timed, np.maximum(body - f["sync"], 0.0), f["calls"]),
+        "sync": np.where(timed, f["sync"], 0.0),
+        "hooks": f["hooks"],
+    }
+    return {**{k: float(v.sum()) for k, v in parts.items()}, "validation": float(f["validation"].sum()),
+            "checkpoint": float(f["checkpoint"].sum()), "first_step": float(f["first_step"].sum()),
+            "steps": float(f["steps"].sum())}
+
+
+def shares(seconds: dict[str, float]) -> dict[str, float]:
+    """Each part's fraction of the timed steps' time (SHARES; empty when nothing was timed)."""
+    total = sum(seconds[k] for k in SHARES)
+    return {k: seconds[k] / total for k in SHARES} if total > 0 else {}
