@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from app import cli_errors
 from app.config import CONFIG_FILE, CallbacksSpec, DataSection, Plugin, TrainConfig, build_config
-from app.config_sections import SECTIONS, WorkerCount
+from app.config_sections import SECTIONS, StepRange, WorkerCount
 from app.errors import RunFailed, UserError
 
 # Section -> --help group title ("<title> options").
@@ -265,7 +265,8 @@ def _predict_flags() -> type:
 
 
 _METAVARS = {"model": "NAME", "dataset": "NAME|PATH", "val_dataset": "PATH", "output": "DIR", "storage_path": "PATH",
-             "tensorboard_dir": "PATH", "callbacks": "FILE.PY:FUNCTION", "num_workers": "N|MIN:MAX"}
+             "tensorboard_dir": "PATH", "callbacks": "FILE.PY:FUNCTION", "num_workers": "N|MIN:MAX",
+             "profile_steps": "A:B"}
 
 
 def _flag_type(name: str, field: Any) -> Any:
@@ -277,6 +278,8 @@ def _flag_type(name: str, field: Any) -> Any:
         kind = str  # a built-in name, file.py:function, or (datasets) a path
     elif kind == WorkerCount:
         kind = str  # N or MIN:MAX, parsed by the config (app.config_scale.parse_workers)
+    elif kind == Optional[StepRange]:
+        kind = str  # A:B, parsed by the config (app.config_sections.parse_steps)
     elif typing.get_origin(kind) is dict:
         kind, metavar = str, "JSON"  # decoded by _decoded
     elif item := _list_item(kind):

@@ -20,6 +20,7 @@ PositiveInts = Annotated[list[PositiveInt], Field(min_length=1)]
 # a path/URI (datasets), or, from Python (app.train), the function itself.
 Plugin = Union[str, Callable[..., Any]]
 WorkerCount = Union[PositiveInt, tuple[PositiveInt, PositiveInt]]  # N, or (MIN, MAX): an elastic run
+StepRange = tuple[PositiveInt, PositiveInt]  # --profile-steps A:B
 CallbacksSpec = Union[str, Callable[..., Any], list[Any]]  # or a list of keras.callbacks.Callback (app.train)
 
 
@@ -329,6 +330,10 @@ class OutputSection(_Section):
     log_every_steps: int = Field(
         50, ge=0, description="TensorBoard step scalars every N optimizer steps (0 = per epoch only)."
     )
+    profile_steps: Optional[StepRange] = Field(
+        None, description="A:B: TensorFlow's profiler over the run's steps A to B (counted from 1 over its epochs) on "
+        "every worker, written to <tensorboard dir>/profile/worker-<rank>: TensorBoard's profile tab opens them "
+        "(pip install -e '.[profile]', then tensorboard --logdir <output>/tensorboard/profile).")
     export: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["keras", "savedmodel"],
         description="What the run writes for use elsewhere: keras = model.keras, savedmodel = saved_model/ (a "
         "SavedModel for TensorFlow Serving); --export keras,savedmodel or --export keras.")
@@ -338,11 +343,33 @@ class OutputSection(_Section):
         "trained and distinct ones per epoch). Arrays and files; not a tf.data pipeline, not with "
         "--checkpoint-every-steps."
     )
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_steps(cls, value: Any) -> Any:
+        return parse_steps(value)
+
     # Not "verbose": app.fit takes Keras's verbose (0, 1, 2, "auto"), beside every config field.
     show_logs: bool = Field(
         False, description="Show Ray's and TensorFlow's own log lines on the console too (they always go to "
         "<output>/train.log), and an error's traceback."
     )
+
+
+def parse_steps(value: Any) -> Any:
+    """--profile-steps A:B (or a pair): the first and last step, A <= B, each a whole number from 1."""
+    if value is None or isinstance(value, (tuple, list)):
+        pair = value
+    else:
+        parts = str(value).split(":")
+        try:
+            pair = tuple(int(p) for p in parts)
+        except ValueError:
+            pair = ()
+        if len(parts) != 2 or len(pair) != 2:
+            raise ValueError("takes A:B, the first and last step to profile (for example 10:15)")
+    if pair is not None and len(pair) == 2 and all(isinstance(p, int) for p in pair) and pair[0] > pair[1]:
+        raise ValueError(f"A:B must have A <= B: for example {pair[1]}:{pair[0]}")
+    return pair
 
 
 SECTIONS: tuple[type[_Section], ...] = (RunSection, DataSection, ModelSection, OptimSection, OutputSection)

@@ -192,14 +192,15 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def two_worker_run(ray_cluster, tmp_path_factory):
     """One undisturbed default 2-worker run (6 epochs), shared by the tests that compare against it; it audits the
-    sample ids each replica trains on (the ids only: the training is the same)."""
+    sample ids each replica trains on (the ids only: the training is the same) and profiles steps 30-32 (TensorFlow's
+    profiler: the weights are the same)."""
     from app.config import build_config
     from app.run.api import run_training
 
     out = tmp_path_factory.mktemp("runs") / "w2"
     result = run_training(
         build_config(None, {"output": str(out), "num_workers": 2, "epochs": 6, "log_every_steps": 10,
-                            "audit_sample_ids": True})
+                            "audit_sample_ids": True, "profile_steps": "30:32"})
     )
     return out, result
 

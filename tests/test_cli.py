@@ -20,6 +20,11 @@ from conftest import no_new_raylet, raylets, run_job
         # step of every row trains, as model.fit does with a batch_size above the rows.)
         (["--per-replica-batch", "5000", "--grad-accum", "2"], "larger than the 1438 training rows"),
         (["--export", "savedmodel"], "--export savedmodel alone leaves no model.keras"),
+        # --profile-steps: reversed, not numbers, past the run's steps (15 epochs of 23 here)
+        (["--profile-steps", "9:4"], "A:B must have A <= B: for example 4:9"),
+        (["--profile-steps", "ten:12"], "takes A:B, the first and last step to profile"),
+        (["--profile-steps", "300:400"], "the run has 345 steps (15 epoch(s) of 23); give steps from 1 to 345, for "
+         "example 300:345"),
     ],
 )
 def test_bad_flags(tmp_path, args, message):

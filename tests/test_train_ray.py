@@ -147,6 +147,35 @@ def test_rank0_writes_tensorboard_scalars_per_epoch_and_every_n_steps(two_worker
     assert shown.returncode == 0 and "epoch/val_accuracy" in shown.stdout + shown.stderr, shown.stderr[-3000:]
 
 
+def test_every_run_says_where_its_time_went(two_worker_run):
+    """result.json's time: the start-up links to the first step, every epoch's steps split on both workers (the
+    gradients' all-reduce timed inside the step), the steady shares and the line that names the largest; TensorBoard
+    has the split per epoch; --profile-steps wrote TensorFlow's profile of each worker."""
+    from app.training.step_clock import SHARES
+
+    out, result = two_worker_run
+    took = result["time"]
+    links = [k["link"] for k in took["startup"]]
+    assert links[-1] == "the first step (fit's own trace)" and "the worker's TensorFlow and collectives" in links
+    assert all(k["seconds"] >= 0 for k in took["startup"])
+    assert took["startup_seconds"] == pytest.approx(sum(k["seconds"] for k in took["startup"]), abs=0.01)
+    assert [e["epoch"] for e in took["epochs"]] == [1, 2, 3, 4, 5, 6]
+    # Every epoch's steps but each fit's first (which traces) are timed, on each worker; the parts add up to them.
+    assert [e["steps"] for e in took["epochs"]] == [22, 23, 23, 23, 23, 23] and took["steps_timed"] == 137
+    assert all(e["sync"] > 0 and e["compute"] > 0 and e["checkpoint"] >= 0 for e in took["epochs"])
+    assert took["epochs"][0]["first_step"] > 0 and took["sync_timed"]
+    assert set(took["shares"]) == set(SHARES) and sum(took["shares"].values()) == pytest.approx(1, abs=1e-3)
+    assert took["bound"] == max(took["shares"], key=took["shares"].get)
+    assert took["line"].startswith("time: ") and f"{took['bound']}-bound" in took["line"]
+    assert [e["link"] for e in took["end"]] == ["the last checkpoint and the workers' end",
+                                                "the outputs (model files, export, history)"]
+    scalars = tensorboard_scalars(out / "tensorboard")
+    for part in SHARES:
+        assert [step for step, _ in scalars[f"epoch/time_{part}_ms"]] == [1, 2, 3, 4, 5, 6], part
+    for rank in (0, 1):
+        assert list((out / "tensorboard" / "profile" / f"worker-{rank}").glob("plugins/profile/*/*.xplane.pb")), rank
+
+
 def test_result_records_where_each_rank_ran(two_worker_run, ray_cluster):
     _, result = two_worker_run
     node = ray_cluster.get_runtime_context().get_node_id()

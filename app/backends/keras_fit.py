@@ -222,8 +222,10 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
     name = ray_run.name or f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # Ray Train's run (storage), TensorBoard's
     from app.training.tensorboard import logdir_for
 
-    job = dataclasses.replace(job, tensorboard_dir=logdir_for(config, name), recorded=outputs.recorded_fields(config),
-                              log_every_steps=config.log_every_steps)
+    tensorboard = logdir_for(config, name)
+    job = dataclasses.replace(job, tensorboard_dir=tensorboard, recorded=outputs.recorded_fields(config),
+                              log_every_steps=config.log_every_steps,
+                              profile_dir=f"{tensorboard or out / 'tensorboard'}/profile")
     try:
         with console.routed(out / console.LOG_FILE, config.show_logs, plan=plan):
             if on_ray:

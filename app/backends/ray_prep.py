@@ -89,7 +89,9 @@ def check(config: TrainConfig, require_fit: bool = True, loc=None):
             cluster.connect(config, reads_for="the workers'" if streamed_files else None)
     function = not isinstance(config.dataset, str) or registry.is_plugin(config.dataset)
     if streamed_files or (function and require_fit):
-        cluster.connect_for_data(config, reads=bool(streamed_files))
+        cluster.connect_for_data(config, reads=False)
+        if streamed_files:  # the parameter servers' actors keep the CPUs asked for: the cluster has room, or no run
+            cluster.check_room_for_reads(config, "the workers'")
     checked = preflight.check(config, config.max_workers, loc=loc)  # (parameter servers: no --tensor-parallel)
     # A data function's ray.data.Dataset. The local Ray a run starts has the read CPU by construction
     # (cluster.connect); a cluster may not.

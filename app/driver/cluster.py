@@ -55,17 +55,40 @@ def check_fits_locally(config: TrainConfig) -> None:
         raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
 
 
-def connect_for_data(config: TrainConfig, reads: bool) -> None:
+def connect_for_data(config: TrainConfig, reads: bool) -> TrainConfig:
     """``connect``, before the driver makes any Ray Dataset: Ray Data's progress bars off (datasets seal the
     current context when created; their bars are Ray's internals: read tasks, split coordinators), the console
-    quiet again (importing Ray Data made its handler), and with ``reads`` (files to stream) room for read tasks."""
-    connect(config, reads_for="the workers'" if reads else None)
+    quiet again (importing Ray Data made its handler), and with ``reads`` (files to stream) room for read tasks.
+    Returns the config to run: on this machine's own Ray, the workers sized to leave the reads their CPU
+    (``room_for_reads``)."""
+    connect(config, reads_for=None)
+    if reads:
+        config = room_for_reads(config)
     from ray.data import DataContext
 
     from app.ui import console
 
     DataContext.get_current().enable_progress_bars = config.show_logs
     console.quiet_now()
+    return config
+
+
+def room_for_reads(config: TrainConfig) -> TrainConfig:
+    """Streamed data on a Ray of one node on this machine (the product's, or one the user's own first Ray Data call
+    started), workers whose CPUs were not asked for: each takes its share of the CPUs Ray Data's reads leave
+    (said once); anywhere else, the cluster's refusal (``check_room_for_reads``)."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    if total >= config.max_workers * config.cpus_per_worker + READ_CPUS:
+        return config
+    share = int(100 * (total - READ_CPUS) / config.max_workers) / 100  # rounded down: the reads keep theirs
+    if "cpus_per_worker" in config.model_fields_set or joining_a_cluster() or len(ray.nodes()) != 1 or share < 0.1:
+        check_room_for_reads(config)
+    log.info("resources: each of the %d workers takes %g CPU, leaving %d of this machine's Ray's %g for Ray Data's "
+             "reads of the streamed data (--cpus-per-worker, cpus_per_worker= sets it)", config.max_workers, share,
+             READ_CPUS, total)
+    return config.model_copy(update={"cpus_per_worker": share})
 
 
 def connect(config: TrainConfig, reads_for: str | None = None) -> None:

@@ -10,6 +10,7 @@ a ratio of noise.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ START_LINKS = (
     ("ray", "Ray started or joined"),
     ("fit", "the run's directory and job"),
     ("worker process", "Ray Train: controller and worker processes"),
-    ("worker entered", "the worker's imports"),
+    ("worker entered", "the worker's set-up by Ray Train (its imports, TF_CONFIG, the function shipped)"),
     ("tensorflow", "the worker's TensorFlow and collectives"),
     ("inputs", "the worker's inputs"),
     ("model", "the worker's model build"),
@@ -40,12 +41,15 @@ _BEGUN: list[bool] = []
 
 
 def begin() -> None:
-    """A run begins in this process: the first one's marks start from the process's own start (a script's imports
-    and data included: what the user waits for from the command), a later one's (a notebook's) from this call."""
+    """A run begins in this process: the first one of a script (``python jobs/train.py``, ``python my_script.py``)
+    starts from the process's own start (the script's imports and data included: what the user waits for from the
+    command); a later one, or one called from a notebook, a test or ``python -m``, from this call."""
     import psutil
 
+    main = sys.modules.get("__main__")
+    script = main is not None and getattr(main, "__spec__", None) is None and hasattr(main, "__file__")
     DRIVER_MARKS.clear()
-    DRIVER_MARKS["process"] = time.time() if _BEGUN else psutil.Process().create_time()
+    DRIVER_MARKS["process"] = psutil.Process().create_time() if script and not _BEGUN else time.time()
     _BEGUN.append(True)
 
 

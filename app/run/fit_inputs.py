@@ -228,7 +228,7 @@ def streamed_inputs(config, world: int, x: Any, y: Any, validation_data: Any, va
     keras_stream.check_batch(val_batch, world, "validation_data")
     train_loc = keras_stream.locate_input(x, config)
     val_loc = None if validation_data is None else keras_stream.locate_input(validation_data, config)
-    cluster.connect_for_data(config, reads=True)
+    config = cluster.connect_for_data(config, reads=True)
     split = (lambda side: (side, config.val_fraction)) if holdout else (lambda side: None)
     train, train_ds = keras_stream.prepare(train_loc, config, name="train", what="x", batch_size=train_batch,
                                            world=world, shuffle=bool(shuffle), training=True, holdout=split("train"),

@@ -44,8 +44,9 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
                      "shard_optimizer", "tensor_parallel", "tensor_layout",
                      # step checkpoints and elastic resizes (app.training.keras_worker)
                      "checkpoint_every_steps", "resize_check_s",
-                     # TensorBoard's step scalars (app.training.keras_callbacks.StepScalars)
-                     "log_every_steps",
+                     # TensorBoard's step scalars (app.training.keras_callbacks.StepScalars); the profiler's steps
+                     # (app.training.step_clock.Profile)
+                     "log_every_steps", "profile_steps",
                      # every epoch's training row ids over the workers (app.training.keras_audit)
                      "audit_sample_ids",
                      # the run's records: TensorBoard's scalars, the SavedModel (app.backends.keras_record)
@@ -181,6 +182,8 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         from app.driver import cluster
 
         cluster.check_fits_locally(config)
+        if not dry:  # the local Ray starts beside the driver's reading of the inputs and its checks
+            cluster.start_local_early(config)
     if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
         raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
                         "fixed number of workers; give num_workers a number")
@@ -264,11 +267,13 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
                         f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
                         "it out (every epoch is checkpointed)")
+    _check_profile_steps(config, train, epochs)
     job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
                    validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
                    task=defaults.task if defaults is not None else None, tensor=tensor, stages=stages,
-                   checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids)
+                   checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids,
+                   profile_steps=config.profile_steps)
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
                             defaults.line(built_by_product(config.model)) if defaults else
                             recompile.line() if recompile is not None else None, class_weight,
@@ -280,6 +285,17 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
                             ray_run or keras_fit.RayRun(), local)
     return run, config.output_dir()
+
+
+def _check_profile_steps(config, train, epochs: int) -> None:
+    """--profile-steps inside the run's steps (where they are known before it starts), else one line."""
+    if config.profile_steps is None or not train.steps:
+        return
+    first, last = config.profile_steps
+    total = train.steps * epochs
+    if last > total:
+        raise UserError(f"--profile-steps {first}:{last}: the run has {total} steps ({epochs} epoch(s) of "
+                        f"{train.steps}); give steps from 1 to {total}, for example {min(first, total)}:{total}")
 
 
 def _check_audit(config, train, row_ids: Optional[np.ndarray]) -> None:

@@ -155,15 +155,10 @@ class Checkpoints(keras.callbacks.Callback):
         self.own, self.rows, self.finite, self.settle = own or [], rows, finite, settle
         self.written: Optional[int] = None  # rank 0's weights as its last checkpoint holds them (a fingerprint)
         self.started = time.perf_counter()
-        self.first_step_time: Optional[float] = None  # wall clock (the driver's start is one): this run's first step
         self.told_first_step = False  # in this process's first epoch record (a restart's, a resumed run's too)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.started = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.first_step_time is None:
-            self.first_step_time = time.time()
 
     def on_epoch_end(self, epoch, logs=None):
         loss = (logs or {}).get("loss")
@@ -175,7 +170,9 @@ class Checkpoints(keras.callbacks.Callback):
                   "seconds": round(seconds, 3), "workers": self.session.world, "attempt": self.state.get("attempt", 0),
                   **({"samples_per_second": round(self.rows / seconds, 1)} if self.rows and seconds else {})}
         if not self.told_first_step:
-            record["first_step_time"], self.told_first_step = self.first_step_time, True
+            # wall clock (the driver's start is one): this process's first step, as the step clock marked it
+            first = self.clock.marks.at.get("first step") if self.clock is not None else None
+            record["first_step_time"], self.told_first_step = first, True
         self.state["history"].append(record)
         self.state["epoch"] = epoch + 1
         self.state.pop("settled", None)
@@ -343,11 +340,24 @@ class Board(keras.callbacks.Callback):
         scalars = with_learning_rate(self.model, {**as_metrics(record), "workers": record["workers"]})
         if "samples_per_second" in record:
             scalars["samples_per_second"] = record["samples_per_second"]
+        scalars.update(step_times(self.state))
         self.board.epoch(record["epoch"], scalars)
 
     def close(self) -> None:
         """After the run's fits (a run that goes on inside an epoch fits that epoch's rest first)."""
         self.board.close()
+
+
+def step_times(state: dict[str, Any]) -> dict[str, float]:
+    """The epoch's milliseconds a step in each part (input, compute, sync, hooks: app.training.step_clock), every
+    worker's mean, as TensorBoard's ``epoch/time_<part>_ms``; none before the epoch's split is gathered."""
+    from app.training.step_clock import SHARES, split
+
+    epochs = state.get("time", {}).get("epochs")
+    seconds = split(epochs[-1]["workers"]) if epochs else {}
+    if not seconds.get("steps"):
+        return {}
+    return {f"time_{k}_ms": 1000 * seconds[k] / seconds["steps"] for k in SHARES}
 
 
 def with_learning_rate(model, scalars: dict[str, float]) -> dict[str, float]:

@@ -31,9 +31,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # One epoch of one worker, in this order (app.driver.time_report reads it): the steps timed (each fit's first step
-# is not), their calls, their bodies and syncs (0 where not timed in the step), the hooks, the validation, the
-# previous epoch's checkpoint and report, and the first step's seconds (0 in an epoch that did not start a fit).
-EPOCH_FIELDS = ("steps", "calls", "body", "sync", "hooks", "validation", "checkpoint", "first_step")
+# is not), their calls, their bodies and syncs (0 where not timed in the step), the hooks between steps, the epoch's
+# start (its begin hooks and its input's iterator, to its first step), the validation, the previous epoch's
+# checkpoint and report, and the first step's seconds (0 in an epoch that did not start a fit).
+EPOCH_FIELDS = ("steps", "calls", "body", "sync", "hooks", "epoch_start", "validation", "checkpoint", "first_step")
 # A worker's start-up marks, in the order they end (wall clock; 0: not reached in this process).
 MARKS = ("worker process", "worker entered", "tensorflow", "inputs", "model", "traced", "first step")
 
@@ -118,6 +119,7 @@ class StepClock(keras.callbacks.Callback):
         self.steps = 0
         self.loop_start: Optional[float] = None
         self.loop = self.validation = 0.0
+        self.epoch_start: Optional[float] = None
         self._test_start: Optional[float] = None
 
     def on_train_begin(self, logs=None):
@@ -129,6 +131,8 @@ class StepClock(keras.callbacks.Callback):
 
         def timed(iterator):
             started = time.perf_counter()
+            if clock.loop_start is not None and clock.epoch_start is None:
+                clock.epoch_start = started - clock.loop_start
             out = fn(iterator)
             seconds = time.perf_counter() - started
             if clock._fit_calls == 0:  # a fit's first call traces the function: a start-up link
@@ -173,8 +177,10 @@ class StepClock(keras.callbacks.Callback):
             now = self.in_graph.read()
             body, sync = now[0] - self._graph_at[0], now[1] - self._graph_at[1]
             self._graph_at = now
-        hooks = max(0.0, self.loop - self.calls - self.first)
-        return np.array([self.steps, self.calls, body, sync, hooks, self.validation, self.checkpoint, self.first])
+        start = self.epoch_start or 0.0
+        hooks = max(0.0, self.loop - self.calls - self.first - start)
+        return np.array([self.steps, self.calls, body, sync, hooks, start, self.validation, self.checkpoint,
+                         self.first])
 
 
 class Profile(keras.callbacks.Callback):
@@ -234,7 +240,8 @@ def split(rows: list) -> dict[str, float]:
         "sync": np.where(timed, f["sync"], 0.0),
         "hooks": f["hooks"],
     }
-    return {**{k: float(v.sum()) for k, v in parts.items()}, "validation": float(f["validation"].sum()),
+    return {**{k: float(v.sum()) for k, v in parts.items()}, "epoch_start": float(f["epoch_start"].sum()),
+            "validation": float(f["validation"].sum()),
             "checkpoint": float(f["checkpoint"].sum()), "first_step": float(f["first_step"].sum()),
             "steps": float(f["steps"].sum())}
 

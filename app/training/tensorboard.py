@@ -28,10 +28,12 @@ from app.backend import backend_of
 
 
 def epoch_scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """An epoch record's curves: the losses, every metric (train and val), the LR, the speed."""
+    """An epoch record's curves: the losses, every metric (train and val), the LR, the speed, and where a step's
+    time went (``time_<part>_ms``: app.training.step_clock)."""
     from app.training.objective import metric_names_in
 
     keys = [f"{part}_{name}" for name in metric_names_in(metrics) for part in ("train", "val")]
+    keys += [k for k in metrics if k.startswith("time_") and k.endswith("_ms")]
     return {k: metrics[k] for k in [*keys, "learning_rate", "samples_per_second", "workers"] if k in metrics}
 
 
