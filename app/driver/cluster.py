@@ -73,6 +73,15 @@ def connect_for_data(config: TrainConfig, reads: bool) -> TrainConfig:
     return config
 
 
+def _one_node_here() -> bool:
+    """Whether the connected Ray is one node on this machine, not one RAY_ADDRESS names (a user's cluster)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    here = ray.util.get_node_ip_address()
+    return not os.environ.get("RAY_ADDRESS") and len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == here
+
+
 def room_for_reads(config: TrainConfig) -> TrainConfig:
     """Streamed data on a Ray of one node on this machine (the product's, or one the user's own first Ray Data call
     started), workers whose CPUs were not asked for: each takes its share of the CPUs Ray Data's reads leave
@@ -83,7 +92,7 @@ def room_for_reads(config: TrainConfig) -> TrainConfig:
     if total >= config.max_workers * config.cpus_per_worker + READ_CPUS:
         return config
     share = int(100 * (total - READ_CPUS) / config.max_workers) / 100  # rounded down: the reads keep theirs
-    if "cpus_per_worker" in config.model_fields_set or joining_a_cluster() or len(ray.nodes()) != 1 or share < 0.1:
+    if "cpus_per_worker" in config.model_fields_set or not _one_node_here() or share < 0.1:
         check_room_for_reads(config)
     log.info("resources: each of the %d workers takes %g CPU, leaving %d of this machine's Ray's %g for Ray Data's "
              "reads of the streamed data (--cpus-per-worker, cpus_per_worker= sets it)", config.max_workers, share,
