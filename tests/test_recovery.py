@@ -117,6 +117,9 @@ def test_a_frozen_worker_ends_the_run_within_the_stall_timeout(ray_cluster, tmp_
     assert took < stall + 60, f"the run took {took:.0f} s to end after a worker froze (--stall-timeout-s {stall})"
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stopped answering in the all-reduce" in errors[0], stderr[-3000:]
+    # The line names the frozen worker: not the rank whose wait was ended (which raised).
+    silent, raised = re.search(r"worker rank (\d) stopped answering", errors[0]), re.search(r"\(rank (\d)\)", errors[0])
+    assert silent and raised and silent[1] != raised[1], errors[0]
     assert "Traceback" not in stdout + stderr and "train.log" in errors[0]
     assert not (out / "result.json").exists()
     print(f"\nSIGSTOP -> driver exit: {took:.1f} s (--stall-timeout-s {stall})\n{errors[0]}")

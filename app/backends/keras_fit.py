@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,12 +22,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from app import internals
+from app.backends import run_checkpoints
 from app.backends.keras_record import export, summary, trained_model
 from app.config import TrainConfig
 from app.data.keras_inputs import KerasData
 from app.driver import cluster, outputs, time_report
-from app.errors import NonFiniteLoss, RunFailed, UserCodeError, UserError
-from app.training import checkpoint, keras_worker
+from app.errors import NonFiniteLoss, RunFailed, UserCodeError
+from app.training import keras_worker
 from app.training.keras_worker import KerasJob
 from app.ui import console, failures, worker_lines
 
@@ -147,7 +147,7 @@ class LocalKerasSession:
         return self.train, self.val
 
     def last_checkpoint(self) -> Optional[str]:
-        found = _whole(self.directory)
+        found = run_checkpoints.whole(self.directory)
         return str(found) if found else None
 
     def progress_bar(self, total: int, desc: str):
@@ -162,30 +162,7 @@ class LocalKerasSession:
         partial = self.directory.with_name(self.directory.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
         write(str(partial))
-        _replace(self.directory, partial)
-
-
-def _replace(final: Path, fresh: Path) -> None:
-    """This run's checkpoint directory ``final`` (only this product writes there) replaced by the complete ``fresh``
-    one. The previous one is moved aside first and removed last: a process killed at any point leaves one whole
-    checkpoint, ``final`` or ``previous(final)`` (``_whole`` finds it)."""
-    old = previous(final)
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(fresh, final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def previous(final: Path) -> Path:
-    return final.with_name(final.name + ".previous")
-
-
-def _whole(final: Path) -> Optional[Path]:
-    """The whole checkpoint ``_replace`` left: ``final``, or the previous one where a kill came between the moves."""
-    return next((d for d in (final, previous(final)) if (d / keras_worker.STATE_FILE).is_file()), None)
+        run_checkpoints.replace(self.directory, partial)
 
 
 WARNING = "warning: "  # a plan line that starts so is a warning
@@ -265,7 +242,7 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
     payload = {"job": cloudpickle.dumps(KerasJob(**{**job.__dict__, "train": None, "val": None})),
                "train": ray.put(job.train), "val": ray.put(job.val) if job.val is not None else None,
                "cpus_per_worker": config.cpus_per_worker, "stall_timeout_s": job.stall_timeout_s,
-               "start_from": _last_checkpoint(config, out),
+               "start_from": run_checkpoints.last_checkpoint(config, out),
                # --tensor-parallel: the worker splits its CPU into that many devices before its TensorFlow starts
                "tensor_degree": len(job.tensor.devices) if job.tensor is not None else None}
     from app.data import keras_stream
@@ -302,69 +279,8 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
         raise RunFailed("training ended without reporting a checkpoint")
     final = out / "checkpoint"
     # This run's own last checkpoint (a resumed run's) is replaced by the new one.
-    _replace(final, Path(result.checkpoint.to_directory(str(out / "checkpoint.partial"))))
+    run_checkpoints.replace(final, Path(result.checkpoint.to_directory(str(out / "checkpoint.partial"))))
     return str(final)
-
-
-def _last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
-    """--resume: the run's latest whole checkpoint, if any: the one it left in its output directory, or one of a
-    stopped Ray run's in its storage (every epoch's; the output directory's is written at the end)."""
-    if not config.resume:
-        return None
-    found = checkpoints(out, config.storage_path)
-    return str(max(found, key=_position)) if found else None
-
-
-def _position(directory: Path) -> tuple[int, int, int]:
-    """Where a checkpoint is: epochs done, and steps done in the next (--checkpoint-every-steps); at the same place,
-    the one written as training ended, its weights set by a callback (app.training.keras_callbacks), last."""
-    state = checkpoint.read_state(directory / keras_worker.STATE_FILE)
-    return state["epoch"], state.get("step", 0), state.get("settled", 0)
-
-
-def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
-    """The whole checkpoints of a run by Keras's fit in ``out`` (its final one, and those in its Ray storage)."""
-    storage = Path(storage_path) if storage_path and "://" not in storage_path else out / "ray"
-    candidates = [d for d in [_whole(out / "checkpoint")] if d] + list(storage.glob("**/checkpoint_*"))
-    found = []
-    for directory in candidates:
-        state = directory / keras_worker.STATE_FILE
-        # The product's own step writes state.json too, with its epoch plan: not this run's kind.
-        if state.is_file() and "plan" not in checkpoint.read_state(state):
-            found.append(directory)
-    return found
-
-
-def check_fits(model, config: TrainConfig) -> None:
-    """The resumed checkpoint reads whole (every tensor: a truncated or damaged file is one line naming it) and
-    holds this model's variables, shape for shape (their order is the model's: the same function builds them in the
-    same order; a model not built yet is checked by the workers' restore), else one line naming the first that
-    differ. Before any worker starts, and before the run rewrites anything."""
-    import tensorflow as tf
-
-    from app.driver.resume import shape_text
-
-    prefix = str(Path(_last_checkpoint(config, config.output_dir())) / keras_worker.TRAIN_STATE)
-    checkpoint.verify(prefix)
-    if not model.built:
-        return
-    saved = {name: shape for name, shape in tf.train.list_variables(prefix)}
-    held = [saved.get(f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(len(model.variables))]
-    differ = [f"{v.path} is {shape_text(s)} in the checkpoint, {shape_text(v.shape)} in the model"
-              for v, s in zip(model.variables, held) if s is not None and tuple(s) != tuple(v.shape)]
-    differ += [f"{v.path} {shape_text(v.shape)} is not in the checkpoint" for v, s in zip(model.variables, held)
-               if s is None]
-    if differ:
-        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
-        raise UserError(f"the checkpoint in {config.output_dir()} does not fit the model: {'; '.join(differ[:3])}{more}: "
-                        "resume with the run's own model settings (its config.yaml), or train the new model with a new "
-                        "--output")
-
-
-def epochs_done(config: TrainConfig) -> int:
-    """Epochs a resumed run has already trained (0 for a new run)."""
-    last = _last_checkpoint(config, config.output_dir())
-    return checkpoint.read_state(Path(last) / keras_worker.STATE_FILE)["epoch"] if last else 0
 
 
 def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, started: float,

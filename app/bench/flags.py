@@ -36,6 +36,10 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     m.add_argument("--rows-per-file", type=int, help="Rows in each parquet file written (one file in memory at a time).")
     m.add_argument("--workers", type=int, help="Ray Train workers of both runs.")
     m.add_argument("--only", choices=["write", "1x", "scaled"], help="One phase (results merge into memory.json).")
+    s = add("start", "jobs/train.py and app.fit against a plain Keras script: first step and whole command, "
+            "medians of interleaved rounds.")
+    s.add_argument("--rounds", type=int, help="Interleaved rounds (each runs the three commands once).")
+    s.add_argument("--epochs", type=int, help="Epochs of every command.")
     e = add("exit", "The time from a run's last epoch line to its exit, in-memory and streamed.")
     e.add_argument("--runs", type=int, help="Runs per data path."), e.add_argument(
         "--checkout", help="Run another checkout's jobs/train.py (a worktree of an older commit).")

@@ -28,7 +28,7 @@ from app.bench.proc import REPO, local_env
 
 log = logging.getLogger(__name__)
 
-PARAMS = {"rounds": 3, "epochs": 1, "num_workers": 2}
+PARAMS = ("rounds", "epochs", "num_workers")
 
 _FIRST_STEP = """
 import psutil, time
@@ -142,9 +142,3 @@ def run(preset, out: Path, command: str) -> list[Path]:
     path = out / "start.json"
     path.write_text(json.dumps({"command": command, "rounds": rounds, "summary": summary}, indent=1))
     return [path]
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(json.dumps(summarise([one_round(Path(sys.argv[1]) / f"round-{i}", 1, 2) for i in range(int(sys.argv[2]))]),
-                     indent=1))

@@ -4,6 +4,8 @@
   ceiling, the input alone, the time to first step -> benchmark.json, scaling.png
 - checkpoint (app.bench.checkpoint_cost): one checkpoint write against one epoch -> checkpoint.json
 - memory (app.bench.memory): peak memory with streamed parquet at 1x and scale x -> memory.json
+- start (app.bench.start_end): jobs/train.py and app.fit from a fresh script against a plain Keras script of the
+  same model and data: first step and whole command, medians of interleaved rounds, CPU steal -> start.json
 - exit (app.bench.exit_gap): the time from the last epoch line to the end of jobs/train.py -> exit.json
 - ps (app.bench.ps_vs_mwms): parameter-server training against MWMS, same model and CPUs -> ps.json
 - sweep (app.bench.sweep_cost): ASHA against the full grid, worker-seconds and best accuracy -> sweep.json
@@ -44,6 +46,7 @@ from app.bench import (
     ps_vs_mwms,
     scaling,
     shard_optimizer,
+    start_end,
     streaming,
     sweep_cost,
     tensor_split,
@@ -54,7 +57,7 @@ from app.driver import output_guard
 SUITES = {"throughput": scaling, "checkpoint": checkpoint_cost, "memory": memory,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "engine": engine, "input": input_sources,
           "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming,
-          "shard-optimizer": shard_optimizer}
+          "shard-optimizer": shard_optimizer, "start": start_end}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

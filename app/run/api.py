@@ -20,10 +20,8 @@ from app.config import TrainConfig, build_config
 
 
 def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dict[str, Any]:
-    from app.driver import time_report
     from app.ui import console
 
-    time_report.begin()
     # The whole run, its checks included: libraries' lines stay off the console (app.ui.console).
     with console.for_people(config.show_logs):
         from app.driver import outputs

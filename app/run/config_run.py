@@ -275,11 +275,11 @@ def _own_step_checkpoints(config, quiet: bool) -> Optional[bool]:
 
 def _resumes_keras_run(config) -> bool:
     """--resume of a run Keras's fit trained (or of none yet: the run starts as a new one would)."""
-    from app.backends import keras_fit
+    from app.backends import run_checkpoints
     from app.config import CONFIG_FILE
 
     out = config.output_dir()
-    return bool(keras_fit.checkpoints(out, config.storage_path)) or not (out / CONFIG_FILE).is_file()
+    return bool(run_checkpoints.checkpoints(out, config.storage_path)) or not (out / CONFIG_FILE).is_file()
 
 
 @dataclass

@@ -148,10 +148,8 @@ def fit(
     **fields: Any,
 ) -> History:
     """Train as ``model.fit(x, y, ...)`` means it, on ``num_workers`` Ray workers (see the module docstring)."""
-    from app.driver import time_report
     from app.run.api import run_training
 
-    time_report.begin()
     check_class_weight(class_weight)
     if "model" in fields:
         raise UserError("model is app.fit's first argument: app.fit(build_model, x, y, ...)")

@@ -159,11 +159,12 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     ``recompile``: what the flags change in the compile() of a model the user compiled; ``local``: the
     LocalReplicas (app.training.strategy) to train under, made by app.run.config_run before any model is built."""
     from app import registry
-    from app.backends import keras_fit
-    from app.driver import outputs
+    from app.backends import keras_fit, run_checkpoints
+    from app.driver import outputs, time_report
     from app.training.keras_worker import KerasJob
     from app.ui import console
 
+    time_report.begin()  # where the run's time goes is told from here (a script's: from its process's start)
     _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x,
                      counts={"batch_size": batch_size, "validation_batch_size": validation_batch_size,
                              "steps_per_epoch": steps_per_epoch, "validation_steps": validation_steps})
@@ -239,12 +240,12 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         val = fit_inputs.validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
                           train)
     outputs.check_output_dir(config)
-    done = keras_fit.epochs_done(config)
+    done = run_checkpoints.epochs_done(config)
     if done >= epochs:
         raise UserError(f"the run in {config.output_dir()} already finished its {done} epochs: give --epochs (epochs=) "
                         f"more than {done} to train it further with --resume (resume=True)")
     if done:  # a damaged checkpoint, or a model that is not the checkpoint's: said before any worker starts
-        keras_fit.check_fits(model, config)
+        run_checkpoints.check_fits(model, config)
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")

@@ -34,7 +34,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.internals import replicas as replica_internals
@@ -43,6 +43,9 @@ from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE, Progres
 from app.training.collective import Collective
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
+
+if TYPE_CHECKING:
+    from app.training.tensor_optimizer import Split
 
 log = logging.getLogger(__name__)
 
@@ -149,36 +152,8 @@ def read_state(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / STATE_FILE).read_text())
 
 
-class Split:
-    """--tensor-parallel on Keras's fit: the model's split layers in place (app.training.tensor_parallel), and its
-    optimizer's state as the unsplit model's optimizer holds it (app.training.tensor_optimizer). Checkpoints hold
-    the unsplit model and optimizer, as an unsplit run writes them: the driver's model reads them, and a run
-    resumes at any degree, or none."""
-
-    def __init__(self, model, plan, data: KerasData) -> None:
-        from app.training import tensor_optimizer, tensor_parallel
-        from app.training.keras_sync import optimizers_of
-        from app.training.strategy import tensor_devices
-
-        tensor_parallel.built_on(model, data.first_batch())
-        self.shards = tensor_parallel.SplitInPlace.place(model, plan.on(tensor_devices(len(plan.devices))))
-        (optimizer,) = optimizers_of(model)  # one: the driver refuses more (app.run.keras_step)
-        slots = tensor_optimizer.place_optimizer_slots(optimizer)
-        self.optimizer = tensor_optimizer.UnsplitOptimizer(self.shards, optimizer, slots)
-
-    def checkpoint(self, gather: bool) -> Any:
-        """The unsplit model and optimizer as one ``tf.train.Checkpoint`` (``gather``: the shards written into
-        them first, before a save)."""
-        import tensorflow as tf
-
-        if gather:
-            self.shards.unsplit_weights()
-        return tf.train.Checkpoint(variables=self.shards.unsplit_variables,
-                                   optimizers=[self.optimizer.gather() if gather else self.optimizer.unsplit])
-
-
 def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Path] = None,
-         split: Optional[Split] = None) -> None:
+         split: Optional["Split"] = None) -> None:
     """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history). ``parts``: the
     sharded optimizers' state as app.training.zero_state wrote it, which the checkpoint takes instead; ``split``:
     a tensor-parallel model's, unsplit."""
@@ -227,7 +202,7 @@ def _save_model(model, path: Path) -> None:
 
 
 def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = (),
-            split: Optional[Split] = None) -> dict[str, Any]:
+            split: Optional["Split"] = None) -> dict[str, Any]:
     """Weights and every optimizer's state from a checkpoint directory, sharded or not whichever wrote it (a sharded
     optimizer keeps its part; a split model cuts them into its shards); its state.json."""
     import tensorflow as tf
@@ -268,23 +243,15 @@ def _fit_parts(model, parts: list, first: int, skip: int, train: KerasData, val_
                   callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0, shuffle=False)
 
 
-def _steps_before(first: int, skip: int, steps: Optional[int]) -> int:
-    """The run's steps before this fit's first (--profile-steps counts them over the run)."""
-    return first * (steps or 0) + skip
-
-
 def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     """One worker's part of ``app.fit`` for a model trained by its own step."""
     entered = getattr(session, "entered", None) or time.time()  # a Ray worker's: before it set its threads up
     session.start()
     import keras
 
-    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, step_clock, zero
+    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, step_clock, tensor_optimizer, zero
 
-    marks = step_clock.Marks()
-    marks.mark("worker process", step_clock.worker_started())
-    marks.mark("worker entered", entered)
-    marks.mark("tensorflow")
+    marks = step_clock.Marks.of_worker(entered)
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)
@@ -300,7 +267,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
         from app.training.pipeline import for_fit
 
         model = for_fit(model, job.stages, train.first_batch())
-    split = Split(model, job.tensor, train) if job.tensor is not None else None
+    split = tensor_optimizer.Split(model, job.tensor, train) if job.tensor is not None else None
     if split is not None:  # a worker's variables live on several devices: its all-reduces run on the first
         collective.device = split.shards.plan.devices[0]
     # The step's body and sync timed inside it: a worker of one replica (a local strategy's replicas run the step
@@ -377,7 +344,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
             state, collective, skip)] if job.checkpoint_every_steps else []
         watch = [keras_callbacks.StepWatch(collective.watch)] if collective.watch is not None else []
         profile = [step_clock.Profile(*job.profile_steps, f"{job.profile_dir}/worker-{session.rank}",
-                                      _steps_before(first, skip, steps))] if job.profile_steps and job.profile_dir else []
+                                      first * (steps or 0) + skip)] if job.profile_steps and job.profile_dir else []
         return [clock, *watch, *profile, epoch_input, *goes_on,
                 *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)), *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),

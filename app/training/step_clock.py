@@ -55,6 +55,15 @@ class Marks:
     def mark(self, name: str, at: Optional[float] = None) -> None:
         self.at.setdefault(name, time.time() if at is None else at)
 
+    @classmethod
+    def of_worker(cls, entered: float) -> "Marks":
+        """A worker's marks once its TensorFlow and collectives are set up (``entered``: when its function began)."""
+        marks = cls()
+        marks.mark("worker process", worker_started())
+        marks.mark("worker entered", entered)
+        marks.mark("tensorflow")
+        return marks
+
 
 class InGraph:
     """The step's body and its gradients' sync, summed inside the traced step (a worker of one replica)."""

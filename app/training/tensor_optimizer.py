@@ -79,3 +79,31 @@ class UnsplitOptimizer:
         split = self.split.pieces()
         ids = {id(variable) for variable, _, _ in split}
         return split + [(v, [v], None) for v in self.split.unsplit_trainable if id(v) not in ids]
+
+
+class Split:
+    """--tensor-parallel on Keras's fit: the model's split layers in place (app.training.tensor_parallel), and its
+    optimizer's state as the unsplit model's optimizer holds it (app.training.tensor_optimizer). Checkpoints hold
+    the unsplit model and optimizer, as an unsplit run writes them (app.training.keras_worker.save): the driver's
+    model reads them, and a run resumes at any degree, or none."""
+
+    def __init__(self, model, plan, data: Any) -> None:
+        """``data``: the worker's KerasData (its first batch builds the split layers)."""
+        from app.training import tensor_parallel
+        from app.training.keras_sync import optimizers_of
+        from app.training.strategy import tensor_devices
+
+        tensor_parallel.built_on(model, data.first_batch())
+        self.shards = tensor_parallel.SplitInPlace.place(model, plan.on(tensor_devices(len(plan.devices))))
+        (optimizer,) = optimizers_of(model)  # one: the driver refuses more (app.run.keras_step)
+        self.optimizer = UnsplitOptimizer(self.shards, optimizer, place_optimizer_slots(optimizer))
+
+    def checkpoint(self, gather: bool) -> Any:
+        """The unsplit model and optimizer as one ``tf.train.Checkpoint`` (``gather``: the shards written into
+        them first, before a save)."""
+        import tensorflow as tf
+
+        if gather:
+            self.shards.unsplit_weights()
+        return tf.train.Checkpoint(variables=self.shards.unsplit_variables,
+                                   optimizers=[self.optimizer.gather() if gather else self.optimizer.unsplit])

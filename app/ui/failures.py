@@ -19,8 +19,26 @@ def one_line(error: BaseException, config: TrainConfig) -> str:
     """The line for a ray.train.TrainingFailedError, with where the full traceback went."""
     # A ControllerError's own message is a header ("Training failed due to controller error:"): tell its cause.
     told = getattr(error, "controller_failure", None) or error
-    line = start_failure(error, config) or f"training failed: {summarize(told)}{restart_hint(error, config)}"
+    line = start_failure(error, config) or \
+        f"training failed: {frozen(error, config)}{summarize(told)}{restart_hint(error, config)}"
     return f"{line}{trace_note(error)}"
+
+
+def frozen(error: BaseException, config: TrainConfig) -> str:
+    """Which worker stopped answering, where the others' waits for it were ended (a stall): the rank TensorFlow's
+    coordination service names (its missed heartbeats), else the ranks that raised nothing; "" when not a stall or
+    not known."""
+    failures = getattr(error, "worker_failures", None) or {}
+    texts = [str(e) for e in failures.values()]
+    if not any(marker in text for text in texts for marker in _STALLED):
+        return ""
+    named = sorted({int(m.group(1)) for text in texts if "stopped sending heartbeats" in text
+                    for m in _TASK.finditer(text.split("stopped sending heartbeats", 1)[1][:400])})
+    silent = named or [r for r in range(config.max_workers) if r not in failures]
+    if not silent or len(silent) == config.max_workers:
+        return ""
+    ranks = ", ".join(map(str, silent))
+    return f"worker rank {ranks} stopped answering (frozen, lost or cut off); "
 
 
 def start_failure(error: BaseException, config: TrainConfig) -> str | None:
@@ -88,6 +106,9 @@ def summarize(error: BaseException) -> str:
 # CommunicationOptions, or the coordination service's missed heartbeats), the clearest first.
 _STALLED = ("Collective ops is aborted", "Collective ops timeout", "stopped sending heartbeats",
             "CollectiveReduce", "CollectiveGather", "CollectiveBcast")
+
+# A TensorFlow task in TF_CONFIG's order, which is the workers' rank order (app.backends.tf_config)
+_TASK = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 
 # "package.module.SomeError: message" -> group(1) = "SomeError"
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Loss|Exit|Interrupt)): ")
