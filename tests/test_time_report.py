@@ -69,6 +69,6 @@ def test_the_start_up_chain_waits_for_the_slowest_worker_and_counts_a_prestarted
     assert links["the driver: imports, inputs, model and plan"] == 4
     assert links["Ray Train: controller and worker processes"] == 0  # Ray started them before the run asked
     # the slowest worker's: 111 - 108
-    assert links["the worker's set-up by Ray Train (its imports, TF_CONFIG, the function shipped)"] == 3
+    assert links["Ray Train's set-up to the training function (TensorFlow imported beside it)"] == 3
     assert links["the worker's TensorFlow and collectives"] == 2
     assert sum(links.values()) == 15

@@ -124,6 +124,9 @@ def keras_loop_per_worker(payload: dict[str, Any]) -> None:
     worker_lines.mark_worker_console("app")
     session = RayKerasSession(payload)
     session.entered = time.time()  # the start-up marks begin here (app.training.step_clock)
+    from app.backends import tf_config
+
+    session.configured = tf_config.SET_AT[0] if tf_config.SET_AT else None
     # The job (the model function, the callbacks) may hold TensorFlow objects, a layer adapted in the driver:
     # unpickled only once the collectives and threads are set, which must come before any TensorFlow op.
     session.start()

@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +38,7 @@ from app.internals import ray_train
 
 
 def _set_tf_config(worker_addresses: list[str], index: int) -> None:
+    SET_AT[:] = [time.time()]  # a start-up mark of the worker's (app.training.step_clock)
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": worker_addresses}, "task": {"type": "worker", "index": index}}
     )
@@ -48,6 +50,7 @@ def _set_tf_config(worker_addresses: list[str], index: int) -> None:
 
 
 _IMPORTING: list[threading.Thread] = []  # the worker's import of TensorFlow, started by _set_tf_config
+SET_AT: list[float] = []  # when this worker got its TF_CONFIG (wall clock)
 
 
 def _import_tensorflow() -> None:

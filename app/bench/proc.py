@@ -50,6 +50,18 @@ def fit_seconds(history) -> tuple[int, list[float]]:
             [r["seconds"] for r in history.records])
 
 
+def cpu_times() -> list[int]:
+    """/proc/stat's cpu line: the machine's CPU ticks (user, nice, system, idle, iowait, irq, softirq, steal)."""
+    return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+
+
+def steal_fraction(before: list[int], after: list[int]) -> float:
+    """The share of the CPU time between two ``cpu_times`` readings that the hypervisor took (steal)."""
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])
+    return round(delta[7] / total, 4) if total else 0.0
+
+
 def local_env() -> dict[str, str]:
     """This environment without RAY_ADDRESS: every measurement starts a local Ray of its own, if any."""
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.bench.proc import REPO, local_env
+from app.bench.proc import REPO, cpu_times, local_env, steal_fraction
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +70,6 @@ app.fit(build, x, y, batch_size=64, epochs={epochs}, validation_split=0.2, num_w
 """
 
 
-def steal_fraction(before: list[int], after: list[int]) -> float:
-    """The share of the CPU time between two readings of /proc/stat's cpu line that the hypervisor took (steal)."""
-    delta = [b - a for a, b in zip(before, after)]
-    total = sum(delta[:8])
-    return delta[7] / total if total else 0.0
-
-
-def cpu_times() -> list[int]:
-    return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-
-
 def _timed(command: list[str], cwd: Path) -> tuple[float, str]:
     started = time.perf_counter()
     done = subprocess.run(command, cwd=cwd, env=local_env(), capture_output=True, text=True, timeout=900)
@@ -112,7 +101,7 @@ def one_round(out: Path, epochs: int, workers: int) -> dict[str, Any]:
     wall, _ = _timed([sys.executable, str(script)], REPO)
     result = json.loads((out / "app-fit" / "result.json").read_text())
     row["app.fit"] = {"first_step": result["time"]["startup_seconds"], "wall": wall}
-    row["steal"] = round(steal_fraction(before, cpu_times()), 4)
+    row["steal"] = steal_fraction(before, cpu_times())
     return row
 
 

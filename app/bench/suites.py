@@ -54,10 +54,10 @@ from app.bench import (
 from app.bench.preset import Preset, load, parse_sets, preset_file
 from app.driver import output_guard
 
-SUITES = {"throughput": scaling, "checkpoint": checkpoint_cost, "memory": memory,
+SUITES = {"throughput": scaling, "checkpoint": checkpoint_cost, "memory": memory, "start": start_end,
           "exit": exit_gap, "ps": ps_vs_mwms, "sweep": sweep_cost, "keras": keras_fit, "engine": engine, "input": input_sources,
           "predict": predict_cost, "elastic": elastic, "tensor-parallel": tensor_split, "streaming": streaming,
-          "shard-optimizer": shard_optimizer, "start": start_end}
+          "shard-optimizer": shard_optimizer}
 
 
 def load_preset(suite: str, preset: Optional[str] = None, quick: bool = False, flags: Optional[dict[str, Any]] = None,

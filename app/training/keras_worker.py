@@ -251,7 +251,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
 
     from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, step_clock, tensor_optimizer, zero
 
-    marks = step_clock.Marks.of_worker(entered)
+    marks = step_clock.Marks.of_worker(entered, getattr(session, "configured", None))
 
     collective = Collective(session.world, job.stall_timeout_s, session.rank)
     keras.utils.set_random_seed(job.seed)

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # checkpoint and report, and the first step's seconds (0 in an epoch that did not start a fit).
 EPOCH_FIELDS = ("steps", "calls", "body", "sync", "hooks", "epoch_start", "validation", "checkpoint", "first_step")
 # A worker's start-up marks, in the order they end (wall clock; 0: not reached in this process).
-MARKS = ("worker process", "worker entered", "tensorflow", "inputs", "model", "traced", "first step")
+MARKS = ("worker process", "worker configured", "worker entered", "tensorflow", "inputs", "model", "traced", "first step")
 
 
 def worker_started() -> float:
@@ -56,10 +56,13 @@ class Marks:
         self.at.setdefault(name, time.time() if at is None else at)
 
     @classmethod
-    def of_worker(cls, entered: float) -> "Marks":
-        """A worker's marks once its TensorFlow and collectives are set up (``entered``: when its function began)."""
+    def of_worker(cls, entered: float, configured: Optional[float] = None) -> "Marks":
+        """A worker's marks once its TensorFlow and collectives are set up (``entered``: when its function began;
+        ``configured``: when Ray Train gave it its TF_CONFIG, None where no Ray Train did)."""
         marks = cls()
         marks.mark("worker process", worker_started())
+        if configured is not None:
+            marks.mark("worker configured", configured)
         marks.mark("worker entered", entered)
         marks.mark("tensorflow")
         return marks
