@@ -61,10 +61,21 @@ def test_a_finished_local_run_trains_further_and_a_changed_model_is_refused(tmp_
     first = history(out)
     kept = {name: (out / name).read_bytes() for name in ("result.json", "history.csv", "config.yaml", "model.keras")}
 
-    # Two refusals that only read the run, side by side.
-    finished, changed = run_jobs_at_once(
+    # A copy of the finished run whose checkpoints are gone: nothing to go on from.
+    gone = tmp_path / "gone"
+    shutil.copytree(out, gone)
+    shutil.rmtree(gone / "checkpoint")
+    left = {str(f.relative_to(gone)): f.read_bytes() for f in gone.rglob("*") if f.is_file()}
+
+    # Three refusals that only read the runs, side by side.
+    finished, changed, nothing = run_jobs_at_once(
         ["jobs/train.py", "--output", str(out), "--resume"],
-        ["jobs/train.py", "--output", str(out), "--resume", "--epochs", "5", "--hidden-units", "32"])
+        ["jobs/train.py", "--output", str(out), "--resume", "--epochs", "5", "--hidden-units", "32"],
+        ["jobs/train.py", "--output", str(gone), "--resume", "--epochs", "5"])
+    p = nothing
+    assert p.returncode == 2 and len(errors(p)) == 1, p.stderr[-2000:]
+    assert f"nothing to resume in {gone}: it holds a finished run but no checkpoint of it" in errors(p)[0]
+    assert {str(f.relative_to(gone)): f.read_bytes() for f in gone.rglob("*") if f.is_file()} == left
     # Nothing left to train: one line.
     p = finished
     assert p.returncode == 2 and len(errors(p)) == 1, p.stderr[-2000:]

@@ -320,6 +320,9 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
     time_report.mark("outputs")
     result["time"] = time_report.report(took, getattr(job.train, "streamed", False), world)
     log.info(result["time"]["line"])
+    if job.profile_steps and "://" not in str(job.profile_dir) and not Path(str(job.profile_dir)).is_dir():
+        log.warning("--profile-steps %d:%d: the run ended before step %d: nothing profiled", *job.profile_steps,
+                    job.profile_steps[0])
     if keras_audit.STATE_KEY in state:  # --audit-sample-ids: every epoch's ids, and result.json's counts of them
         audited = state[keras_audit.STATE_KEY]
         (out / outputs.AUDIT_FILE).write_text(json.dumps(audited))

@@ -65,6 +65,20 @@ def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
     return found
 
 
+def check_resumable(config: TrainConfig) -> None:
+    """--resume of an output that holds a run (its config.yaml) but no checkpoint of it to go on from: one line,
+    before any work, every file left as it is (an output with no run yet starts as a new run would)."""
+    from app.config import CONFIG_FILE
+
+    out = config.output_dir()
+    if not config.resume or not (out / CONFIG_FILE).is_file() or checkpoints(out, config.storage_path):
+        return
+    what = "a finished run" if (out / "result.json").is_file() else "a run"
+    raise UserError(f"--resume: nothing to resume in {out}: it holds {what} but no checkpoint of it (its checkpoint/ "
+                    f"and Ray's checkpoint_* directories are gone); train anew with another --output, or replace it "
+                    "with --overwrite instead of --resume")
+
+
 def check_fits(model, config: TrainConfig) -> None:
     """The resumed checkpoint reads whole (every tensor: a truncated or damaged file is one line naming it) and
     holds this model's variables, shape for shape (their order is the model's: the same function builds them in the

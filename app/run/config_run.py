@@ -59,6 +59,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
             raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own loop, "
                             "which goes on only as the parameter servers (--strategy parameter-server) it trains; "
                             "Keras's fit, which trains every other run, cannot go on from them: give a new --output")
+        from app.backends import run_checkpoints
+
+        run_checkpoints.check_resumable(config)  # a run whose checkpoints are gone: nothing to go on from
     if backend.on_ray and not dry:  # the local Ray starts beside the driver's imports, data and model
         from app.driver import cluster
 

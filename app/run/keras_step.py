@@ -176,6 +176,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
         "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(num_workers))),
         **(recorded or {})})
+    run_checkpoints.check_resumable(config)  # before the data is read and anything starts
     # An elastic range (num_workers="1:4"): every size cuts each global batch over its workers, so the math does not
     # change with the size; the checks below take the largest.
     world = 1 if not _on_ray(config) else config.max_workers

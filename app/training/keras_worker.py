@@ -275,7 +275,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     in_graph = step_clock.InGraph() if strategy is None else None
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer, in_graph)
     if in_graph is not None:
-        in_graph.wrap_step(model, keras_sync.optimizers_of(model))
+        in_graph.wrap_step(model)
     with user_code.named(model):  # the model's steps are traced here first
         if strategy is None:
             build(model, train, val, sharded)

@@ -6,12 +6,15 @@ Keras's fit runs every step as one call of its ``train_function`` (``next(iterat
 - on the host, each ``train_function`` call (``StepClock`` wraps it as fit starts): the whole step, its input
   included; the epoch's training loop from its begin to its validation (or its end); the validation pass;
 - inside the traced step (``InGraph``, a worker of one replica: a Ray worker, or a local run on one device), with
-  ``tf.timestamp`` ops ordered by the tensors they wait for: the step's body from its batch in hand to its outputs
-  and its optimizers' updates, and the gradients' all-reduce from its last gradient to its last sum (the sync the
-  backward pass did not hide, the wait for the slowest worker included).
+  ``tf.timestamp`` ops that wait for the tensors they follow and that the next ops wait for: the moment each step's
+  batch is in hand (summed; the host sums the moments it called the function: both are the wall clock), and the
+  gradients' all-reduce from its last gradient to its last sum (the sync the backward pass did not hide, the wait
+  for the slowest worker included).
 
-So per epoch: **input** = step calls - bodies (the wait for the batch, and the call's dispatch); **sync** = the
-all-reduces; **compute** = bodies - sync; **hooks** = loop - step calls (callbacks, Keras's loop). Each fit's first
+So per epoch: **input** = batches in hand - calls begun (the wait for the batch, and the call's dispatch); the
+body = calls - input; **sync** = the all-reduces; **compute** = body - sync; **hooks** = loop - step calls
+(callbacks, Keras's loop). A step's end is its call's return: an update that reads nothing the step returns still
+ends inside it. Each fit's first
 step traces the function: it is a start-up link of its own ("first step"), not in the split. On a GPU a call may
 return before its kernels end: the wait then shows in the hooks that read the step's logs.
 
@@ -69,30 +72,26 @@ class Marks:
 
 
 class InGraph:
-    """The step's body and its gradients' sync, summed inside the traced step (a worker of one replica)."""
+    """Inside the traced step (a worker of one replica): the sum of the moments each step's batch was in hand (from
+    an offset the host sets each epoch), the steps run, and the gradients' sync."""
 
     def __init__(self) -> None:
         import tensorflow as tf
 
-        self.body = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_body")
+        self.offset = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_offset")
+        self.starts = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_starts")
+        self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="clock_steps")
         self.sync = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="clock_sync")
 
-    def wrap_step(self, model, optimizers: list) -> None:
-        """``model.train_step`` timed from its batch in hand to its outputs and its optimizers' step counts (read
-        after their updates)."""
+    def wrap_step(self, model) -> None:
+        """``model.train_step`` notes when its batch is in hand, before any of its ops runs."""
         own_step = model.train_step
 
         def train_step(data):
-            import tensorflow as tf
-
-            with tf.control_dependencies(tf.nest.flatten(data)):
-                start = tf.timestamp()
-            outputs = own_step(data)
-            done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
-            done += [tf.convert_to_tensor(o.iterations) for o in optimizers]
-            with tf.control_dependencies(done):
-                self.body.assign_add(tf.timestamp() - start)
-            return outputs
+            start, data = _first(data)
+            self.starts.assign_add(start - self.offset)
+            self.count.assign_add(1)
+            return own_step(data)
 
         model.train_step = train_step
 
@@ -100,15 +99,27 @@ class InGraph:
         """``summed(values)`` (the gradients' all-reduce), its exposed time added to the sync."""
         import tensorflow as tf
 
-        with tf.control_dependencies([v for v in tf.nest.flatten(values, expand_composites=True) if v is not None]):
-            start = tf.timestamp()
+        start, values = _first(values)
         out = summed(values)
         with tf.control_dependencies([v for v in tf.nest.flatten(out, expand_composites=True) if v is not None]):
             self.sync.assign_add(tf.timestamp() - start)
         return out
 
-    def read(self) -> tuple[float, float]:
-        return float(self.body.numpy()), float(self.sync.numpy())
+    def read(self) -> np.ndarray:
+        """(the batches' moments in hand, summed; the steps run; the sync's seconds) so far."""
+        return np.array([self.starts.numpy(), float(self.count.numpy()), self.sync.numpy()])
+
+
+def _first(tree):
+    """A timestamp taken once every tensor of ``tree`` exists, and ``tree`` made to wait for it: what reads the
+    returned tensors runs after the timestamp (else the executor may run it first, and the clock would start late)."""
+    import tensorflow as tf
+
+    with tf.control_dependencies([t for t in tf.nest.flatten(tree, expand_composites=True) if t is not None]):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        return start, tf.nest.map_structure(lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, tree,
+                                            expand_composites=True)
 
 
 class StepClock(keras.callbacks.Callback):
@@ -123,11 +134,12 @@ class StepClock(keras.callbacks.Callback):
         self.in_graph, self.marks = in_graph, marks
         self.checkpoint = 0.0  # the last epoch's checkpoint and report (Checkpoints adds it)
         self._reset()
-        self._graph_at = (0.0, 0.0)
+        self._graph_at = np.zeros(3)
         self._fit_calls = 0
+        self.offset = 0.0  # the in-graph clock's offset this epoch (wall clock)
 
     def _reset(self) -> None:
-        self.calls = self.first = 0.0
+        self.calls = self.first = self.begins = 0.0  # begins: the timed calls' starts, summed from the offset
         self.steps = 0
         self.loop_start: Optional[float] = None
         self.loop = self.validation = 0.0
@@ -142,17 +154,19 @@ class StepClock(keras.callbacks.Callback):
         clock = self
 
         def timed(iterator):
-            started = time.perf_counter()
+            begun, started = time.time(), time.perf_counter()
             if clock.loop_start is not None and clock.epoch_start is None:
                 clock.epoch_start = started - clock.loop_start
             out = fn(iterator)
             seconds = time.perf_counter() - started
             if clock._fit_calls == 0:  # a fit's first call traces the function: a start-up link
                 clock.first += seconds
-                clock._graph_at = clock.in_graph.read() if clock.in_graph is not None else (0.0, 0.0)
+                if clock.in_graph is not None:
+                    clock._graph_at = clock.in_graph.read()
                 clock.marks.mark("first step")
             else:
                 clock.calls += seconds
+                clock.begins += begun - clock.offset
                 clock.steps += 1
             clock._fit_calls += 1
             return out
@@ -163,7 +177,9 @@ class StepClock(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._reset()
         self.loop_start = time.perf_counter()
-        if self.in_graph is not None and self._fit_calls:
+        if self.in_graph is not None:
+            self.offset = time.time()
+            self.in_graph.offset.assign(self.offset)
             self._graph_at = self.in_graph.read()
 
     def _end_loop(self) -> None:
@@ -187,8 +203,11 @@ class StepClock(keras.callbacks.Callback):
         body = sync = 0.0
         if self.in_graph is not None and self.steps:
             now = self.in_graph.read()
-            body, sync = now[0] - self._graph_at[0], now[1] - self._graph_at[1]
+            starts, count, sync = now - self._graph_at
             self._graph_at = now
+            # A call of several steps (steps_per_execution) holds more batches than calls: its input is not split.
+            waited = max(0.0, starts - self.begins) if round(count) == self.steps else 0.0
+            body = max(self.calls - waited, 1e-9)
         start = self.epoch_start or 0.0
         hooks = max(0.0, self.loop - self.calls - self.first - start)
         return np.array([self.steps, self.calls, body, sync, hooks, start, self.validation, self.checkpoint,
