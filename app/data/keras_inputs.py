@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from app import internals
+from app.data.arrays import epoch_pass
 from app.data.tf_datasets import MAX_BYTES, is_tf_dataset
 from app.data.tf_pipeline import Pipeline, serialise
 from app.errors import UserError, users_file, words_of
@@ -167,7 +168,7 @@ class KerasData:
         ds = tf.data.Dataset.from_tensors(0).flat_map(one_epoch)
         if len(set(counts)) == 1:  # fit() knows an epoch's steps (callbacks' params["steps"]), as for arrays
             ds = ds.apply(tf.data.experimental.assert_cardinality(counts[0]))
-        return ds.map(batch).prefetch(2), lambda epoch: chosen.assign(epochs.index(epoch))
+        return epoch_pass(ds.map(batch)), lambda epoch: chosen.assign(epochs.index(epoch))
 
     def _rerun(self, epochs: range, seed: int, rank: int, world: int, training: bool):
         """The user's pipeline with, of each batch, this worker's rows (as above): one pass per epoch, for fit() to

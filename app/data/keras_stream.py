@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from app.data.arrays import ID, Y, x_of
+from app.data.arrays import ID, Y, epoch_pass, x_of
 from app.data.schema import Spec
 from app.errors import UserError
 
@@ -180,7 +180,7 @@ class StreamedKerasData:
             from app import internals
 
             ds = internals.keras_data_adapter(ds, None, None, None, None, self.class_weight).get_tf_dataset()
-        return ds.prefetch(2), lambda epoch: chosen.update(epoch=epoch)
+        return epoch_pass(ds), lambda epoch: chosen.update(epoch=epoch)
 
 
 def locate_input(x: Any, config: "TrainConfig"):
