@@ -242,6 +242,26 @@ def backend_asked(fields: dict[str, Any]) -> Any:
     return backend_of(config) if config is not None else None
 
 
+def start_ray_early(fields: dict[str, Any], num_workers: Any) -> None:
+    """app.fit on Ray: the local Ray it would start starts now, beside the driver's build of the model, its reading
+    of the inputs and its checks (app.driver.cluster.start_local_early). Keywords the config refuses start nothing:
+    the run's own checks say what is wrong with them."""
+    from app.backend import backend_of
+    from app.config import build_config
+    from app.driver import cluster
+
+    try:
+        asked = {k: fields[k] for k in ("backend", "strategy", "cpus_per_worker", "use_gpu") if k in fields}
+        config = build_config(fields.get("config"), {**asked, "num_workers": num_workers})
+    except (UserError, ValueError, TypeError):
+        return
+    if backend_of(config).on_ray and not backend_of(config).own_loop:
+        try:
+            cluster.start_local_early(config)
+        except UserError:  # a Ray this machine cannot hold: said by the run's own check, in its words
+            return
+
+
 def _where_asked(fields: dict[str, Any]) -> Any:
     """The config of app.fit's keywords that say where and how wide it trains (None: none given)."""
     from app.config import build_config

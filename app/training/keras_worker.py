@@ -15,7 +15,9 @@ The product adds, as Keras callbacks on every worker:
   and the epoch's record, written by rank 0 and reported by every worker;
 - ``StepCheckpoints`` (checkpoint_every_steps): one every N steps inside an
   epoch too, with the epoch's metric states so far summed over the workers;
-- ``StepScalars`` (TensorBoard, log_every_steps): the epoch's logs so far.
+- ``StepScalars`` (TensorBoard, log_every_steps): the epoch's logs so far;
+- ``StepClock`` (app.training.step_clock): where each epoch's time went on this worker, gathered into the
+  checkpoint's state with its start-up marks; ``Profile``: --profile-steps.
 
 A restarted or resumed worker restores the last checkpoint and goes on from
 its epoch, as ``initial_epoch`` would; from a checkpoint inside an epoch, it

@@ -14,9 +14,9 @@ Keras's fit runs every step as one call of its ``train_function`` (``next(iterat
 So per epoch: **input** = batches in hand - calls begun (the wait for the batch, and the call's dispatch); the
 body = calls - input; **sync** = the all-reduces; **compute** = body - sync; **hooks** = loop - step calls
 (callbacks, Keras's loop). A step's end is its call's return: an update that reads nothing the step returns still
-ends inside it. Each fit's first
-step traces the function: it is a start-up link of its own ("first step"), not in the split. On a GPU a call may
-return before its kernels end: the wait then shows in the hooks that read the step's logs.
+ends inside it. Each fit's first step traces the function: it is a start-up link of its own ("first step"), not in
+the split. On a GPU a call may return before its kernels end: the wait then shows in the hooks that read the
+step's logs.
 
 ``Profile`` is --profile-steps A:B: TensorFlow's profiler over those steps of the run, on every worker, into a
 TensorBoard run of each worker's own (TensorBoard's profile tab opens them).
