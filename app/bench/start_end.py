@@ -30,14 +30,19 @@ log = logging.getLogger(__name__)
 
 PARAMS = ("rounds", "epochs", "num_workers")
 
+# The process's age at its first batch's end: /proc/uptime less its start tick (as app.training.step_clock does).
 _FIRST_STEP = """
-import psutil, time
+import os, time
 import keras
+
+def age():
+    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+    return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
 
 class FirstBatch(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
-            print("FIRST_STEP", time.time() - psutil.Process().create_time(), flush=True)
+            print("FIRST_STEP", age(), flush=True)
 """
 
 PLAIN = _FIRST_STEP + """

@@ -45,12 +45,12 @@ def begin() -> None:
     """A run begins in this process: the first one of a script (``python jobs/train.py``, ``python my_script.py``)
     starts from the process's own start (the script's imports and data included: what the user waits for from the
     command); a later one, or one called from a notebook, a test or ``python -m``, from this call."""
-    import psutil
+    from app.training.step_clock import process_started
 
     main = sys.modules.get("__main__")
     script = main is not None and getattr(main, "__spec__", None) is None and hasattr(main, "__file__")
     DRIVER_MARKS.clear()
-    DRIVER_MARKS["process"] = psutil.Process().create_time() if script and not _BEGUN else time.time()
+    DRIVER_MARKS["process"] = process_started() if script and not _BEGUN else time.time()
     _BEGUN.append(True)
 
 
