@@ -38,14 +38,15 @@ _BUILT_FIELDS = {*product_model.BUILTIN_OPTIONS, "model_args", "num_classes"}
 _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 
 
-def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
+def from_config(config, dry: bool = False, ray_run: Any = None, command_line: bool = False) -> Optional[Any]:
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
     Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
     loop (parameter servers, and --resume of their runs), never on Ray Train, where what Keras's
     fit cannot run is one line. ``dry``: the plan's lines instead, nothing
-    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
+    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun; ``command_line``: the run is
+    jobs/train.py's, whose process ends at a refusal."""
     from app.backend import backend_of, one_local_replica, several_replicas_asked
 
     # Parameter servers are a field set: the product's own loop; one asking for local replicas or a pipeline is what
@@ -62,7 +63,9 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         from app.backends import run_checkpoints
 
         run_checkpoints.check_resumable(config)  # a run whose checkpoints are gone: nothing to go on from
-    if backend.on_ray and not dry:  # the local Ray starts beside the driver's imports, data and model
+    # The command line's local Ray starts beside the driver's imports, data and model: a refusal ends the process,
+    # and the Ray with it. Called from Python (app.train, a notebook), Ray starts once the checks have passed.
+    if backend.on_ray and not dry and command_line:
         from app.driver import cluster
 
         cluster.start_local_early(config)
@@ -240,26 +243,6 @@ def backend_asked(fields: dict[str, Any]) -> Any:
 
     config = _where_asked(fields)
     return backend_of(config) if config is not None else None
-
-
-def start_ray_early(fields: dict[str, Any], num_workers: Any) -> None:
-    """app.fit on Ray: the local Ray it would start starts now, beside the driver's build of the model, its reading
-    of the inputs and its checks (app.driver.cluster.start_local_early). Keywords the config refuses start nothing:
-    the run's own checks say what is wrong with them."""
-    from app.backend import backend_of
-    from app.config import build_config
-    from app.driver import cluster
-
-    try:
-        asked = {k: fields[k] for k in ("backend", "strategy", "cpus_per_worker", "use_gpu") if k in fields}
-        config = build_config(fields.get("config"), {**asked, "num_workers": num_workers})
-    except (UserError, ValueError, TypeError):
-        return
-    if backend_of(config).on_ray and not backend_of(config).own_loop:
-        try:
-            cluster.start_local_early(config)
-        except UserError:  # a Ray this machine cannot hold: said by the run's own check, in its words
-            return
 
 
 def _where_asked(fields: dict[str, Any]) -> Any:

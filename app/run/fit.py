@@ -159,7 +159,6 @@ def fit(
 
         if isinstance(model_fn, str) and model_fn in registry.MODELS and _is_array(x) and _is_array(y):
             model_fn = fit_inputs.builtin_for_arrays(model_fn, x, y, fields, validation_split)  # sized by the arrays
-        config_run.start_ray_early(fields, num_workers)  # beside the model's build and the checks below
         local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
         asked = config_run.backend_asked(fields)
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))

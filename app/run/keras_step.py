@@ -184,8 +184,6 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         from app.driver import cluster
 
         cluster.check_fits_locally(config)
-        if not dry:  # the local Ray starts beside the driver's reading of the inputs and its checks
-            cluster.start_local_early(config)
     if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
         raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
                         "fixed number of workers; give num_workers a number")
