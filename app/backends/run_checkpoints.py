@@ -66,17 +66,17 @@ def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
 
 
 def check_resumable(config: TrainConfig) -> None:
-    """--resume of an output that holds a run (its config.yaml) but no checkpoint of it to go on from: one line,
-    before any work, every file left as it is (an output with no run yet starts as a new run would)."""
-    from app.config import CONFIG_FILE
+    """--resume of an output that holds a finished run (its result.json) but no checkpoint of it to go on from: one
+    line, before any work, every file left as it is. A run stopped before its first checkpoint (its config.yaml
+    alone) has nothing to lose: it starts as a new run would."""
+    from app.driver.outputs import RESULT_FILE
 
     out = config.output_dir()
-    if not config.resume or not (out / CONFIG_FILE).is_file() or checkpoints(out, config.storage_path):
+    if not config.resume or not (out / RESULT_FILE).is_file() or checkpoints(out, config.storage_path):
         return
-    what = "a finished run" if (out / "result.json").is_file() else "a run"
-    raise UserError(f"--resume: nothing to resume in {out}: it holds {what} but no checkpoint of it (its checkpoint/ "
-                    f"and Ray's checkpoint_* directories are gone); train anew with another --output, or replace it "
-                    "with --overwrite instead of --resume")
+    raise UserError(f"--resume: nothing to resume in {out}: it holds a finished run but no checkpoint of it (its "
+                    "checkpoint/ and Ray's checkpoint_* directories are gone); train anew with another --output, or "
+                    "replace it with --overwrite instead of --resume")
 
 
 def check_fits(model, config: TrainConfig) -> None:

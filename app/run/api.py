@@ -30,8 +30,7 @@ def run_training(config: TrainConfig, started_at: Optional[float] = None) -> dic
         from app.run import config_run
 
         try:
-            # a model function of no arguments: Keras's fit (jobs/train.py passes when it started)
-            by_keras_fit = config_run.from_config(config, command_line=started_at is not None)
+            by_keras_fit = config_run.from_config(config)  # a model function of no arguments: Keras's fit
             return by_keras_fit if by_keras_fit is not None else driver(config).run(config, started_at)
         finally:
             outputs.release_output_dir(config)  # this process is done with it (a notebook goes on)

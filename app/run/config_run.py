@@ -38,15 +38,14 @@ _BUILT_FIELDS = {*product_model.BUILTIN_OPTIONS, "model_args", "num_classes"}
 _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 
 
-def from_config(config, dry: bool = False, ray_run: Any = None, command_line: bool = False) -> Optional[Any]:
+def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
     """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
     on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
     for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
     Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
     loop (parameter servers, and --resume of their runs), never on Ray Train, where what Keras's
     fit cannot run is one line. ``dry``: the plan's lines instead, nothing
-    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun; ``command_line``: the run is
-    jobs/train.py's, whose process ends at a refusal."""
+    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
     from app.backend import backend_of, one_local_replica, several_replicas_asked
 
     # Parameter servers are a field set: the product's own loop; one asking for local replicas or a pipeline is what
@@ -63,12 +62,6 @@ def from_config(config, dry: bool = False, ray_run: Any = None, command_line: bo
         from app.backends import run_checkpoints
 
         run_checkpoints.check_resumable(config)  # a run whose checkpoints are gone: nothing to go on from
-    # The command line's local Ray starts beside the driver's imports, data and model: a refusal ends the process,
-    # and the Ray with it. Called from Python (app.train, a notebook), Ray starts once the checks have passed.
-    if backend.on_ray and not dry and command_line:
-        from app.driver import cluster
-
-        cluster.start_local_early(config)
     several = _several_local_replicas(config)
     if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
         from app.data import files
