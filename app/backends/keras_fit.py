@@ -52,6 +52,11 @@ class RayKerasSession:
     def __init__(self, payload: dict[str, Any]):
         import ray.train
 
+        from app.backends import tf_config
+
+        # The worker's start-up marks (app.training.step_clock): its function entered, its TF_CONFIG given.
+        self.entered = time.time()
+        self.configured = tf_config.SET_AT[0] if tf_config.SET_AT else None
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.payload, self._started = payload, False
@@ -123,10 +128,6 @@ def keras_loop_per_worker(payload: dict[str, Any]) -> None:
 
     worker_lines.mark_worker_console("app")
     session = RayKerasSession(payload)
-    session.entered = time.time()  # the start-up marks begin here (app.training.step_clock)
-    from app.backends import tf_config
-
-    session.configured = tf_config.SET_AT[0] if tf_config.SET_AT else None
     # The job (the model function, the callbacks) may hold TensorFlow objects, a layer adapted in the driver:
     # unpickled only once the collectives and threads are set, which must come before any TensorFlow op.
     session.start()
@@ -314,11 +315,8 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
               "optimizer_state_bytes": state.get("optimizer_state_bytes"),
               "optimizer_parts_bytes": state.get("optimizer_parts_bytes"),
               "seconds": round(time.time() - started, 2)}
-    took = state.get("time") or {}
-    if took.get("epochs") and "at" in took["epochs"][-1]:
-        time_report.DRIVER_MARKS["last epoch"] = took["epochs"][-1]["at"]
     time_report.mark("outputs")
-    result["time"] = time_report.report(took, getattr(job.train, "streamed", False), world)
+    result["time"] = time_report.report(state.get("time"), getattr(job.train, "streamed", False), world)
     log.info(result["time"]["line"])
     if job.profile_steps and "://" not in str(job.profile_dir) and not Path(str(job.profile_dir)).is_dir():
         log.warning("--profile-steps %d:%d: the run ended before step %d: nothing profiled", *job.profile_steps,

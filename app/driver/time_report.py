@@ -89,10 +89,13 @@ def report(took: Optional[dict[str, Any]], streamed: bool, workers: int) -> dict
         rows.extend(e["workers"])
     total = split(rows) if rows else None
     steps = int(total["steps"] / max(1, workers)) if total else 0
-    end = [{"link": what, "seconds": round(DRIVER_MARKS[b] - DRIVER_MARKS[a], 3)}
+    # The last epoch's end is rank 0's mark, gathered into the checkpoint's state.
+    at = {**DRIVER_MARKS, **({"last epoch": took["epochs"][-1]["at"]} if "at" in (took.get("epochs") or [{}])[-1]
+                             else {})}
+    end = [{"link": what, "seconds": round(at[b] - at[a], 3)}
            for a, b, what in (("last epoch", "fit returned", "the last checkpoint and the workers' end"),
                               ("fit returned", "outputs", "the outputs (model files, export, history)"))
-           if a in DRIVER_MARKS and b in DRIVER_MARKS]
+           if a in at and b in at]
     result: dict[str, Any] = {"startup": links, "startup_seconds": round(sum(k["seconds"] for k in links), 3),
                               "epochs": epochs, "end": end, "steps_timed": steps,
                               "sync_timed": bool(took.get("sync_timed"))}
