@@ -184,6 +184,19 @@ def test_the_keras_script_on_two_workers_reports_its_own_metrics_exactly(user_fi
     result = json.loads((out / "result.json").read_text())
     assert result["metric"] == "val_accuracy" and result["num_replicas"] == 2 and result["global_batch_size"] == 64
     assert result["metrics"]["val_accuracy"] >= 0.95 and result["epochs_completed"] == 8
+    # The record says what trained: the model's compile, in the plan, result.json and config.yaml; the product's
+    # optimizer, rate and LR rule, which it replaced, are nowhere listed as in force.
+    assert "compile: the model's own compile(): optimizer Adam at learning rate 0.001; loss categorical_crossentropy;" \
+           " metrics accuracy, auc" in console
+    assert result["compiled"]["optimizers"] == [{"name": "optimizer", "class": "Adam", "learning_rate": 0.001}]
+    assert (result["compiled"]["loss"], result["compiled"]["metrics"]) == ("categorical_crossentropy", ["accuracy", "auc"])
+    assert (result["base_lr"], result["lr_scaling"], result["learning_rate"]) == (0.001, "none", 0.001)
+    not_in_force = {"optimizer", "base_lr", "momentum", "loss", "lr_scaling", "warmup_epochs", "lr_decay", "hidden_units"}
+    assert not_in_force <= set(result["compiled"]["not_in_force"]) and not not_in_force & set(result["config"])
+    recorded = (out / "config.yaml").read_text()
+    in_force = recorded.split("# Defaults in force")[1].split("# Not in force")[0]
+    assert not [f for f in not_in_force if f"# {f}:" in in_force], in_force
+    assert "# Not in force for this run" in recorded and "optimizer" in recorded.split("# Not in force")[1]
     history = (out / "history.csv").read_text().splitlines()[0].split(",")
     assert {"loss", "auc", "val_auc", "accuracy", "val_accuracy"} <= set(history)
     assert p.stdout.strip().splitlines()[-2].startswith("val_accuracy ")  # the run's last line: its metric first

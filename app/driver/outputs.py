@@ -44,9 +44,10 @@ def check_output_dir(config: TrainConfig) -> None:
                        resume=config.resume)
 
 
-def prepare_output_dir(config: TrainConfig) -> Path:
+def prepare_output_dir(config: TrainConfig, unused: tuple[str, ...] = ()) -> Path:
     """Create the output directory once the run's checks have passed; an existing one is replaced only with
-    --overwrite and only when this product wrote it for a run, or continued with --resume."""
+    --overwrite and only when this product wrote it for a run, or continued with --resume (``unused``: the fields
+    the run's training does not read, app.training.compile_record)."""
     out = config.output_dir()
     if config.storage_path and not backend_of(config).ray_train:
         log.warning("--storage-path is where Ray Train keeps checkpoints; this run keeps its own in %s",
@@ -59,11 +60,11 @@ def prepare_output_dir(config: TrainConfig) -> Path:
         # Whether there is anything left to train (a finished run, more --epochs) was decided in preflight
         # (app.driver.resume). The config now in force (another worker count, more epochs) is what a later
         # --resume reads.
-        (out / CONFIG_FILE).write_text(recorded_config(config, out))
+        (out / CONFIG_FILE).write_text(recorded_config(config, out, unused))
         return out
     output_guard.take(out, "train", replace=config.overwrite)
     # Written first, so that even a failed run leaves the config it was started with.
-    (out / CONFIG_FILE).write_text(recorded_config(config, out))
+    (out / CONFIG_FILE).write_text(recorded_config(config, out, unused))
     return out
 
 
@@ -86,8 +87,9 @@ def recorded_fields(config: TrainConfig) -> dict[str, Any]:
 STARTED_IN = "# Started in: "  # the working directory relative paths were given from (evaluate and predict read it)
 
 
-def recorded_config(config: TrainConfig, out: Path) -> str:
-    """config.yaml: the resolved config, reusable with --config, and comments saying how to use it."""
+def recorded_config(config: TrainConfig, out: Path, unused: tuple[str, ...] = ()) -> str:
+    """config.yaml: the resolved config, reusable with --config, and comments saying how to use it; the defaults
+    in force, commented out, without the ``unused`` ones (a model's own compile replaced them)."""
     import yaml
 
     values = config.model_dump(mode="json")
@@ -105,9 +107,11 @@ def recorded_config(config: TrainConfig, out: Path) -> str:
     # --resume), where the product decides from the model (a compiled optimizer's own LR, a built-in model's
     # optimizer); the defaults in force follow, commented out.
     chosen = recorded_fields(config)
-    defaults = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k not in chosen}
+    defaults = {k: v for k, v in values.items() if k not in _NOT_RECORDED and k not in chosen and k not in unused}
     commented = ["# Defaults in force (not set for this run):",
                  *(f"# {line}" for line in yaml.safe_dump(defaults, sort_keys=False).splitlines())] if defaults else []
+    if idle := [k for k in unused if k not in chosen]:
+        commented.append(f"# Not in force for this run (result.json's compiled says what trained): {', '.join(idle)}")
     return "\n".join(lines) + "\n" + yaml.safe_dump(chosen, sort_keys=False) + "\n".join(commented) + "\n"
 
 

@@ -248,7 +248,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
         raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
                         "batches")
-    from app.training import keras_sync, tensor_parallel, zero
+    from app.training import compile_record, keras_sync, tensor_parallel, zero
     from app.training.keras_features import KerasFeatures
 
     # the product's optimizer (its compile's, or --optimizer's over the user's): the LR rule's defaults apply to it
@@ -256,6 +256,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
                                 steps_per_epoch=train.steps, epochs=epochs, product_optimizer=product_optimizer)
     features.check()
+    compiled = compile_record.of(model, compile_record.BY_PRODUCT if defaults is not None else compile_record.BY_FLAGS
+                                 if recompile is not None else compile_record.BY_MODEL, config.model_fields_set,
+                                 features, config)
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
         keras_sync.check_additive(model, train.first_batch(), keras_steps=not overrides_step(model))
@@ -273,10 +276,10 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
                    stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
                    task=defaults.task if defaults is not None else None, tensor=tensor, stages=stages,
                    checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids,
-                   profile_steps=config.profile_steps)
+                   profile_steps=config.profile_steps, compiled=compiled)
     plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
                             defaults.line(built_by_product(config.model)) if defaults else
-                            recompile.line() if recompile is not None else None, class_weight,
+                            recompile.line() if recompile is not None else compiled.line(), class_weight,
                             validation_freq, callbacks, x, validation_data, epochs, local, stages)
     if dry:  # --dry-run: the plan, nothing trained or written
         return plan, config.output_dir()

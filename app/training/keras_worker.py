@@ -81,6 +81,7 @@ class KerasJob:
     stages: Any = None  # --strategy pipeline: the driver's StagePlan (app.training.pipeline); None: no pipeline
     profile_steps: Optional[tuple[int, int]] = None  # --profile-steps A:B: TensorFlow's profiler over those steps
     profile_dir: Optional[str] = None  # where each worker's profile goes (a TensorBoard run per worker)
+    compiled: Any = None  # what trained: the compile in force (app.training.compile_record.Compiled)
 
 
 def trained_rows(data, world: int) -> Optional[int]:

@@ -49,7 +49,7 @@ def target_moments(moments: "Moments") -> dict[str, Any]:
             "target_variance": moments.variance[0] if one else moments.variance}
 
 
-def _not_taken(fn: Any, given: Sequence[str]) -> tuple[list[str], list[str]]:
+def not_taken(fn: Any, given: Sequence[str]) -> tuple[list[str], list[str]]:
     """Of the built-in options ``given``, those the model function ``fn`` does not take; and the ones it takes."""
     import inspect
 
@@ -62,7 +62,7 @@ def _not_taken(fn: Any, given: Sequence[str]) -> tuple[list[str], list[str]]:
 def check_options(fn: Any, name: str, given: Sequence[str]) -> None:
     """app.fit's keywords: the built-in model ``fn`` must take every option ``given`` (one line naming what it
     takes), or the option would size nothing (``sync_batch_norm`` with the mlp, which has no batch norm)."""
-    refused, options = _not_taken(fn, given)
+    refused, options = not_taken(fn, given)
     if refused:
         raise UserError(f"the built-in {name} does not take {', '.join(refused)} (it takes "
                         f"{', '.join(options) or 'none of the built-in options'}): leave it out")
@@ -77,7 +77,7 @@ def unused_options_line(config: "TrainConfig") -> Optional[str]:
              and getattr(config, k) != fields[k].get_default(call_default_factory=True)]
     if not given:
         return None
-    unused, options = _not_taken(registry.resolve(config.model, registry.MODELS), given)
+    unused, options = not_taken(registry.resolve(config.model, registry.MODELS), given)
     if not unused:
         return None
     flags = ", ".join("--" + k.replace("_", "-") for k in unused)
