@@ -15,16 +15,17 @@ The inputs, the same rows (``rows`` of ``shape`` float32 and a class id, learnab
 Each run is a fresh process with a local Ray of its own (``python -m app.bench.streaming one '<json>'``), so its
 peaks are its own (app.bench.sampler): the driver's ``ru_maxrss``, the largest sampled RSS and own memory (RssAnon)
 of the Ray Train workers and of Ray Data's tasks, and the object store's pages. Steady samples/s are the epochs
-after the first (rows trained / the epoch's seconds, from the run's History records). ``runs`` repeats the 1x set,
-the inputs alternating, and keeps each input's best rate (this machine's speed drifts by half from minute to minute:
-one run of each compares two moments, not two inputs) -> streaming.json, with each streamed input's best rate over
-the arrays' best (goal: >= 0.9), every run's rates, and the memory ratios scale x / 1x (goal: flat).
+after the first (rows trained / the epoch's seconds, from the run's History records). ``runs`` rounds of the 1x set,
+every input once a round: each input's rate over the same round's arrays, and the median of those ratios over the
+rounds (this machine's speed drifts by half from minute to minute: only a ratio within a round compares two inputs),
+each round's CPU steal (/proc/stat) beside it -> streaming.json, with the memory ratios scale x / 1x (goal: flat).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from app.bench import report
 from app.bench.memory import COMPLETE, _is_task, write_dataset
 from app.bench.preset import Preset
-from app.bench.proc import child_main, measure, steady
+from app.bench.proc import child_main, cpu_times, measure, steady, steal_fraction
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ INPUTS = ("arrays", "parquet", "tfrecord", "parquet-cached")  # the last: kept i
 # The input alone: the same rows to a model of one Dense layer, whose step costs next to nothing, so the rate is what
 # the input delivers on this machine (1x, each run): the ceiling of the CNN's rate from it.
 INPUT_BOUND = ("arrays-dense", "parquet-dense")
+TARGETS = {"parquet": 0.8, "parquet-cached": 0.9}  # each input's rate over the arrays' (the median of the rounds)
 
 
 def build_model(shape: tuple[int, ...], dense: bool = False):
@@ -159,38 +161,48 @@ def dataset(root: Path, rows: int, params: dict[str, Any]) -> Path:
 def run(preset: Preset, out: Path, command: str) -> list[Path]:
     params = preset.params
     scale, runs = int(params["scale"]), int(params["runs"])
-    sizes = {"1x": int(params["rows"]), f"{scale}x": int(params["rows"]) * scale}
-    results: dict[str, Any] = {}
-    rates: dict[str, list[float]] = {}
-    for label, rows in sizes.items():
-        data = dataset(out, rows, params)
-        # Every input at 1x, ``runs`` times, alternating; the streamed inputs' memory at scale x, once.
-        for i in range(runs if label == "1x" else 1):
-            for kind in INPUTS + INPUT_BOUND if label == "1x" else ("parquet", "tfrecord"):
-                payload = {"input": kind, "data": str(data), "out": str(out / f"run-{label}-{kind}-{i}"),
-                           "rows": rows, "params": params}
-                result = measure("app.bench.streaming", "one", payload, timeout=4 * 3600)[0]
-                if label == "1x":
-                    rates.setdefault(kind, []).append(result["samples_per_second"])
-                kept = results.setdefault(label, {}).get(kind)
-                if kept is None or result["samples_per_second"] > kept["samples_per_second"]:
-                    results[label][kind] = result  # the best run's figures (its memory peaks too)
-                print(f"{label} {kind} (run {i + 1}): {json.dumps(result)}", flush=True)
-    results["runs_samples_per_second"] = rates
-    base = results["1x"]["arrays"]["samples_per_second"]
-    results["rate_vs_arrays"] = {k: round(results["1x"][k]["samples_per_second"] / base, 3) for k in INPUTS[1:]}
-    # What parquet through Ray Data delivers to a step that costs next to nothing, over the CNN's rate from arrays
-    results["parquet_input_alone_vs_arrays"] = round(results["1x"]["parquet-dense"]["samples_per_second"] / base, 3)
+    rounds: list[dict[str, Any]] = []
+    kept: dict[str, list[dict[str, Any]]] = {}  # per input, every round's figures (the median run's are reported)
+    data = dataset(out, int(params["rows"]), params)
+    for i in range(runs):  # every input at 1x once a round; each streamed rate over the same round's arrays
+        before, results = cpu_times(), {}
+        for kind in INPUTS + INPUT_BOUND:
+            payload = {"input": kind, "data": str(data), "out": str(out / f"run-1x-{kind}-{i}"),
+                       "rows": int(params["rows"]), "params": params}
+            results[kind] = measure("app.bench.streaming", "one", payload, timeout=4 * 3600)[0]
+            print(f"round {i + 1} {kind}: {json.dumps(results[kind])}", flush=True)
+        base = results["arrays"]["samples_per_second"]
+        rounds.append({"steal": steal_fraction(before, cpu_times()),
+                       "samples_per_second": {k: r["samples_per_second"] for k, r in results.items()},
+                       "ratios": {k: round(results[k]["samples_per_second"] / base, 3) for k in INPUTS[1:]},
+                       # what parquet delivers to a step that costs next to nothing, over the CNN's rate from arrays
+                       "parquet_input_alone": round(results["parquet-dense"]["samples_per_second"] / base, 3)})
+        for kind, result in results.items():
+            kept.setdefault(kind, []).append(result)
+    ratios = {k: {"median": round(statistics.median(r["ratios"][k] for r in rounds), 3), "target": TARGETS.get(k),
+                  "runs": [r["ratios"][k] for r in rounds]} for k in INPUTS[1:]}
+    median_run = {k: sorted(v, key=lambda r: r["samples_per_second"])[len(v) // 2] for k, v in kept.items()}
+    results = {"1x": median_run, f"{scale}x": {}}
+    bigger = dataset(out, int(params["rows"]) * scale, params)
+    for kind in ("parquet", "tfrecord"):  # the streamed inputs' memory at scale x rows, once
+        payload = {"input": kind, "data": str(bigger), "out": str(out / f"run-{scale}x-{kind}"),
+                   "rows": int(params["rows"]) * scale, "params": params}
+        results[f"{scale}x"][kind] = measure("app.bench.streaming", "one", payload, timeout=4 * 3600)[0]
+        print(f"{scale}x {kind}: {json.dumps(results[f'{scale}x'][kind])}", flush=True)
     figures = ("driver_peak_mib", "train_worker_anon_peak_mib", "object_store_pages_peak_mib")
-    results["memory_ratio"] = {k: {f: round(results[f"{scale}x"][k][f] / max(results["1x"][k][f], 1e-9), 3)
-                                   for f in figures} for k in ("parquet", "tfrecord")}
+    memory = {k: {f: round(results[f"{scale}x"][k][f] / max(results["1x"][k][f], 1e-9), 3) for f in figures}
+              for k in ("parquet", "tfrecord")}
     summary = out / "streaming.json"
-    report.write_json(summary, {**results, "command": command, "preset": preset.as_dict()})
-    print("rate / arrays (each input's best of " + str(runs) + "): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in results["rate_vs_arrays"].items())
-          + f"; parquet to a one-Dense model / arrays to the CNN: {results['parquet_input_alone_vs_arrays']:.2f}")
-    for kind, ratios in results["memory_ratio"].items():
-        print(f"{kind} memory {scale}x / 1x: " + ", ".join(f"{f} {v:.2f}" for f, v in ratios.items()))
+    report.write_json(summary, {"rounds": rounds, "ratios": ratios, "steal": [r["steal"] for r in rounds],
+                                "parquet_input_alone_median": statistics.median(r["parquet_input_alone"] for r in rounds),
+                                "runs": results, "memory_ratio": memory, "command": command,
+                                "preset": preset.as_dict()})
+    for kind, ratio in ratios.items():
+        print(f"{kind} / arrays: median {ratio['median']:.2f} of {ratio['runs']}"
+              + (f" (target {ratio['target']:.2f})" if ratio["target"] else ""))
+    print(f"CPU steal per round: {[r['steal'] for r in rounds]}")
+    for kind, ratios_of in memory.items():
+        print(f"{kind} memory {scale}x / 1x: " + ", ".join(f"{f} {v:.2f}" for f, v in ratios_of.items()))
     return [summary]
 
 

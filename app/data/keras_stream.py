@@ -159,13 +159,18 @@ class StreamedKerasData:
             raise RuntimeError(f"the {self.name!r} shard of this worker was not bound (StreamedKerasData.shard)")
         shard, names, chosen = self.shard, self.spec.input_shapes, {"epoch": epochs.start}
         mixing = self.shuffle_buffer if training else 0
+        kept: dict[str, Any] = {}  # cached data: this worker's rows, kept after its first whole pass
 
         def one_pass():
             # Runs when fit() reads the epoch's iterator (an iterator made and not read never touches the shard).
-            shuffle = {"local_shuffle_buffer_size": mixing,
-                       "local_shuffle_seed": (seed * 1_000_003 + chosen["epoch"]) % 2**31} if mixing else {}
-            for batch in shard.iter_batches(batch_size=self.batch, batch_format="numpy", drop_last=False,
-                                            prefetch_batches=PREFETCH_BATCHES, **shuffle):
+            epoch_seed = (seed * 1_000_003 + chosen["epoch"]) % 2**31
+            batches = kept_batches(kept["rows"], self.batch, epoch_seed, rank, mixing > 0) if kept else \
+                _keeping(shard.iter_batches(batch_size=self.batch, batch_format="numpy", drop_last=False,
+                                            prefetch_batches=PREFETCH_BATCHES,
+                                            **({"local_shuffle_buffer_size": mixing, "local_shuffle_seed": epoch_seed}
+                                               if mixing else {})), kept if self.cached else None,
+                         self.rows_per_worker if self.training else None)
+            for batch in batches:
                 x = x_of(batch, names)
                 if record is not None:
                     record(batch[ID])
@@ -181,6 +186,38 @@ class StreamedKerasData:
 
             ds = internals.keras_data_adapter(ds, None, None, None, None, self.class_weight).get_tf_dataset()
         return epoch_pass(ds), lambda epoch: chosen.update(epoch=epoch)
+
+
+def _keeping(batches, kept: Optional[dict[str, Any]], rows: Optional[int]):
+    """``batches`` as they come; with ``kept``, their rows kept there too once the pass is whole: at its end, or
+    before its last batch is handed on when the pass's ``rows`` are known (fit() stops reading after its last
+    step, before the pass's end; nothing is read ahead: an equal split's end waits on the other workers' reads)."""
+    parts: list[dict[str, np.ndarray]] = []
+
+    def keep() -> None:
+        # A pass of no rows is kept too: every worker must stop reading the split together (a split's epoch
+        # begins when every worker's iterator asks for it).
+        kept["rows"] = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
+
+    for batch in batches:
+        if kept is not None:
+            parts.append(batch)
+            if rows is not None and sum(len(next(iter(p.values()))) for p in parts) == rows:
+                keep()
+                kept = None
+        yield batch
+    if kept is not None:
+        keep()
+
+
+def kept_batches(kept: dict[str, np.ndarray], size: int, seed: int, rank: int, shuffle: bool):
+    """One pass of a worker's kept rows in batches of ``size`` (the last short, as the shard's were), in a new
+    seeded order each epoch when ``shuffle``."""
+    rows = len(next(iter(kept.values()))) if kept else 0
+    order = np.random.default_rng([seed, rank]).permutation(rows) if shuffle else np.arange(rows)
+    for start in range(0, rows, size):
+        index = order[start:start + size]
+        yield {k: v[index] for k, v in kept.items()}
 
 
 def locate_input(x: Any, config: "TrainConfig"):
