@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import clean_env, run_jobs_at_once
+from conftest import clean_env, run_job, run_jobs_at_once
 
 
 def test_the_transformer_the_cnn_and_the_mlp_on_raw_scale_columns_learn_with_their_defaults(tmp_path):
@@ -33,6 +33,14 @@ def test_the_transformer_the_cnn_and_the_mlp_on_raw_scale_columns_learn_with_the
     assert cnn.returncode == 0, cnn.stderr[-3000:]
     text_result = json.loads((tmp_path / "text" / "result.json").read_text())
     assert (text_result["config"]["optimizer"], text_result["base_lr"]) == ("adam", 0.001)
+    # The transformer's model.keras holds the product's PositionEmbedding: keras.models.load_model opens it in a
+    # fresh process once app.layers is imported (Keras knows a custom layer only from a module imported), and says
+    # which class it lacks without (docs/guides/configuration.md says both).
+    load = "import keras, sys; {}keras.models.load_model(sys.argv[1]); print('opened')"
+    model_file = str(tmp_path / "text" / "model.keras")
+    opened, lacking = (run_job("-c", load.format(first), model_file, timeout=120) for first in ("import app.layers; ", ""))
+    assert opened.returncode == 0 and opened.stdout.strip().endswith("opened"), opened.stderr[-2000:]
+    assert lacking.returncode != 0 and "PositionEmbedding" in lacking.stderr, lacking.stderr[-2000:]
     assert text_result["num_replicas"] == 1
     assert text_result["metrics"]["val_accuracy"] >= 0.9, text_result["metrics"]
     cnn_result = json.loads((tmp_path / "cnn" / "result.json").read_text())

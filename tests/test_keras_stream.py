@@ -343,7 +343,8 @@ def test_a_worker_keeps_its_cached_rows_only_after_a_whole_pass_and_reorders_the
     from a pass cut short; later epochs hand every kept row once, in batches of the same sizes, in a new seeded
     order each epoch (the stored order without shuffle)."""
     from app.data.arrays import Y
-    from app.data.keras_stream import _keeping, kept_batches
+    from app.data.worker_cache import batches as kept_batches
+    from app.data.worker_cache import keeping as _keeping
 
     batches = [{"x": np.arange(i, i + n, dtype=np.float32)[:, None], Y: np.arange(i, i + n)} for i, n in
                ((0, 4), (4, 4), (8, 2))]

@@ -105,5 +105,5 @@ def _options_not_taken(config) -> list[str]:
 
     try:
         return not_taken(registry.resolve(config.model, registry.MODELS), BUILTIN_OPTIONS)[0]
-    except Exception:  # noqa: BLE001 - a record, not a check: the model was resolved and built before this
+    except Exception:  # a record, not a check: the model was resolved and built before this
         return []
