@@ -177,9 +177,8 @@ class DataSection(_Section):
     image_channels: Literal[1, 3] = Field(3, description="Image folders and image bytes: 3 = RGB, 1 = grayscale.")
     data_cache: Literal["auto", "memory", "stream"] = Field(
         "auto",
-        description="File datasets: memory = preprocess once, keep the result in Ray's object store and each "
-        "worker's part in its memory after its first epoch (later epochs only reshuffle it); stream = read and "
-        "preprocess block by block every epoch (data larger than memory); "
+        description="File datasets: memory = preprocess once and keep the result in Ray's object store (epochs "
+        "only reshuffle); stream = read and preprocess block by block every epoch (data larger than memory); "
         "auto = memory when it takes under 30 percent of the object store.",
     )
     shuffle: bool = Field(True, description="Reshuffle the training set every epoch (seeded).")

@@ -336,37 +336,3 @@ def test_a_tfrecord_input_larger_than_4_gib_trains_with_the_process_under_2_gib(
     assert epochs == "1" and rows == "None"  # one epoch; its rows counted by the run, not read beforehand
     assert float(peak) < 2048, f"peak RSS {float(peak):,.0f} MiB"
 
-
-def test_a_worker_keeps_its_cached_rows_only_after_a_whole_pass_and_reorders_them_every_epoch():
-    """data_cache memory on a worker (app.data.keras_stream): the rows of its first pass are kept only once the pass
-    is whole (before its last batch is handed on when the pass's rows are known: fit() reads no further), never
-    from a pass cut short; later epochs hand every kept row once, in batches of the same sizes, in a new seeded
-    order each epoch (the stored order without shuffle)."""
-    from app.data.arrays import Y
-    from app.data.worker_cache import batches as kept_batches
-    from app.data.worker_cache import keeping as _keeping
-
-    batches = [{"x": np.arange(i, i + n, dtype=np.float32)[:, None], Y: np.arange(i, i + n)} for i, n in
-               ((0, 4), (4, 4), (8, 2))]
-    cut: dict = {}
-    for i, _ in enumerate(_keeping(iter(batches), cut, rows=None)):
-        if i == 1:
-            break
-    assert cut == {}  # a pass cut short keeps nothing: the next epoch reads the shard again
-    known: dict = {}
-    handed = _keeping(iter(batches), known, rows=10)
-    for _ in range(3):
-        next(handed)  # the last batch handed on, the generator not read to its end (as fit() leaves it)
-    np.testing.assert_array_equal(known["rows"][Y], np.arange(10))
-    ended: dict = {}
-    assert len(list(_keeping(iter([]), ended, rows=None))) == 0 and ended == {"rows": {}}  # an empty pass is kept too
-    orders = []
-    for seed in (1, 2, 1):
-        epoch = list(kept_batches(known["rows"], 4, seed, rank=0, shuffle=True))
-        assert [len(b[Y]) for b in epoch] == [4, 4, 2]
-        order = np.concatenate([b[Y] for b in epoch])
-        assert sorted(order) == list(range(10))
-        np.testing.assert_array_equal(np.concatenate([b["x"][:, 0] for b in epoch]), order)  # rows stay whole
-        orders.append(order.tolist())
-    assert orders[0] == orders[2] != orders[1]
-    assert np.concatenate([b[Y] for b in kept_batches(known["rows"], 4, 1, 0, shuffle=False)]).tolist() == list(range(10))

@@ -23,13 +23,6 @@ ray-project/ray#62352). With ``shuffle``, files are dealt in a new seeded order 
 rows in a seeded buffer of ``shuffle_buffer`` rows; a given Dataset keeps its blocks' order and is mixed in the
 buffer alone.
 
-Cached data (``data_cache`` memory, what ``auto`` picks for data that fits): read once into Ray's object store,
-and each worker keeps the rows of its first whole pass in its own memory; later epochs hand those rows from there
-(a new seeded permutation of them each epoch with ``shuffle``), never walking the split again: Ray Data's per-epoch
-split and block hand-over then cost nothing (BENCHMARKS.md, streaming). Every row is still seen
-once per epoch across the workers (the first pass's shards are disjoint and cover the rows); each worker trains on
-the same rows every epoch, and an uneven split leaves out the same rows every epoch.
-
 What differs from one process on the same rows: a worker cuts its batches from its own shard, so a global batch
 holds other rows than one process's batch of the same size would, and the epoch's short last batch has
 N x ((rows // N) % b) rows where one process has rows % (N b). The gradients are still those of the mean loss
@@ -47,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from app.data import worker_cache
 from app.data.arrays import ID, Y, epoch_pass, x_of
 from app.data.schema import Spec
 from app.errors import UserError
@@ -61,7 +53,6 @@ log = logging.getLogger(__name__)
 
 # Batches Ray Data readies ahead of the step on each worker (its own threads), besides tf.data's prefetch.
 PREFETCH_BATCHES = 4
-CACHED = "kept in the object store after its first read, and each worker's part in its memory after its first pass"
 # Rows read in the driver for one example's shapes and dtypes (and the plan's label check).
 EXAMPLE_ROWS = 8
 
@@ -94,7 +85,7 @@ class StreamedKerasData:
     training: bool = True
     shuffle_buffer: int = 0  # rows of each worker's seeded mixing buffer (0: no shuffle)
     files_reshuffled: bool = False  # the files are dealt in a new seeded order every epoch
-    cached: bool = False  # read once into the object store (small data), then each worker's part kept in its memory
+    cached: bool = False  # read once into Ray's object store (small data): each epoch a pass over its blocks
     holdout: Optional[tuple[str, float]] = None  # one side of a seeded validation split ("train"/"val", fraction)
     shared: str = ""  # why the files must be where every node sees them ("": one node, or a URI)
     # Keras's {class id: weight} (training only): each row's loss weighed by its label's class, by Keras's own
@@ -138,7 +129,7 @@ class StreamedKerasData:
     def describe(self, what: str) -> str:
         """The plan's line: how this input streams and why."""
         how = (f"{what}: {self.uri}, streamed by Ray Data to the {self.world} worker(s) block by block "
-               f"({CACHED if self.cached else 'read from its files every epoch'}"
+               f"({'kept in the object store after its first read' if self.cached else 'read from its files every epoch'}"
                f"; the driver read its schema, count and first {EXAMPLE_ROWS} rows only); ")
         if self.training:
             how += (f"each worker takes floor({self.num_rows} / {self.world}) = {self.rows_per_worker} rows an epoch "
@@ -168,18 +159,13 @@ class StreamedKerasData:
             raise RuntimeError(f"the {self.name!r} shard of this worker was not bound (StreamedKerasData.shard)")
         shard, names, chosen = self.shard, self.spec.input_shapes, {"epoch": epochs.start}
         mixing = self.shuffle_buffer if training else 0
-        kept: dict[str, Any] = {}  # cached data: this worker's rows, kept after its first whole pass
 
         def one_pass():
             # Runs when fit() reads the epoch's iterator (an iterator made and not read never touches the shard).
-            epoch_seed = (seed * 1_000_003 + chosen["epoch"]) % 2**31
-            batches = worker_cache.batches(kept["rows"], self.batch, epoch_seed, rank, mixing > 0) if kept else \
-                worker_cache.keeping(shard.iter_batches(batch_size=self.batch, batch_format="numpy", drop_last=False,
-                                            prefetch_batches=PREFETCH_BATCHES,
-                                            **({"local_shuffle_buffer_size": mixing, "local_shuffle_seed": epoch_seed}
-                                               if mixing else {})), kept if self.cached else None,
-                         self.rows_per_worker if self.training else None)
-            for batch in batches:
+            shuffle = {"local_shuffle_buffer_size": mixing,
+                       "local_shuffle_seed": (seed * 1_000_003 + chosen["epoch"]) % 2**31} if mixing else {}
+            for batch in shard.iter_batches(batch_size=self.batch, batch_format="numpy", drop_last=False,
+                                            prefetch_batches=PREFETCH_BATCHES, **shuffle):
                 x = x_of(batch, names)
                 if record is not None:
                     record(batch[ID])
