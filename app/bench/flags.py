@@ -67,7 +67,7 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     st.add_argument("--rows", type=int, help="Rows at 1x."), st.add_argument(
         "--scale", type=int, help="The second data set's size, in times --rows.")
     st.add_argument("--epochs", type=int, help="Epochs of every run (the first one's rate is left out).")
-    st.add_argument("--runs", type=int, help="Rounds of the 1x set, every input once a round (each ratio: the median over the rounds).")
+    st.add_argument("--runs", type=int, help="Rounds of the 1x set, each input once a round (each ratio: the rounds' median).")
     so = add("shard-optimizer", "Adam's state sharded over 2 Ray workers vs unsharded: samples/s, and each worker's "
              "state and peak memory on a model with a large state.")
     so.add_argument("--epochs", type=int, help="Epochs of every run (the first one's rate is left out).")

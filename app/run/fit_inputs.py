@@ -283,3 +283,18 @@ def file_names(names: tuple[str, ...]) -> str:
     """The first few files a pipeline reads, for the plan."""
     shown = ", ".join(n for n in names[:3] if n != "?") or "named in the graph"
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_audit(config, train, row_ids: Optional[np.ndarray]) -> None:
+    """--audit-sample-ids counts rows by their ids: arrays' (given, or their positions) and streamed files' (their
+    content hash); said before any worker starts. Sets the arrays' ``row_ids``."""
+    if not config.audit_sample_ids:
+        return
+    if getattr(train, "pipeline", None) is not None:
+        raise UserError("--audit-sample-ids (audit_sample_ids) counts rows by their ids, and a tf.data.Dataset's "
+                        "elements carry none: give the rows as arrays or files, or leave the audit out")
+    if config.checkpoint_every_steps:
+        raise UserError("--audit-sample-ids with --checkpoint-every-steps: an epoch that goes on from a step inside it "
+                        "would audit only the rows after that step; leave one of them out")
+    if row_ids is not None and not getattr(train, "streamed", False):
+        train.ids = np.asarray(row_ids, np.int64)

@@ -221,16 +221,9 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
         train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
                                   batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
                                   class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
-    _check_audit(config, train, row_ids)
+    fit_inputs.check_audit(config, train, row_ids)
     fit_inputs.check_inputs(model, train, f"x (columns {', '.join(columns)})" if columns else "x")
-    defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
-    if defaults is not None:
-        model_fn = default_compile.CompiledWithDefaults(model_fn, defaults)
-    elif recompile is not None:
-        recompile.compile(model)  # the driver's model, as every worker's will be
-        model_fn = default_compile.CompiledWithDefaults(model_fn, recompile)
-    default_compile.check_names(model)
-    fit_inputs.check_labels(model, train, getattr(model_fn, "__name__", ""))
+    model_fn, defaults = _compile(model, model_fn, train, config, recompile)
     val = None
     if "val" in datasets:
         val = validation_data
@@ -301,19 +294,19 @@ def _check_profile_steps(config, train, epochs: int) -> None:
                         f"{train.steps}); give steps from 1 to {total}, for example {min(first, total)}:{total}")
 
 
-def _check_audit(config, train, row_ids: Optional[np.ndarray]) -> None:
-    """--audit-sample-ids counts rows by their ids: arrays' (given, or their positions) and streamed files' (their
-    content hash); said before any worker starts. Sets the arrays' ``row_ids``."""
-    if not config.audit_sample_ids:
-        return
-    if getattr(train, "pipeline", None) is not None:
-        raise UserError("--audit-sample-ids (audit_sample_ids) counts rows by their ids, and a tf.data.Dataset's "
-                        "elements carry none: give the rows as arrays or files, or leave the audit out")
-    if config.checkpoint_every_steps:
-        raise UserError("--audit-sample-ids with --checkpoint-every-steps: an epoch that goes on from a step inside it "
-                        "would audit only the rows after that step; leave one of them out")
-    if row_ids is not None and not getattr(train, "streamed", False):
-        train.ids = np.asarray(row_ids, np.int64)
+def _compile(model, model_fn, train, config, recompile) -> tuple[Any, Optional["default_compile.Defaults"]]:
+    """The driver's model compiled as every worker's will be (the product's defaults for a model that compiles
+    nothing and brings no step, else the flags' ``recompile`` over its own compile, if any), its names and labels
+    checked; the model function every worker calls, and the defaults (None: the model's own compile)."""
+    defaults = None if brings_its_step(model) else _compiled_with_defaults(model, train, config)
+    if defaults is not None:
+        model_fn = default_compile.CompiledWithDefaults(model_fn, defaults)
+    elif recompile is not None:
+        recompile.compile(model)
+        model_fn = default_compile.CompiledWithDefaults(model_fn, recompile)
+    default_compile.check_names(model)
+    fit_inputs.check_labels(model, train, getattr(model_fn, "__name__", ""))
+    return model_fn, defaults
 
 
 def _compiled_with_defaults(model, train, config) -> "default_compile.Defaults":
