@@ -154,6 +154,10 @@ def _ragged():
     (dict(x=X, y=np.array(["no", "yes"])[Y]), "y holds strings (<U3, e.g. 'yes'), and Keras's fit takes numbers"),
     (dict(x=X, y=Y, validation_data=(X, np.array(["no", "yes"], dtype=object)[Y])),
      "validation_data's y holds strings (object, e.g. 'yes')"),
+    # Keras's own refusals, which it raises deep in a batch or at the first step on every worker: one line here.
+    (dict(x=np.array([object()] * len(Y)), y=Y), "x is an array of Python objects (dtype object, shape "
+     f"({len(Y)},), the first a 'object'), and Keras's fit takes numbers from arrays"),
+    (dict(x={"features": X}, y=Y), "x: a dict keyed by 'features', and the model's inputs are named"),
     # Text for a model that vectorizes it itself: Keras's array adapter (and its split) takes no strings; a
     # tf.data.Dataset carries them (tests/test_fit.py trains one).
     (dict(x=np.array(["a b", "c"])[Y], y=Y, validation_split=0.25),

@@ -319,6 +319,13 @@ def refuse_strings(x: Any, y: Any, what: str) -> None:
                 name = part if what == "x" else f"{what}'s {part}"
                 raise UserError(f"{name} holds strings ({a.dtype}, e.g. {str(a.flat[0])!r}), and Keras's fit takes "
                                 f"numbers from arrays: {fix}")
+            if isinstance(a, np.ndarray) and a.dtype.kind == "O":  # Keras: "Invalid dtype: object", deep in a batch
+                name = part if what == "x" else f"{what}'s {part}"
+                raise UserError(f"{name} is an array of Python objects (dtype object, shape {a.shape}"
+                                + (f", the first a {type(a.flat[0]).__name__!r}" if a.size else "")
+                                + "), and Keras's fit takes numbers "
+                                f"from arrays: make it numbers first (np.asarray({part}, dtype='float32') for rows "
+                                "of numbers, np.stack for a column of arrays)")
 
 
 def _users_code(batches: Iterator[Any], x: Any, what: str) -> Iterator[Any]:
