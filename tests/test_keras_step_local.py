@@ -158,6 +158,8 @@ def _ragged():
     (dict(x=np.array([object()] * len(Y)), y=Y), "x is an array of Python objects (dtype object, shape "
      f"({len(Y)},), the first a 'object'), and Keras's fit takes numbers from arrays"),
     (dict(x={"features": X}, y=Y), "x: a dict keyed by 'features', and the model's inputs are named"),
+    (dict(x=X, y=list(Y)), f"y is a list of {len(Y)} numbers, which Keras reads as {len(Y)} separate arrays (one "
+     "per output): give np.asarray(y)"),
     # Text for a model that vectorizes it itself: Keras's array adapter (and its split) takes no strings; a
     # tf.data.Dataset carries them (tests/test_fit.py trains one).
     (dict(x=np.array(["a b", "c"])[Y], y=Y, validation_split=0.25),

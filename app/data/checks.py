@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -70,3 +70,35 @@ def task_of(y: np.ndarray, requested: str, what: str) -> str:
     if requested == "binary" and len(y) and (y.min() < 0 or y.max() > 1):
         raise UserError(f"{what} has values {int(y.min())}..{int(y.max())}, but --task binary needs labels 0 or 1")
     return requested
+
+
+def refuse_unreadable(x: Any, y: Any, sample_weight: Any, what: str) -> None:
+    """Arrays Keras's array adapter refuses deep in its slicing, in one line: of strings ("Invalid dtype: str128",
+    as its validation_split says; a tf.data.Dataset carries strings into a model that takes them, a
+    TextVectorization inside it, so the fix names it), of Python objects ("Invalid dtype: object"), and labels or
+    weights given as a list of numbers (an IndexError: Keras reads a list as one array per output)."""
+    import tensorflow as tf
+
+    for part, value in (("y", y), ("sample_weight", sample_weight)):
+        if isinstance(value, (list, tuple)) and value and np.ndim(value[0]) == 0:
+            raise UserError(f"{part} is a {type(value).__name__} of {len(value)} numbers, which Keras reads as "
+                            f"{len(value)} separate arrays (one per output): give np.asarray({part})")
+
+    for part, value in (("y", y), ("x", x)):
+        for a in tf.nest.flatten(value):
+            if isinstance(a, np.ndarray) and a.size and (a.dtype.kind in "US" or a.dtype.kind == "O" and
+                                                         isinstance(a.flat[0], (str, bytes))):
+                fix = "map them to class ids first: np.unique(y, return_inverse=True)[1]" if part == "y" else \
+                    ("map them to token ids first (a keras.layers.TextVectorization adapted to them), or, for a model "
+                     "that takes strings itself, give a tf.data.Dataset instead: "
+                     "tf.data.Dataset.from_tensor_slices((x, y)).batch(32)")
+                name = part if what == "x" else f"{what}'s {part}"
+                raise UserError(f"{name} holds strings ({a.dtype}, e.g. {str(a.flat[0])!r}), and Keras's fit takes "
+                                f"numbers from arrays: {fix}")
+            if isinstance(a, np.ndarray) and a.dtype.kind == "O":  # Keras: "Invalid dtype: object", deep in a batch
+                name = part if what == "x" else f"{what}'s {part}"
+                raise UserError(f"{name} is an array of Python objects (dtype object, shape {a.shape}"
+                                + (f", the first a {type(a.flat[0]).__name__!r}" if a.size else "")
+                                + "), and Keras's fit takes numbers "
+                                f"from arrays: make it numbers first (np.asarray({part}, dtype='float32') for rows "
+                                "of numbers, np.stack for a column of arrays)")

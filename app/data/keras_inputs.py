@@ -39,6 +39,7 @@ import numpy as np
 
 from app import internals
 from app.data.arrays import epoch_pass
+from app.data.checks import refuse_unreadable
 from app.data.tf_datasets import MAX_BYTES, is_tf_dataset
 from app.data.tf_pipeline import Pipeline, serialise
 from app.errors import UserError, users_file, words_of
@@ -251,7 +252,7 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
         if rerun == "files" and pipeline is not None and not pipeline.files:
             pipeline = None  # validation data in memory: read here, as before
     if arrays:
-        refuse_strings(x, y, what)
+        refuse_unreadable(x, y, sample_weight, what)
     if steps_per_epoch is not None and arrays:
         raise UserError("steps_per_epoch with arrays: every epoch here visits every row once, as fit() does without "
                         "it; leave it out, or give a repeating tf.data.Dataset")
@@ -300,32 +301,6 @@ def read(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: Option
     return KerasData(rows, bounds, batch_size if arrays else None,
                      shuffle=bool(shuffle) if arrays or py_dataset else False, steps_per_epoch=steps_per_epoch,
                      pipeline=pipeline, read_once=read_once, counted=not lazy)
-
-
-def refuse_strings(x: Any, y: Any, what: str) -> None:
-    """Arrays of strings, which Keras's array adapter refuses deep in its slicing ("Invalid dtype: str128"), as its
-    validation_split does. A tf.data.Dataset carries strings into a model that takes them (a TextVectorization
-    inside it), so the fix names it."""
-    import tensorflow as tf
-
-    for part, value in (("y", y), ("x", x)):
-        for a in tf.nest.flatten(value):
-            if isinstance(a, np.ndarray) and a.size and (a.dtype.kind in "US" or a.dtype.kind == "O" and
-                                                         isinstance(a.flat[0], (str, bytes))):
-                fix = "map them to class ids first: np.unique(y, return_inverse=True)[1]" if part == "y" else \
-                    ("map them to token ids first (a keras.layers.TextVectorization adapted to them), or, for a model "
-                     "that takes strings itself, give a tf.data.Dataset instead: "
-                     "tf.data.Dataset.from_tensor_slices((x, y)).batch(32)")
-                name = part if what == "x" else f"{what}'s {part}"
-                raise UserError(f"{name} holds strings ({a.dtype}, e.g. {str(a.flat[0])!r}), and Keras's fit takes "
-                                f"numbers from arrays: {fix}")
-            if isinstance(a, np.ndarray) and a.dtype.kind == "O":  # Keras: "Invalid dtype: object", deep in a batch
-                name = part if what == "x" else f"{what}'s {part}"
-                raise UserError(f"{name} is an array of Python objects (dtype object, shape {a.shape}"
-                                + (f", the first a {type(a.flat[0]).__name__!r}" if a.size else "")
-                                + "), and Keras's fit takes numbers "
-                                f"from arrays: make it numbers first (np.asarray({part}, dtype='float32') for rows "
-                                "of numbers, np.stack for a column of arrays)")
 
 
 def _users_code(batches: Iterator[Any], x: Any, what: str) -> Iterator[Any]:

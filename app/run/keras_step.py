@@ -17,6 +17,7 @@ import numpy as np
 from app.backend import backend_of
 from app.config import build_config
 from app.data import keras_inputs, keras_stream
+from app.data.checks import refuse_unreadable
 from app.errors import UserError
 from app.run import fit_inputs, keras_plan
 from app.run.fit_inputs import overrides_step
@@ -206,7 +207,7 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     if arrays and validation_split and validation_data is None:
         from app import internals
 
-        keras_inputs.refuse_strings(x, y, "x")  # before Keras's split, which refuses them in its own words
+        refuse_unreadable(x, y, sample_weight, "x")  # before Keras's split, which refuses them in its own words
         try:
             (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
                                                                                         validation_split)
