@@ -182,7 +182,7 @@ def test_a_model_file_function_that_takes_the_products_arguments_trains_by_the_p
 def test_the_own_loops_epoch_record_is_written_and_read_back_under_keras_history_keys_for_any_metric():
     """history.csv's row of an own-loop epoch names its logs as Keras does, the rest of the record after them, and
     app.fit's History reads them back as Keras's History has them."""
-    from app.run.fit import keras_history
+    from app.run.history import keras_history
     from app.training.metrics import epoch_line, history_row, keras_logs
 
     records = [{"epoch": e, "train_loss": 1.0 / e, "train_accuracy": 0.5, "train_auc": 0.6, "val_loss": 2.0,

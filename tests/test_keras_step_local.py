@@ -175,6 +175,26 @@ def test_refused_in_one_line_before_anything_trains(tmp_path, kwargs, message):
     assert not (tmp_path / "never").exists()
 
 
+def dict_inputs():
+    """A functional model built on a dict of inputs: Keras keys x by the dict's keys ("x1"), not the Input's name."""
+    a = keras.Input((X.shape[1],), name="a")
+    model = keras.Model({"x1": a}, keras.layers.Dense(2)(a))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_dict_x_is_keyed_as_the_model_keys_its_inputs(tmp_path):
+    """x as a dict trains where Keras's fit takes it (the model's own dict keys), and a dict without them is one line
+    before anything trains (Keras says "Missing data for input" at the first step, on every worker)."""
+    trained = app.fit(dict_inputs, {"x1": X}, Y, epochs=1, backend="local", output=str(tmp_path / "ok"), verbose=0)
+    assert len(trained.history["loss"]) == 1
+    with pytest.raises(UserError) as refused:
+        app.fit(dict_inputs, {"a": X}, Y, epochs=1, backend="local", output=str(tmp_path / "never"), verbose=0)
+    assert str(refused.value) == ("x: a dict keyed by 'a', and the model's inputs are named 'x1' ('x1' missing): key x "
+                                  "by the inputs' names, or give one array for a model of one input")
+    assert not (tmp_path / "never").exists()
+
+
 def test_the_audit_with_step_checkpoints_is_one_line_before_ray_starts(tmp_path):
     """(Step checkpoints are Ray Train's: the run would be on Ray.)"""
     with pytest.raises(UserError, match="--audit-sample-ids with --checkpoint-every-steps") as refused:

@@ -174,8 +174,6 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     rows += [_row(f"ray {w} worker(s)", w, runs[w]["samples_per_second"], one, b) for w in workers]
     rows += [_row(f"plain TF x{w} processes", w, c, one, b) for w, c in ceiling.items()]
     rows += [_row("Keras model.fit, 1 process", 1, keras_fit["samples_per_second"], one, b)]
-    sps = {w: r["samples_per_second"] for w, r in runs.items()}
-    whole = {w: r["whole_run_samples_per_second"] for w, r in runs.items()}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cpus": os.cpu_count() or 1, "platform": sys.platform},
@@ -191,23 +189,32 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
         "local_runs_at_once": {str(w): r for w, r in local.items()},
         "input_pipeline": {**pipeline, "vs_one_worker_consumption": pipeline["samples_per_second"] / one},
         "startup": first_steps,
-        "goals": {
-            "1 worker vs plain loop, steady >= 0.97": sps[1] / b if 1 in sps else None,
-            **({"1 worker vs local one device, whole run >= 0.97": whole[1] / local[1]["whole_run_samples_per_second"]}
-               if 1 in local and 1 in whole else {}),
-            **{f"{w} workers vs {w} plain processes, steady >= 0.90": sps[w] / c for w, c in ceiling.items()},
-            **{f"{w} workers vs {w} local runs at once, whole run >= 0.90": whole[w] / r["whole_run_samples_per_second"]
-               for w, r in local.items() if w > 1 and w in whole},
-            "2 workers vs 1": sps[2] / sps[1] if {1, 2} <= sps.keys() else None,
-            "2 workers vs Keras model.fit in one process, steady >= 1.2":
-                sps[2] / keras_fit["samples_per_second"] if 2 in sps else None,
-            "input vs consumption >= 5": pipeline["samples_per_second"] / one,
-            **{f"first step, {where} (s) <= 15": s["time_to_first_step_seconds"] for where, s in first_steps.items()},
-        },
+        "goals": _goals(runs, local, ceiling, b, keras_fit["samples_per_second"],
+                        pipeline["samples_per_second"] / one, first_steps),
     }
     written = [report.write_json(out / "benchmark.json", result), report.scaling_plot(rows, out / "scaling.png")]
     print(report.throughput_summary(result))
     return written
+
+
+def _goals(runs: dict[int, dict], local: dict[int, dict], ceiling: dict[int, float], baseline: float,
+           keras_fit: float, input_vs_consumption: float, first_steps: dict[str, dict]) -> dict[str, Any]:
+    """Each figure the suite is asked for, beside its goal (samples/s ``baseline``: the plain loop's; ``keras_fit``:
+    Keras's model.fit in one process)."""
+    sps = {w: r["samples_per_second"] for w, r in runs.items()}
+    whole = {w: r["whole_run_samples_per_second"] for w, r in runs.items()}
+    return {
+        "1 worker vs plain loop, steady >= 0.97": sps[1] / baseline if 1 in sps else None,
+        **({"1 worker vs local one device, whole run >= 0.97": whole[1] / local[1]["whole_run_samples_per_second"]}
+           if 1 in local and 1 in whole else {}),
+        **{f"{w} workers vs {w} plain processes, steady >= 0.90": sps[w] / c for w, c in ceiling.items()},
+        **{f"{w} workers vs {w} local runs at once, whole run >= 0.90": whole[w] / r["whole_run_samples_per_second"]
+           for w, r in local.items() if w > 1 and w in whole},
+        "2 workers vs 1": sps[2] / sps[1] if {1, 2} <= sps.keys() else None,
+        "2 workers vs Keras model.fit in one process, steady >= 1.2": sps[2] / keras_fit if 2 in sps else None,
+        "input vs consumption >= 5": input_vs_consumption,
+        **{f"first step, {where} (s) <= 15": s["time_to_first_step_seconds"] for where, s in first_steps.items()},
+    }
 
 
 def _first_steps(params: dict[str, Any], runs: dict[int, dict], out: Path) -> dict[str, dict[str, Any]]:

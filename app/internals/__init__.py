@@ -181,6 +181,13 @@ def compile_arguments(model: Any) -> Optional[dict[str, Any]]:
     return dict(model._compile_config.config)
 
 
+def input_keys(model: Any) -> list[str]:
+    """The keys a dict x must have for a functional model: its inputs' dict keys when it was built on a dict of
+    inputs (``keras.Model({"x1": keras.Input(name="a")}, ...)`` takes x["x1"]), else its input tensors' names."""
+    struct = getattr(model, "_inputs_struct", None)
+    return list(struct) if isinstance(struct, dict) else [i.name for i in model.inputs or ()]
+
+
 def loss_tracker(model: Any) -> Any:
     """The compiled model's mean of its batches' losses (its History's "loss"), which a step of the product's updates
     as Keras's own ``train_step`` does."""

@@ -37,10 +37,8 @@ Everything refusable is refused with one line before the data is checked or Ray 
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -51,6 +49,7 @@ from app.data import keras_stream
 from app.data.keras_inputs import check_class_weight, is_array_input
 from app.data.tf_datasets import is_tf_dataset
 from app.errors import UserError
+from app.run.history import History, read_records
 from app.run.keras_step import DEFAULT_COMPILE_FIELDS, KERAS_BATCH_SIZE, KERAS_STEP_FIELDS, PIPELINE_FIELDS
 from app.run.keras_step import given as _given
 
@@ -63,67 +62,6 @@ def keras_step_input(x: Any) -> bool:
 
     return (is_array_input(x) or is_tf_dataset(x) or inspect.isgenerator(x) or keras_stream.is_streamed(x)
             or any(c.__name__ == "PyDataset" for c in type(x).__mro__))
-
-
-class History:
-    """What app.fit returns: Keras's History (``history``, ``epoch``, ``params``, ``model``) for a run.
-
-    ``history``: the epoch record's losses and metrics keyed as Keras's History (``loss``, ``accuracy``,
-    ``val_loss``, ``val_accuracy``, ...; one value per epoch). ``records``: the whole per-epoch records, as
-    history.csv holds them (samples, seconds, learning rate). ``result``: result.json's content.
-    ``model``: the trained ``model.keras``, loaded on first use.
-    """
-
-    def __init__(self, result: dict[str, Any], records: list[dict[str, Any]], model_file: Path, verbose: Any = "auto"):
-        self.result = result
-        self.records = records
-        self.history = keras_history(records)
-        self.epoch = [int(r["epoch"]) - 1 for r in records]  # Keras counts epochs from 0
-        self.params = {"verbose": verbose, "epochs": result["config"]["epochs"], "steps": result["steps_per_epoch"]}
-        self.model_file = model_file
-        self._model = None
-
-    @classmethod
-    def of_keras_run(cls, result: dict[str, Any], out: Path, epochs: int, model: Any = None,
-                     verbose: Any = "auto") -> "History":
-        """A run by Keras's fit (result.json's content): its epoch logs as Keras's History has them (a key's list has
-        the epochs that logged it: validation_freq); ``model`` the trained model (or its file, loaded on use);
-        ``params`` as Keras's (``verbose`` as fit was given it)."""
-        self = cls.__new__(cls)
-        from app.training.keras_callbacks import RECORD_KEYS
-
-        self.result, self.records, self.history = result, result["history"], {}
-        for record in self.records:
-            for k, v in record.items():
-                if k not in RECORD_KEYS:
-                    self.history.setdefault(k, []).append(v)
-        self.epoch = [int(r["epoch"]) - 1 for r in self.records]
-        self.params = {"verbose": verbose, "epochs": epochs, "steps": result["steps_per_epoch"]}
-        self.model_file = out / result.get("model_file", result["checkpoint"])
-        self._model = model
-        return self
-
-    @property
-    def model(self):
-        if self._model is None:
-            from app.training import model_file
-
-            self._model = model_file.load(self.model_file, compile=True)
-        return self._model
-
-    def __repr__(self) -> str:
-        return f"History({len(self.epoch)} epochs, keys {list(self.history)}, output {self.model_file.parent})"
-
-
-def keras_history(rows: list[dict[str, Any]]) -> dict[str, list[Optional[float]]]:
-    """history.csv's rows of an own-loop run (app.training.metrics.history_row: its logs under Keras's names) ->
-    Keras's History: each loss and metric, training ones first, then validation, as Keras orders its logs. A value
-    an epoch's row lacks is None."""
-    from app.training.objective import metric_names_in
-
-    names = list(dict.fromkeys(n for r in rows for n in metric_names_in(r)))
-    keys = [k for k in (*names, *(f"val_{n}" for n in names)) if any(k in r for r in rows)]
-    return {k: [None if r.get(k) in (None, "") else float(r[k]) for r in rows] for k in keys}
 
 
 def fit(
@@ -162,12 +100,7 @@ def fit(
         local = config_run.local_replicas_of(fields)  # several local replicas: made before any model is built
         asked = config_run.backend_asked(fields)
         built = keras_step.keras_model_of(model_fn, fields.get("tensor_parallel"))
-        # val_fraction: a path's or a Ray Dataset's seeded holdout; the optimizer's: a model compiling nothing's compile
-        product_only = sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x)
-                                                                 else set())
-                              - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built)
-                                 else set()) - ({"strategy", "devices"} if local is not None else set())
-                              - (PIPELINE_FIELDS if asked is not None and asked.pipeline else set()))
+        product_only = _product_only(fields, x, built, local, asked)
         own_loop = bool(product_only) and asked is not None and asked.own_loop
         if built is not None and product_only and not own_loop:
             # one device or several (Keras's fit trains under their strategy); val_fraction: keras_step.fit says
@@ -207,6 +140,17 @@ def fit(
     if "final" in result:  # trained by Keras's fit (app.run.config_run): its records are Keras's epoch logs
         return History.of_keras_run(result, out, epochs, verbose=verbose)
     return History(result, read_records(out / result["history_file"]), out / result["model_file"], verbose)
+
+
+def _product_only(fields: dict[str, Any], x: Any, built: Any, local: Any, asked: Any) -> list[str]:
+    """The keywords given that only the product's own loop takes (none: Keras's fit trains the run)."""
+    from app.run import keras_step
+
+    # val_fraction: a path's or a Ray Dataset's seeded holdout; the optimizer's: a model compiling nothing's compile
+    return sorted(set(fields) - KERAS_STEP_FIELDS - ({"val_fraction"} if keras_stream.is_streamed(x) else set())
+                  - (DEFAULT_COMPILE_FIELDS if built is not None and not keras_step.brings_its_step(built) else set())
+                  - ({"strategy", "devices"} if local is not None else set())
+                  - (PIPELINE_FIELDS if asked is not None and asked.pipeline else set()))
 
 
 def _keras_only(verbose: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
@@ -382,18 +326,3 @@ def _with_global_batch(config_file: Optional[str], values: dict[str, Any], batch
         raise UserError(f"batch_size {batch}{default} is the global batch and does not divide over {n} replicas "
                         f"({why}): use {nearest}")
     return build_config(config_file, {**values, "output": probe.output, "per_replica_batch": batch // n})
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """history.csv's rows, numbers as numbers."""
-    with path.open(newline="") as f:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def _number(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text

@@ -142,7 +142,9 @@ def check_inputs(model, data, what: str) -> None:
     except (AttributeError, ValueError):  # a Sequential built without an Input: it takes any shape
         return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data.first_batch())
-    names = [i.name for i in inputs or ()]
+    from app import internals
+
+    names = internals.input_keys(model)
     if isinstance(x, dict) and (missing := [n for n in names if n not in x]):  # Keras: "Missing data for input"
         raise UserError(f"{what}: a dict keyed by {', '.join(map(repr, x))}, and the model's inputs are named "
                         f"{', '.join(map(repr, names))} ({', '.join(map(repr, missing))} missing): key x by the inputs' "

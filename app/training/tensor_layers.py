@@ -144,29 +144,15 @@ def split_attention_class():
         def build(self, query_shape=None, value_shape=None, key_shape=None):
             import tensorflow as tf
 
-            heads = self.num_heads // len(self.devices)
-            widths = (self.key_dim, self.key_dim, self.value_dim)
             for i, d in enumerate(self.devices):
                 with tf.device(d):
-                    shard = []
-                    for what, width, size in zip(("query", "key", "value"), self.dims[:3], widths):
-                        kernel = self.add_weight(shape=(width, heads, size), name=f"{what}_kernel_shard_{i}",
-                                                 initializer="glorot_uniform")
-                        bias = self.add_weight(shape=(heads, size), name=f"{what}_bias_shard_{i}",
-                                               initializer="zeros") if self.use_bias else None
-                        shard.append((kernel, bias))
-                    self.shards.append(shard)
-                    self.out_kernels.append(self.add_weight(shape=(heads, self.value_dim, self.dims[3]),
-                                                            name=f"output_kernel_shard_{i}",
-                                                            initializer="glorot_uniform"))
+                    _add_head_group(self, i, self.num_heads // len(self.devices))
             if self.use_bias:
                 with tf.device(self.devices[0]):
                     self.out_bias = self.add_weight(shape=(self.dims[3],), name="output_bias", initializer="zeros")
 
         def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
                  return_attention_scores=False, training=None, use_causal_mask=False):
-            import math
-
             import tensorflow as tf
             from keras import ops
 
@@ -182,20 +168,10 @@ def split_attention_class():
             partials = []
             for i, d in enumerate(self.devices):
                 with tf.device(d):
-                    q, k, v = (self._project(inputs[j][i], *self.shards[i][j]) for j in range(3))
-                    attended = ops.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(float(
-                        self.key_dim)))
-                    partials.append(ops.einsum("abcd,cde->abe", attended,
-                                               ops.cast(self.out_kernels[i], self.compute_dtype)))
+                    partials.append(_attend(self, i, [t[i] for t in inputs], mask))
             y = from_shards(partials, self.devices[0])
             with tf.device(self.devices[0]):
                 return y + ops.cast(self.out_bias, self.compute_dtype) if self.use_bias else y
-
-        def _project(self, x, kernel, bias):
-            from keras import ops
-
-            y = ops.einsum("abc,cde->abde", x, ops.cast(kernel, self.compute_dtype))
-            return y + ops.cast(bias, self.compute_dtype) if bias is not None else y
 
         def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
             return (*tuple(query_shape[:-1]), self.dims[3])
@@ -213,6 +189,41 @@ def split_attention_class():
             return out
 
     return SplitAttention
+
+
+def _add_head_group(layer, i: int, heads: int) -> None:
+    """Device ``i``'s weights of a SplitAttention: its ``heads`` heads' query, key and value projections (kernel and
+    bias each) and their rows of the output projection."""
+    shard = []
+    for what, width, size in zip(("query", "key", "value"), layer.dims[:3], (layer.key_dim, layer.key_dim,
+                                                                            layer.value_dim)):
+        kernel = layer.add_weight(shape=(width, heads, size), name=f"{what}_kernel_shard_{i}",
+                                  initializer="glorot_uniform")
+        bias = layer.add_weight(shape=(heads, size), name=f"{what}_bias_shard_{i}",
+                                initializer="zeros") if layer.use_bias else None
+        shard.append((kernel, bias))
+    layer.shards.append(shard)
+    layer.out_kernels.append(layer.add_weight(shape=(heads, layer.value_dim, layer.dims[3]),
+                                              name=f"output_kernel_shard_{i}", initializer="glorot_uniform"))
+
+
+def _attend(layer, i: int, inputs: list, mask) -> Any:
+    """Device ``i``'s part of a SplitAttention's output: its heads' attention over its shards of the query, key and
+    value (``inputs``), through its rows of the output projection."""
+    import math
+
+    from keras import ops
+
+    q, k, v = (_project(layer, x, kernel, bias) for x, (kernel, bias) in zip(inputs, layer.shards[i]))
+    attended = ops.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(float(layer.key_dim)))
+    return ops.einsum("abcd,cde->abe", attended, ops.cast(layer.out_kernels[i], layer.compute_dtype))
+
+
+def _project(layer, x, kernel, bias):
+    from keras import ops
+
+    y = ops.einsum("abc,cde->abde", x, ops.cast(kernel, layer.compute_dtype))
+    return y + ops.cast(bias, layer.compute_dtype) if bias is not None else y
 
 
 def _attention_mask(query_mask, value_mask, key_mask, attention_mask):
