@@ -58,7 +58,7 @@ def test_elastic_benchmark_grows_and_shrinks_a_tensorflow_group_on_two_nodes(no_
 
 def test_the_checkpoint_suite_times_kerass_fit_and_the_runs_own_checkpoint_write(tmp_path):
     """It compiles the model as a run does (app.training.default_compile), trains it by model.fit and writes each
-    checkpoint with the Keras worker's own save (app.training.keras_worker.save), no Ray: a change there that it did
+    checkpoint with the Keras worker's own save (app.training.keras_checkpoint.save), no Ray: a change there that it did
     not follow fails here, not in the next benchmark run."""
     p = run_job("jobs/benchmark.py", "checkpoint", "--quick", "--output", str(tmp_path), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

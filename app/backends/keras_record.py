@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from app.backend import runs_on_ray
 from app.driver import outputs
-from app.training import keras_worker
+from app.training import keras_checkpoint, keras_worker
 from app.training.export import SAVED_MODEL_DIR, export_saved_model
 from app.training.keras_worker import KerasJob
 from app.training.strategy import one_replica_reason, ray_strategy_name, ray_strategy_reason
@@ -39,7 +39,7 @@ def trained_model(job: KerasJob, directory: str, names: Optional[Callable[[], No
         keras_worker.build(model, job.train)
     finally:
         after()
-    return model, keras_worker.restore(model, directory)
+    return model, keras_checkpoint.restore(model, directory)
 
 
 def summary(job: KerasJob, state: dict[str, Any], world: int, started: float, model, backend: str,

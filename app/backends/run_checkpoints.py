@@ -10,7 +10,7 @@ from typing import Optional
 
 from app.config import TrainConfig
 from app.errors import UserError
-from app.training import checkpoint, keras_worker
+from app.training import checkpoint
 
 
 def replace(final: Path, fresh: Path) -> None:
@@ -33,7 +33,7 @@ def previous(final: Path) -> Path:
 
 def whole(final: Path) -> Optional[Path]:
     """The whole checkpoint ``_replace`` left: ``final``, or the previous one where a kill came between the moves."""
-    return next((d for d in (final, previous(final)) if (d / keras_worker.STATE_FILE).is_file()), None)
+    return next((d for d in (final, previous(final)) if (d / checkpoint.STATE_FILE).is_file()), None)
 
 
 def last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
@@ -48,7 +48,7 @@ def last_checkpoint(config: TrainConfig, out: Path) -> Optional[str]:
 def _position(directory: Path) -> tuple[int, int, int]:
     """Where a checkpoint is: epochs done, and steps done in the next (--checkpoint-every-steps); at the same place,
     the one written as training ended, its weights set by a callback (app.training.keras_callbacks), last."""
-    state = checkpoint.read_state(directory / keras_worker.STATE_FILE)
+    state = checkpoint.read_state(directory / checkpoint.STATE_FILE)
     return state["epoch"], state.get("step", 0), state.get("settled", 0)
 
 
@@ -58,7 +58,7 @@ def checkpoints(out: Path, storage_path: Optional[str] = None) -> list[Path]:
     candidates = [d for d in [whole(out / "checkpoint")] if d] + list(storage.glob("**/checkpoint_*"))
     found = []
     for directory in candidates:
-        state = directory / keras_worker.STATE_FILE
+        state = directory / checkpoint.STATE_FILE
         # The product's own step writes state.json too, with its epoch plan: not this run's kind.
         if state.is_file() and "plan" not in checkpoint.read_state(state):
             found.append(directory)
@@ -88,7 +88,7 @@ def check_fits(model, config: TrainConfig) -> None:
 
     from app.driver.resume import shape_text
 
-    prefix = str(Path(last_checkpoint(config, config.output_dir())) / keras_worker.TRAIN_STATE)
+    prefix = str(Path(last_checkpoint(config, config.output_dir())) / checkpoint.TRAIN_STATE)
     checkpoint.verify(prefix)
     if not model.built:
         return
@@ -108,4 +108,4 @@ def check_fits(model, config: TrainConfig) -> None:
 def epochs_done(config: TrainConfig) -> int:
     """Epochs a resumed run has already trained (0 for a new run)."""
     last = last_checkpoint(config, config.output_dir())
-    return checkpoint.read_state(Path(last) / keras_worker.STATE_FILE)["epoch"] if last else 0
+    return checkpoint.read_state(Path(last) / checkpoint.STATE_FILE)["epoch"] if last else 0

@@ -6,7 +6,7 @@ device trains it: the model function's model, compiled as the run compiles it
 (app.training.default_compile, for a model that compiles nothing), and Keras's
 ``model.fit``. After one untimed epoch (tracing, and the first write, which
 also loads ``model.keras`` back once), ``repeats`` epochs, each followed by one
-checkpoint write as a run writes it (app.training.keras_worker.save: a
+checkpoint write as a run writes it (app.training.keras_checkpoint.save: a
 tf.train.Checkpoint of the model and its optimizers, model.keras, state.json)
 into a fresh directory. Reports the median write, the median epoch, and their
 ratio. Ray's own part of a report (copying the directory into storage,
@@ -33,7 +33,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
 
     from app.bench.proc import epoch_timer
     from app.data.memory import load_source
-    from app.training import default_compile, keras_worker
+    from app.training import default_compile, keras_checkpoint
     from app.training.model import build_model
 
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # its per-epoch dataset notices
@@ -56,7 +56,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
             history.append({"epoch": epoch + 1, **(logs or {})})
             with tempfile.TemporaryDirectory() as tmp:
                 start = time.perf_counter()
-                keras_worker.save(model, tmp, {"epoch": epoch + 1, "history": history})
+                keras_checkpoint.save(model, tmp, {"epoch": epoch + 1, "history": history})
                 saves.append(time.perf_counter() - start)
 
     # The timer's on_epoch_end runs before the write's: an epoch's time holds no checkpoint.

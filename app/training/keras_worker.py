@@ -28,26 +28,23 @@ after it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import shutil
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.internals import replicas as replica_internals
 from app.training import user_code, zero_state
-from app.training.checkpoint import MODEL_FILE, STATE_FILE, TRAIN_STATE, Progress
+from app.training.checkpoint import Progress
 from app.training.collective import Collective
+from app.training.keras_checkpoint import restore, save
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
 
 if TYPE_CHECKING:
-    from app.training.tensor_optimizer import Split
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -114,22 +111,6 @@ class KerasSession(Protocol):
         """A tqdm-like bar, drawn where the person watching the run sees it."""
 
 
-def checkpoint_of(model, optimizers: Optional[list] = None) -> Any:
-    """Every variable of the model and every optimizer it holds (or ``optimizers``: their unsharded copies, in the
-    same order), as one ``tf.train.Checkpoint``.
-
-    By the model's ``variables`` (in their order: the same model function builds them in the same order), not by
-    the model object: Keras 3 layers do not expose their variables to TensorFlow's object graph, so
-    ``Checkpoint(model=model)`` would keep only what the optimizers reach (the trainable weights), and lose
-    batch-norm statistics and a seed generator's state."""
-    import tensorflow as tf
-
-    from app.training.keras_sync import optimizers_of
-
-    return tf.train.Checkpoint(variables=list(model.variables),
-                               optimizers=optimizers if optimizers is not None else optimizers_of(model))
-
-
 def build(model, data: KerasData, val: Optional[KerasData] = None, sharded: Sequence[ShardedOptimizer] = ()) -> None:
     """Create every variable the model's step uses (layers, optimizers' slots, metrics) without taking a step:
     trace ``train_step`` once on the input's element spec, as fit() would at its first step, and ``test_step`` on
@@ -151,87 +132,13 @@ def build(model, data: KerasData, val: Optional[KerasData] = None, sharded: Sequ
         tf.function(model.test_step).get_concrete_function(spec(val))
 
 
-def read_state(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / STATE_FILE).read_text())
-
-
-def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Path] = None,
-         split: Optional["Split"] = None) -> None:
-    """A whole checkpoint: the model and its optimizers, then state.json (the epoch, the history). ``parts``: the
-    sharded optimizers' state as app.training.zero_state wrote it, which the checkpoint takes instead; ``split``:
-    a tensor-parallel model's, unsplit."""
-    import tensorflow as tf
-
-    if split is not None:
-        split.checkpoint(gather=True).write(str(Path(directory) / TRAIN_STATE))
-    elif parts is None:
-        checkpoint_of(model).write(str(Path(directory) / TRAIN_STATE))
-    else:
-        shutil.move(str(parts), str(Path(directory) / zero_state.DIRECTORY))
-        tf.train.Checkpoint(variables=list(model.variables)).write(str(Path(directory) / TRAIN_STATE))
-    if split is None and parts is None:
-        _save_model(model, Path(directory) / MODEL_FILE)
-    (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
-
-
-# Whether a model's .keras file loads back, learnt at its first checkpoint: the same classes save the same way at
-# every later one, which then skips the load (a second model and optimizer state in rank 0's memory, and seconds
-# the other workers wait for at their next all-reduce).
-_LOADS_BACK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-def _save_model(model, path: Path) -> None:
-    """The model as a .keras file beside its checkpoint, for jobs/evaluate.py and jobs/predict.py --checkpoint (a
-    stopped run has no model.keras of its own yet). A model Keras cannot save (a class it cannot rebuild) is left
-    out: its checkpoint still resumes, and evaluate names what to do instead. A sharded or split model's optimizer
-    state is not Keras's layout: none is written for them."""
-    import warnings
-
-    import keras
-
-    if _LOADS_BACK.get(model) is False:
-        return
-    try:
-        model.save(path)
-        if model not in _LOADS_BACK:
-            with warnings.catch_warnings():  # Keras's note that an unbuilt optimizer skips the saved one's variables
-                warnings.simplefilter("ignore", UserWarning)
-                keras.models.load_model(path)  # what evaluate does with it: a file it cannot load is not written
-            _LOADS_BACK[model] = True
-    except Exception as e:  # whatever Keras's serialisation raises for a model it cannot save or load back
-        path.unlink(missing_ok=True)
-        _LOADS_BACK.setdefault(model, False)  # a model that loaded back once keeps trying (a full disk passes)
-        log.debug("no %s in the checkpoint: %s", path.name, e)
-
-
-def restore(model, directory: str | Path, sharded: Sequence[ShardedOptimizer] = (),
-            split: Optional["Split"] = None) -> dict[str, Any]:
-    """Weights and every optimizer's state from a checkpoint directory, sharded or not whichever wrote it (a sharded
-    optimizer keeps its part; a split model cuts them into its shards); its state.json."""
-    import tensorflow as tf
-
-    from app.training.keras_sync import optimizers_of
-
-    path = str(Path(directory) / TRAIN_STATE)
-    if split is not None:
-        split.checkpoint(gather=False).read(path).assert_existing_objects_matched()
-        split.optimizer.scatter()
-        return read_state(directory)
-    if zero_state.written(directory):
-        tf.train.Checkpoint(variables=list(model.variables)).read(path).assert_existing_objects_matched()
-        zero_state.read(directory, optimizers_of(model), sharded)
-        return read_state(directory)
-    # An unsharded checkpoint: a sharded optimizer reads it whole into an unsharded copy, then keeps its part.
-    twins = {id(s.optimizer): s.twin() for s in sharded}
-    optimizers = [twins[id(o)].optimizer if id(o) in twins else o for o in optimizers_of(model)]
-    checkpoint_of(model, optimizers).read(path).assert_existing_objects_matched()
-    for s in sharded:
-        s.take_from(twins[id(s.optimizer)])
-    return read_state(directory)
-
-
-def _fit_parts(model, parts: list, first: int, skip: int, train: KerasData, val_ds: Any, job: KerasJob,
-               session: KerasSession, ids: Any, callbacks: Callable[[Callable[[int], Any], int], list]) -> None:
+def _fit_parts(model, first: int, skip: int, train: KerasData, val_ds: Any, job: KerasJob, session: KerasSession,
+               ids: Any, callbacks: Callable[[Callable[[int], Any], int], list]) -> None:
+    """Keras's fit over the run's epochs from ``first``. One pass per epoch, which fit() iterates as it would the
+    user's input (the epoch's own batches, or the pipeline every worker runs again). A run that goes on inside an
+    epoch (``skip`` of its steps done) fits that epoch's steps left first, on their own (fit() counts an epoch's
+    steps from the first one it iterates, and holds every epoch to it)."""
+    parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
     for epochs in parts:
         if not epochs or model.stop_training and epochs.start > first:
             continue
@@ -246,20 +153,12 @@ def _fit_parts(model, parts: list, first: int, skip: int, train: KerasData, val_
                   callbacks=callbacks(choose_epoch, skip if epochs.start == first else 0), verbose=0, shuffle=False)
 
 
-def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
-    """One worker's part of ``app.fit`` for a model trained by its own step."""
-    entered = getattr(session, "entered", None) or time.time()  # a Ray worker's: before it set its threads up
-    session.start()
-    import keras
+def _model(job: KerasJob, session: KerasSession, train, val, collective: Collective, marks) -> tuple:
+    """The worker's model, built as the run's features ask, synchronised over the workers (or the local replicas),
+    its step timed and traced: (model, the tensor split or None, the sharded optimizers, the in-graph clock or
+    None)."""
+    from app.training import keras_features, keras_sync, step_clock, tensor_optimizer
 
-    from app.training import keras_audit, keras_callbacks, keras_features, keras_sync, step_clock, tensor_optimizer, zero
-
-    marks = step_clock.Marks.of_worker(entered, getattr(session, "configured", None))
-
-    collective = Collective(session.world, job.stall_timeout_s, session.rank)
-    keras.utils.set_random_seed(job.seed)
-    train, val = session.inputs()
-    marks.mark("inputs")
     strategy = session.strategy
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = keras_features.build(job.model_fn, job.features)
@@ -286,7 +185,14 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
             replica_internals.symbolic_build(model, train.first_batch())
             replica_internals.updates_exact_on_one_copy(model)  # central storage's one copy of each variable
     marks.mark("traced")
-    clock = step_clock.StepClock(in_graph, marks)
+    return model, split, sharded, in_graph
+
+
+def _starting_state(job: KerasJob, session: KerasSession, model, collective: Collective, sharded: list,
+                    split) -> dict[str, Any]:
+    """The run's state as this worker starts: the last checkpoint's (a restart or a resize), else epoch 0 with
+    rank 0's weights on every worker; and what result.json records of the worker (its node, its optimizers' bytes)."""
+    from app.training import keras_sync, zero
 
     state: dict[str, Any] = {"epoch": job.initial_epoch, "history": []}
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
@@ -311,6 +217,38 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     state["optimizer_parts_bytes"] = sum(p.numpy().nbytes for s in sharded for p in s.parts)
     if split is not None:  # what each of this worker's devices holds of the split layers (result.json)
         state["tensor_device_bytes"] = split.shards.variable_bytes()
+    return state
+
+
+def _validation(val, job: KerasJob, session: KerasSession):
+    """This worker's validation dataset (None: no validation)."""
+    if getattr(val, "streamed", False):
+        # Each worker scores a part of a streamed validation set whose size only its end tells: Keras's evaluate
+        # then warns at the end of its first pass that the input "ran out of data; interrupting training". It did
+        # not: every row was scored.
+        warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
+    return None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
+                                                       training=False)[0]
+
+
+def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
+    """One worker's part of ``app.fit`` for a model trained by its own step."""
+    entered = getattr(session, "entered", None) or time.time()  # a Ray worker's: before it set its threads up
+    session.start()
+    import keras
+
+    from app.training import keras_audit, keras_callbacks, keras_sync, step_clock
+
+    marks = step_clock.Marks.of_worker(entered, getattr(session, "configured", None))
+
+    collective = Collective(session.world, job.stall_timeout_s, session.rank)
+    keras.utils.set_random_seed(job.seed)
+    train, val = session.inputs()
+    marks.mark("inputs")
+    strategy = session.strategy
+    model, split, sharded, in_graph = _model(job, session, train, val, collective, marks)
+    clock = step_clock.StepClock(in_graph, marks)
+    state = _starting_state(job, session, model, collective, sharded, split)
     first, skip = state["epoch"], state.get("step", 0)
     steps = train.steps_on(session.world, first, job.seed)
     held: dict[str, Any] = {}
@@ -359,21 +297,11 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                                             collective=collective, sync_timed=in_graph is not None and not sharded),
                 *([board] if board is not None else []), *step_scalars]
 
-    val_ds = None if val is None else val.worker_dataset(range(1), job.seed, session.rank, session.world,
-                                                         training=False)[0]
-    if getattr(val, "streamed", False):
-        # Each worker scores a part of a streamed validation set whose size only its end tells: Keras's evaluate
-        # then warns at the end of its first pass that the input "ran out of data; interrupting training". It did
-        # not: every row was scored.
-        warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
-    # One pass per epoch, which fit() iterates as it would the user's input (the epoch's own batches, or the
-    # pipeline every worker runs again). A run that goes on inside an epoch fits that epoch's steps left first, on
-    # their own (fit() counts an epoch's steps from the first one it iterates, and holds every epoch to it).
-    parts = [range(first, first + 1), range(first + 1, job.epochs)] if skip else [range(first, job.epochs)]
+    val_ds = _validation(val, job, session)
     try:
         with user_code.named(model, lambda e: keras_callbacks.raised_by_callback(e, own)), \
                 replica_internals.unscaled_losses() if strategy is not None else contextlib.nullcontext():
-            _fit_parts(model, parts, first, skip, train, val_ds, job, session, ids, callbacks)
+            _fit_parts(model, first, skip, train, val_ds, job, session, ids, callbacks)
     except Exception as e:
         if collective.watch is not None and collective.watch.aborted:  # the step's error is the cancellation's
             raise collective.watch.error() from e

@@ -84,7 +84,7 @@ class UnsplitOptimizer:
 class Split:
     """--tensor-parallel on Keras's fit: the model's split layers in place (app.training.tensor_parallel), and its
     optimizer's state as the unsplit model's optimizer holds it (app.training.tensor_optimizer). Checkpoints hold
-    the unsplit model and optimizer, as an unsplit run writes them (app.training.keras_worker.save): the driver's
+    the unsplit model and optimizer, as an unsplit run writes them (app.training.keras_checkpoint.save): the driver's
     model reads them, and a run resumes at any degree, or none."""
 
     def __init__(self, model, plan, data: Any) -> None:
