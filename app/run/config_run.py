@@ -38,36 +38,12 @@ _BUILT_FIELDS = {*product_model.BUILTIN_OPTIONS, "model_args", "num_classes"}
 _ALWAYS_RECORDED = {"model", "dataset", "callbacks", "per_replica_batch"}
 
 
-def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
-    """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
-    on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
-    for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
-    Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
-    loop (parameter servers, and --resume of their runs), never on Ray Train, where what Keras's
-    fit cannot run is one line. ``dry``: the plan's lines instead, nothing
-    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
-    from app.backend import backend_of, one_local_replica, several_replicas_asked
+def _chosen_for_keras_fit(config, backend) -> Optional[set[str]]:
+    """The fields the run set that Keras's fit takes its part of (those that only name the backend left out); None:
+    the run is the own loop's (parameter servers); a field for neither is one line."""
+    from app.backend import several_replicas_asked
 
-    # Parameter servers are a field set: the product's own loop; one asking for local replicas or a pipeline is what
-    # Keras's fit in this process is.
-    backend = backend_of(config)
-    if config.resume and not _resumes_keras_run(config):  # no checkpoint of Keras's fit: the own step's, or none
-        own = _own_step_checkpoints(config, quiet=backend.own_loop)
-        if backend.own_loop and own is not False:  # a parameter servers' run goes on on the own loop
-            return None  # (or its resume says what is wrong with the checkpoint)
-        if own is not False:
-            raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own loop, "
-                            "which goes on only as the parameter servers (--strategy parameter-server) it trains; "
-                            "Keras's fit, which trains every other run, cannot go on from them: give a new --output")
-        from app.backends import run_checkpoints
-
-        run_checkpoints.check_resumable(config)  # a run whose checkpoints are gone: nothing to go on from
     several = _several_local_replicas(config)
-    if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
-        from app.data import files
-
-        if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
-            raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
     one_replica = not backend.on_ray and backend.replicas == 1 and not backend.pipeline
     # --devices on one replica (--devices 1, --tensor-parallel N --devices N) asks for nothing Keras's fit lacks; a
     # strategy of several replicas on one device is the own step's to refuse
@@ -87,75 +63,74 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
             make_strategy(config)  # a strategy this machine cannot make is its own line
             raise UserError(f"{flags}: not for --backend local --strategy {config.strategy}: leave it out")
         return None
-    # Several local replicas (Mirrored over GPUs or --devices CPUs, a TPU's cores): the strategy made before any model
-    # is built (TensorFlow's devices are set as it starts; the run builds its model in the strategy's scope).
-    local = local_replicas(config)
-    replicas = local.replicas if local is not None else 1
-    model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
-    built_on_files = False  # a built-in on streamed files: its validation is the seeded val_fraction holdout
-    if model is None:
-        # A built-in on local replicas or a pipeline trains by Keras's fit, as on Ray (files read here into arrays).
-        # --tensor-parallel N splits its
-        # layers inside the model Keras's fit runs (app.training.tensor_parallel.SplitInPlace), by the built-in's
-        # own layout unless --tensor-layout names one.
-        if not keras_step.built_by_product(config.model) and not backend.own_loop:
-            raise UserError(f"--model {getattr(config.model, '__name__', config.model)} builds no Keras model: give a "
-                            "built-in's name or a function that returns a keras.Model")
-        if not keras_step.built_by_product(config.model) or not (
-                backend.on_ray or backend.pipeline or local is not None or one_local_replica(config)):
-            return None
-        if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
-            from app.training.strategy import tensor_devices
+    return chosen
 
-            tensor_devices(config.tensor_degree)
-        data = _data(config, None, dry)
-        built_on_files = data.streamed
-        facts = _streamed_facts(config, data) if data.streamed else data.facts
-        if data.streamed and config.class_weight is not None:  # weighed on the workers by the classes' facts
-            from app.training.objective import class_weights
 
-            data.class_weight = dict(enumerate(class_weights(config, facts)))
-        model_fn = functools.partial(product_model.build_model, config, facts)
-        model = model_fn()
-        name = product_model.model_name(config)
-        product_model.check_output(model, product_model.task_with_model(facts, model), name)
-    elif chosen & _BUILT_FIELDS:  # a function of no arguments takes none of them
-        flag = sorted(chosen & _BUILT_FIELDS)[0]
-        raise UserError(f"--{flag.replace('_', '-')} sizes the built-in models (and functions of the product's "
-                        f"arguments: input_shape, num_classes, ...); {getattr(config.model, '__name__', config.model)} "
-                        "takes no arguments and builds its own model: leave it out")
-    recompile = None
-    taken = KERAS_STEP_FIELDS | DEFAULT_COMPILE_FIELDS
-    if model_fn is config.model and keras_step.brings_its_step(model):
-        # The flags' changes to the user's own compile() (--optimizer, --base-lr, --loss, ...), the rest as given
-        import keras
+def _resumed_by_own_loop(config, backend) -> bool:
+    """--resume of a run with no checkpoint of Keras's fit: True for a parameter servers' run, which goes on on the
+    own loop (or whose resume says what is wrong with its checkpoint); one line for an own loop's checkpoint given to
+    any other run, or for a run whose checkpoints are gone."""
+    if _resumes_keras_run(config):
+        return False
+    own = _own_step_checkpoints(config, quiet=backend.own_loop)
+    if backend.own_loop and own is not False:
+        return True
+    if own is not False:
+        raise UserError(f"--resume: the run in {config.output_dir()} holds checkpoints of the product's own loop, "
+                        "which goes on only as the parameter servers (--strategy parameter-server) it trains; "
+                        "Keras's fit, which trains every other run, cannot go on from them: give a new --output")
+    from app.backends import run_checkpoints
 
-        from app.training.default_compile import recompile_of
+    run_checkpoints.check_resumable(config)  # a run whose checkpoints are gone: nothing to go on from
+    return False
 
-        asked = chosen & DEFAULT_COMPILE_FIELDS
-        own = overrides_step(model) + (["compile"] if type(model).compile is not keras.Model.compile else [])
-        if asked and own:  # a step of its own reads what its own compile() set: nothing here to change in it
-            raise UserError(f"--{sorted(asked)[0].replace('_', '-')}: the product's compile, and "
-                            f"{getattr(config.model, '__name__', config.model)} trains by its own {', '.join(own)}: "
-                            "leave it out")
-        recompile = recompile_of(model, config, asked) if asked else None
-        taken = KERAS_STEP_FIELDS
-    from app.training import callbacks as product_callbacks
 
-    data = data or _data(config, model, dry)
-    if data.streamed and config.class_weight is not None and data.class_weight is None:
-        # A model of the user's own on files: the weights as given, as app.fit(path, class_weight={...}) takes them
-        # (the labels' classes are known only as the workers read them)
-        from app.training.objective import given_class_weights
+def _built_in(config, backend, dry: bool) -> tuple[Any, Any, Any, Any]:
+    """A built-in model (or a function of the product's arguments) built for the data's facts: (model, its model
+    function, the data, the facts). On local replicas or a pipeline it trains by Keras's fit, as on Ray (files read
+    here into arrays); --tensor-parallel N splits its layers inside the model Keras's fit runs
+    (app.training.tensor_parallel.SplitInPlace), by the built-in's own layout unless --tensor-layout names one."""
+    if config.tensor_degree and not backend.on_ray:  # this process's CPU split before its TensorFlow starts
+        from app.training.strategy import tensor_devices
 
-        data.class_weight = given_class_weights(config.class_weight)
+        tensor_devices(config.tensor_degree)
+    data = _data(config, None, dry)
+    facts = _streamed_facts(config, data) if data.streamed else data.facts
+    if data.streamed and config.class_weight is not None:  # weighed on the workers by the classes' facts
+        from app.training.objective import class_weights
+
+        data.class_weight = dict(enumerate(class_weights(config, facts)))
+    model_fn = functools.partial(product_model.build_model, config, facts)
+    model = model_fn()
+    product_model.check_output(model, product_model.task_with_model(facts, model), product_model.model_name(config))
+    return model, model_fn, data, facts
+
+
+def _recompile(config, model, chosen: set[str]) -> tuple[Any, set[str]]:
+    """The flags' changes to the user's own compile() (--optimizer, --base-lr, --loss, ...), the rest as given, and
+    the fields Keras's fit then takes."""
+    import keras
+
+    from app.training.default_compile import recompile_of
+
+    asked = chosen & DEFAULT_COMPILE_FIELDS
+    own = overrides_step(model) + (["compile"] if type(model).compile is not keras.Model.compile else [])
+    if asked and own:  # a step of its own reads what its own compile() set: nothing here to change in it
+        raise UserError(f"--{sorted(asked)[0].replace('_', '-')}: the product's compile, and "
+                        f"{getattr(config.model, '__name__', config.model)} trains by its own {', '.join(own)}: "
+                        "leave it out")
+    return (recompile_of(model, config, asked) if asked else None), KERAS_STEP_FIELDS
+
+
+def _fit_fields(config, chosen: set[str], taken: set[str], data, backend, built_facts) -> dict[str, Any]:
+    """The config's fields keras_step.fit is given (``built_facts``: a built-in's facts read from streamed files)."""
     # --val-fraction holds out a seeded part of streamed files where it is given (arrays were split in _data)
     fields = {**{k: getattr(config, k) for k in chosen & (taken | ({"val_fraction"} if data.streamed else set()))},
               **({k: getattr(config, k) for k in PIPELINE_FIELDS} if backend.pipeline else {}),
               "output": str(config.output_dir())}
-    if built_on_files and config.val_dataset is None:
+    if built_facts is not None and config.val_dataset is None:
         fields["val_fraction"] = config.val_fraction  # a built-in's files hold out validation rows, as its arrays do
-    known = data.facts if data.facts is not None else facts if built_on_files else None
+    known = data.facts if data.facts is not None else built_facts
     if known is not None and known.class_names:
         # the ids of a label column's class names, decided reading the training rows: the workers map the names
         # with them, and config.yaml records them for evaluation and prediction
@@ -165,6 +140,64 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
 
         if config.model in BUILTIN_LAYOUTS:
             fields["tensor_layout"] = [f"{k}={v}" for k, v in BUILTIN_LAYOUTS[config.model].items()]
+    return fields
+
+
+def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]:
+    """The run ``config`` asks for, trained by Keras's fit: a model function of no arguments returning a Keras model,
+    on any data; a built-in model or a function of the product's arguments (input_shape, num_classes, ...: built
+    for the data's facts, app.training.model) on any data, on Ray or on local replicas (one, or several under
+    Mirrored, central storage or a TPU's strategy). Returns result.json's content. None: the run is the product's
+    loop (parameter servers, and --resume of their runs), never on Ray Train, where what Keras's
+    fit cannot run is one line. ``dry``: the plan's lines instead, nothing
+    trained (--dry-run); ``ray_run``: a sweep trial's app.backends.keras_fit.RayRun."""
+    from app.backend import backend_of, one_local_replica
+
+    # Parameter servers are a field set: the product's own loop; one asking for local replicas or a pipeline is what
+    # Keras's fit in this process is.
+    backend = backend_of(config)
+    if config.resume and _resumed_by_own_loop(config, backend):
+        return None
+    if (config.elastic or config.checkpoint_every_steps) and backend.on_ray:
+        from app.data import files
+
+        if files.streams(files.located(config), on_ray=True):  # said before a Ray starts to read them
+            raise UserError(files.STEP_EXACT.format(what=f"--dataset {config.dataset}"))
+    chosen = _chosen_for_keras_fit(config, backend)
+    if chosen is None:
+        return None
+    # Several local replicas (Mirrored over GPUs or --devices CPUs, a TPU's cores): the strategy made before any model
+    # is built (TensorFlow's devices are set as it starts; the run builds its model in the strategy's scope).
+    local = local_replicas(config)
+    replicas = local.replicas if local is not None else 1
+    model, model_fn, data = keras_step.keras_model_of(config.model, config.tensor_parallel), config.model, None
+    built_on_files, facts = False, None  # a built-in on streamed files: its validation is the seeded holdout
+    if model is None:
+        if not keras_step.built_by_product(config.model) and not backend.own_loop:
+            raise UserError(f"--model {getattr(config.model, '__name__', config.model)} builds no Keras model: give a "
+                            "built-in's name or a function that returns a keras.Model")
+        if not keras_step.built_by_product(config.model) or not (
+                backend.on_ray or backend.pipeline or local is not None or one_local_replica(config)):
+            return None
+        model, model_fn, data, facts = _built_in(config, backend, dry)
+        built_on_files = data.streamed
+    elif chosen & _BUILT_FIELDS:  # a function of no arguments takes none of them
+        flag = sorted(chosen & _BUILT_FIELDS)[0]
+        raise UserError(f"--{flag.replace('_', '-')} sizes the built-in models (and functions of the product's "
+                        f"arguments: input_shape, num_classes, ...); {getattr(config.model, '__name__', config.model)} "
+                        "takes no arguments and builds its own model: leave it out")
+    recompile, taken = _recompile(config, model, chosen) if model_fn is config.model and \
+        keras_step.brings_its_step(model) else (None, KERAS_STEP_FIELDS | DEFAULT_COMPILE_FIELDS)
+    from app.training import callbacks as product_callbacks
+
+    data = data or _data(config, model, dry)
+    if data.streamed and config.class_weight is not None and data.class_weight is None:
+        # A model of the user's own on files: the weights as given, as app.fit(path, class_weight={...}) takes them
+        # (the labels' classes are known only as the workers read them)
+        from app.training.objective import given_class_weights
+
+        data.class_weight = given_class_weights(config.class_weight)
+    fields = _fit_fields(config, chosen, taken, data, backend, facts if built_on_files else None)
     # Keras's fit is given the global batch (the rows of an update) over the steps it accumulates, which stays at
     # every size of an elastic range (its per-replica batch is the fewest workers' part); --global-batch splits over
     # the replicas and the steps (TrainConfig.at_size)
@@ -174,14 +207,12 @@ def from_config(config, dry: bool = False, ray_run: Any = None) -> Optional[Any]
         from app.driver.preflight import checked_plan
 
         checked_plan(config, data.rows, config.min_workers if backend.on_ray else 1, 1 if backend.on_ray else replicas)
+    args = keras_step.FitArguments(
+        data.x, data.y, batch_size=batch, epochs=config.epochs, validation_data=data.validation,
+        callbacks=product_callbacks.load(config) if config.callbacks else None, num_workers=config.num_workers,
+        sample_weight=data.sample_weight, class_weight=data.class_weight, shuffle=config.shuffle)
     run, _ = keras_step.fit(
-        model, model_fn, data.x, data.y, batch_size=batch, epochs=config.epochs,
-        validation_data=data.validation, validation_split=0.0,
-        callbacks=product_callbacks.load(config) if config.callbacks else None,
-        num_workers=config.num_workers, sample_weight=data.sample_weight, class_weight=data.class_weight,
-        verbose="auto", shuffle=config.shuffle, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-        validation_batch_size=None, validation_freq=1, fields=fields, dry=dry, ray_run=ray_run, row_ids=data.ids,
-        recompile=recompile, local=local,
+        model, model_fn, args, fields, dry=dry, ray_run=ray_run, row_ids=data.ids, recompile=recompile, local=local,
         # config.yaml: the run's own fields (its global batch as the per-worker batch Keras's fit is given)
         recorded={k: getattr(config, k) for k in config.model_fields_set - {"global_batch"} | _ALWAYS_RECORDED
                   if k not in fields})

@@ -111,13 +111,13 @@ def fit(
             raise UserError(f"{', '.join(product_only)}: the product's own loop, which trains the model's layers, "
                             f"not its own {', '.join(keras_step.overrides_step(built))}: leave them out")
         if built is not None and not product_only:
-            run, out = keras_step.fit(built, model_fn, x, y, batch_size=batch_size, epochs=epochs,
-                                  validation_data=validation_data, validation_split=validation_split,
-                                  callbacks=callbacks, num_workers=num_workers, sample_weight=sample_weight,
-                                  class_weight=class_weight, verbose=verbose, shuffle=shuffle,
-                                  initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                                  validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-                                  validation_freq=validation_freq, fields=fields, local=local)
+            args = keras_step.FitArguments(
+                x, y, batch_size=batch_size, epochs=epochs, validation_data=validation_data,
+                validation_split=validation_split, callbacks=callbacks, num_workers=num_workers,
+                sample_weight=sample_weight, class_weight=class_weight, verbose=verbose, shuffle=shuffle,
+                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+            run, out = keras_step.fit(built, model_fn, args, fields, local=local)
             return History.of_keras_run(run.result, out, epochs, run.model, verbose)
     _keras_only(verbose, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     fields["shuffle"] = shuffle

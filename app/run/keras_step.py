@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -19,7 +20,7 @@ from app.config import build_config
 from app.data import keras_inputs, keras_stream
 from app.data.checks import refuse_unreadable
 from app.errors import UserError
-from app.run import fit_inputs, keras_plan
+from app.run import fit_checks, fit_inputs, keras_plan
 from app.run.fit_inputs import overrides_step
 from app.training import default_compile
 
@@ -148,10 +149,30 @@ def _needs_arguments(fn: Any) -> bool:
                for p in parameters)
 
 
-def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epochs: int, validation_data: Any,
-        validation_split: float, callbacks: Optional[list], num_workers: int, sample_weight: Any, class_weight: Any,
-        verbose: Any, shuffle: Any, initial_epoch: int, steps_per_epoch: Optional[int], validation_steps: Optional[int],
-        validation_batch_size: Optional[int], validation_freq: Any, fields: dict[str, Any], dry: bool = False,
+@dataclass(frozen=True)
+class FitArguments:
+    """keras.Model.fit's own arguments, as a run of Keras's fit is given them (app.fit's, or a config's run)."""
+
+    x: Any
+    y: Any = None
+    batch_size: Optional[int] = None
+    epochs: int = 1
+    validation_data: Any = None
+    validation_split: float = 0.0
+    callbacks: Optional[list] = None
+    num_workers: Any = 2
+    sample_weight: Any = None
+    class_weight: Any = None
+    verbose: Any = "auto"
+    shuffle: Any = True
+    initial_epoch: int = 0
+    steps_per_epoch: Optional[int] = None
+    validation_steps: Optional[int] = None
+    validation_batch_size: Optional[int] = None
+    validation_freq: Any = 1
+
+
+def fit(model, model_fn: Any, args: FitArguments, fields: dict[str, Any], dry: bool = False,
         recorded: Optional[dict[str, Any]] = None, ray_run: Any = None, row_ids: Optional[np.ndarray] = None,
         recompile: Optional["default_compile.Recompile"] = None, local: Any = None):
     """``recorded``: config fields the run's config.yaml says instead (a run from a config: its own model, dataset
@@ -160,89 +181,98 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     ``recompile``: what the flags change in the compile() of a model the user compiled; ``local``: the
     LocalReplicas (app.training.strategy) to train under, made by app.run.config_run before any model is built."""
     from app import registry
-    from app.backends import keras_fit, run_checkpoints
-    from app.driver import outputs, time_report
+    from app.backends import keras_fit
+    from app.driver import time_report
     from app.training.keras_worker import KerasJob
     from app.ui import console
 
     time_report.begin()  # where the run's time goes is told from here (a script's: from its process's start)
-    _check_arguments(model, epochs, initial_epoch, validation_freq, verbose, num_workers, validation_split, x,
-                     counts={"batch_size": batch_size, "validation_batch_size": validation_batch_size,
-                             "steps_per_epoch": steps_per_epoch, "validation_steps": validation_steps})
-    if (problem := registry.callbacks_problem(list(callbacks or []))) is not None:
+    fit_checks.check_arguments(model, args)
+    if (problem := registry.callbacks_problem(list(args.callbacks or []))) is not None:
         raise UserError(problem)
     if isinstance(model_fn, str):
         model_fn = registry.resolve(model_fn, registry.MODELS)
     config = build_config(fields.pop("config", None), {
-        **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": epochs, "num_workers": num_workers,
-        "callbacks": None, "per_replica_batch": max(1, (batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(num_workers))),
+        **fields, "model": model_fn, "dataset": given(None, "fit(x)"), "epochs": args.epochs,
+        "num_workers": args.num_workers, "callbacks": None,
+        "per_replica_batch": max(1, (args.batch_size or KERAS_BATCH_SIZE) // max(1, _fewest(args.num_workers))),
         **(recorded or {})})
-    run_checkpoints.check_resumable(config)  # before the data is read and anything starts
-    # An elastic range (num_workers="1:4"): every size cuts each global batch over its workers, so the math does not
-    # change with the size; the checks below take the largest.
-    world = 1 if not _on_ray(config) else config.max_workers
-    if _on_ray(config):  # the local Ray this would start cannot hold the workers: said now, not after a wait
-        from app.driver import cluster
+    world = fit_checks.checked_world(config, args.x, args.validation_data, args.num_workers)
+    train, datasets, config, args = _train_input(model, config, world, args, "val_fraction" in fields, row_ids)
+    model_fn, defaults = _compile(model, model_fn, train, config, recompile)
+    val = args.validation_data if "val" in datasets else None
+    if val is not None:
+        fit_inputs.same_structure(train, val)
+    elif args.validation_data is not None:
+        val = fit_inputs.validation(args.validation_data, args.validation_batch_size or args.batch_size or
+                                    KERAS_BATCH_SIZE, args.validation_steps, train)
+    fit_checks.check_run(config, model, train, world, args)
+    features, compiled = _features(config, model, train, world, args.batch_size, args.epochs, defaults, recompile)
+    shard, tensor, stages = _parallel(config, model, model_fn, train, world)
+    job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=args.epochs, initial_epoch=args.initial_epoch,
+                   validation_freq=args.validation_freq, seed=config.seed, callbacks=list(args.callbacks or []) or None,
+                   stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
+                   task=defaults.task if defaults is not None else None, tensor=tensor, stages=stages,
+                   checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids,
+                   profile_steps=config.profile_steps, compiled=compiled)
+    plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
+                            defaults.line(built_by_product(config.model)) if defaults else
+                            recompile.line() if recompile is not None else compiled.line(), args.class_weight,
+                            args.validation_freq, args.callbacks, args.x, args.validation_data, args.epochs, local,
+                            stages)
+    if dry:  # --dry-run: the plan, nothing trained or written
+        return plan, config.output_dir()
+    quiet = {0: console.silent, 2: console.no_bars}.get(args.verbose, contextlib.nullcontext)
+    with quiet():
+        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
+                            ray_run or keras_fit.RayRun(), local)
+    return run, config.output_dir()
 
-        cluster.check_fits_locally(config)
-    if config.elastic and (keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data)):
-        raise UserError(f"num_workers={num_workers!r}: a path or a ray.data.Dataset is split into equal shares of a "
-                        "fixed number of workers; give num_workers a number")
-    if config.checkpoint_every_steps and keras_stream.is_streamed(x):
-        raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a path or a ray.data.Dataset streams "
-                        "each epoch anew, so a run cannot go on from a step inside one; leave it out (every epoch is "
-                        "checkpointed), or give the rows in memory")
+
+def _train_input(model, config, world: int, args: FitArguments, holdout: bool, row_ids: Optional[np.ndarray]):
+    """The training input as every worker reads it (KerasData, or a streamed input's description), checked against
+    the model: (it, the Ray Datasets streamed by name, the config (a streamed input's batch), the arguments with x
+    and validation_data as read: a streamed one's description, or the rows validation_split held out)."""
+    from app.ui import console
+
+    x, y, validation_data, sample_weight = args.x, args.y, args.validation_data, args.sample_weight
     datasets: dict[str, Any] = {}
     columns: tuple[str, ...] = ()  # a path's or a Dataset's columns that are x (the refusals name them)
     if keras_stream.is_streamed(x) or keras_stream.is_streamed(validation_data):
         with console.for_people(config.show_logs):  # Ray Data's own lines stay off the console while it reads
             x, y, validation_data, datasets, columns, config = fit_inputs.streamed_inputs(
-                config, world, x, y, validation_data, validation_split, sample_weight, class_weight, steps_per_epoch,
-                validation_steps, batch_size, validation_batch_size, shuffle, holdout="val_fraction" in fields,
-                default_batch=KERAS_BATCH_SIZE)
-    elif "val_fraction" in fields:
+                config, world, x, y, validation_data, args.validation_split, sample_weight, args.class_weight,
+                args.steps_per_epoch, args.validation_steps, args.batch_size, args.validation_batch_size, args.shuffle,
+                holdout=holdout, default_batch=KERAS_BATCH_SIZE)
+    elif holdout:
         raise UserError("val_fraction holds out a seeded part of a path of files or a ray.data.Dataset: with x "
                         f"a {type(x).__name__}, give validation_split or validation_data, as in Keras")
     arrays = keras_inputs.is_array_input(x)
-    if arrays and validation_split and validation_data is None:
+    if arrays and args.validation_split and validation_data is None:
         from app import internals
 
         refuse_unreadable(x, y, sample_weight, "x")  # before Keras's split, which refuses them in its own words
         try:
             (x, y, sample_weight), validation_data = internals.keras_validation_split((x, y, sample_weight),
-                                                                                        validation_split)
+                                                                                        args.validation_split)
         except ValueError as e:  # Keras's own words: too few rows for the split
-            raise UserError(f"validation_split={validation_split}: {e}") from None
-    elif validation_split and validation_data is None:
+            raise UserError(f"validation_split={args.validation_split}: {e}") from None
+    elif args.validation_split and validation_data is None:
         raise UserError(f"validation_split takes the last rows of arrays, as in Keras; x is a {type(x).__name__}: "
                         "give validation_data instead")
-    if "train" in datasets:
-        train = x
-    else:
-        train = keras_inputs.read(x, y, sample_weight, batch_size=(batch_size or KERAS_BATCH_SIZE) if arrays else
-                                  batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
-                                  class_weight=class_weight, epochs=epochs - initial_epoch, what="x", rerun=True)
+    train = x if "train" in datasets else keras_inputs.read(
+        x, y, sample_weight, batch_size=(args.batch_size or KERAS_BATCH_SIZE) if arrays else args.batch_size,
+        shuffle=args.shuffle, steps_per_epoch=args.steps_per_epoch, class_weight=args.class_weight,
+        epochs=args.epochs - args.initial_epoch, what="x", rerun=True)
     fit_inputs.check_audit(config, train, row_ids)
     fit_inputs.check_inputs(model, train, f"x (columns {', '.join(columns)})" if columns else "x")
-    model_fn, defaults = _compile(model, model_fn, train, config, recompile)
-    val = None
-    if "val" in datasets:
-        val = validation_data
-        fit_inputs.same_structure(train, val)
-    elif validation_data is not None:
-        val = fit_inputs.validation(validation_data, validation_batch_size or batch_size or KERAS_BATCH_SIZE, validation_steps,
-                          train)
-    outputs.check_output_dir(config)
-    done = run_checkpoints.epochs_done(config)
-    if done >= epochs:
-        raise UserError(f"the run in {config.output_dir()} already finished its {done} epochs: give --epochs (epochs=) "
-                        f"more than {done} to train it further with --resume (resume=True)")
-    if done:  # a damaged checkpoint, or a model that is not the checkpoint's: said before any worker starts
-        run_checkpoints.check_fits(model, config)
-    if train.num_batches and train.steps and train.dropped_rows(world) >= train.num_rows:
-        raise UserError(f"every batch of x has fewer rows than the {world} workers: use fewer workers or larger "
-                        "batches")
-    from app.training import compile_record, keras_sync, tensor_parallel, zero
+    return train, datasets, config, dataclasses.replace(args, x=x, validation_data=validation_data)
+
+
+def _features(config, model, train, world: int, batch_size: Optional[int], epochs: int, defaults, recompile):
+    """The run's features as Keras provides them (app.training.keras_features), and the record of what trains
+    (app.training.compile_record)."""
+    from app.training import compile_record
     from app.training.keras_features import KerasFeatures
 
     # the product's optimizer (its compile's, or --optimizer's over the user's): the LR rule's defaults apply to it
@@ -250,49 +280,23 @@ def fit(model, model_fn: Any, x: Any, y: Any, *, batch_size: Optional[int], epoc
     features = KerasFeatures.of(config, batch_size=_global_batch(train, world, batch_size),
                                 steps_per_epoch=train.steps, epochs=epochs, product_optimizer=product_optimizer)
     features.check()
-    compiled = compile_record.of(model, compile_record.BY_PRODUCT if defaults is not None else compile_record.BY_FLAGS
-                                 if recompile is not None else compile_record.BY_MODEL, config.model_fields_set,
-                                 features, config)
+    by = compile_record.BY_PRODUCT if defaults is not None else compile_record.BY_FLAGS if recompile is not None \
+        else compile_record.BY_MODEL
+    return features, compile_record.of(model, by, config.model_fields_set, features, config)
+
+
+def _parallel(config, model, model_fn, train, world: int) -> tuple[Any, Any, Any]:
+    """What the run splits over its workers or devices: (ZeRO's sharding, the tensor-parallel plan or None, the
+    pipeline's stages or None), each checked; and metrics that add up over the workers."""
+    from app.training import keras_sync, tensor_parallel, zero
+
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
         keras_sync.check_additive(model, train.first_batch(), keras_steps=not overrides_step(model))
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
-    stages = _stages(config, model, model_fn, train)
-    if config.checkpoint_every_steps and (train.pipeline is not None or not train.counted):
-        raise UserError(f"checkpoint_every_steps={config.checkpoint_every_steps}: a run goes on from a step inside an "
-                        f"epoch of arrays (or a PyDataset) only; x is a {type(x).__name__}, whose epochs run anew: leave "
-                        "it out (every epoch is checkpointed)")
-    _check_profile_steps(config, train, epochs)
-    job = KerasJob(model_fn=model_fn, train=train, val=val, epochs=epochs, initial_epoch=initial_epoch,
-                   validation_freq=validation_freq, seed=config.seed, callbacks=list(callbacks or []) or None,
-                   stall_timeout_s=config.stall_timeout_s, features=features, shard_optimizer=shard.stage,
-                   task=defaults.task if defaults is not None else None, tensor=tensor, stages=stages,
-                   checkpoint_every_steps=config.checkpoint_every_steps, audit=config.audit_sample_ids,
-                   profile_steps=config.profile_steps, compiled=compiled)
-    plan = keras_plan.lines(config, model, train, val, world, features, shard, tensor,
-                            defaults.line(built_by_product(config.model)) if defaults else
-                            recompile.line() if recompile is not None else compiled.line(), class_weight,
-                            validation_freq, callbacks, x, validation_data, epochs, local, stages)
-    if dry:  # --dry-run: the plan, nothing trained or written
-        return plan, config.output_dir()
-    quiet = {0: console.silent, 2: console.no_bars}.get(verbose, contextlib.nullcontext)
-    with quiet():
-        run = keras_fit.run(config, dataclasses.replace(job, progress_bars=console.bars()), plan, datasets,
-                            ray_run or keras_fit.RayRun(), local)
-    return run, config.output_dir()
-
-
-def _check_profile_steps(config, train, epochs: int) -> None:
-    """--profile-steps inside the run's steps (where they are known before it starts), else one line."""
-    if config.profile_steps is None or not train.steps:
-        return
-    first, last = config.profile_steps
-    total = train.steps * epochs
-    if last > total:
-        raise UserError(f"--profile-steps {first}:{last}: the run has {total} steps ({epochs} epoch(s) of "
-                        f"{train.steps}); give steps from 1 to {total}, for example {min(first, total)}:{total}")
+    return shard, tensor, _stages(config, model, model_fn, train)
 
 
 def _compile(model, model_fn, train, config, recompile) -> tuple[Any, Optional["default_compile.Defaults"]]:
@@ -344,29 +348,6 @@ def _stages(config, model, model_fn: Any, train) -> Any:
         return None
     return plan_for_fit(model, getattr(model_fn, "__name__", model.name), overrides_step(model), config.split_at,
                         stage_devices(), config.pipeline_microbatches, train.first_batch())
-
-
-def _check_arguments(model, epochs: int, initial_epoch: int, validation_freq: Any, verbose: Any, num_workers: Any,
-                     validation_split: float, x: Any, counts: dict[str, Any]) -> None:
-    for name, value in counts.items():  # None: Keras's default
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise UserError(f"{name} must be a positive integer, or None for Keras's default (got {value!r})")
-    if verbose not in (0, 1, 2, "auto") or isinstance(verbose, bool):
-        raise UserError(f"verbose must be 0, 1, 2 or 'auto', as in Keras's fit (got {verbose!r})")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise UserError(f"epochs must be a positive integer (got {epochs!r})")
-    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
-        raise UserError(f"initial_epoch must be an integer from 0 to epochs - 1 = {epochs - 1} (got {initial_epoch!r}): "
-                        "epochs counts from 0, as in Keras, so it is the last epoch's number, not how many to train")
-    if isinstance(validation_freq, bool) or not (isinstance(validation_freq, int) and validation_freq >= 1 or
-                                                  isinstance(validation_freq, (list, tuple)) and validation_freq):
-        raise UserError(f"validation_freq must be a positive integer (validate every that many epochs) or a list of "
-                        f"epoch numbers (from 1), as in Keras (got {validation_freq!r})")
-    if isinstance(num_workers, bool) or isinstance(num_workers, int) and num_workers < 1:
-        raise UserError(f"num_workers must be a positive integer, or a range MIN:MAX for an elastic run (got "
-                        f"{num_workers!r})")
-    if not 0 <= validation_split < 1:
-        raise UserError(f"validation_split must be in [0, 1) (got {validation_split!r})")
 
 
 def _fewest(num_workers: Any) -> int:
