@@ -1,6 +1,6 @@
 """The house rules, checked on the source: imports only point down (no cycle, lazy imports included),
-no module in app/ over 400 lines, every job script at most 80 lines, no library's private module imported
-outside app/internals/."""
+no module in app/ over 400 lines and no function over 80, every job script at most 80 lines, no library's private
+module imported outside app/internals/."""
 
 from __future__ import annotations
 
@@ -173,6 +173,15 @@ def test_modules_stay_small():
     jobs = {str(p.relative_to(REPO)): n for p in (REPO / "jobs").glob("*.py")
             if (n := len(p.read_text().splitlines())) > 80}
     assert not jobs
+
+
+def test_functions_stay_short():
+    """A function of app/ is at most 80 lines (its signature and docstring included): one that grows past it holds
+    several concepts, each a function of its own (a class built inside a function counts as the function's)."""
+    long = [f"{p.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in APP.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long
 
 
 # A library's private module: a dotted segment starting with "_" (ray._private, ray.train._internal,
