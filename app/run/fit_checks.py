@@ -13,7 +13,7 @@ from app.data import keras_stream
 from app.errors import UserError
 
 
-def check_arguments(model, args) -> None:
+def check_arguments(args) -> None:
     """fit()'s own arguments (app.run.keras_step.FitArguments) as Keras takes them."""
     counts = {"batch_size": args.batch_size, "validation_batch_size": args.validation_batch_size,
               "steps_per_epoch": args.steps_per_epoch, "validation_steps": args.validation_steps}

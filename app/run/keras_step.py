@@ -187,7 +187,7 @@ def fit(model, model_fn: Any, args: FitArguments, fields: dict[str, Any], dry: b
     from app.ui import console
 
     time_report.begin()  # where the run's time goes is told from here (a script's: from its process's start)
-    fit_checks.check_arguments(model, args)
+    fit_checks.check_arguments(args)
     if (problem := registry.callbacks_problem(list(args.callbacks or []))) is not None:
         raise UserError(problem)
     if isinstance(model_fn, str):
