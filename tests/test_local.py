@@ -1,5 +1,4 @@
-"""--backend local, without Ray: one device and MirroredStrategy by Keras's fit, central storage on the product's own
-step."""
+"""--backend local, without Ray: one device, MirroredStrategy and central storage, each trained by Keras's fit."""
 
 from __future__ import annotations
 
