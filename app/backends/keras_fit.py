@@ -197,8 +197,7 @@ def run(config: TrainConfig, job: KerasJob, plan: list[str], datasets: Optional[
     if on_ray:
         cluster.connect(config)
         time_report.mark("ray")
-    unused = job.compiled.unused if job.compiled is not None else ()
-    out = outputs.prepare_output_dir(config, unused)
+    out = outputs.prepare_output_dir(config, job.not_in_force)
     log.info("output: %s (%s own lines: %s)", out, "Ray's and TensorFlow's" if on_ray else "TensorFlow's",
              out / console.LOG_FILE)
     name = ray_run.name or f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # Ray Train's run (storage), TensorBoard's
@@ -308,8 +307,7 @@ def _outputs(config: TrainConfig, job: KerasJob, out: Path, directory: str, star
                                 subtitle=f"{world} worker(s), global batch {job.features.batch_size}, by Keras's fit")
         except (TypeError, ValueError) as e:  # logs no plot takes (a metric of one value per class): the run stands
             log.warning("%s not drawn: %s", outputs.CURVES_FILE, e)
-    unused = job.compiled.unused if job.compiled is not None else ()
-    result = {"config": {k: v for k, v in config.model_dump(mode="json").items() if k not in unused},
+    result = {"config": {k: v for k, v in config.model_dump(mode="json").items() if k not in job.not_in_force},
               **({"compiled": job.compiled.as_dict()} if job.compiled is not None else {}),
               "history": records, "final": records[-1] if records else {},
               "workers": world, **summary(job, state, world, started, model, config.backend, local),

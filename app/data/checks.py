@@ -85,6 +85,7 @@ def refuse_unreadable(x: Any, y: Any, sample_weight: Any, what: str) -> None:
                             f"{len(value)} separate arrays (one per output): give np.asarray({part})")
 
     for part, value in (("y", y), ("x", x)):
+        name = part if what == "x" else f"{what}'s {part}"
         for a in tf.nest.flatten(value):
             if isinstance(a, np.ndarray) and a.size and (a.dtype.kind in "US" or a.dtype.kind == "O" and
                                                          isinstance(a.flat[0], (str, bytes))):
@@ -92,11 +93,9 @@ def refuse_unreadable(x: Any, y: Any, sample_weight: Any, what: str) -> None:
                     ("map them to token ids first (a keras.layers.TextVectorization adapted to them), or, for a model "
                      "that takes strings itself, give a tf.data.Dataset instead: "
                      "tf.data.Dataset.from_tensor_slices((x, y)).batch(32)")
-                name = part if what == "x" else f"{what}'s {part}"
                 raise UserError(f"{name} holds strings ({a.dtype}, e.g. {str(a.flat[0])!r}), and Keras's fit takes "
                                 f"numbers from arrays: {fix}")
             if isinstance(a, np.ndarray) and a.dtype.kind == "O":  # Keras: "Invalid dtype: object", deep in a batch
-                name = part if what == "x" else f"{what}'s {part}"
                 raise UserError(f"{name} is an array of Python objects (dtype object, shape {a.shape}"
                                 + (f", the first a {type(a.flat[0]).__name__!r}" if a.size else "")
                                 + "), and Keras's fit takes numbers "

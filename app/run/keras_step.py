@@ -56,7 +56,7 @@ KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker",
 # ... with --strategy pipeline (backend="local"), its devices and how it cuts and runs a batch
 PIPELINE_FIELDS = {"strategy", "devices", "split_at", "pipeline_microbatches"}
 # ... and with a model that compiles nothing, what the product compiles it with (app.training.default_compile)
-DEFAULT_COMPILE_FIELDS = {"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"}
+DEFAULT_COMPILE_FIELDS = default_compile.COMPILE_FIELDS
 
 
 def refuse_for_fit(fields: dict[str, Any], model_fn: Any) -> None:

@@ -16,8 +16,6 @@ from typing import Any
 BY_MODEL = "the model's own compile()"
 BY_FLAGS = "the model's own compile(), with the run's flags over it"
 BY_PRODUCT = "the product's defaults"
-# The compile fields of the config (the LR rule's are decided in app.training.keras_features).
-_COMPILE_FIELDS = ("task", "optimizer", "base_lr", "momentum", "loss", "from_logits", "steps_per_execution")
 
 
 @dataclass(frozen=True)
@@ -47,17 +45,17 @@ def of(model, by: str, chosen: set[str], features: Any, config: Any) -> Compiled
     """The compile ``model`` holds (after the product's own, if any) and the fields without effect: the compile's
     fields the model's compile decided (``chosen``: the fields the run set), and the LR rule's parts not applied."""
     from app import internals
-    from app.training.default_compile import loss_name
+    from app.training.default_compile import COMPILE_FIELDS, loss_name
     from app.training.keras_sync import optimizers_of
 
     if by == BY_PRODUCT:
         unused = {"momentum"} if config.optimizer != "sgd" else set()
     elif by == BY_FLAGS:
-        unused = {f for f in _COMPILE_FIELDS if f not in chosen}
+        unused = {f for f in COMPILE_FIELDS if f not in chosen}
         unused -= {"base_lr", "momentum"} if "optimizer" in chosen else set()
         unused -= {"from_logits"} if "loss" in chosen else set()
     else:
-        unused = set(_COMPILE_FIELDS)
+        unused = set(COMPILE_FIELDS)
     unused |= {f for f, off in (("lr_scaling", "none"), ("warmup_epochs", 0.0), ("lr_decay", "constant"))
                if getattr(features, f) == off and getattr(config, f) != off}
     if features.lr_scaling == "none":

@@ -43,6 +43,9 @@ DEFAULT_LOSS = {
     "regression": "mean_squared_error",
 }
 DEFAULT_METRIC = {"classification": "accuracy", "binary": "accuracy", "regression": "mae"}
+# The config fields a compile() is made of (the product's, or the flags over a model's own): what a model's own
+# compile leaves without effect (app.training.compile_record), what the route to Keras's fit takes (app.run.keras_step).
+COMPILE_FIELDS = frozenset({"optimizer", "base_lr", "momentum", "task", "loss", "from_logits", "steps_per_execution"})
 # Names Keras's compile resolves from the labels' and outputs' shapes (keras/src/trainers/compile_utils.py), not
 # by keras.losses.get / keras.metrics.get.
 _SHAPED = {"loss": ("crossentropy", "ce"), "metric": ("accuracy", "acc", "crossentropy", "ce")}

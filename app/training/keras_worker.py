@@ -80,6 +80,11 @@ class KerasJob:
     profile_dir: Optional[str] = None  # where each worker's profile goes (a TensorBoard run per worker)
     compiled: Any = None  # what trained: the compile in force (app.training.compile_record.Compiled)
 
+    @property
+    def not_in_force(self) -> tuple[str, ...]:
+        """The config fields this run's training does not read (none known: none)."""
+        return self.compiled.unused if self.compiled is not None else ()
+
 
 def trained_rows(data, world: int) -> Optional[int]:
     """Rows an epoch trains on over ``world`` workers (None: counted only as the workers read them)."""
