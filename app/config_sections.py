@@ -290,9 +290,9 @@ class OptimSection(_Section):
         description="Compute in float16 (GPUs; dynamic loss scaling) or bfloat16 (TPUs, CPUs with bf16 "
         "instructions); variables and the logits stay float32.",
     )
-    shard_optimizer: Literal[0, 1, 2] = Field(0, description="ZeRO: each of N workers keeps 1/N of every "
-        "optimizer's state (1: the state; 2: the summed gradients too), for the same weights; a model that brings "
-        "its step (compiled, or its own train_step), on Ray. 0: every worker holds the whole state.")
+    shard_optimizer: Literal[0, 1, 2, 3] = Field(0, description="ZeRO: each of N workers keeps 1/N of every "
+        "optimizer's state (1: the state; 2: the summed gradients too; 3: the weights too, each layer's gathered as "
+        "it computes), for the same weights; on Ray. 0: every worker holds the whole state.")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer (a built-in model may carry its own "
         "default: transformer adam).")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (0 = plain SGD).")

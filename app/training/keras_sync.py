@@ -42,7 +42,7 @@ import numpy as np
 from app import internals
 from app.errors import UserError, words_of
 from app.internals import replicas as replica_internals
-from app.training import sync_batch_norm, user_code, zero
+from app.training import sync_batch_norm, user_code, zero, zero_weights
 from app.training.collective import Collective, Site
 
 
@@ -82,45 +82,59 @@ def _recording_rows(model) -> _Rows:
 
 def synchronise(model, collective: Collective, shard_optimizer: int = 0, clock: Any = None) -> list:
     """Make ``model``'s fit() and evaluate() on every worker one exact run over all the workers' rows; with
-    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero), which it returns.
+    ``shard_optimizer``, each optimizer's state cut over the workers (app.training.zero; at stage 3 the weights too:
+    app.training.zero_weights), which it returns: what a checkpoint gathers.
     ``clock``: the step clock's InGraph (app.training.step_clock), which times the gradients' all-reduce."""
     if collective.world == 1:
         return []
     rows = _recording_rows(model)
     sync_batch_norm.synchronise(model, collective)
-    sharded = []
+    weights = zero_weights.ShardedWeights.cut(model, collective, rows) if shard_optimizer == 3 else None
+    sharded: list = []
     # XLA (Keras's jit_compile, on by default on a GPU outside a strategy) compiles no gather of shapes known only as
     # the step runs: there a sparse gradient is summed dense (app.training.collective.sum_gradients).
     slices = not getattr(model, "jit_compile", False)
     for i, optimizer in enumerate(optimizers_of(model)):
-        if shard_optimizer:
+        if shard_optimizer in (1, 2):
             sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
-        else:
-            site = Site.GRADIENTS + i * Site.PACKS
-            def summed(values, site=site):
-                return collective.sum_gradients(values, site, gather_slices=slices)
+            continue
+        if weights is not None:
+            sharded.append(zero_weights.ShardedState(optimizer, weights, i))
+        site = Site.GRADIENTS + i * Site.PACKS
+        def summed(values, site=site):
+            return collective.sum_gradients(values, site, gather_slices=slices)
 
-            _average_by_rows(optimizer, rows, summed if clock is None else
-                             lambda values, summed=summed: clock.timed_sync(values, summed))
+        _average_by_rows(optimizer, rows, summed if clock is None else
+                         lambda values, summed=summed: clock.timed_sync(values, summed), weights)
     internals.replace_epoch_logs(model, lambda logs: epoch_logs(model, logs, collective))
     return sharded
 
 
-def _average_by_rows(optimizer, rows: _Rows, summed: Any) -> None:
+def _average_by_rows(optimizer, rows: _Rows, summed: Any, weights: Optional["zero_weights.ShardedWeights"] = None
+                     ) -> None:
     """``optimizer`` applies the mean gradient over every part's rows (a worker's, a replica's): each part's
     gradient of its mean loss weighed by its rows, summed with the rows by ``summed(values)`` (a value may be None)
-    in the same all-reduce, then divided by them."""
+    in the same all-reduce, then divided by them. ``weights``: the model's weights cut over the workers, whose
+    parts' gradients come summed (reduce-scattered in the backward pass) and are only divided here."""
     own_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
         import tensorflow as tf
 
+        if weights is not None and trainable_variables is None:
+            raise UserError("shard_optimizer 3: the model's step calls optimizer.apply(grads) without its variables: "
+                            "pass them, optimizer.apply(grads, variables), as Keras's own train_step does")
         n = rows.value
+        parted = [weights is not None and trainable_variables is not None and zero_weights.is_shard(v)
+                  for v in (trainable_variables if trainable_variables is not None else grads)]
         # A sparse gradient (tf.IndexedSlices) stays sparse: its slices are gathered, not summed (``summed``)
-        weighed = [_scaled(g, lambda d, n=n: tf.cast(n, d)) for g in grads]
+        weighed = [None if p else _scaled(g, lambda d, n=n: tf.cast(n, d)) for g, p in zip(grads, parted)]
         summed_up = summed(weighed + [tf.reshape(n, [1])])
         total = summed_up[-1][0]
-        return own_apply([_scaled(g, lambda d: 1 / tf.cast(total, d)) for g in summed_up[:-1]], trainable_variables)
+        mean = [_scaled(g if p else s, lambda d: 1 / tf.cast(total, d)) for g, s, p in zip(grads, summed_up, parted)]
+        if weights is not None:
+            mean = weights.before_apply(optimizer, mean, list(trainable_variables))
+        return own_apply(mean, trainable_variables)
 
     optimizer.apply = apply
 

@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from app.data.keras_inputs import KerasData
 from app.internals import replicas as replica_internals
-from app.training import user_code, zero_state
+from app.training import user_code, zero_state, zero_weights
 from app.training.checkpoint import Progress
 from app.training.collective import Collective
 from app.training.keras_checkpoint import restore, save
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
+from app.training.zero_weights import is_shard
 
 if TYPE_CHECKING:
     pass
@@ -180,6 +181,8 @@ def _model(job: KerasJob, session: KerasSession, train, val, collective: Collect
     # The step's body and sync timed inside it: a worker of one replica (a local strategy's replicas run the step
     # in a replica context, where the clock's variables are not theirs to add to).
     in_graph = step_clock.InGraph() if strategy is None else None
+    if job.shard_optimizer == 3 and collective.world > 1:  # the layers' weights must exist to be cut
+        zero_weights.build_layers(model, train.first_batch())
     sharded = keras_sync.synchronise(model, collective, job.shard_optimizer, in_graph)
     if in_graph is not None:
         in_graph.wrap_step(model)
@@ -203,11 +206,14 @@ def _starting_state(job: KerasJob, session: KerasSession, model, collective: Col
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
     resumed = session.last_checkpoint()
     if resumed is not None:
-        state = restore(model, resumed, sharded, split)
+        weights = _weights_of(sharded)  # stage 3: read whole (an unsharded layout), each worker keeps its part
+        with weights.whole() if weights is not None else contextlib.nullcontext():
+            state = restore(model, resumed, sharded, split)
         state["attempt"] = state.get("attempt", 0) + 1
     else:
         # Every worker starts from rank 0's weights (a model function need not be seeded).
-        collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype)])
+        # (a part of a sharded weight was cut from rank 0's whole weight: app.training.zero_weights)
+        collective.broadcast_variables([v for v in model.variables if "float" in str(v.dtype) and not is_shard(v)])
     progress = Progress(epoch=state["epoch"], step=state.get("step", 0), worker_nodes=nodes,
                         workers_over_time=state.get("workers_over_time", []))
     resized = progress.sized(session.world, state.get("worker_nodes"))  # the run's size since each (re)start
@@ -223,6 +229,11 @@ def _starting_state(job: KerasJob, session: KerasSession, model, collective: Col
     if split is not None:  # what each of this worker's devices holds of the split layers (result.json)
         state["tensor_device_bytes"] = split.shards.variable_bytes()
     return state
+
+
+def _weights_of(sharded: list) -> Any:
+    """The model's weights cut over the workers (stage 3: app.training.zero_weights), else None."""
+    return next((s.weights for s in sharded if hasattr(s, "weights")), None)
 
 
 def _validation(val, job: KerasJob, session: KerasSession):
@@ -254,15 +265,19 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     model, split, sharded, in_graph = _model(job, session, train, val, collective, marks)
     clock = step_clock.StepClock(in_graph, marks)
     state = _starting_state(job, session, model, collective, sharded, split)
+    weights = _weights_of(sharded)
     first, skip = state["epoch"], state.get("step", 0)
     steps = train.steps_on(session.world, first, job.seed)
     held: dict[str, Any] = {}
 
     def gather() -> None:  # every worker, before rank 0 writes the checkpoint
         held["parts"] = zero_state.gather(sharded, session.rank)
+        if weights is not None:  # stage 3: each whole weight in turn, kept by rank 0 to write
+            held["weights"] = weights.gathered(session.rank)
 
     def write(directory: str) -> None:
-        save(model, directory, state, held.pop("parts", None), split)
+        with weights.whole(held.pop("weights")) if weights is not None else contextlib.nullcontext():
+            save(model, directory, state, held.pop("parts", None), split)
 
     def save_step() -> None:
         if sharded:

@@ -46,7 +46,7 @@ from app import internals
 from app.errors import UserError
 from app.training.collective import BYTES_PER_PACK, Collective, Site, cut_in_packs
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)  # 3: the weights too (app.training.zero_weights)
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
 IN_FLIGHT = 4  # buckets whose collectives a step runs at once (their transient buffers: ~4 x 4 MiB x 3)
 
@@ -54,7 +54,7 @@ IN_FLIGHT = 4  # buckets whose collectives a step runs at once (their transient 
 def check(optimizers: list, stage: int) -> None:
     """What cannot be sharded, in one line before any worker starts."""
     if stage not in (0, *STAGES):
-        raise UserError(f"shard_optimizer must be 1 or 2 (ZeRO's stage; 0: off), got {stage!r}")
+        raise UserError(f"shard_optimizer must be 1, 2 or 3 (ZeRO's stage; 0: off), got {stage!r}")
     if not stage:
         return
     if not optimizers:
@@ -67,9 +67,13 @@ def check(optimizers: list, stage: int) -> None:
             raise UserError(f"shard_optimizer: {kind}'s update of a weight reads more than that weight's own "
                             f"gradient and state, so its state cannot be cut into flat parts; shardable: "
                             f"{', '.join(ELEMENTWISE)} (or leave shard_optimizer out)")
-        if internals.weight_decay_exclusions(inner):
+        # At stage 3 a part is one variable's, under its name: a pattern of names still finds it, a variable not.
+        if (getattr(inner, "_exclude_from_weight_decay", None) if stage == 3 else
+                internals.weight_decay_exclusions(inner)):
             raise UserError(f"shard_optimizer: {kind}.exclude_from_weight_decay names variables, and a worker's "
-                            "part mixes pieces of several variables: leave the exclusions or shard_optimizer out")
+                            + ("part is a variable of its own: name them by pattern (var_names=) instead"
+                               if stage == 3 else "part mixes pieces of several variables: leave the exclusions or "
+                               "shard_optimizer out"))
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ def sharding(model, optimizers: list, stage: int, world: int) -> Sharding:
         return Sharding(0, [])
     if world == 1:
         return Sharding(0, [f"shard_optimizer {stage}: one worker, nothing to shard: it trains unsharded"])
+    if stage == 3:
+        from app.training import zero_weights
+
+        return Sharding(stage, zero_weights.plan(model, world))
     sizes = ""
     # The bytes result.json's optimizer_state_bytes will give, unsharded and sharded; a subclassed model's copy here
     # is not built yet (its variables are made at its first call, on the workers): no sizes then.

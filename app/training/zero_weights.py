@@ -1,0 +1,485 @@
+"""The weights sharded over the workers too (ZeRO stage 3, ``--shard-optimizer 3``), inside Keras's own fit.
+
+Stages 1 and 2 (app.training.zero) cut the optimizer's state; every worker still holds every weight. At stage 3 each
+of N workers keeps 1/N of every weight a layer can gather, and so 1/N of its gradient and of its optimizer state:
+
+- **Cut in place.** Each such layer's weights are replaced, in the layer's own list, by one flat variable each:
+  this worker's part of the weight's flat values (``ceil(size / N)`` elements, zeros padding the last part). So
+  ``model.trainable_variables`` holds the parts, and the model's optimizer (the user's own object, untouched) is
+  built on them: its slots (Adam's moments, SGD's momentum, the accumulators of ``gradient_accumulation_steps``)
+  are 1/N of the unsharded ones, and its update of a part is the unsharded update of those elements for the
+  elementwise optimizers (app.training.zero.ELEMENTWISE).
+- **Gathered as the layer computes.** The layer's ``call`` runs on its whole weights, all-gathered from the parts
+  just before it computes and dropped after. Its backward pass gathers them again (the forward pass's copy is not
+  kept alive between the two) and recomputes the layer's forward pass from its inputs under a tape, as activation
+  checkpointing does; each weight's gradient is then reduce-scattered at once (each worker gets its part, summed
+  over the workers, each worker's weighed by its rows), while the backward pass goes on to the layers before.
+  The optimizer divides the sum by the global batch's rows (app.training.keras_sync): the gradient of the mean
+  loss over the global batch, as unsharded.
+- **Which layers.** A layer gathers itself when its ``call`` is a function of its inputs and its own trainable
+  weights alone, read as its attributes (Dense, EinsumDense, Conv, Embedding, LayerNormalization, and through them
+  MultiHeadAttention and the built-ins). A layer that updates state as it runs (batch-norm statistics), draws
+  random numbers, or whose weight carries a constraint or a regularizer (they read the whole weight outside the
+  call) stays whole on every worker, all-reduced as unsharded; the plan names it with its bytes (``plan``).
+- **Clipping.** A part's gradient norm is summed over the workers first (``clip``): ``clipnorm`` and
+  ``global_clipnorm`` see the whole gradients' norms, as unsharded; Keras's own clipping after it changes nothing.
+- **Checkpoints hold the whole model.** Every worker takes part in gathering each weight in turn (``gathered``);
+  rank 0 alone holds the whole weights for the time it writes them (``whole``), as an unsharded run's layout,
+  and the optimizer's state one file per variable and slot (app.training.zero_state, through ``ShardedState``).
+  A run resumes at any stage or worker count; the driver's model.keras and SavedModel are ordinary Keras files.
+
+Peak per worker: (weights + gradients + optimizer state) / N, plus the largest layer gathered (twice in its
+backward pass: its weights and their gradient), plus the activations.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from app.training import zero
+from app.training.collective import SLICE_KEYS, Collective, Site
+
+CALLS = 8  # calls of one layer in one traced step with keys of their own (a layer shared by several inputs)
+
+
+def why_whole(layer) -> Optional[str]:
+    """Why ``layer``'s own trainable weights cannot be gathered as it computes (None: they can)."""
+    import keras
+
+    own = list(getattr(layer, "_trainable_variables", []))
+    attributes = {id(v) for v in vars(layer).values() if isinstance(v, keras.Variable)}
+    if getattr(layer, "_non_trainable_variables", None):
+        return "it updates state as it runs (its non-trainable variables)"
+    if getattr(layer, "_seed_generators", None):
+        return "it draws random numbers as it runs"
+    if any(getattr(v, "constraint", None) is not None or getattr(v, "regularizer", None) is not None for v in own):
+        return "a constraint or a regularizer reads its whole weight"
+    if any(id(v) not in attributes for v in own):
+        return "it reads a weight that is not one of its attributes"
+    if any("float" not in str(v.dtype) for v in own):
+        return "a weight that is no float"
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return "LoRA or quantization"
+    return None
+
+
+def _layers(model) -> Iterator[Any]:
+    """The model and every layer inside it that owns trainable weights, each once."""
+    for layer in [model, *model._flatten_layers(include_self=False, recursive=True)]:
+        if getattr(layer, "_trainable_variables", None):
+            yield layer
+
+
+def _bytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize for v in variables)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def plan(model, world: int) -> list[str]:
+    """The plan's lines: what each worker keeps of the weights, and the layers that stay whole (``model``: the
+    driver's built copy; a subclassed model not built yet is cut as its workers build it)."""
+    if not (model.built and model.trainable_variables):
+        return [f"shard_optimizer 3 (ZeRO): each of the {world} workers keeps 1/{world} of every weight its layers "
+                "gather (sizes: once its workers build it)"]
+    cut, whole = [], []
+    for layer in _layers(model):
+        reason = why_whole(layer)
+        (cut if reason is None else whole).append((layer, reason))
+    total = _bytes(model.trainable_variables)
+    kept = sum(_bytes(layer._trainable_variables) for layer, _ in whole)
+    mine = kept + sum(sum(math.ceil(int(np.prod(v.shape)) / world) * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
+                          for v in layer._trainable_variables) for layer, _ in cut)
+    largest = max((_bytes(layer._trainable_variables) for layer, _ in cut), default=0)
+    lines = [f"shard_optimizer 3 (ZeRO): each of the {world} workers keeps 1/{world} of every weight, gradient and "
+             f"optimizer slot of {len(cut)} layer(s) ({_size(mine)} of weights a worker, of {_size(total)}); each "
+             f"layer's weights are gathered as it computes, forward and backward (largest {_size(largest)}), its "
+             "gradients reduce-scattered; checkpoints hold the whole model"]
+    if whole:
+        lines.append("shard_optimizer 3: whole on every worker: " + "; ".join(
+            f"{layer.name} ({_size(_bytes(layer._trainable_variables))}: {reason})" for layer, reason in whole))
+    return lines
+
+
+def _part(shape, world: int, by_rows: bool) -> tuple[int, tuple[int, ...]]:
+    """(elements, shape) of a worker's part of a weight of ``shape``: a flat 1/N, or (an embedding table, whose
+    gradient holds only the rows a batch looked up) whole rows, so that its gradient's rows stay rows of the part."""
+    shape = tuple(int(d) for d in shape)
+    if by_rows and len(shape) > 1:
+        rows, rest = math.ceil(shape[0] / world), int(np.prod(shape[1:]))
+        return rows * rest, (rows, *shape[1:])
+    part = max(1, math.ceil(int(np.prod(shape)) / world))
+    return part, (part,)
+
+
+def build_layers(model, batch) -> None:
+    """Create the weights of every layer of ``model`` not built yet (a subclassed model's are made at its first
+    call): the model called once on ``batch``'s inputs, in inference (no batch-norm statistics move)."""
+    import keras
+
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    if all(layer.built for layer in layers):
+        return
+    model(keras.utils.unpack_x_y_sample_weight(batch)[0], training=False)
+
+
+def is_shard(variable) -> bool:
+    return getattr(variable, "_zero_shard", False)
+
+
+@dataclass
+class Shard:
+    """One weight cut over the workers: where it sits in its layer and this worker's flat part of it."""
+
+    layer: Any
+    attribute: str  # the layer's attribute that holds it (Dense's ``_kernel``, ``bias``)
+    position: int  # its place in the layer's list of trainable variables
+    shape: tuple[int, ...]
+    name: str
+    path: str  # the whole weight's (checkpoints and errors name it)
+    dtype: str
+    part: int  # elements a worker keeps
+    part_shape: tuple[int, ...]  # (part,), or whole rows: (rows, *the rest of shape) for a weight read by rows
+    key: int  # its collectives' keys: WEIGHTS + 3 x (key x CALLS + call) + 0 (gather), 1 (again), 2 (gradient)
+    variable: Any = None  # this worker's part
+
+    @property
+    def length(self) -> int:
+        return int(np.prod(self.shape))
+
+    def mine(self, whole: np.ndarray, rank: int) -> np.ndarray:
+        """``rank``'s part of the whole weight's values (zeros past their end). A part of whole rows is the same
+        flat range, its rows rounded up: the first axis's rows are consecutive in the flat values."""
+        flat = np.ravel(whole)[rank * self.part:(rank + 1) * self.part]
+        return np.concatenate([flat, np.zeros(self.part - flat.size, flat.dtype)]).reshape(self.part_shape)
+
+    def place(self, variable) -> None:
+        """``variable`` in the weight's place in its layer (the part, or the whole one for a while)."""
+        self.layer._trainable_variables[self.position] = variable
+        object.__setattr__(self.layer, self.attribute, variable)  # past Keras's tracking: the list is set above
+
+
+class ShardedWeights:
+    """The model's weights cut over the workers (see the module docstring)."""
+
+    def __init__(self, collective: Collective, rows: Any):
+        """``rows.value``: the rows of the step being traced (app.training.keras_sync)."""
+        self.collective, self.rows = collective, rows
+        self.shards: list[Shard] = []
+        self._calls: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        self._whole = False
+
+    @classmethod
+    def cut(cls, model, collective: Collective, rows: Any) -> "ShardedWeights":
+        """Cut every layer of ``model`` that gathers itself (its weights rank 0's first: a model function need not
+        be seeded)."""
+        import keras
+
+        weights = cls(collective, rows)
+        layers = [layer for layer in _layers(model) if why_whole(layer) is None]
+        collective.broadcast_variables([v for layer in layers for v in layer._trainable_variables])
+        for layer in layers:
+            by_id = {id(v): k for k, v in vars(layer).items() if isinstance(v, keras.Variable)}
+            shards = []
+            for position, v in enumerate(list(layer._trainable_variables)):
+                shard = Shard(layer, by_id[id(v)], position, tuple(int(d) for d in v.shape), v.name, v.path,
+                              str(v.dtype), *_part(v.shape, collective.world, isinstance(layer, keras.layers.Embedding)),
+                              len(weights.shards) + len(shards))
+                # Read as they are (the gather sends the variable's dtype); the whole weight is cast for the call.
+                shard.variable = keras.Variable(shard.mine(v.numpy(), collective.rank), dtype=v.dtype, name=v.name,
+                                                trainable=True, autocast=False)
+                shard.variable._zero_shard = True
+                shard.place(shard.variable)
+                shards.append(shard)
+            weights.shards += shards
+            weights._gather_in(layer, shards)
+        return weights
+
+    # --- the step -------------------------------------------------------------------------------------------------
+
+    def _gather_in(self, layer, shards: list[Shard]) -> None:
+        """``layer`` computes on its whole weights, gathered as it calls (and again for its gradients)."""
+        own_call = layer.call
+
+        def call(*args, **kwargs):
+            if self._whole:  # the whole weights are in place (a checkpoint being written or read)
+                return own_call(*args, **kwargs)
+            return self._gathered_call(layer, own_call, shards, args, kwargs)
+
+        object.__setattr__(layer, "call", call)
+
+    def _call_index(self, layer) -> int:
+        """This call's place among ``layer``'s calls in the function being traced (0 outside one)."""
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            return 0
+        counts = self._calls.setdefault(tf.compat.v1.get_default_graph(), {})
+        index = counts[id(layer)] = counts.get(id(layer), -1) + 1
+        if index >= CALLS:
+            raise ValueError(f"shard_optimizer 3: {layer.name} is called more than {CALLS} times in one step")
+        return index
+
+    def _gathered_call(self, layer, own_call: Callable, shards: list[Shard], args: tuple, kwargs: dict):
+        import tensorflow as tf
+
+        structure = (args, kwargs)
+        leaves = tf.nest.flatten(structure)
+        # The float tensors the call reads are the custom gradient's inputs (their gradient is the layer's); ids,
+        # masks and flags are closed over.
+        at = [i for i, a in enumerate(leaves) if tf.is_tensor(a) and a.dtype.is_floating]
+        keys = [Site.WEIGHTS + 3 * (s.key * CALLS + self._call_index(layer)) for s in shards]
+        outputs: dict[str, Any] = {}
+
+        def forward(xs, wholes):
+            filled = list(leaves)
+            for i, x in zip(at, xs):
+                filled[i] = x
+            a, k = tf.nest.pack_sequence_as(structure, filled)
+            for s, w in zip(shards, wholes):  # Keras casts a float variable to the compute dtype as the call reads it
+                object.__setattr__(layer, s.attribute, tf.cast(w, layer.compute_dtype) if layer.autocast else w)
+            try:
+                return own_call(*a, **k)
+            finally:
+                for s in shards:
+                    object.__setattr__(layer, s.attribute, s.variable)
+
+        @tf.custom_gradient
+        def run(*inputs):
+            xs, parts = list(inputs[:len(at)]), inputs[len(at):]
+            y = forward(xs, [self._gather(s, p, key) for s, p, key in zip(shards, parts, keys)])
+            outputs["y"] = y
+
+            def grad(*dys):
+                wholes = [self._gather(s, p, key + 1) for s, p, key in zip(shards, parts, keys)]
+                with tf.GradientTape() as tape:
+                    tape.watch(xs + wholes)
+                    again = tf.nest.flatten(forward(xs, wholes))
+                found = tape.gradient(again, xs + wholes, output_gradients=list(dys))
+                d_xs = [tf.zeros_like(x) if g is None else g for x, g in zip(xs, found[:len(xs)])]
+                return (*d_xs, *[self._scatter(s, g, key + 2) for s, g, key in zip(shards, found[len(xs):], keys)])
+
+            return tf.nest.flatten(y), grad
+
+        flat = run(*[leaves[i] for i in at], *[tf.convert_to_tensor(s.variable) for s in shards])
+        return tf.nest.pack_sequence_as(outputs["y"], flat)
+
+    def _gather(self, shard: Shard, part, key: int):
+        import tensorflow as tf
+
+        whole = tf.reshape(self.collective.gather_in_graph(part, key), [-1])
+        return tf.reshape(whole[:shard.length], shard.shape)
+
+    def _scatter(self, shard: Shard, gradient, key: int):
+        """This worker's part of the weight's gradient summed over the workers, each weighed by its rows. An
+        embedding's gradient (the rows its batch looked up) stays that: every worker's rows are gathered and each
+        keeps those of its part, as an unsharded run gathers them (app.training.collective), so the optimizer
+        updates the same rows from the same slices."""
+        import tensorflow as tf
+
+        world, n = self.collective.world, self.rows.value
+        if isinstance(gradient, tf.IndexedSlices) and len(shard.part_shape) > 1:
+            weighed = tf.IndexedSlices(gradient.values * tf.cast(n, gradient.values.dtype), gradient.indices,
+                                       gradient.dense_shape)
+            every = self.collective.gather_slices_in_graph(weighed, Site.SLICES_OF_WEIGHTS + shard.key * SLICE_KEYS)
+            first = self.collective.rank * shard.part_shape[0]
+            rows = tf.cast(every.indices, tf.int64) - first
+            mine = (rows >= 0) & (rows < shard.part_shape[0])
+            return tf.IndexedSlices(tf.cast(tf.boolean_mask(every.values, mine), shard.variable.dtype),
+                                    tf.cast(tf.boolean_mask(rows, mine), every.indices.dtype),
+                                    tf.constant(shard.part_shape, every.indices.dtype))
+        flat = tf.zeros([shard.length]) if gradient is None else \
+            tf.reshape(tf.cast(tf.convert_to_tensor(gradient), tf.float32), [-1]) * n
+        flat = tf.concat([flat, tf.zeros([shard.part * world - shard.length])], 0)
+        summed = self.collective.scatter_sum_in_graph(tf.reshape(flat, [world, shard.part]), key)
+        return tf.reshape(tf.cast(summed, shard.variable.dtype), shard.part_shape)
+
+    def before_apply(self, optimizer, grads: list, variables: list) -> list:
+        """The mean gradients (in ``variables``' order) as the optimizer takes them: a loss scale's overflow in any
+        part is one on every worker (all skip the step together), and clipping sees the whole gradients."""
+        import tensorflow as tf
+
+        if hasattr(optimizer, "inner_optimizer"):  # a LossScaleOptimizer: an inf in one worker's part poisons all
+            bad = [tf.reduce_sum(tf.cast(~tf.math.is_finite(_values(g)), tf.float32))
+                   for g, v in zip(grads, variables) if g is not None and is_shard(v)]
+            if bad:
+                poison = tf.where(self.collective.in_graph(tf.add_n(bad), Site.WEIGHT_NORMS - 1) > 0, float("nan"), 0.0)
+                grads = [g if g is None or not is_shard(v) else _times(g, poison + 1.0)
+                         for g, v in zip(grads, variables)]
+        return self._clip(optimizer, grads, variables)
+
+    def _clip(self, optimizer, grads: list, variables: list) -> list:
+        """Keras's clipping by each variable's norm or the global norm, the parts' squares summed over the workers
+        (a whole variable's gradient is the same on every worker: counted once), of the gradients unscaled (a loss
+        scale's): Keras's own clipping then finds every norm within its bound and changes nothing."""
+        import tensorflow as tf
+
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        clipnorm, global_clipnorm = inner.clipnorm, inner.global_clipnorm
+        if not (clipnorm and clipnorm > 0) and not (global_clipnorm and global_clipnorm > 0):
+            return grads
+        given = [i for i, g in enumerate(grads) if g is not None]
+        squares = [tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(grads[i]), tf.float32))) for i in given]
+        parted = tf.constant([1.0 if is_shard(variables[i]) else 0.0 for i in given])
+        local = tf.stack(squares) if squares else tf.zeros([0])
+        summed = self.collective.in_graph(local * parted, Site.WEIGHT_NORMS) + local * (1 - parted)
+        scale = tf.cast(optimizer.dynamic_scale, tf.float32) if inner is not optimizer else 1.0
+        norms = tf.sqrt(summed) / scale
+        out = list(grads)
+        if clipnorm and clipnorm > 0:  # Keras's _clip_by_norm: g x c / max(norm, c), per variable
+            for j, i in enumerate(given):
+                out[i] = _times(grads[i], clipnorm / tf.maximum(norms[j], clipnorm))
+            return out
+        norm = tf.sqrt(tf.reduce_sum(tf.square(norms)))  # Keras's clip_by_global_norm (NaN: a norm not finite)
+        factor = global_clipnorm * tf.minimum(1.0 / norm, 1.0 / global_clipnorm) + (norm - norm)
+        for i in given:
+            out[i] = _times(grads[i], factor)
+        return out
+
+    # --- checkpoints: the whole model -------------------------------------------------------------------------
+
+    def gathered(self, rank: int) -> Optional[list[np.ndarray]]:
+        """Every worker, the same calls in the same order: each whole weight gathered in turn; rank 0 keeps them
+        (the others: None)."""
+        import tensorflow as tf
+
+        kept = []
+        for s in self.shards:
+            whole = np.asarray(self.collective.gather_tensor(tf.convert_to_tensor(s.variable)))[:s.length]
+            if rank == 0:
+                kept.append(whole.reshape(s.shape))
+        return kept if rank == 0 else None
+
+    @contextmanager
+    def whole(self, values: Optional[list[np.ndarray]] = None):
+        """The model holds its whole weights for the time of the block (``values``, as ``gathered`` gives them;
+        None: zeros, a checkpoint about to be read into them); after it each worker keeps its part of them."""
+        import keras
+
+        made = [keras.Variable(values[k] if values is not None else np.zeros(s.shape, zero._numpy_dtype(s.dtype)),
+                               dtype=s.dtype, name=s.name, trainable=True) for k, s in enumerate(self.shards)]
+        for s, w in zip(self.shards, made):
+            s.place(w)
+        self._whole = True
+        try:
+            yield made
+        finally:
+            self._whole = False
+            for s, w in zip(self.shards, made):
+                s.place(s.variable)
+                s.variable.assign(s.mine(w.numpy(), self.collective.rank))
+
+    def spec(self, variable) -> Any:
+        """What a checkpoint's file of ``variable``'s slots is named and shaped after: the whole weight for a
+        part, else the variable."""
+        for s in self.shards:
+            if s.variable is variable:
+                return s
+        return variable
+
+    def part_bytes(self) -> int:
+        return sum(s.variable.numpy().nbytes for s in self.shards)
+
+
+def _values(gradient):
+    """A gradient's values (a tf.IndexedSlices' slices)."""
+    return getattr(gradient, "values", gradient)
+
+
+def _times(gradient, factor):
+    """``gradient`` times a scalar, a tf.IndexedSlices kept sparse."""
+    import tensorflow as tf
+
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
+class ShardedState:
+    """One optimizer of a stage-3 model, as app.training.zero_state and the checkpoint read and write a sharded
+    optimizer's state: each slot of a part gathered whole, and each worker's part taken from a whole one."""
+
+    def __init__(self, optimizer, weights: ShardedWeights, index: int):
+        self.optimizer, self.weights, self.index = optimizer, weights, index
+        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
+        self.template = copy.deepcopy(optimizer)  # unbuilt: an unsharded twin reads an unsharded checkpoint
+        self.slots: dict[tuple[int, str], Any] = {}
+        zero.record_slots(self.inner, self.slots)
+
+    @property
+    def variables(self) -> list:
+        """The variables it updates (none before its first step)."""
+        return list(getattr(self.inner, "_trainable_variables", None) or [])
+
+    @property
+    def references(self) -> list:
+        return [self.weights.spec(v) for v in self.variables]
+
+    @property
+    def parts(self) -> list:
+        return [v for v in self.variables if is_shard(v)]
+
+    def _own_variables(self) -> tuple[list, list]:
+        """(each slot as (the variable it follows, slot name, slot), the optimizer's other variables)."""
+        by_id = {id(v): v for v in self.variables}
+        slot_ids = {id(slot) for slot in self.slots.values()}
+        slots = [(by_id[ref], name, slot) for (ref, name), slot in self.slots.items() if ref in by_id]
+        return slots, [v for v in zero.variables_of(self.optimizer) if id(v) not in slot_ids]
+
+    def whole_state(self) -> Iterator[tuple[Any, str, np.ndarray]]:
+        """Every worker, the same calls in the same order: (the whole weight, slot name, its flat values)."""
+        import tensorflow as tf
+
+        for variable, name, slot in self._own_variables()[0]:
+            spec = self.weights.spec(variable)
+            if is_shard(variable):
+                values = np.asarray(self.weights.collective.gather_tensor(tf.convert_to_tensor(slot)))[:spec.length]
+            else:
+                values = np.ravel(slot.numpy())
+            yield spec, name, values
+
+    def other_values(self) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for v in self._own_variables()[1]]
+
+    def take(self, slot_of: Callable[[Any, str], np.ndarray], other_values: list) -> None:
+        """This worker's part of a whole state: ``slot_of(the whole weight, slot name)`` its flat values."""
+        slots, others = self._own_variables()
+        if len(other_values) != len(others):
+            raise ValueError(f"the checkpoint's {self.optimizer.name} holds {len(other_values)} variables besides its "
+                             f"slots, this one {len(others)}: another optimizer")
+        rank = self.weights.collective.rank
+        for variable, name, slot in slots:
+            spec = self.weights.spec(variable)
+            values = slot_of(spec, name)
+            slot.assign(spec.mine(values, rank) if is_shard(variable) else np.reshape(values, slot.shape))
+        for v, value in zip(others, other_values):
+            v.assign(value)
+
+    def twin(self) -> zero.Twin:
+        """An unsharded copy of the optimizer built on the model's whole weights (inside ``ShardedWeights.whole``)."""
+        twin = zero.Twin.of(self.template)
+        if self.variables:
+            twin.optimizer.build([self._in_place(v) for v in self.variables])
+        return twin
+
+    def _in_place(self, variable) -> Any:
+        """The variable that stands in ``variable``'s place in its layer now (the whole one, inside ``whole``)."""
+        spec = self.weights.spec(variable)
+        return spec.layer._trainable_variables[spec.position] if isinstance(spec, Shard) else variable
+
+    def take_from(self, twin: zero.Twin) -> None:
+        """This worker's part of the whole state an unsharded copy holds (read from an unsharded checkpoint)."""
+        standing = {id(self.weights.spec(v)): self._in_place(v) for v in self.variables}
+        kept = [v for v in zero.variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+        self.take(lambda spec, name: np.ravel(twin.slots[(id(standing[id(spec)]), name)].numpy()),
+                  [v.numpy() for v in kept])
