@@ -76,6 +76,10 @@ class RunSection(_Section):
     cpus_per_worker: float = Field(
         1.0, gt=0, description="CPUs each worker reserves; also its TensorFlow thread count (rounded up)."
     )
+    memory_per_worker: Optional[float] = Field(
+        None, gt=0, description="GiB of memory each Ray worker reserves (Ray's memory resource): the budget a "
+        "model's training must fit (--shard-optimizer 3 cuts it by the workers). Unset: nothing reserved, and the "
+        "budget is this machine's memory shared by its workers.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="How Ray places the workers: PACK fills nodes (fast local all-reduce), SPREAD puts them on "

@@ -258,7 +258,9 @@ def _ray_fit(config: TrainConfig, job: KerasJob, out: Path, datasets: dict, ray_
         dataset_config=keras_stream.data_config(datasets) if datasets else None,
         scaling_config=ray.train.ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                                elastic_resize_monitor_interval_s=config.resize_check_s,
-                                               resources_per_worker={"CPU": config.cpus_per_worker},
+                                               resources_per_worker={"CPU": config.cpus_per_worker, **(
+                                                   {"memory": int(config.memory_per_worker * 2**30)}
+                                                   if config.memory_per_worker else {})},
                                                placement_strategy=config.placement_strategy),
         run_config=ray.train.RunConfig(
             name=ray_run.name, storage_path=ray_run.storage_path or config.storage_path or str(out / "ray"),

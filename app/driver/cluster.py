@@ -53,6 +53,19 @@ def check_fits_locally(config: TrainConfig) -> None:
         )
     if config.use_gpu:
         raise UserError("--use-gpu needs GPUs, and the local Ray started here has none: set RAY_ADDRESS to a GPU cluster")
+    memory = local_memory_gib()
+    if config.memory_per_worker and config.min_workers * config.memory_per_worker > memory:
+        raise UserError(
+            f"{config.min_workers} workers x {config.memory_per_worker:g} GiB need "
+            f"{config.min_workers * config.memory_per_worker:g} GiB, but this machine has {memory:.1f} GiB: lower "
+            "--memory-per-worker or --num-workers, or set RAY_ADDRESS to use a cluster")
+
+
+def local_memory_gib() -> float:
+    """This machine's memory, GiB (what a local Ray can hand its workers, less what else runs)."""
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30
 
 
 def connect_for_data(config: TrainConfig, reads: bool) -> TrainConfig:

@@ -1,6 +1,6 @@
 """What a run of Keras's fit refuses before it starts (app.run.keras_step), each in one line that names the fix:
 fit()'s own arguments as Keras takes them, where the run can go (workers, a resume, a streamed input's limits),
-what the output holds, and the steps --profile-steps names."""
+what the output holds, the steps --profile-steps names, and a model whose training does not fit a worker."""
 
 from __future__ import annotations
 
@@ -95,3 +95,47 @@ def check_profile_steps(config, train, epochs: int) -> None:
     if last > total:
         raise UserError(f"--profile-steps {first}:{last}: the run has {total} steps ({epochs} epoch(s) of "
                         f"{train.steps}); give steps from 1 to {total}, for example {min(first, total)}:{total}")
+
+
+def memory_lines(config, model, optimizers: list, world: int) -> list[str]:
+    """The plan's line of each worker's training bytes at ZeRO's stages 0-3; a run whose stage does not fit the
+    budget (--memory-per-worker, else this machine's memory shared by its workers) is refused, with the stage that
+    fits, before any worker starts. Nothing when the bytes are not known before the workers build the model (a
+    subclassed model, several optimizers) or the run is on one worker."""
+    from app.training import zero_weights
+
+    if world == 1 or len(optimizers) != 1 or not backend_of(config).on_ray:
+        return []
+    needs = zero_weights.training_bytes(model, optimizers[0], world)
+    if needs is None:
+        return []
+    budget, why = _budget(config, world)
+    figures = ", ".join(f"stage {stage} {_gib(n)}" for stage, n in needs.items())
+    line = (f"memory: each worker's weights, gradients and optimizer state (activations not counted): {figures}"
+            + (f"; budget {_gib(budget)} ({why})" if budget else ""))
+    stage = config.shard_optimizer
+    if budget and needs[stage] > budget:
+        if needs[3] > budget:
+            even = f", and {_gib(needs[3])} even at --shard-optimizer 3" if stage != 3 else ""
+            raise UserError(f"the model's training needs {_gib(needs[stage])} a worker at --shard-optimizer {stage}{even}, "
+                            f"more than the {_gib(budget)} budget ({why}): more workers, more memory a worker "
+                            "(--memory-per-worker), or a smaller model")
+        raise UserError(f"the model's training needs {_gib(needs[stage])} a worker at --shard-optimizer {stage}, more "
+                        f"than the {_gib(budget)} budget ({why}); at --shard-optimizer 3 it needs {_gib(needs[3])}: "
+                        "give --shard-optimizer 3 (shard_optimizer=3)")
+    return [line]
+
+
+def _budget(config, world: int) -> tuple[float, str]:
+    """(bytes, why) a worker may use; (0, "") where it is not known (a cluster without --memory-per-worker)."""
+    from app.driver import cluster
+
+    if config.memory_per_worker:
+        return config.memory_per_worker * 2**30, "--memory-per-worker"
+    if cluster.joining_a_cluster():
+        return 0, ""
+    return cluster.local_memory_gib() * 2**30 / world, f"this machine's memory shared by {world} workers"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

@@ -32,7 +32,7 @@ KERAS_BATCH_SIZE = 32  # keras.Model.fit's default batch_size (both of app.fit's
 # The config fields a run by the model's own step takes (where and how it runs, and the product's features it
 # carries); every other field is a built-in model's option, the data's (app.fit's x), the batch (batch_size) or the
 # product's own loop's (parameter servers): ``refuse_for_fit`` says which.
-KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "use_gpu", "backend",
+KERAS_STEP_FIELDS = {"output", "overwrite", "resume", "seed", "cpus_per_worker", "memory_per_worker", "use_gpu", "backend",
                      "stall_timeout_s", "keep_checkpoints", "max_failures", "storage_path", "worker_start_timeout_s",
                      "placement_strategy", "show_logs", "config",
                      # how a streamed input's columns become x and y (app.data.keras_stream) and how it streams
@@ -294,6 +294,7 @@ def _parallel(config, model, model_fn, train, world: int) -> tuple[Any, Any, Any
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
         keras_sync.check_additive(model, train.first_batch(), keras_steps=not overrides_step(model))
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
+    shard = zero.Sharding(shard.stage, shard.lines + fit_checks.memory_lines(config, model, optimizers, world))
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
     return shard, tensor, _stages(config, model, model_fn, train)

@@ -132,6 +132,29 @@ def build_layers(model, batch) -> None:
     model(keras.utils.unpack_x_y_sample_weight(batch)[0], training=False)
 
 
+def training_bytes(model, optimizer, world: int) -> Optional[dict[int, int]]:
+    """Each worker's bytes of weights, gradients and optimizer state at each stage 0-3, for ``model`` (the driver's
+    built copy) trained by ``optimizer`` on ``world`` workers; activations not counted (they depend on the batch).
+    None: the model is not built yet (a subclassed model's weights are made at its first call). Stages 1 and 2
+    hold the same: a worker's backward pass still makes its whole gradients before they are reduce-scattered."""
+    if not (model.built and model.trainable_variables):
+        return None
+    slots, counters = zero._slots_and_counters(optimizer)
+    weights = _bytes(model.trainable_variables)
+    untrained = _bytes(model.non_trainable_variables)
+    cut = [layer for layer in _layers(model) if why_whole(layer) is None]
+    cut_bytes = sum(_bytes(layer._trainable_variables) for layer in cut)
+    parts = sum(_part(v.shape, world, False)[0] * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
+                for layer in cut for v in layer._trainable_variables)
+    largest = max((_bytes(layer._trainable_variables) for layer in cut), default=0)
+    whole = weights - cut_bytes
+    sharded_state = math.ceil(slots * weights / world)
+    return {0: 2 * weights + slots * weights + untrained + counters,
+            1: 2 * weights + sharded_state + untrained + counters,
+            2: 2 * weights + sharded_state + untrained + counters,
+            3: (2 + slots) * (parts + whole) + 2 * largest + untrained + counters}
+
+
 def is_shard(variable) -> bool:
     return getattr(variable, "_zero_shard", False)
 
