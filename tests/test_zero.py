@@ -125,7 +125,7 @@ def _compiled(optimizer):
 
 
 def test_what_cannot_be_sharded_is_one_line_before_anything_trains(tmp_path):
-    """A stage other than 1 or 2; an optimizer whose update is not element by element; weight-decay exclusions;
+    """A stage other than 1, 2 or 3; an optimizer whose update is not element by element; weight-decay exclusions;
     parameter servers; the product's own step (a built-in model): each refused in one line, nothing written."""
     import keras
 
@@ -146,8 +146,8 @@ def test_what_cannot_be_sharded_is_one_line_before_anything_trains(tmp_path):
             app.fit(_compiled(optimizer), x, y, epochs=1, shard_optimizer=1, backend="local",
                     output=str(tmp_path / "never"), verbose=0)
         assert said in str(refused.value) and "\n" not in str(refused.value)
-    with pytest.raises(UserError, match="shard_optimizer") as refused:
-        app.fit(_compiled(keras.optimizers.Adam), x, y, epochs=1, shard_optimizer=3, backend="local",
+    with pytest.raises(UserError, match="shard_optimizer: Input should be 0, 1, 2 or 3") as refused:
+        app.fit(_compiled(keras.optimizers.Adam), x, y, epochs=1, shard_optimizer=4, backend="local",
                 output=str(tmp_path / "never"), verbose=0)
     with pytest.raises(ValueError, match="parameter servers already hold it apart"):
         TrainConfig(strategy="parameter-server", shard_optimizer=1)

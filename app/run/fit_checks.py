@@ -102,11 +102,11 @@ def memory_lines(config, model, optimizers: list, world: int) -> list[str]:
     budget (--memory-per-worker, else this machine's memory shared by its workers) is refused, with the stage that
     fits, before any worker starts. Nothing when the bytes are not known before the workers build the model (a
     subclassed model, several optimizers) or the run is on one worker."""
-    from app.training import zero_weights
+    from app.training import zero_memory
 
     if world == 1 or len(optimizers) != 1 or not backend_of(config).on_ray:
         return []
-    needs = zero_weights.training_bytes(model, optimizers[0], world)
+    needs = zero_memory.training_bytes(model, optimizers[0], world)
     if needs is None:
         return []
     budget, why = _budget(config, world)

@@ -288,13 +288,14 @@ def _features(config, model, train, world: int, batch_size: Optional[int], epoch
 def _parallel(config, model, model_fn, train, world: int) -> tuple[Any, Any, Any]:
     """What the run splits over its workers or devices: (ZeRO's sharding, the tensor-parallel plan or None, the
     pipeline's stages or None), each checked; and metrics that add up over the workers."""
-    from app.training import keras_sync, tensor_parallel, zero
+    from app.training import keras_sync, tensor_parallel, zero, zero_memory
 
     optimizers = keras_sync.optimizers_of(model)
     if world > 1:  # the metrics' states are summed over the workers: only sums and counts add up
         keras_sync.check_additive(model, train.first_batch(), keras_steps=not overrides_step(model))
     shard = zero.sharding(model, optimizers, config.shard_optimizer, world)
-    shard = zero.Sharding(shard.stage, shard.lines + fit_checks.memory_lines(config, model, optimizers, world))
+    lines = zero_memory.plan(model, world) if shard.stage == 3 else shard.lines
+    shard = zero.Sharding(shard.stage, lines + fit_checks.memory_lines(config, model, optimizers, world))
     tensor = tensor_parallel.plan_in_place(model, getattr(model_fn, "__name__", model.name), config, len(optimizers),
                                            _on_ray(config), train.first_batch()) if config.tensor_degree else None
     return shard, tensor, _stages(config, model, model_fn, train)

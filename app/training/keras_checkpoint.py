@@ -4,6 +4,7 @@ as a .keras file beside them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -58,6 +59,31 @@ def save(model, directory: str | Path, state: dict[str, Any], parts: Optional[Pa
     if split is None and parts is None:
         _save_model(model, Path(directory) / MODEL_FILE)
     (Path(directory) / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def weights_of(sharded: Sequence) -> Any:
+    """The model's weights cut over the workers (stage 3: app.training.zero_weights), else None."""
+    return next((s.weights for s in sharded if hasattr(s, "weights")), None)
+
+
+class Writer:
+    """A run's checkpoint as the workers make it: every worker's part gathered (``gather``: a sharded optimizer's
+    state, stage 3's weights each in turn), then rank 0 writes it (``write``) with the whole weights in place."""
+
+    def __init__(self, model, state: dict[str, Any], sharded: Sequence, split: Optional["Split"], rank: int):
+        self.model, self.state, self.sharded, self.split, self.rank = model, state, sharded, split, rank
+        self.weights = weights_of(sharded)
+        self.held: dict[str, Any] = {}
+
+    def gather(self) -> None:
+        """Every worker, before rank 0 writes the checkpoint."""
+        self.held["parts"] = zero_state.gather(self.sharded, self.rank)
+        if self.weights is not None:  # kept by rank 0 to write
+            self.held["weights"] = self.weights.gathered(self.rank)
+
+    def write(self, directory: str) -> None:
+        with self.weights.whole(self.held.pop("weights")) if self.weights is not None else contextlib.nullcontext():
+            save(self.model, directory, self.state, self.held.pop("parts", None), self.split)
 
 
 # Whether a model's .keras file loads back, learnt at its first checkpoint: the same classes save the same way at

@@ -42,7 +42,7 @@ import numpy as np
 from app import internals
 from app.errors import UserError, words_of
 from app.internals import replicas as replica_internals
-from app.training import sync_batch_norm, user_code, zero, zero_weights
+from app.training import sync_batch_norm, user_code, zero, zero_state, zero_weights
 from app.training.collective import Collective, Site
 
 
@@ -99,7 +99,7 @@ def synchronise(model, collective: Collective, shard_optimizer: int = 0, clock: 
             sharded.append(zero.ShardedOptimizer(optimizer, collective, i, rows))
             continue
         if weights is not None:
-            sharded.append(zero_weights.ShardedState(optimizer, weights, i))
+            sharded.append(zero_state.ShardedState(optimizer, weights, i))
         site = Site.GRADIENTS + i * Site.PACKS
         def summed(values, site=site):
             return collective.sum_gradients(values, site, gather_slices=slices)

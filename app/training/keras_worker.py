@@ -39,7 +39,7 @@ from app.internals import replicas as replica_internals
 from app.training import user_code, zero_state, zero_weights
 from app.training.checkpoint import Progress
 from app.training.collective import Collective
-from app.training.keras_checkpoint import restore, save
+from app.training.keras_checkpoint import Writer, restore, weights_of
 from app.training.keras_features import KerasFeatures
 from app.training.zero import ShardedOptimizer
 from app.training.zero_weights import is_shard
@@ -206,7 +206,7 @@ def _starting_state(job: KerasJob, session: KerasSession, model, collective: Col
     nodes = session.worker_nodes(collective)  # where each rank runs (result.json)
     resumed = session.last_checkpoint()
     if resumed is not None:
-        weights = _weights_of(sharded)  # stage 3: read whole (an unsharded layout), each worker keeps its part
+        weights = weights_of(sharded)  # stage 3: read whole (an unsharded layout), each worker keeps its part
         with weights.whole() if weights is not None else contextlib.nullcontext():
             state = restore(model, resumed, sharded, split)
         state["attempt"] = state.get("attempt", 0) + 1
@@ -229,11 +229,6 @@ def _starting_state(job: KerasJob, session: KerasSession, model, collective: Col
     if split is not None:  # what each of this worker's devices holds of the split layers (result.json)
         state["tensor_device_bytes"] = split.shards.variable_bytes()
     return state
-
-
-def _weights_of(sharded: list) -> Any:
-    """The model's weights cut over the workers (stage 3: app.training.zero_weights), else None."""
-    return next((s.weights for s in sharded if hasattr(s, "weights")), None)
 
 
 def _validation(val, job: KerasJob, session: KerasSession):
@@ -265,24 +260,15 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
     model, split, sharded, in_graph = _model(job, session, train, val, collective, marks)
     clock = step_clock.StepClock(in_graph, marks)
     state = _starting_state(job, session, model, collective, sharded, split)
-    weights = _weights_of(sharded)
     first, skip = state["epoch"], state.get("step", 0)
     steps = train.steps_on(session.world, first, job.seed)
-    held: dict[str, Any] = {}
-
-    def gather() -> None:  # every worker, before rank 0 writes the checkpoint
-        held["parts"] = zero_state.gather(sharded, session.rank)
-        if weights is not None:  # stage 3: each whole weight in turn, kept by rank 0 to write
-            held["weights"] = weights.gathered(session.rank)
-
-    def write(directory: str) -> None:
-        with weights.whole(held.pop("weights")) if weights is not None else contextlib.nullcontext():
-            save(model, directory, state, held.pop("parts", None), split)
+    writer = Writer(model, state, sharded, split, session.rank)
 
     def save_step() -> None:
         if sharded:
-            gather()
-        session.save_and_report({"epoch": state["epoch"], "step": state["step"], "workers": session.world}, write)
+            writer.gather()
+        session.save_and_report({"epoch": state["epoch"], "step": state["step"], "workers": session.world},
+                                writer.write)
 
     own = list(job.callbacks or [])
     board = keras_callbacks.Board(job.tensorboard_dir, state) if job.tensorboard_dir and session.rank == 0 else None
@@ -310,7 +296,7 @@ def keras_fit_worker(job: KerasJob, session: KerasSession) -> None:
                 *(own if session.rank == 0 else keras_callbacks.on_every_worker(own)), *bar,
                 keras_callbacks.Decisions(collective, model, session.rank, keras_callbacks.acts_per_batch(own)),
                 *stepped, *audit,
-                keras_callbacks.Checkpoints(session, write, state, job.epochs, gather=gather if sharded else None,
+                keras_callbacks.Checkpoints(session, writer.write, state, job.epochs, gather=writer.gather if sharded else None,
                                             own=own if session.rank == 0 else [],
                                             rows=trained_rows(train, session.world), finite=job.task is not None,
                                             settle=collective if own else None, clock=clock,

@@ -1,5 +1,6 @@
-"""A checkpoint's optimizer state when the optimizers are sharded (app.training.zero): the unsharded state, one file
-per variable and slot, so that no process ever holds it whole.
+"""A checkpoint's optimizer state when the optimizers are sharded (app.training.zero), or the weights with them
+(stage 3: app.training.zero_weights, through ``ShardedState``): the unsharded state, one file per variable and slot,
+so that no process ever holds it whole.
 
 Rank 0 writes it one bucket at a time as every worker gathers the parts (its memory: one bucket more, not the
 whole state), into a directory of its own that the checkpoint then takes. Any run reads it back: a sharded worker
@@ -14,13 +15,14 @@ Inside a checkpoint directory::
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from app.training import zero
+from app.training import zero, zero_weights
 
 DIRECTORY = "optimizer_state"
 
@@ -96,3 +98,83 @@ def _slot(root: Path, index: int, place: int, variable: Any, name: str, mapped: 
         raise ValueError(f"the checkpoint holds no {name} of shape {tuple(variable.shape)} for variable {place} "
                          f"({variable.path}) of optimizer {index}: it was written for another model")
     return values.reshape(-1)
+
+
+class ShardedState:
+    """One optimizer of a stage-3 model, as app.training.zero_state and the checkpoint read and write a sharded
+    optimizer's state: each slot of a part gathered whole, and each worker's part taken from a whole one."""
+
+    def __init__(self, optimizer, weights: zero_weights.ShardedWeights, index: int):
+        self.optimizer, self.weights, self.index = optimizer, weights, index
+        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
+        self.template = copy.deepcopy(optimizer)  # unbuilt: an unsharded twin reads an unsharded checkpoint
+        self.slots: dict[tuple[int, str], Any] = {}
+        zero.record_slots(self.inner, self.slots)
+
+    @property
+    def variables(self) -> list:
+        """The variables it updates (none before its first step)."""
+        return list(getattr(self.inner, "_trainable_variables", None) or [])
+
+    @property
+    def references(self) -> list:
+        return [self.weights.spec(v) for v in self.variables]
+
+    @property
+    def parts(self) -> list:
+        return [v for v in self.variables if zero_weights.is_shard(v)]
+
+    def _own_variables(self) -> tuple[list, list]:
+        """(each slot as (the variable it follows, slot name, slot), the optimizer's other variables)."""
+        by_id = {id(v): v for v in self.variables}
+        slot_ids = {id(slot) for slot in self.slots.values()}
+        slots = [(by_id[ref], name, slot) for (ref, name), slot in self.slots.items() if ref in by_id]
+        return slots, [v for v in zero.variables_of(self.optimizer) if id(v) not in slot_ids]
+
+    def whole_state(self) -> Iterator[tuple[Any, str, np.ndarray]]:
+        """Every worker, the same calls in the same order: (the whole weight, slot name, its flat values)."""
+        import tensorflow as tf
+
+        for variable, name, slot in self._own_variables()[0]:
+            spec = self.weights.spec(variable)
+            if zero_weights.is_shard(variable):
+                values = np.asarray(self.weights.collective.gather_tensor(tf.convert_to_tensor(slot)))[:spec.length]
+            else:
+                values = np.ravel(slot.numpy())
+            yield spec, name, values
+
+    def other_values(self) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for v in self._own_variables()[1]]
+
+    def take(self, slot_of: Callable[[Any, str], np.ndarray], other_values: list) -> None:
+        """This worker's part of a whole state: ``slot_of(the whole weight, slot name)`` its flat values."""
+        slots, others = self._own_variables()
+        if len(other_values) != len(others):
+            raise ValueError(f"the checkpoint's {self.optimizer.name} holds {len(other_values)} variables besides its "
+                             f"slots, this one {len(others)}: another optimizer")
+        rank = self.weights.collective.rank
+        for variable, name, slot in slots:
+            spec = self.weights.spec(variable)
+            values = slot_of(spec, name)
+            slot.assign(spec.mine(values, rank) if zero_weights.is_shard(variable) else np.reshape(values, slot.shape))
+        for v, value in zip(others, other_values):
+            v.assign(value)
+
+    def twin(self) -> zero.Twin:
+        """An unsharded copy of the optimizer built on the model's whole weights (inside ``ShardedWeights.whole``)."""
+        twin = zero.Twin.of(self.template)
+        if self.variables:
+            twin.optimizer.build([self._in_place(v) for v in self.variables])
+        return twin
+
+    def _in_place(self, variable) -> Any:
+        """The variable that stands in ``variable``'s place in its layer now (the whole one, inside ``whole``)."""
+        spec = self.weights.spec(variable)
+        return spec.layer._trainable_variables[spec.position] if isinstance(spec, zero_weights.Shard) else variable
+
+    def take_from(self, twin: zero.Twin) -> None:
+        """This worker's part of the whole state an unsharded copy holds (read from an unsharded checkpoint)."""
+        standing = {id(self.weights.spec(v)): self._in_place(v) for v in self.variables}
+        kept = [v for v in zero.variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
+        self.take(lambda spec, name: np.ravel(twin.slots[(id(standing[id(spec)]), name)].numpy()),
+                  [v.numpy() for v in kept])

@@ -25,7 +25,7 @@ of N workers keeps 1/N of every weight a layer can gather, and so 1/N of its gra
   ``global_clipnorm`` see the whole gradients' norms, as unsharded; Keras's own clipping after it changes nothing.
 - **Checkpoints hold the whole model.** Every worker takes part in gathering each weight in turn (``gathered``);
   rank 0 alone holds the whole weights for the time it writes them (``whole``), as an unsharded run's layout,
-  and the optimizer's state one file per variable and slot (app.training.zero_state, through ``ShardedState``).
+  and the optimizer's state one file per variable and slot (app.training.zero_state.ShardedState).
   A run resumes at any stage or worker count; the driver's model.keras and SavedModel are ordinary Keras files.
 
 Peak per worker: (weights + gradients + optimizer state) / N, plus the largest layer gathered (twice in its
@@ -34,91 +34,18 @@ backward pass: its weights and their gradient), plus the activations.
 
 from __future__ import annotations
 
-import copy
-import math
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from app.training import zero
 from app.training.collective import SLICE_KEYS, Collective, Site
+from app.training.zero_memory import layers_with_weights, part_of, why_whole
 
 CALLS = 8  # calls of one layer in one traced step with keys of their own (a layer shared by several inputs)
-
-
-def why_whole(layer) -> Optional[str]:
-    """Why ``layer``'s own trainable weights cannot be gathered as it computes (None: they can)."""
-    import keras
-
-    own = list(getattr(layer, "_trainable_variables", []))
-    attributes = {id(v) for v in vars(layer).values() if isinstance(v, keras.Variable)}
-    if getattr(layer, "_non_trainable_variables", None):
-        return "it updates state as it runs (its non-trainable variables)"
-    if getattr(layer, "_seed_generators", None):
-        return "it draws random numbers as it runs"
-    if any(getattr(v, "constraint", None) is not None or getattr(v, "regularizer", None) is not None for v in own):
-        return "a constraint or a regularizer reads its whole weight"
-    if any(id(v) not in attributes for v in own):
-        return "it reads a weight that is not one of its attributes"
-    if any("float" not in str(v.dtype) for v in own):
-        return "a weight that is no float"
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return "LoRA or quantization"
-    return None
-
-
-def _layers(model) -> Iterator[Any]:
-    """The model and every layer inside it that owns trainable weights, each once."""
-    for layer in [model, *model._flatten_layers(include_self=False, recursive=True)]:
-        if getattr(layer, "_trainable_variables", None):
-            yield layer
-
-
-def _bytes(variables) -> int:
-    return sum(int(np.prod(v.shape)) * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize for v in variables)
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
-
-
-def plan(model, world: int) -> list[str]:
-    """The plan's lines: what each worker keeps of the weights, and the layers that stay whole (``model``: the
-    driver's built copy; a subclassed model not built yet is cut as its workers build it)."""
-    if not (model.built and model.trainable_variables):
-        return [f"shard_optimizer 3 (ZeRO): each of the {world} workers keeps 1/{world} of every weight its layers "
-                "gather (sizes: once its workers build it)"]
-    cut, whole = [], []
-    for layer in _layers(model):
-        reason = why_whole(layer)
-        (cut if reason is None else whole).append((layer, reason))
-    total = _bytes(model.trainable_variables)
-    kept = sum(_bytes(layer._trainable_variables) for layer, _ in whole)
-    mine = kept + sum(sum(math.ceil(int(np.prod(v.shape)) / world) * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
-                          for v in layer._trainable_variables) for layer, _ in cut)
-    largest = max((_bytes(layer._trainable_variables) for layer, _ in cut), default=0)
-    lines = [f"shard_optimizer 3 (ZeRO): each of the {world} workers keeps 1/{world} of every weight, gradient and "
-             f"optimizer slot of {len(cut)} layer(s) ({_size(mine)} of weights a worker, of {_size(total)}); each "
-             f"layer's weights are gathered as it computes, forward and backward (largest {_size(largest)}), its "
-             "gradients reduce-scattered; checkpoints hold the whole model"]
-    if whole:
-        lines.append("shard_optimizer 3: whole on every worker: " + "; ".join(
-            f"{layer.name} ({_size(_bytes(layer._trainable_variables))}: {reason})" for layer, reason in whole))
-    return lines
-
-
-def _part(shape, world: int, by_rows: bool) -> tuple[int, tuple[int, ...]]:
-    """(elements, shape) of a worker's part of a weight of ``shape``: a flat 1/N, or (an embedding table, whose
-    gradient holds only the rows a batch looked up) whole rows, so that its gradient's rows stay rows of the part."""
-    shape = tuple(int(d) for d in shape)
-    if by_rows and len(shape) > 1:
-        rows, rest = math.ceil(shape[0] / world), int(np.prod(shape[1:]))
-        return rows * rest, (rows, *shape[1:])
-    part = max(1, math.ceil(int(np.prod(shape)) / world))
-    return part, (part,)
 
 
 def build_layers(model, batch) -> None:
@@ -130,29 +57,6 @@ def build_layers(model, batch) -> None:
     if all(layer.built for layer in layers):
         return
     model(keras.utils.unpack_x_y_sample_weight(batch)[0], training=False)
-
-
-def training_bytes(model, optimizer, world: int) -> Optional[dict[int, int]]:
-    """Each worker's bytes of weights, gradients and optimizer state at each stage 0-3, for ``model`` (the driver's
-    built copy) trained by ``optimizer`` on ``world`` workers; activations not counted (they depend on the batch).
-    None: the model is not built yet (a subclassed model's weights are made at its first call). Stages 1 and 2
-    hold the same: a worker's backward pass still makes its whole gradients before they are reduce-scattered."""
-    if not (model.built and model.trainable_variables):
-        return None
-    slots, counters = zero._slots_and_counters(optimizer)
-    weights = _bytes(model.trainable_variables)
-    untrained = _bytes(model.non_trainable_variables)
-    cut = [layer for layer in _layers(model) if why_whole(layer) is None]
-    cut_bytes = sum(_bytes(layer._trainable_variables) for layer in cut)
-    parts = sum(_part(v.shape, world, False)[0] * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
-                for layer in cut for v in layer._trainable_variables)
-    largest = max((_bytes(layer._trainable_variables) for layer in cut), default=0)
-    whole = weights - cut_bytes
-    sharded_state = math.ceil(slots * weights / world)
-    return {0: 2 * weights + slots * weights + untrained + counters,
-            1: 2 * weights + sharded_state + untrained + counters,
-            2: 2 * weights + sharded_state + untrained + counters,
-            3: (2 + slots) * (parts + whole) + 2 * largest + untrained + counters}
 
 
 def is_shard(variable) -> bool:
@@ -208,14 +112,14 @@ class ShardedWeights:
         import keras
 
         weights = cls(collective, rows)
-        layers = [layer for layer in _layers(model) if why_whole(layer) is None]
+        layers = [layer for layer in layers_with_weights(model) if why_whole(layer) is None]
         collective.broadcast_variables([v for layer in layers for v in layer._trainable_variables])
         for layer in layers:
             by_id = {id(v): k for k, v in vars(layer).items() if isinstance(v, keras.Variable)}
             shards = []
             for position, v in enumerate(list(layer._trainable_variables)):
                 shard = Shard(layer, by_id[id(v)], position, tuple(int(d) for d in v.shape), v.name, v.path,
-                              str(v.dtype), *_part(v.shape, collective.world, isinstance(layer, keras.layers.Embedding)),
+                              str(v.dtype), *part_of(v.shape, collective.world, isinstance(layer, keras.layers.Embedding)),
                               len(weights.shards) + len(shards))
                 # Read as they are (the gather sends the variable's dtype); the whole weight is cast for the call.
                 shard.variable = keras.Variable(shard.mine(v.numpy(), collective.rank), dtype=v.dtype, name=v.name,
@@ -409,9 +313,6 @@ class ShardedWeights:
                 return s
         return variable
 
-    def part_bytes(self) -> int:
-        return sum(s.variable.numpy().nbytes for s in self.shards)
-
 
 def _values(gradient):
     """A gradient's values (a tf.IndexedSlices' slices)."""
@@ -426,83 +327,3 @@ def _times(gradient, factor):
         return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices,
                                 gradient.dense_shape)
     return gradient * tf.cast(factor, gradient.dtype)
-
-
-class ShardedState:
-    """One optimizer of a stage-3 model, as app.training.zero_state and the checkpoint read and write a sharded
-    optimizer's state: each slot of a part gathered whole, and each worker's part taken from a whole one."""
-
-    def __init__(self, optimizer, weights: ShardedWeights, index: int):
-        self.optimizer, self.weights, self.index = optimizer, weights, index
-        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
-        self.template = copy.deepcopy(optimizer)  # unbuilt: an unsharded twin reads an unsharded checkpoint
-        self.slots: dict[tuple[int, str], Any] = {}
-        zero.record_slots(self.inner, self.slots)
-
-    @property
-    def variables(self) -> list:
-        """The variables it updates (none before its first step)."""
-        return list(getattr(self.inner, "_trainable_variables", None) or [])
-
-    @property
-    def references(self) -> list:
-        return [self.weights.spec(v) for v in self.variables]
-
-    @property
-    def parts(self) -> list:
-        return [v for v in self.variables if is_shard(v)]
-
-    def _own_variables(self) -> tuple[list, list]:
-        """(each slot as (the variable it follows, slot name, slot), the optimizer's other variables)."""
-        by_id = {id(v): v for v in self.variables}
-        slot_ids = {id(slot) for slot in self.slots.values()}
-        slots = [(by_id[ref], name, slot) for (ref, name), slot in self.slots.items() if ref in by_id]
-        return slots, [v for v in zero.variables_of(self.optimizer) if id(v) not in slot_ids]
-
-    def whole_state(self) -> Iterator[tuple[Any, str, np.ndarray]]:
-        """Every worker, the same calls in the same order: (the whole weight, slot name, its flat values)."""
-        import tensorflow as tf
-
-        for variable, name, slot in self._own_variables()[0]:
-            spec = self.weights.spec(variable)
-            if is_shard(variable):
-                values = np.asarray(self.weights.collective.gather_tensor(tf.convert_to_tensor(slot)))[:spec.length]
-            else:
-                values = np.ravel(slot.numpy())
-            yield spec, name, values
-
-    def other_values(self) -> list[np.ndarray]:
-        return [np.asarray(v.numpy()) for v in self._own_variables()[1]]
-
-    def take(self, slot_of: Callable[[Any, str], np.ndarray], other_values: list) -> None:
-        """This worker's part of a whole state: ``slot_of(the whole weight, slot name)`` its flat values."""
-        slots, others = self._own_variables()
-        if len(other_values) != len(others):
-            raise ValueError(f"the checkpoint's {self.optimizer.name} holds {len(other_values)} variables besides its "
-                             f"slots, this one {len(others)}: another optimizer")
-        rank = self.weights.collective.rank
-        for variable, name, slot in slots:
-            spec = self.weights.spec(variable)
-            values = slot_of(spec, name)
-            slot.assign(spec.mine(values, rank) if is_shard(variable) else np.reshape(values, slot.shape))
-        for v, value in zip(others, other_values):
-            v.assign(value)
-
-    def twin(self) -> zero.Twin:
-        """An unsharded copy of the optimizer built on the model's whole weights (inside ``ShardedWeights.whole``)."""
-        twin = zero.Twin.of(self.template)
-        if self.variables:
-            twin.optimizer.build([self._in_place(v) for v in self.variables])
-        return twin
-
-    def _in_place(self, variable) -> Any:
-        """The variable that stands in ``variable``'s place in its layer now (the whole one, inside ``whole``)."""
-        spec = self.weights.spec(variable)
-        return spec.layer._trainable_variables[spec.position] if isinstance(spec, Shard) else variable
-
-    def take_from(self, twin: zero.Twin) -> None:
-        """This worker's part of the whole state an unsharded copy holds (read from an unsharded checkpoint)."""
-        standing = {id(self.weights.spec(v)): self._in_place(v) for v in self.variables}
-        kept = [v for v in zero.variables_of(twin.optimizer) if all(v is not s for s in twin.slots.values())]
-        self.take(lambda spec, name: np.ravel(twin.slots[(id(standing[id(spec)]), name)].numpy()),
-                  [v.numpy() for v in kept])
