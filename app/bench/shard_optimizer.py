@@ -1,7 +1,10 @@
-"""The shard-optimizer suite: Adam's state sharded over 2 Ray workers (app.training.zero) against unsharded, in the
-same run: samples/s on a model whose step is mostly compute, and each worker's peak memory on a model whose Adam
-state is large (``memory_width`` x ``memory_depth`` dense layers: ``memory_width``^2 x depth weights, twice that
-in Adam's moments).
+"""The shard-optimizer suite: ZeRO's stages over 2 Ray workers against unsharded, in the same run: Adam's state
+sharded (stage 2, app.training.zero) and the weights with it (stage 3, app.training.zero_weights). Samples/s on a
+model whose step is mostly compute, in ``runs`` interleaved rounds (stage 0, 2, 3 each round; the ratios to the
+round's stage 0, their median, each round's CPU steal), and each worker's peak memory on a model whose weights and
+Adam state are large (``memory_width`` x ``memory_depth`` dense layers: ``memory_width``^2 x depth weights, twice
+that in Adam's moments), against each stage's arithmetic (app.training.zero_memory), which the suite also gives for
+8 and 64 workers.
 
 Each run is a fresh process with a local Ray of its own (``python -m app.bench.shard_optimizer one '<json>'``), so
 its peaks are its own (app.bench.sampler: each Ray Train worker's largest sampled RSS). Steady samples/s are
@@ -27,7 +30,7 @@ from app.bench.proc import child_main, fit_seconds, measure, steady
 log = logging.getLogger(__name__)
 
 PARAMS = ("runs", "workers", "rows", "features", "speed_width", "speed_depth", "memory_width", "memory_depth", "memory_rows",
-          "batch_size", "epochs")
+          "batch_size", "epochs", "memory_epochs")
 
 
 def build_model(features: int, width: int, depth: int):
@@ -42,7 +45,7 @@ def build_model(features: int, width: int, depth: int):
 
 
 def one(payload: dict[str, Any]) -> dict[str, Any]:
-    """One app.fit in this process: ``{"stage": 0|1|2, "size": "speed"|"memory", "out": DIR, "params": {...}}``."""
+    """One app.fit in this process: ``{"stage": 0-3, "size": "speed"|"memory", "out": DIR, "params": {...}}``."""
     import functools
 
     import numpy as np
@@ -53,6 +56,7 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
 
     params, size, stage = payload["params"], payload["size"], int(payload["stage"])
     features, rows = int(params["features"]), int(params["rows" if size == "speed" else "memory_rows"])
+    epochs = int(params["epochs" if size == "speed" else "memory_epochs"])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, features)).astype("float32")
     y = (x[:, :10].argmax(axis=1)).astype("int64")
@@ -61,9 +65,9 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     with ProcessPeaks() as peaks:
         ray.init(num_cpus=int(params["workers"]) + 1, include_dashboard=False, logging_level=logging.WARNING)
         try:
-            history = app_fit(model, x, y, batch_size=int(params["batch_size"]), epochs=int(params["epochs"]),
+            history = app_fit(model, x, y, batch_size=int(params["batch_size"]), epochs=epochs,
                               num_workers=int(params["workers"]), shard_optimizer=stage, output=payload["out"],
-                              overwrite=True, verbose=0)
+                              overwrite=True, verbose=0, **({"export": ["keras"]} if size == "memory" else {}))
         finally:
             ray.shutdown()
     trained, seconds = fit_seconds(history)
@@ -84,53 +88,68 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+STAGES = (0, 2, 3)
+
+
+def _one_round(label: str, params: dict, out: Path, i: int) -> dict[str, Any]:
+    """Each stage once, in order: {stage: its measures}, and the round's CPU steal."""
+    from app.bench.proc import cpu_times, steal_fraction
+
+    before, measured = cpu_times(), {}
+    for stage in STAGES:
+        payload = {"stage": stage, "size": label, "out": str(out / f"run-{label}-{stage}-{i}"), "params": params}
+        measured[stage] = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
+        print(f"{label} stage {stage} ({i + 1}): {json.dumps(measured[stage])}", flush=True)
+    return {"stages": measured, "steal": steal_fraction(before, cpu_times())}
+
+
+def arithmetic(params: dict, workers: tuple[int, ...] = (2, 8, 64)) -> dict[str, Any]:
+    """Each worker's bytes at every stage (weights, gradients, Adam's state; activations not counted) and a step's
+    bytes on the wire a worker, for the memory model on ``workers`` workers: the paper figures of the measured ones."""
+    import math
+
+    width, depth, features = int(params["memory_width"]), int(params["memory_depth"]), int(params["features"])
+    layers = [features * width + width] + [width * width + width] * (depth - 1) + [width * 10 + 10]
+    weights = 4 * sum(layers)
+    out: dict[str, Any] = {"weights_mib": round(weights / 2**20, 1)}
+    for n in workers:
+        part = 4 * sum(math.ceil(w / n) for w in layers)
+        largest = 4 * max(layers)
+        stage = {0: 4 * weights, 2: 2 * weights + 2 * part, 3: 4 * part + 2 * largest}
+        # an all-reduce's ring: 2 (N-1)/N of the gradients; stage 3 gathers the weights twice and reduce-scatters once
+        wire = {0: 2 * (n - 1) / n * weights, 2: 2 * (n - 1) / n * weights, 3: 3 * (n - 1) / n * weights}
+        out[f"{n}_workers"] = {"mib_a_worker": {k: round(v / 2**20, 1) for k, v in stage.items()},
+                               "wire_mib_a_step": {k: round(v / 2**20, 1) for k, v in wire.items()}}
+    return out
+
+
 def run(preset: Preset, out: Path, command: str) -> list[Path]:
+    import statistics
+
     params = preset.params
-    results: dict[str, Any] = {}
-    # Alternating, so that a slower spell of this shared machine falls on both; the speed pair ``runs`` times, each
-    # side's best rate counting (this machine's rate drifts by 2x within a run).
-    rates: dict[str, list[float]] = {"speed-unsharded": [], "speed-sharded": []}
-    best: dict[str, list[float]] = {"speed-unsharded": [], "speed-sharded": []}  # each run's quietest epoch
-    for size, times in (("speed", int(params["runs"])), ("memory", 1)):
-        for i in range(times):
-            for stage in (0, 2):
-                label = f"{size}-{'sharded' if stage else 'unsharded'}"
-                payload = {"stage": stage, "size": size, "out": str(out / f"run-{label}-{i}"), "params": params}
-                measured = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
-                print(f"{label} ({i + 1}/{times}): {json.dumps(measured)}", flush=True)
-                if label in rates:
-                    rates[label].append(measured["samples_per_second"])
-                    best[label].append(measured["best_epoch"])
-                if label not in results or measured["samples_per_second"] > results[label]["samples_per_second"]:
-                    results[label] = measured
-    results["runs_samples_per_second"] = rates
-    results["rate_sharded_vs_unsharded"] = round(results["speed-sharded"]["samples_per_second"]
-                                                 / results["speed-unsharded"]["samples_per_second"], 3)
-    results["best_epoch_sharded_vs_unsharded"] = round(max(best["speed-sharded"]) / max(best["speed-unsharded"]), 3)
-    results["rate_sharded_vs_unsharded_memory_model"] = round(
-        results["memory-sharded"]["samples_per_second"] / results["memory-unsharded"]["samples_per_second"], 3)
-    whole, cut = results["memory-unsharded"], results["memory-sharded"]
+    rounds = [_one_round("speed", params, out, i) for i in range(int(params["runs"]))]
+    ratios = {stage: [r["stages"][stage]["samples_per_second"] / r["stages"][0]["samples_per_second"] for r in rounds]
+              for stage in STAGES[1:]}
+    memory = _one_round("memory", params, out, 0)["stages"]
     mib = 2 ** 20
-    results["memory"] = {
-        "weights_mib": round(whole["weights_bytes"] / mib, 1),
-        "state_mib_unsharded": round(whole["optimizer_state_bytes"] / mib, 1),
-        "state_mib_sharded": round(cut["optimizer_state_bytes"] / mib, 1),
-        "parts_mib_sharded": round(cut["optimizer_parts_bytes"] / mib, 1),
-        "worker_peaks_mib_unsharded": whole["train_worker_peaks_mib"],
-        "worker_peaks_mib_sharded": cut["train_worker_peaks_mib"],
-        # the worker that writes no checkpoint: the state and the step alone
-        "peak_saved_mib": round(whole["train_worker_peaks_mib"][-1] - cut["train_worker_peaks_mib"][-1], 1),
-        "checkpoint_writer_peak_saved_mib": round(whole["train_worker_peaks_mib"][0]
-                                                  - cut["train_worker_peaks_mib"][0], 1),
-        "on_paper_saved_mib": round((whole["optimizer_state_bytes"] - cut["optimizer_state_bytes"]
-                                     - cut["optimizer_parts_bytes"]) / mib, 1),
+    results: dict[str, Any] = {
+        "rounds": [{"samples_per_second": {s: r["stages"][s]["samples_per_second"] for s in STAGES},
+                    "steal": r["steal"]} for r in rounds],
+        "rate_vs_unsharded_median": {f"stage_{s}": round(statistics.median(v), 3) for s, v in ratios.items()},
+        "rate_vs_unsharded_rounds": {f"stage_{s}": [round(x, 3) for x in v] for s, v in ratios.items()},
+        "memory": {f"stage_{s}": {"weights_mib": round(m["weights_bytes"] / mib, 1),
+                                  "state_mib": round(m["optimizer_state_bytes"] / mib, 1),
+                                  "parts_mib": round(m["optimizer_parts_bytes"] / mib, 1),
+                                  "worker_peaks_mib": m["train_worker_peaks_mib"], "loss": m["loss"]}
+                   for s, m in memory.items()},
+        "arithmetic": arithmetic(params),
     }
     summary = out / "shard-optimizer.json"
     report.write_json(summary, {**results, "command": command, "preset": preset.as_dict()})
-    print(f"samples/s sharded / unsharded (best of {params['runs']} each): {results['rate_sharded_vs_unsharded']:.3f}; "
-          f"their quietest epochs: {results['best_epoch_sharded_vs_unsharded']:.3f}; "
-          f"memory model (one each): {results['rate_sharded_vs_unsharded_memory_model']:.3f}")
-    print("memory per worker: " + ", ".join(f"{k} {v}" for k, v in results["memory"].items()))
+    print(f"samples/s against unsharded, median of {len(rounds)} rounds: {results['rate_vs_unsharded_median']} "
+          f"(rounds {results['rate_vs_unsharded_rounds']}; steal {[r['steal'] for r in rounds]})")
+    print("memory per worker: " + json.dumps(results["memory"]))
+    print("arithmetic: " + json.dumps(results["arithmetic"]))
     return [summary]
 
 

@@ -82,7 +82,8 @@ class Writer:
             self.held["weights"] = self.weights.gathered(self.rank)
 
     def write(self, directory: str) -> None:
-        with self.weights.whole(self.held.pop("weights")) if self.weights is not None else contextlib.nullcontext():
+        weights = self.weights.whole(self.held.pop("weights"), keep=False) if self.weights is not None else None
+        with weights if weights is not None else contextlib.nullcontext():
             save(self.model, directory, self.state, self.held.pop("parts", None), self.split)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from app.internals import layers as layer_internals
 from app.training import zero
 
 
@@ -17,11 +18,11 @@ def why_whole(layer) -> Optional[str]:
     """Why ``layer``'s own trainable weights cannot be gathered as it computes (None: they can)."""
     import keras
 
-    own = list(getattr(layer, "_trainable_variables", []))
+    own = layer_internals.own_trainable(layer)
     attributes = {id(v) for v in vars(layer).values() if isinstance(v, keras.Variable)}
-    if getattr(layer, "_non_trainable_variables", None):
+    if layer_internals.keeps_state(layer):
         return "it updates state as it runs (its non-trainable variables)"
-    if getattr(layer, "_seed_generators", None):
+    if layer_internals.draws_random(layer):
         return "it draws random numbers as it runs"
     if any(getattr(v, "constraint", None) is not None or getattr(v, "regularizer", None) is not None for v in own):
         return "a constraint or a regularizer reads its whole weight"
@@ -36,8 +37,8 @@ def why_whole(layer) -> Optional[str]:
 
 def layers_with_weights(model) -> Iterator[Any]:
     """The model and every layer inside it that owns trainable weights, each once."""
-    for layer in [model, *model._flatten_layers(include_self=False, recursive=True)]:
-        if getattr(layer, "_trainable_variables", None):
+    for layer in layer_internals.layers_of(model):
+        if layer_internals.own_trainable(layer):
             yield layer
 
 
@@ -60,17 +61,17 @@ def plan(model, world: int) -> list[str]:
         reason = why_whole(layer)
         (cut if reason is None else whole).append((layer, reason))
     total = _bytes(model.trainable_variables)
-    kept = sum(_bytes(layer._trainable_variables) for layer, _ in whole)
+    kept = sum(_bytes(layer_internals.own_trainable(layer)) for layer, _ in whole)
     mine = kept + sum(sum(math.ceil(int(np.prod(v.shape)) / world) * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
-                          for v in layer._trainable_variables) for layer, _ in cut)
-    largest = max((_bytes(layer._trainable_variables) for layer, _ in cut), default=0)
+                          for v in layer_internals.own_trainable(layer)) for layer, _ in cut)
+    largest = max((_bytes(layer_internals.own_trainable(layer)) for layer, _ in cut), default=0)
     lines = [f"shard_optimizer 3 (ZeRO): each of the {world} workers keeps 1/{world} of every weight, gradient and "
              f"optimizer slot of {len(cut)} layer(s) ({_size(mine)} of weights a worker, of {_size(total)}); each "
              f"layer's weights are gathered as it computes, forward and backward (largest {_size(largest)}), its "
              "gradients reduce-scattered; checkpoints hold the whole model"]
     if whole:
         lines.append("shard_optimizer 3: whole on every worker: " + "; ".join(
-            f"{layer.name} ({_size(_bytes(layer._trainable_variables))}: {reason})" for layer, reason in whole))
+            f"{layer.name} ({_size(_bytes(layer_internals.own_trainable(layer)))}: {reason})" for layer, reason in whole))
     return lines
 
 
@@ -96,10 +97,10 @@ def training_bytes(model, optimizer, world: int) -> Optional[dict[int, int]]:
     weights = _bytes(model.trainable_variables)
     untrained = _bytes(model.non_trainable_variables)
     cut = [layer for layer in layers_with_weights(model) if why_whole(layer) is None]
-    cut_bytes = sum(_bytes(layer._trainable_variables) for layer in cut)
+    cut_bytes = sum(_bytes(layer_internals.own_trainable(layer)) for layer in cut)
     parts = sum(part_of(v.shape, world, False)[0] * np.dtype(zero._numpy_dtype(str(v.dtype))).itemsize
-                for layer in cut for v in layer._trainable_variables)
-    largest = max((_bytes(layer._trainable_variables) for layer in cut), default=0)
+                for layer in cut for v in layer_internals.own_trainable(layer))
+    largest = max((_bytes(layer_internals.own_trainable(layer)) for layer in cut), default=0)
     whole = weights - cut_bytes
     sharded_state = math.ceil(slots * weights / world)
     return {0: 2 * weights + slots * weights + untrained + counters,

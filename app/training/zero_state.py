@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from app.internals import layers as layer_internals
 from app.training import zero, zero_weights
 
 DIRECTORY = "optimizer_state"
@@ -114,7 +115,7 @@ class ShardedState:
     @property
     def variables(self) -> list:
         """The variables it updates (none before its first step)."""
-        return list(getattr(self.inner, "_trainable_variables", None) or [])
+        return layer_internals.optimizer_variables(self.inner)
 
     @property
     def references(self) -> list:
@@ -170,7 +171,9 @@ class ShardedState:
     def _in_place(self, variable) -> Any:
         """The variable that stands in ``variable``'s place in its layer now (the whole one, inside ``whole``)."""
         spec = self.weights.spec(variable)
-        return spec.layer._trainable_variables[spec.position] if isinstance(spec, zero_weights.Shard) else variable
+        if isinstance(spec, zero_weights.Shard):
+            return layer_internals.weight_in_place(spec.layer, spec.position)
+        return variable
 
     def take_from(self, twin: zero.Twin) -> None:
         """This worker's part of the whole state an unsharded copy holds (read from an unsharded checkpoint)."""

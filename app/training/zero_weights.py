@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from app.internals import layers as layer_internals
 from app.training import zero
 from app.training.collective import SLICE_KEYS, Collective, Site
 from app.training.zero_memory import layers_with_weights, part_of, why_whole
@@ -53,8 +54,7 @@ def build_layers(model, batch) -> None:
     call): the model called once on ``batch``'s inputs, in inference (no batch-norm statistics move)."""
     import keras
 
-    layers = model._flatten_layers(include_self=True, recursive=True)
-    if all(layer.built for layer in layers):
+    if all(layer.built for layer in layer_internals.layers_of(model)):
         return
     model(keras.utils.unpack_x_y_sample_weight(batch)[0], training=False)
 
@@ -91,8 +91,7 @@ class Shard:
 
     def place(self, variable) -> None:
         """``variable`` in the weight's place in its layer (the part, or the whole one for a while)."""
-        self.layer._trainable_variables[self.position] = variable
-        object.__setattr__(self.layer, self.attribute, variable)  # past Keras's tracking: the list is set above
+        layer_internals.place_weight(self.layer, self.attribute, self.position, variable)
 
 
 class ShardedWeights:
@@ -113,11 +112,11 @@ class ShardedWeights:
 
         weights = cls(collective, rows)
         layers = [layer for layer in layers_with_weights(model) if why_whole(layer) is None]
-        collective.broadcast_variables([v for layer in layers for v in layer._trainable_variables])
+        collective.broadcast_variables([v for layer in layers for v in layer_internals.own_trainable(layer)])
         for layer in layers:
             by_id = {id(v): k for k, v in vars(layer).items() if isinstance(v, keras.Variable)}
             shards = []
-            for position, v in enumerate(list(layer._trainable_variables)):
+            for position, v in enumerate(layer_internals.own_trainable(layer)):
                 shard = Shard(layer, by_id[id(v)], position, tuple(int(d) for d in v.shape), v.name, v.path,
                               str(v.dtype), *part_of(v.shape, collective.world, isinstance(layer, keras.layers.Embedding)),
                               len(weights.shards) + len(shards))
@@ -135,14 +134,12 @@ class ShardedWeights:
 
     def _gather_in(self, layer, shards: list[Shard]) -> None:
         """``layer`` computes on its whole weights, gathered as it calls (and again for its gradients)."""
-        own_call = layer.call
-
         def call(*args, **kwargs):
             if self._whole:  # the whole weights are in place (a checkpoint being written or read)
                 return own_call(*args, **kwargs)
             return self._gathered_call(layer, own_call, shards, args, kwargs)
 
-        object.__setattr__(layer, "call", call)
+        own_call = layer_internals.replace_call(layer, call)
 
     def _call_index(self, layer) -> int:
         """This call's place among ``layer``'s calls in the function being traced (0 outside one)."""
@@ -173,21 +170,26 @@ class ShardedWeights:
                 filled[i] = x
             a, k = tf.nest.pack_sequence_as(structure, filled)
             for s, w in zip(shards, wholes):  # Keras casts a float variable to the compute dtype as the call reads it
-                object.__setattr__(layer, s.attribute, tf.cast(w, layer.compute_dtype) if layer.autocast else w)
+                layer_internals.set_for_call(layer, s.attribute, tf.cast(w, layer.compute_dtype) if layer.autocast else w)
             try:
                 return own_call(*a, **k)
             finally:
                 for s in shards:
-                    object.__setattr__(layer, s.attribute, s.variable)
+                    layer_internals.set_for_call(layer, s.attribute, s.variable)
 
         @tf.custom_gradient
         def run(*inputs):
             xs, parts = list(inputs[:len(at)]), inputs[len(at):]
-            y = forward(xs, [self._gather(s, p, key) for s, p, key in zip(shards, parts, keys)])
+            # Gathered once the layer's inputs exist (and again once its outputs' gradients do): nothing else orders
+            # the gathers, and TensorFlow would run every layer's at the step's start, all the whole weights at once.
+            with tf.control_dependencies([a for a in leaves if tf.is_tensor(a)]):
+                wholes = [self._gather(s, p, key) for s, p, key in zip(shards, parts, keys)]
+            y = forward(xs, wholes)
             outputs["y"] = y
 
             def grad(*dys):
-                wholes = [self._gather(s, p, key + 1) for s, p, key in zip(shards, parts, keys)]
+                with tf.control_dependencies([d for d in dys if d is not None]):
+                    wholes = [self._gather(s, p, key + 1) for s, p, key in zip(shards, parts, keys)]
                 with tf.GradientTape() as tape:
                     tape.watch(xs + wholes)
                     again = tf.nest.flatten(forward(xs, wholes))
@@ -287,15 +289,20 @@ class ShardedWeights:
         return kept if rank == 0 else None
 
     @contextmanager
-    def whole(self, values: Optional[list[np.ndarray]] = None):
-        """The model holds its whole weights for the time of the block (``values``, as ``gathered`` gives them;
-        None: zeros, a checkpoint about to be read into them); after it each worker keeps its part of them."""
+    def whole(self, values: Optional[list[np.ndarray]] = None, keep: bool = True):
+        """The model holds its whole weights for the time of the block (``values``, as ``gathered`` gives them, each
+        let go as its variable is made; None: zeros, a checkpoint about to be read into them). After it each worker
+        keeps its part of them (``keep``; else the parts stand as they were: the block only read the weights)."""
         import keras
 
-        made = [keras.Variable(values[k] if values is not None else np.zeros(s.shape, zero._numpy_dtype(s.dtype)),
-                               dtype=s.dtype, name=s.name, trainable=True) for k, s in enumerate(self.shards)]
-        for s, w in zip(self.shards, made):
-            s.place(w)
+        made = []
+        for k, s in enumerate(self.shards):
+            value = values[k] if values is not None else np.zeros(s.shape, zero._numpy_dtype(s.dtype))
+            if values is not None:
+                values[k] = None
+            made.append(keras.Variable(value, dtype=s.dtype, name=s.name, trainable=True))
+            del value
+            s.place(made[-1])
         self._whole = True
         try:
             yield made
@@ -303,7 +310,8 @@ class ShardedWeights:
             self._whole = False
             for s, w in zip(self.shards, made):
                 s.place(s.variable)
-                s.variable.assign(s.mine(w.numpy(), self.collective.rank))
+                if keep:
+                    s.variable.assign(s.mine(w.numpy(), self.collective.rank))
 
     def spec(self, variable) -> Any:
         """What a checkpoint's file of ``variable``'s slots is named and shaped after: the whole weight for a
