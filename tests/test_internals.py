@@ -604,3 +604,33 @@ def test_our_trainer_starts_no_ray_data_actor_without_datasets_and_rays_own_call
     assert callbacks(data_parallel_trainer()) == [c for c in rays if c is not DatasetsCallback]
     assert callbacks(data_parallel_trainer(), train=lambda: None) == callbacks(DataParallelTrainer, train=lambda: None)
     assert DatasetsCallback in callbacks(data_parallel_trainer(), train=lambda: None)
+
+
+def test_a_layers_own_weights_are_where_internals_layers_puts_another_in_their_place():
+    """Keras keeps a Dense layer's weights in its own list and reads them as attributes, and TensorFlow names each as a
+    dependency of the layer: a variable put in a weight's place is the one the layer lists and reads, and the old one
+    is no longer held by the layer (ZeRO's stage 3 frees it: app.training.zero_weights)."""
+    import gc
+    import weakref
+
+    import keras
+    import numpy as np
+
+    from app.internals import layers
+
+    dense = keras.layers.Dense(3)
+    dense.build((None, 4))
+    assert layers.own_trainable(dense) == [dense.kernel, dense.bias]
+    assert not layers.keeps_state(dense) and not layers.draws_random(dense)
+    old = weakref.ref(dense.kernel)
+    new = keras.Variable(np.ones((4, 3), "float32"))
+    layers.place_weight(dense, "_kernel", 0, new)
+    gc.collect()
+    assert old() is None and layers.weight_in_place(dense, 0) is new and dense.kernel is new
+    np.testing.assert_allclose(dense(np.ones((1, 4), "float32")), [[4.0, 4.0, 4.0]])
+    batch_norm = keras.layers.BatchNormalization()
+    batch_norm.build((None, 4))
+    assert layers.keeps_state(batch_norm)
+    optimizer = keras.optimizers.SGD()
+    optimizer.build([new])
+    assert layers.optimizer_variables(optimizer) == [new]
