@@ -35,9 +35,10 @@ def _plan(run: dict) -> list[str]:
 
 
 def test_two_workers_at_stage_3_train_the_weights_of_two_unsharded_workers_and_of_model_fit(runs):
-    """Embedding, MultiHeadAttention, LayerNormalization, Conv1D and Dense, Adam, 3 epochs of 120 token rows (a short
-    last batch): every weight within 1e-5 of the unsharded run's and of model.fit's in one process (seen: 1.6e-6);
-    every layer cut (none whole), each worker holding half of the weights and of Adam's moments."""
+    """Embedding, MultiHeadAttention, LayerNormalization, Conv1D and a softmax Dense (whose logits Keras's
+    cross-entropy reads), Adam, 3 epochs of 120 token rows (a short last batch): every weight within 1e-5 of the
+    unsharded run's and of model.fit's in one process; every layer cut (none whole), each worker holding half of the
+    weights and of Adam's moments."""
     run = runs["attention"]
     _close(run["sharded"]["weights"], run["unsharded"]["weights"], atol=1e-5)
     _close(run["sharded"]["weights"], run["keras_fit"]["weights"], atol=1e-5)
@@ -88,7 +89,9 @@ def _gradients(model, inputs):
     def step(x):
         with tf.GradientTape() as tape:
             outputs = model(x)
-            loss = tf.add_n([tf.reduce_sum(tf.square(o)) for o in tf.nest.flatten(outputs)])
+            # a softmax's output carries its logits, which Keras's cross-entropy reads: through the gather too
+            assert getattr(outputs, "_keras_logits", None) is not None
+            loss = tf.add_n([tf.reduce_sum(tf.square(o)) for o in [outputs, outputs._keras_logits]])
         return loss, tape.gradient(loss, model.trainable_variables)
 
     return step(inputs)
@@ -96,8 +99,9 @@ def _gradients(model, inputs):
 
 def test_a_gathered_layer_computes_its_outputs_and_gradients_as_the_whole_layer():
     """Cut for one worker (the collectives are the identity), each kind of layer computes through its gathered
-    weights, forward and again backward: the loss and every weight's gradient are those of the uncut model. A layer
-    called twice in one step (a shared Dense) gathers once for each call; the batch norm stays whole."""
+    weights, forward and again backward: the loss and every weight's gradient are those of the uncut model, the
+    softmax's logits included. A layer called twice in one step (a shared Dense) gathers once for each call; the
+    batch norm stays whole."""
     import keras
     import tensorflow as tf
 
@@ -116,7 +120,7 @@ def test_a_gathered_layer_computes_its_outputs_and_gradients_as_the_whole_layer(
         c = keras.layers.Conv2D(3, 3)(image)
         c = keras.layers.BatchNormalization()(c)
         b = shared(keras.layers.Flatten()(c)[:, :24])
-        return keras.Model([ids, image], keras.layers.Dense(2)(a + b))
+        return keras.Model([ids, image], keras.layers.Dense(2, activation="softmax")(a + b))
 
     rng = np.random.default_rng(0)
     inputs = [tf.constant(rng.integers(0, 20, (5, 6)), tf.int32), tf.constant(rng.normal(size=(5, 8, 8, 2)), tf.float32)]

@@ -186,21 +186,30 @@ class ShardedWeights:
                 wholes = [self._gather(s, p, key) for s, p, key in zip(shards, parts, keys)]
             y = forward(xs, wholes)
             outputs["y"] = y
+            # A softmax's output carries its logits (Keras's cross-entropy reads them instead of the probabilities):
+            # they leave the custom gradient as outputs of their own, and go back on the outputs below.
+            outputs["logits"] = [i for i, t in enumerate(tf.nest.flatten(y)) if _logits(t) is not None]
+
+            def with_logits(flat: list) -> list:
+                return flat + [_logits(flat[i]) for i in outputs["logits"]]
 
             def grad(*dys):
                 with tf.control_dependencies([d for d in dys if d is not None]):
                     wholes = [self._gather(s, p, key + 1) for s, p, key in zip(shards, parts, keys)]
                 with tf.GradientTape() as tape:
                     tape.watch(xs + wholes)
-                    again = tf.nest.flatten(forward(xs, wholes))
+                    again = with_logits(tf.nest.flatten(forward(xs, wholes)))
                 found = tape.gradient(again, xs + wholes, output_gradients=list(dys))
                 d_xs = [tf.zeros_like(x) if g is None else g for x, g in zip(xs, found[:len(xs)])]
                 return (*d_xs, *[self._scatter(s, g, key + 2) for s, g, key in zip(shards, found[len(xs):], keys)])
 
-            return tf.nest.flatten(y), grad
+            return with_logits(tf.nest.flatten(y)), grad
 
         flat = run(*[leaves[i] for i in at], *[tf.convert_to_tensor(s.variable) for s in shards])
-        return tf.nest.pack_sequence_as(outputs["y"], flat)
+        count = len(tf.nest.flatten(outputs["y"]))
+        for i, logits in zip(outputs["logits"], flat[count:]):
+            flat[i]._keras_logits = logits
+        return tf.nest.pack_sequence_as(outputs["y"], flat[:count])
 
     def _gather(self, shard: Shard, part, key: int):
         import tensorflow as tf
@@ -320,6 +329,11 @@ class ShardedWeights:
             if s.variable is variable:
                 return s
         return variable
+
+
+def _logits(tensor) -> Any:
+    """The logits a Keras softmax's output carries (None: none)."""
+    return getattr(tensor, "_keras_logits", None)
 
 
 def _values(gradient):
