@@ -237,3 +237,34 @@ def test_a_model_over_the_memory_budget_is_refused_unsharded_and_trains_at_stage
 
     assert keras.models.load_model(out / "trained" / "model.keras").count_params() == 64 * 512 + 512 + 3 * (512 * 512
                                                                                                          + 512) + 5130
+
+
+def test_stage_3_where_there_is_nothing_to_cut_or_it_cannot_combine(tmp_path):
+    """One worker: nothing to shard, said once in the plan, and it trains unsharded. The parameter servers (they hold
+    the variables apart) and tensor parallel (its split layers, named, compute through their devices' shards): one
+    line each, before anything starts, nothing written, no Ray started."""
+    import keras
+    import ray
+
+    import app
+    from app.config import TrainConfig
+    from app.errors import UserError
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="ff_in"),
+                                  keras.layers.Dense(4, name="ff_out"), keras.layers.Dense(2, name="logits")])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 2), "float32")
+    one = app.fit(build, x, y, epochs=1, shard_optimizer=3, backend="local", output=str(tmp_path / "one"), verbose=0)
+    assert "shard_optimizer 3: one worker, nothing to shard: it trains unsharded" in \
+        (tmp_path / "one" / "train.log").read_text()
+    assert one.result["optimizer_parts_bytes"] == 0
+    with pytest.raises(ValueError, match="parameter servers already hold it apart"):
+        TrainConfig(strategy="parameter-server", shard_optimizer=3)
+    with pytest.raises(UserError) as refused:
+        app.fit(build, x, y, epochs=1, num_workers=2, shard_optimizer=3, tensor_parallel=2,
+                tensor_layout=["ff_in=column", "ff_out=row"], output=str(tmp_path / "never"), verbose=0)
+    assert str(refused.value).startswith("tensor_parallel=2 with shard_optimizer=3: ff_in, ff_out compute through")
+    assert not (tmp_path / "never").exists() and not ray.is_initialized()

@@ -30,7 +30,7 @@ from app.bench.proc import child_main, fit_seconds, measure, steady
 log = logging.getLogger(__name__)
 
 PARAMS = ("runs", "workers", "rows", "features", "speed_width", "speed_depth", "memory_width", "memory_depth", "memory_rows",
-          "batch_size", "epochs", "memory_epochs")
+          "batch_size", "epochs", "memory_epochs", "memory_stages")
 
 
 def build_model(features: int, width: int, depth: int):
@@ -91,12 +91,12 @@ def one(payload: dict[str, Any]) -> dict[str, Any]:
 STAGES = (0, 2, 3)
 
 
-def _one_round(label: str, params: dict, out: Path, i: int) -> dict[str, Any]:
+def _one_round(label: str, params: dict, out: Path, i: int, stages: tuple[int, ...] = STAGES) -> dict[str, Any]:
     """Each stage once, in order: {stage: its measures}, and the round's CPU steal."""
     from app.bench.proc import cpu_times, steal_fraction
 
     before, measured = cpu_times(), {}
-    for stage in STAGES:
+    for stage in stages:
         payload = {"stage": stage, "size": label, "out": str(out / f"run-{label}-{stage}-{i}"), "params": params}
         measured[stage] = measure("app.bench.shard_optimizer", "one", payload, timeout=3600)[0]
         print(f"{label} stage {stage} ({i + 1}): {json.dumps(measured[stage])}", flush=True)
@@ -130,7 +130,7 @@ def run(preset: Preset, out: Path, command: str) -> list[Path]:
     rounds = [_one_round("speed", params, out, i) for i in range(int(params["runs"]))]
     ratios = {stage: [r["stages"][stage]["samples_per_second"] / r["stages"][0]["samples_per_second"] for r in rounds]
               for stage in STAGES[1:]}
-    memory = _one_round("memory", params, out, 0)["stages"]
+    memory = _one_round("memory", params, out, 0, tuple(params["memory_stages"]))["stages"]
     mib = 2 ** 20
     results: dict[str, Any] = {
         "rounds": [{"samples_per_second": {s: r["stages"][s]["samples_per_second"] for s in STAGES},

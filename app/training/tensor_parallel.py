@@ -82,7 +82,7 @@ def plan_in_place(model: "keras.Model", name: str, config, optimizers: int, on_r
     (built on ``first_batch`` if it is not yet; ``name``: the model as the user knows it). On Ray each worker
     splits its own devices (counted there); this process must hold them already."""
     n = config.tensor_degree
-    if config.shard_optimizer:
+    if config.shard_optimizer in (1, 2):
         raise UserError(f"tensor_parallel={n} with shard_optimizer: each splits the optimizer's state its own way; "
                         "use one of them")
     if optimizers != 1:
@@ -101,7 +101,12 @@ def plan_in_place(model: "keras.Model", name: str, config, optimizers: int, on_r
                             f"set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {n})"
                             ) from None
     built_on(model, first_batch)
-    return plan_split(model, layout_of(config), devices, name)
+    plan = plan_split(model, layout_of(config), devices, name)
+    if config.shard_optimizer == 3:
+        raise UserError(f"tensor_parallel={n} with shard_optimizer=3: {', '.join(plan.splits)} compute through their "
+                        "devices' shards, which a gather of a layer's whole weights cannot stand in for; use one of "
+                        "them")
+    return plan
 
 
 def built_on(model: "keras.Model", batch: Any) -> None:
