@@ -79,7 +79,7 @@ class RunSection(_Section):
     memory_per_worker: Optional[float] = Field(
         None, gt=0, description="GiB of memory each Ray worker reserves (Ray's memory resource): the budget a "
         "model's training must fit (--shard-optimizer 3 cuts it by the workers). Unset: nothing reserved, and the "
-        "budget is this machine's memory shared by its workers.")
+        "budget is the memory a Ray started on this machine can reserve, shared by its workers.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="How Ray places the workers: PACK fills nodes (fast local all-reduce), SPREAD puts them on "

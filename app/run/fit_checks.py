@@ -134,7 +134,8 @@ def _budget(config, world: int) -> tuple[float, str]:
         return config.memory_per_worker * 2**30, "--memory-per-worker"
     if cluster.joining_a_cluster():
         return 0, ""
-    return cluster.local_memory_gib() * 2**30 / world, f"this machine's memory shared by {world} workers"
+    return cluster.local_memory_gib() * 2**30 / world, f"the memory a Ray started here can reserve, shared by {world} " \
+        "workers"
 
 
 def _gib(n: float) -> str:
