@@ -215,7 +215,8 @@ def create_model():
 
 def test_a_model_over_the_memory_budget_is_refused_unsharded_and_trains_at_stage_3(tmp_path_factory, joined):
     """From the command line, each worker's budget 11 MiB (--memory-per-worker): unsharded the model's training
-    needs 12.6 MiB a worker: refused in one line naming stage 3's figure, before any worker starts, nothing written.
+    needs 12.6 MiB a worker: refused in one line naming stage 3's figure, before any worker starts, nothing written
+    (and a budget of 5 MiB, which even stage 3 does not fit: one line with its figure).
     At --shard-optimizer 3 (8.3 MiB) it trains, with the budget reserved from Ray; its model.keras is Keras's."""
     module = user_module(tmp_path_factory, "wide.py", MODEL)
     out = tmp_path_factory.mktemp("budget")
@@ -227,6 +228,14 @@ def test_a_model_over_the_memory_budget_is_refused_unsharded_and_trains_at_stage
     assert line.startswith("error: the model's training needs 12.6 MiB a worker at --shard-optimizer 0, more than the "
                            "11.0 MiB budget (--memory-per-worker); at --shard-optimizer 3 it needs 8.3 MiB"), line
     assert not (out / "refused").exists()
+    argv[-1] = str(5 / 1024)  # a budget even stage 3 does not fit
+    short = run_job(*argv, "--shard-optimizer", "3", "--output", str(out / "short"), timeout=200)
+    assert short.returncode == 2 and short.stderr.strip().splitlines()[-1] == (
+        "error: the model's training needs 8.3 MiB a worker at --shard-optimizer 3, more than the 5.0 MiB budget "
+        "(--memory-per-worker): more workers, more memory a worker (--memory-per-worker), or a smaller model"), \
+        short.stderr[-2000:]
+    assert not (out / "short").exists()
+    argv[-1] = str(11 / 1024)
     trained = run_job(*argv, "--shard-optimizer", "3", "--output", str(out / "trained"), timeout=400, env=joined)
     assert trained.returncode == 0, trained.stderr[-3000:]
     result = json.loads((out / "trained" / "result.json").read_text())

@@ -50,8 +50,10 @@ class Site(IntEnum):
     SLICES = 300_000  # + (the optimizer's index x 64 + the sparse gradient's index) x SLICE_KEYS: its slices gathered
     BATCH_NORM = 400_000  # + 2 x (layer x CALLS + call) (+ 1: its gradient): app.training.sync_batch_norm
     WEIGHT_NORMS = 499_999  # the gradients' squared norms of a model whose weights are sharded (app.training.zero_weights)
-    SLICES_OF_WEIGHTS = 600_000  # + the weight's index x SLICE_KEYS: an embedding's gradient rows gathered (zero_weights)
-    WEIGHTS = 500_000  # + 3 x (the weight's index x CALLS + call) + 0, 1, 2: gathered, again, its gradient (zero_weights)
+    # Stage 3's keys, far above the host keys' counter (which counts up from HOST_KEYS a few times an epoch), within
+    # an instance key's int32: room for millions of weights.
+    WEIGHTS = 1 << 24  # + 3 x (the weight's index x CALLS + call) + 0, 1, 2: gathered, again, its gradient (zero_weights)
+    SLICES_OF_WEIGHTS = 1 << 30  # + the weight's index x SLICE_KEYS: an embedding's gradient rows gathered (zero_weights)
 
 
 BYTES_PER_PACK = 4 << 20  # gradients summed in packs of about this size

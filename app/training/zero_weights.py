@@ -20,9 +20,11 @@ of N workers keeps 1/N of every weight a layer can gather, and so 1/N of its gra
   weights alone, read as its attributes (Dense, EinsumDense, Conv, Embedding, LayerNormalization, and through them
   MultiHeadAttention and the built-ins). A layer that updates state as it runs (batch-norm statistics), draws
   random numbers, or whose weight carries a constraint or a regularizer (they read the whole weight outside the
-  call) stays whole on every worker, all-reduced as unsharded; the plan names it with its bytes (``plan``).
-- **Clipping.** A part's gradient norm is summed over the workers first (``clip``): ``clipnorm`` and
-  ``global_clipnorm`` see the whole gradients' norms, as unsharded; Keras's own clipping after it changes nothing.
+  call) stays whole on every worker, all-reduced as unsharded; the plan names it with its bytes
+  (app.training.zero_memory decides which, in the driver and on the workers alike).
+- **Clipping and loss scaling** (``before_apply``): a part's gradient norm is summed over the workers first, so
+  ``clipnorm`` and ``global_clipnorm`` see the whole gradients' norms, as unsharded (Keras's own clipping after it
+  changes nothing); a loss scale's overflow in any worker's part skips the step on every worker.
 - **Checkpoints hold the whole model.** Every worker takes part in gathering each weight in turn (``gathered``);
   rank 0 alone holds the whole weights for the time it writes them (``whole``), as an unsharded run's layout,
   and the optimizer's state one file per variable and slot (app.training.zero_state.ShardedState).
@@ -41,12 +43,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from app.errors import UserError
 from app.internals import layers as layer_internals
 from app.training import zero
 from app.training.collective import SLICE_KEYS, Collective, Site
 from app.training.zero_memory import layers_with_weights, part_of, why_whole
 
-CALLS = 8  # calls of one layer in one traced step with keys of their own (a layer shared by several inputs)
+CALLS = 64  # calls of one layer in one traced step with keys of their own (a layer shared by inputs, or timesteps)
 
 
 def build_layers(model, batch) -> None:
@@ -149,8 +152,10 @@ class ShardedWeights:
             return 0
         counts = self._calls.setdefault(tf.compat.v1.get_default_graph(), {})
         index = counts[id(layer)] = counts.get(id(layer), -1) + 1
-        if index >= CALLS:
-            raise ValueError(f"shard_optimizer 3: {layer.name} is called more than {CALLS} times in one step")
+        if index >= CALLS:  # its keys would be another weight's
+            raise UserError(f"shard_optimizer=3: {layer.name} is called more than {CALLS} times in one step, and each "
+                            "call gathers its weights with collectives of its own: call it fewer times a step (a "
+                            "loop over timesteps: keras.layers.RNN or TimeDistributed), or give shard_optimizer=2")
         return index
 
     def _gathered_call(self, layer, own_call: Callable, shards: list[Shard], args: tuple, kwargs: dict):
