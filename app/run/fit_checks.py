@@ -4,6 +4,7 @@ what the output holds, the steps --profile-steps names, and a model whose traini
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,8 @@ import numpy as np
 from app.backend import backend_of
 from app.data import keras_stream
 from app.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def check_arguments(args) -> None:
@@ -106,7 +109,11 @@ def memory_lines(config, model, optimizers: list, world: int) -> list[str]:
 
     if world == 1 or len(optimizers) != 1 or not backend_of(config).on_ray:
         return []
-    needs = zero_memory.training_bytes(model, optimizers[0], world)
+    try:  # the optimizer's slots are counted on a copy of it: one that cannot be copied leaves the line out
+        needs = zero_memory.training_bytes(model, optimizers[0], world)
+    except Exception as e:  # whatever a user's optimizer (or its schedule) raises when copied or built on one weight
+        log.debug("no memory line in the plan: %s", e)
+        return []
     if needs is None:
         return []
     budget, why = _budget(config, world)
