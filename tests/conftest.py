@@ -474,3 +474,12 @@ def pytest_terminal_summary(terminalreporter):
     if any(_LANE_SECONDS.values()):
         terminalreporter.write_line("lanes: " + ", ".join(f"{name} {seconds:,.0f} s"
                                                           for name, seconds in _LANE_SECONDS.items()))
+
+
+def close_weights(a: list, b: list, atol: float) -> None:
+    """Two runs' weights (lists of arrays, as a test script's JSON holds them), each within ``atol``."""
+    import numpy as np
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)

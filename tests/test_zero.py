@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, script_record
+from conftest import REPO, close_weights, script_record
 
 SCRIPT = REPO / "tests" / "scripts" / "zero_runs.py"
 
@@ -19,12 +19,6 @@ def runs(joined, tmp_path_factory):
     return script_record(SCRIPT, tmp_path_factory, "zero.json", joined)
 
 
-def _close(a: list, b: list, atol: float) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
-
-
 @pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum_clipnorm", "adamw_global_clipnorm"])
 def test_two_sharded_workers_train_the_weights_of_model_fit_in_one_process(runs, optimizer):
     """Epochs of 200 rows (a short last batch each): Adam (stage 2, a model with its own train_step; 2 epochs, the
@@ -32,7 +26,7 @@ def test_two_sharded_workers_train_the_weights_of_model_fit_in_one_process(runs,
     with weight decay and global_clipnorm (stage 1, own train_step; 3 epochs): every weight within 1e-6 of
     model.fit's (seen: at most 5e-7)."""
     run = runs[optimizer]
-    _close(run["sharded"], run["keras_fit"], atol=1e-6)
+    close_weights(run["sharded"], run["keras_fit"], atol=1e-6)
     np.testing.assert_allclose(run["history"]["loss"], run["keras_history"]["loss"], rtol=1e-5)
     assert "each of the 2 workers keeps 1/2 of every optimizer's state" in run["plan"]
 
@@ -41,7 +35,7 @@ def test_a_model_with_two_optimizers_has_each_sharded_and_trains_as_model_fit(ru
     """A GAN's shape, compile(d_optimizer=Adam, g_optimizer=SGD with momentum), its own train_step applying each:
     both sharded (their own parts, collectives and checkpoint files), the weights of model.fit after 2 epochs."""
     run = runs["two_optimizers"]
-    _close(run["sharded"], run["keras_fit"], atol=1e-6)
+    close_weights(run["sharded"], run["keras_fit"], atol=1e-6)
     np.testing.assert_allclose(run["history"]["d_loss"], run["keras_history"]["d_loss"], rtol=1e-5, atol=1e-6)
     assert run["iterations"] == [2 * 7, 2 * 7]  # 7 batches an epoch (200 rows of 32), each optimizer a step each
 
@@ -51,7 +45,7 @@ def test_sharded_and_unsharded_workers_hold_the_same_weights_and_half_the_state(
     (94 weights cut into parts of 47), plus
     the same counters, and its flat part of the weights."""
     adam = runs["adam"]
-    _close(adam["sharded_2_epochs"], adam["unsharded"], atol=1e-6)
+    close_weights(adam["sharded_2_epochs"], adam["unsharded"], atol=1e-6)
     weights = 9 * 7 + 7 + 7 * 3 + 3  # 94
     counters = adam["unsharded_result"]["optimizer_state_bytes"] - 2 * weights * 4  # iterations, learning rate
     assert counters == 12 and adam["unsharded_result"]["optimizer_parts_bytes"] == 0
@@ -70,9 +64,9 @@ def test_a_sharded_run_resumes_unsharded_on_one_worker_and_an_unsharded_one_shar
     workers' parts, one file per variable and slot), so the weights are model.fit's 3 epochs. And 2 epochs
     unsharded, the third sharded: each worker kept its part of the unsharded checkpoint's state."""
     adam = runs["adam"]
-    _close(adam["resumed"], adam["keras_fit_3_epochs"], atol=1e-6)
+    close_weights(adam["resumed"], adam["keras_fit_3_epochs"], atol=1e-6)
     assert len(adam["resumed_history"]["loss"]) == 3
-    _close(adam["resharded"], adam["keras_fit_3_epochs"], atol=1e-6)
+    close_weights(adam["resharded"], adam["keras_fit_3_epochs"], atol=1e-6)
 
 
 def test_fp16_steps_that_overflow_on_any_worker_are_skipped_on_every_worker_sharded_as_unsharded(runs):
@@ -87,7 +81,7 @@ def test_fp16_steps_that_overflow_on_any_worker_are_skipped_on_every_worker_shar
     for name in ("scale", "iterations", "adam_iterations"):
         assert sharded[name] == unsharded[name], name
     assert keras_fit["adam_iterations"] - 1 <= sharded["adam_iterations"] <= keras_fit["adam_iterations"]
-    _close(sharded["weights"], unsharded["weights"], atol=1e-6)
+    close_weights(sharded["weights"], unsharded["weights"], atol=1e-6)
     # The epoch's loss: model.fit's within 2 % (seen: 0.8 %, one step fewer applied on 2 workers).
     assert sharded["history"]["loss"][0] == pytest.approx(keras_fit["history"]["loss"][0], rel=2e-2)
 
@@ -174,6 +168,6 @@ def test_one_worker_has_nothing_to_shard_and_trains_as_model_fit(tmp_path):
                    shuffle=False, verbose=0)
     reference = build()
     reference.fit(x, y, epochs=2, shuffle=False, verbose=0)
-    _close(ours.model.get_weights(), reference.get_weights(), atol=1e-7)
+    close_weights(ours.model.get_weights(), reference.get_weights(), atol=1e-7)
     assert "shard_optimizer 2: one worker, nothing to shard: it trains unsharded" in \
         (tmp_path / "run" / "train.log").read_text()

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, run_job, script_record, user_module
+from conftest import REPO, close_weights, run_job, script_record, user_module
 
 SCRIPT = REPO / "tests" / "scripts" / "zero3_runs.py"
 
@@ -22,12 +22,6 @@ SCRIPT = REPO / "tests" / "scripts" / "zero3_runs.py"
 @pytest.fixture(scope="module")
 def runs(joined, tmp_path_factory):
     return script_record(SCRIPT, tmp_path_factory, "zero3.json", joined)
-
-
-def _close(a: list, b: list, atol: float) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
 
 
 def _plan(run: dict) -> list[str]:
@@ -40,8 +34,8 @@ def test_two_workers_at_stage_3_train_the_weights_of_two_unsharded_workers_and_o
     unsharded run's and of model.fit's in one process; every layer cut (none whole), each worker holding half of the
     weights and of Adam's moments."""
     run = runs["attention"]
-    _close(run["sharded"]["weights"], run["unsharded"]["weights"], atol=1e-5)
-    _close(run["sharded"]["weights"], run["keras_fit"]["weights"], atol=1e-5)
+    close_weights(run["sharded"]["weights"], run["unsharded"]["weights"], atol=1e-5)
+    close_weights(run["sharded"]["weights"], run["keras_fit"]["weights"], atol=1e-5)
     np.testing.assert_allclose(run["sharded"]["history"]["accuracy"], run["keras_fit"]["history"]["accuracy"],
                                atol=1e-6)
     plan = _plan(run["sharded"])
@@ -60,7 +54,7 @@ def test_sgd_momentum_global_clipnorm_and_bf16_at_stage_3_are_the_unsharded_run(
     every worker's parts), a batch norm between its Dense layers: the batch norm stays whole (named in the plan with
     why), the Dense layers are cut, and the weights are the unsharded run's within 1e-5 after 3 epochs."""
     run = runs["sgd_bf16"]
-    _close(run["sharded"]["weights"], run["unsharded"]["weights"], atol=1e-5)
+    close_weights(run["sharded"]["weights"], run["unsharded"]["weights"], atol=1e-5)
     np.testing.assert_allclose(run["sharded"]["history"]["loss"], run["unsharded"]["history"]["loss"], rtol=1e-5)
     plan = _plan(run["sharded"])
     assert "shard_optimizer 3: whole on every worker: batch_normalization (0.1 KiB: it updates state as it runs " \
@@ -76,7 +70,7 @@ def test_a_stage_3_run_resumes_on_one_worker_unsharded_and_back_at_stage_3_as_if
     model.fit's weights after 2, 3 and 4 epochs."""
     run = runs["clipnorm"]
     for name, epochs in (("sharded_2", 2), ("resumed_1_worker", 3), ("resumed_sharded", 4)):
-        _close(run[name]["weights"], run[f"keras_fit_{epochs}"]["weights"], atol=1e-5)
+        close_weights(run[name]["weights"], run[f"keras_fit_{epochs}"]["weights"], atol=1e-5)
         assert len(run[name]["history"]["loss"]) == epochs
     assert run["resumed_1_worker"]["result"]["optimizer_parts_bytes"] == 0
     assert run["resumed_sharded"]["result"] == run["sharded_2"]["result"]
